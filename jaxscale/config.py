@@ -1,0 +1,304 @@
+"""Typed experiment configuration: YAML files, dotted overrides, validation.
+
+An experiment file composes a model (a name from ``configs/models/`` or an
+inline mapping), a mesh, a rules table (a name from ``configs/rules/`` or a
+path) and training settings. ``--set train.steps=10`` style overrides are
+applied on top. Every key is checked against the dataclasses below: an
+unknown key or a value of the wrong type raises :class:`ConfigError` naming
+the key, before anything is compiled. This module never imports jax, so the
+command line can read a config before the backend starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key or axis."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """A Llama-style decoder."""
+
+    vocab_size: int = 256
+    embed: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    mlp: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    remat_names: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class DcnConfig:
+    """Mesh sizes across slices or hosts (the slow network); 1 = within one slice."""
+
+    data: int = 1
+    stage: int = 1
+    fsdp: int = 1
+    context: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Parallelism sizes per mesh axis; one may be -1 (the rest of the devices)."""
+
+    data: int = -1
+    stage: int = 1
+    fsdp: int = 1
+    context: int = 1
+    expert: int = 1
+    tensor: int = 1
+    dcn: DcnConfig | None = None
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Optimisation and loop settings."""
+
+    steps: int = 200
+    seed: int = 0
+    global_batch: int = 16
+    seq_len: int = 128
+    microbatches: int = 1
+    log_every: int = 10
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    peak_flops: float | None = None
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where tokens come from; ``stdlib`` is the byte-level text of Python's own sources."""
+
+    source: str = "stdlib"
+    max_bytes: int = 8_000_000
+
+
+@dataclasses.dataclass
+class Config:
+    """One experiment: model, mesh, rules table, data and training."""
+
+    run_dir: str = "runs/default"
+    rules: str = "dp"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it, converted where lossless."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: wrong type")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in names:
+            raise ConfigError(f"unknown config key '{key}' (known: {', '.join(sorted(names))})")
+        kwargs[name] = _coerce(value, hints[name], key)
+    return cls(**kwargs)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def resolve_named(value: str, kind: str) -> Path:
+    """A name of a file in ``configs/<kind>/`` (without .yaml) or a path to one."""
+    path = Path(value)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    named = CONFIG_DIR / kind / f"{value}.yaml"
+    if named.exists():
+        return named
+    known = sorted(p.stem for p in (CONFIG_DIR / kind).glob("*.yaml"))
+    raise ConfigError(f"no {kind[:-1]} named '{value}' (a path, or one of: {', '.join(known)})")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b=3`` -> (['a', 'b'], 3); the value is read as YAML (safe load)."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not KEY=VALUE")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}' has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override '{item}': value is not valid YAML") from e
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = tree
+    for i, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"'{'.'.join(keys[: i + 1])}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read an experiment file (or the defaults), apply ``KEY=VALUE`` overrides, validate."""
+    raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    model = raw.get("model")
+    if isinstance(model, str):
+        raw["model"] = _read_yaml(resolve_named(model, "models"))
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        if keys[0] == "model" and len(keys) == 1 and isinstance(value, str):
+            value = _read_yaml(resolve_named(value, "models"))
+        _set_dotted(raw, keys, value)
+    config = _build(Config, raw)
+    validate(config)
+    return config
+
+
+REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def validate(config: Config) -> None:
+    """Checks that need no devices: value ranges and divisibility within the config."""
+    m, t = config.model, config.train
+    if m.remat not in REMAT_POLICIES:
+        raise ConfigError(f"model.remat: '{m.remat}' is not one of {', '.join(REMAT_POLICIES)}")
+    for key in ("dtype", "param_dtype"):
+        if getattr(m, key) not in DTYPES:
+            raise ConfigError(f"model.{key}: '{getattr(m, key)}' is not one of {', '.join(DTYPES)}")
+    for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key} must be positive")
+    if m.heads % m.kv_heads:
+        raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
+    for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
+        if getattr(t, key) < (0 if key == "steps" else 1):
+            raise ConfigError(f"train.{key} must be positive")
+    if t.global_batch % t.microbatches:
+        raise ConfigError(
+            f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
+        )
+    sizes = config.mesh.sizes()
+    if sum(1 for v in sizes.values() if v == -1) > 1:
+        raise ConfigError("mesh: at most one axis may be -1")
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}: size must be positive or -1, got {size}")
+
+
+def mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+    """Resolve -1 and check that the mesh covers exactly ``device_count`` devices."""
+    sizes = mesh.sizes()
+    dcn = mesh.dcn.__dict__ if mesh.dcn else dict.fromkeys(MESH_AXES, 1)
+    known = math.prod(v for v in sizes.values() if v != -1) * math.prod(dcn.values())
+    for axis, size in sizes.items():
+        if size == -1:
+            if device_count % known:
+                raise ConfigError(
+                    f"mesh.{axis}=-1: {device_count} devices are not divisible by the other axes ({known})"
+                )
+            sizes[axis] = device_count // known
+    total = math.prod(sizes.values()) * math.prod(dcn.values())
+    if total != device_count:
+        shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
+        raise ConfigError(f"mesh: {shape} (with dcn) needs {total} devices, but {device_count} are available")
+    return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
+
+
+def requested_devices(mesh: MeshConfig) -> int | None:
+    """Devices the mesh asks for, or None when an axis is -1 (fill what exists)."""
+    sizes = mesh.sizes()
+    if -1 in sizes.values():
+        return None
+    dcn = mesh.dcn.__dict__ if mesh.dcn else {}
+    return math.prod(sizes.values()) * math.prod(dcn.values() or [1])

@@ -1,0 +1,42 @@
+"""The device mesh: axes ``data, stage, fsdp, context, expert, tensor``.
+
+Axes run from the outermost (slowest link: across hosts or slices) to the
+innermost (fastest link: within a node), so tensor parallelism, which talks
+every layer, lands on neighbouring devices. Sizes of 1 are kept, so a rules
+table may name any axis whatever the experiment's parallelism. With a ``dcn``
+section the mesh is hybrid: each axis is ``ici size x dcn size`` with the dcn
+factor across slices/hosts (``mesh_utils.create_hybrid_device_mesh``).
+
+Axes are ``AxisType.Auto``: the model states shardings through the rules table
+and XLA's partitioner propagates the rest (GSPMD style), which is what lets a
+layout change without a code change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jaxscale.config import MESH_AXES, MeshConfig, mesh_shape
+
+
+def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the mesh the config asks for over ``devices`` (default: all devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(config, len(devices))
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    if config.dcn is not None:
+        dcn = [getattr(config.dcn, a) for a in MESH_AXES]
+        ici = [shape[a] // d for a, d in zip(MESH_AXES, dcn)]
+        grid = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, allow_split_physical_axes=True
+        )
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
+    sizes = tuple(shape[a] for a in MESH_AXES)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
+    return Mesh(np.array(devices).reshape(sizes), MESH_AXES, axis_types=axis_types)

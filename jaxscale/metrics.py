@@ -1,0 +1,111 @@
+"""FLOPs, MFU and memory, and the sinks that record them (console bar, JSONL).
+
+Model FLOPs per token (FORMULAS.md): ``6 * Ψ_matmul + 6 * L * s * heads * head_dim``,
+the second term being attention scores and values, forward and backward,
+halved for the causal mask. Ψ_matmul counts the weights used in matmuls (the
+embedding table only when tied to the output head). MFU divides achieved
+model FLOP/s by the device's peak; recomputation is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from jaxscale.config import ModelConfig
+
+# Peak dense bf16 FLOP/s per device, matched as a substring of ``device_kind``.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+    "cpu": 1e11,  # nominal: a simulated CPU device has no published peak; override with train.peak_flops
+}
+
+
+def param_count(config: ModelConfig) -> dict[str, int]:
+    """Parameters by role, from the shapes the model creates."""
+    c = config
+    attn = c.embed * c.head_dim * (2 * c.heads + 2 * c.kv_heads)
+    mlp = 3 * c.embed * c.mlp
+    norms = 2 * c.embed
+    blocks = c.layers * (attn + mlp + norms)
+    embedding = c.vocab_size * c.embed
+    head = 0 if c.tie_embeddings else c.embed * c.vocab_size
+    total = blocks + embedding + head + c.embed
+    matmul = c.layers * (attn + mlp) + c.embed * c.vocab_size
+    return {"total": total, "matmul": matmul, "embedding": embedding}
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + causal attention."""
+    c = config
+    return 6.0 * param_count(c)["matmul"] + 6.0 * c.layers * seq_len * c.heads * c.head_dim
+
+
+def peak_flops(device: jax.Device, override: float | None = None) -> float:
+    """Peak FLOP/s of one device from the table (or the override)."""
+    if override:
+        return override
+    kind = f"{device.device_kind} {device.platform}"
+    for name, value in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return value
+    return PEAK_FLOPS["cpu"]
+
+
+def device_memory_in_use(device: jax.Device | None = None) -> int:
+    """Bytes in use on one device: the allocator's figure, else the live arrays' shards there."""
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    total = 0
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                total += math.prod(shard.data.shape) * shard.data.dtype.itemsize
+    return total
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to ``metrics.jsonl``; shows a progress bar.
+
+    Only the main process (``jax.process_index() == 0``) writes or prints.
+    """
+
+    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool | None = None, bar: bool = True):
+        self.enabled = jax.process_index() == 0 if enabled is None else enabled
+        self.history: list[dict[str, Any]] = []
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.bar = None
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text("")
+            if bar:
+                self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.history.append(record)
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.bar is not None:
+            self.bar.n = record["step"]
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}")
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,180 @@
+"""A Llama-style decoder in Flax NNX, annotated with logical axes.
+
+RMSNorm, rotary position embeddings (the rotate-half layout of the Hugging
+Face checkpoints), grouped-query attention and a SwiGLU feed-forward, with
+optional tied embeddings. The model never names a device: every parameter
+carries the logical names of its dimensions (``out_sharding`` metadata) and
+the activations that decide communication are constrained by logical name
+through :func:`jaxscale.sharding.constrain`.
+
+Parameter axes: ``vocab, embed, heads, kv_heads, head_dim, mlp, layers``.
+Activation axes: ``batch``; ``length`` (sequence inside attention and MLP);
+``norm_length`` (sequence of the residual stream and norms: Megatron sequence
+parallelism shards it over ``tensor``); ``act_embed`` (hidden size of the
+residual stream, kept apart from the parameters' ``embed`` so FSDP can shard
+one and not the other); ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
+``vocab``.
+
+The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
+``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
+``nnx.remat`` with the configured policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxscale.config import ModelConfig
+from jaxscale.sharding import constrain
+
+RESIDUAL = ("batch", "norm_length", "act_embed")
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype) -> nnx.Param:
+    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), out_sharding=axes)
+
+
+def _ones(shape: tuple[int, ...], axes: tuple[str, ...], dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes)
+
+
+def remat_policy(config: ModelConfig) -> Callable | None:
+    """The activation-checkpointing policy, or None for no recomputation."""
+    policies = jax.checkpoint_policies
+    return {
+        "none": None,
+        "full": policies.nothing_saveable,
+        "save_dots": policies.dots_with_no_batch_dims_saveable,
+        "save_named": policies.save_only_these_names(*config.remat_names),
+    }[config.remat]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.eps = config.norm_eps
+        self.dtype = jnp.dtype(config.dtype)
+        self.scale = _ones((config.embed,), ("embed",), config.param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding of ``x`` [batch, length, heads, head_dim] at integer ``positions`` [batch, length]."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None, None] * freq
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.wq = _param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype)
+        self.wk = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
+        self.wv = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
+        self.wo = _param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), c.init_std, c.param_dtype)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        x = constrain(x, ("batch", "length", "act_embed"))
+        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dt))
+        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...].astype(dt))
+        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...].astype(dt))
+        q = constrain(rope(q, positions, c.rope_theta), ("batch", "length", "heads", "head_dim"))
+        k = constrain(rope(k, positions, c.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention")
+        y = jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dt))
+        return checkpoint_name(constrain(y, RESIDUAL), "attention_out")
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c = config
+        self.dtype = jnp.dtype(c.dtype)
+        self.w_gate = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
+        self.w_up = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
+        self.w_down = _param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.dtype
+        x = constrain(x, ("batch", "length", "act_embed"))
+        gate = x @ self.w_gate[...].astype(dt)
+        up = x @ self.w_up[...].astype(dt)
+        hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp")), "mlp_hidden")
+        y = hidden @ self.w_down[...].astype(dt)
+        return checkpoint_name(constrain(y, RESIDUAL), "mlp_out")
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: attention and MLP, each on a residual branch."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config, rngs)
+        self.attn = Attention(config, rngs)
+        self.mlp_norm = RMSNorm(config, rngs)
+        self.mlp = MLP(config, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = constrain(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
+        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+
+class Llama(nnx.Module):
+    """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab]."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embedding = _param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
+
+        @nnx.split_rngs(splits=c.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(c, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.final_norm = RMSNorm(c, rngs)
+        if not c.tie_embeddings:
+            self.lm_head = _param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
+        x = constrain(x, RESIDUAL)
+
+        def body(x: jax.Array, block: Block) -> jax.Array:
+            return block(x, positions)
+
+        policy = remat_policy(c)
+        if policy is not None:
+            body = nnx.remat(body, policy=policy, prevent_cse=False)
+        scan = nnx.scan(
+            body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
+        )
+        x = self.final_norm(scan(x, self.blocks))
+        x = constrain(x, ("batch", "length", "act_embed"))
+        head = self.embedding[...].T if c.tie_embeddings else self.lm_head[...]
+        logits = x @ head.astype(dt)
+        return constrain(logits, ("batch", "length", "vocab"))

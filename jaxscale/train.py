@@ -1,0 +1,274 @@
+"""The train state, the jitted train step, and the loop.
+
+config -> mesh + rules -> abstract model (``nnx.eval_shape``) -> shardings from
+the logical axes -> jitted init straight into those shardings -> per-process
+global batch -> jitted, donated ``train_step`` -> metrics.
+
+:class:`Trainer` is the programmatic API: build it from a config, then call
+:meth:`Trainer.init_state`, :meth:`Trainer.batch` and :meth:`Trainer.step`.
+Every check of the layout (unknown logical axes, a dimension not divisible
+by its mesh axes, a mesh that does not match the devices) runs in
+:meth:`Trainer.build`, by tracing the step abstractly, before anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import cached_property
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxscale import metrics as metrics_lib
+from jaxscale.config import Config, ConfigError
+from jaxscale.data import Batches, load_tokens
+from jaxscale.mesh import make_mesh
+from jaxscale.models.llama import Llama
+from jaxscale.optim import make_optimizer, schedule
+from jaxscale.sharding import Rules, check_divisible, constrain, use_rules
+
+BATCH_AXES = ("batch", "length")
+
+
+class TrainState(NamedTuple):
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+
+
+def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
+    """The model's graph, its parameters as ShapeDtypeStructs, and their logical axes."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Llama(config.model, nnx.Rngs(config.train.seed)))
+    graphdef, state = nnx.split(model)
+    axes = jax.tree.map(
+        lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy, in fp32."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything one experiment needs: mesh, rules, model graph, shardings, data and the jitted step."""
+
+    config: Config
+    mesh: Mesh
+    rules: Rules
+    graphdef: nnx.GraphDef
+    abstract_params: Any
+    axes: Any
+    optimizer: optax.GradientTransformation
+
+    @classmethod
+    def build(cls, config: Config, devices: Sequence[jax.Device] | None = None) -> Trainer:
+        """Validate the layout against the devices and build the trainer; compiles nothing."""
+        mesh = make_mesh(config.mesh, devices)
+        rules = Rules.load(config.rules)
+        graphdef, abstract_params, axes = abstract_model(config)
+        trainer = cls(config, mesh, rules, graphdef, abstract_params, axes, make_optimizer(config.train, axes))
+        trainer.validate()
+        return trainer
+
+    def validate(self) -> None:
+        """Check every parameter and activation layout by tracing the step abstractly."""
+        paths = jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]
+        flat_axes = jax.tree.leaves(self.axes, is_leaf=_is_axes)
+        for (path, leaf), axes in zip(paths, flat_axes):
+            name = "param " + jax.tree_util.keystr(path, simple=True, separator=".")
+            for kind in ("params", "optimizer", "gradients"):
+                check_divisible(name, leaf.shape, axes, self.rules.spec(axes, kind), self.mesh)
+        t = self.config.train
+        micro = t.global_batch // t.microbatches
+        for what, rows in (("train.global_batch", t.global_batch), ("per-microbatch batch", micro)):
+            check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
+        jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
+
+    # -- shardings -----------------------------------------------------------------
+
+    def sharding(self, axes: tuple, kind: str = "params") -> NamedSharding:
+        return NamedSharding(self.mesh, self.rules.spec(axes, kind))
+
+    def param_shardings(self, kind: str = "params") -> Any:
+        return jax.tree.map(lambda a: self.sharding(a, kind), self.axes, is_leaf=_is_axes)
+
+    @cached_property
+    def state_shardings(self) -> TrainState:
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        opt_abstract = jax.eval_shape(self.optimizer.init, self.abstract_params)
+        opt_shardings = optax.tree_map_params(
+            self.optimizer,
+            lambda _, s: s,
+            opt_abstract,
+            self.param_shardings("optimizer"),
+            transform_non_params=lambda _: replicated,
+        )
+        return TrainState(replicated, self.param_shardings("params"), opt_shardings)
+
+    @cached_property
+    def batch_sharding(self) -> NamedSharding:
+        return self.sharding(BATCH_AXES)
+
+    def abstract_state(self) -> TrainState:
+        abstract = jax.eval_shape(self._init)
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings
+        )
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        t = self.config.train
+        spec = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), jnp.int32, sharding=self.batch_sharding)
+        return {"inputs": spec, "targets": spec, "positions": spec}
+
+    # -- state -----------------------------------------------------------------------
+
+    def _init(self) -> TrainState:
+        with nnx.use_eager_sharding(False):
+            model = Llama(self.config.model, nnx.Rngs(self.config.train.seed))
+        params = nnx.to_pure_dict(nnx.state(model))
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def init_state(self) -> TrainState:
+        """A fresh state, created on the devices directly in its shardings."""
+        return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+    # -- the step --------------------------------------------------------------------
+
+    def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        """Mean cross-entropy of the model on one batch."""
+        model = nnx.merge(self.graphdef, params)
+        logits = model(batch["inputs"], batch["positions"])
+        return cross_entropy(logits, batch["targets"])
+
+    def _grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        """Loss and gradients, accumulated over ``train.microbatches`` with ``lax.scan``."""
+        m = self.config.train.microbatches
+        grad_shardings = self.param_shardings("gradients")
+        value_and_grad = jax.value_and_grad(self.loss)
+        if m == 1:
+            loss, grads = value_and_grad(params, batch)
+            return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+
+        def split(x: jax.Array) -> jax.Array:
+            # Row r of microbatch i is global row r * m + i: every device keeps its own rows.
+            x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+            return constrain(x, (None, *BATCH_AXES))
+
+        def body(carry: tuple[jax.Array, Any], micro: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], None]:
+            loss_sum, grad_sum = carry
+            loss, grads = value_and_grad(params, micro)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
+
+        zeros = jax.lax.with_sharding_constraint(
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings
+        )
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jax.tree.map(split, batch))
+        return loss_sum / m, jax.tree.map(lambda g: g / m, grad_sum)
+
+    def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        with use_rules(self.mesh, self.rules):
+            loss, grads = self._grads(state.params, batch)
+            opt_layout = self.param_shardings("optimizer")
+            # Compute the update where the optimizer state lives (ZeRO-1/2: a shard per device).
+            grads_o = jax.lax.with_sharding_constraint(grads, opt_layout)
+            params_o = jax.lax.with_sharding_constraint(state.params, opt_layout)
+            updates, opt_state = self.optimizer.update(grads_o, state.opt_state, params_o)
+            params = optax.apply_updates(params_o, updates)
+        out = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(self.config.train)(state.step)}
+        return TrainState(state.step + 1, params, opt_state), out
+
+    @cached_property
+    def jit_step(self) -> Any:
+        """The jitted train step: explicit shardings, the state donated."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
+        return jax.jit(
+            self._train_step,
+            in_shardings=(self.state_shardings, batch),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+
+    def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One optimizer step; the metrics' loss is that of the parameters before the update."""
+        return self.jit_step(state, batch)
+
+    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        """Jitted loss and (accumulated) gradients under this layout, for tests and research code."""
+
+        def f(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+            with use_rules(self.mesh, self.rules):
+                return self._grads(params, batch)
+
+        return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))(params, batch)
+
+    # -- data ------------------------------------------------------------------------
+
+    @cached_property
+    def batches(self) -> Batches:
+        t = self.config.train
+        return Batches(load_tokens(self.config.data), t.global_batch, t.seq_len, t.seed)
+
+    def batch(self, step: int) -> dict[str, jax.Array]:
+        """The global batch of ``step``, sharded by the rules' ``batch`` and ``length``."""
+        return self.batches.global_batch_arrays(step, self.batch_sharding)
+
+    # -- the loop --------------------------------------------------------------------
+
+    def fit(self, state: TrainState | None = None, progress: bool = True) -> tuple[TrainState, list[dict[str, Any]]]:
+        """Train for ``train.steps`` steps, logging every ``train.log_every``; returns the state and the log."""
+        c, t = self.config, self.config.train
+        state = self.init_state() if state is None else state
+        tokens_per_step = t.global_batch * t.seq_len
+        flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * tokens_per_step
+        peak = metrics_lib.peak_flops(self.mesh.devices.flat[0], t.peak_flops) * self.mesh.size
+        logger = metrics_lib.MetricsLogger(c.run_dir, t.steps, bar=progress)
+        compiled_at = time.perf_counter()
+        step_fn = self.jit_step.lower(state, self.abstract_batch()).compile()
+        compile_s = time.perf_counter() - compiled_at
+        first = int(state.step)
+        last_time, last_step = time.perf_counter(), first
+        for step in range(first, t.steps):
+            state, out = step_fn(state, self.batch(step))
+            if step % t.log_every == 0 or step == t.steps - 1:
+                out = jax.device_get(out)
+                now = time.perf_counter()
+                steps = max(step + 1 - last_step, 1)
+                step_time = (now - last_time) / steps
+                tokens_per_sec = tokens_per_step / step_time
+                logger.log({
+                    "step": step,
+                    "loss": float(out["loss"]),
+                    "grad_norm": float(out["grad_norm"]),
+                    "lr": float(out["lr"]),
+                    "tokens_per_sec": tokens_per_sec,
+                    "step_time_s": step_time,
+                    "tflops_per_device": flops_per_step / step_time / self.mesh.size / 1e12,
+                    "mfu": flops_per_step / step_time / peak,
+                    "memory_bytes": metrics_lib.device_memory_in_use(),
+                    "compile_s": compile_s,
+                })
+                last_time, last_step = now, step + 1
+        logger.close()
+        return state, logger.history
+
+
+def train(config: Config, progress: bool = True) -> tuple[TrainState, list[dict[str, Any]]]:
+    """Build the trainer for ``config`` and run it; the CLI's ``train`` command."""
+    return Trainer.build(config).fit(progress=progress)
