@@ -183,8 +183,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -246,6 +250,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_SOURCES = ("stdlib",)
 
 
 def validate(config: Config) -> None:
@@ -261,19 +266,36 @@ def validate(config: Config) -> None:
             raise ConfigError(f"model.{key} must be positive")
     if m.heads % m.kv_heads:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
+    if m.head_dim % 2:
+        raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
+    if config.data.source not in DATA_SOURCES:
+        raise ConfigError(f"data.source: '{config.data.source}' is not one of {', '.join(DATA_SOURCES)}")
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
-        if getattr(t, key) < (0 if key == "steps" else 1):
-            raise ConfigError(f"train.{key} must be positive")
+        low = 0 if key == "steps" else 1
+        if getattr(t, key) < low:
+            raise ConfigError(f"train.{key} must be at least {low}, got {getattr(t, key)}")
     if t.global_batch % t.microbatches:
         raise ConfigError(
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
     sizes = config.mesh.sizes()
-    if sum(1 for v in sizes.values() if v == -1) > 1:
-        raise ConfigError("mesh: at most one axis may be -1")
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh: at most one axis may be -1, got {', '.join(f'mesh.{a}' for a in fill)}")
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}: size must be positive or -1, got {size}")
+    for axis, size in (config.mesh.dcn.__dict__ if config.mesh.dcn else {}).items():
+        if size < 1:
+            raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
+
+
+def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:
+    """``fsdp=4 x tensor=2``: the axes larger than 1, and the dcn factors if any."""
+    text = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
+    if dcn is not None:
+        text += " with dcn " + (" x ".join(f"{a}={s}" for a, s in dcn.__dict__.items() if s != 1) or "all 1")
+    return text
 
 
 def mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
@@ -284,14 +306,18 @@ def mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     for axis, size in sizes.items():
         if size == -1:
             if device_count % known:
+                others = _describe({a: s for a, s in sizes.items() if s != -1}, mesh.dcn)
                 raise ConfigError(
-                    f"mesh.{axis}=-1: {device_count} devices are not divisible by the other axes ({known})"
+                    f"mesh.{axis}=-1: {device_count} devices are not divisible by the other axes "
+                    f"({others}: {known} devices)"
                 )
             sizes[axis] = device_count // known
     total = math.prod(sizes.values()) * math.prod(dcn.values())
     if total != device_count:
-        shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
-        raise ConfigError(f"mesh: {shape} (with dcn) needs {total} devices, but {device_count} are available")
+        raise ConfigError(
+            f"mesh: {_describe(sizes, mesh.dcn)} needs {total} device{'s' * (total != 1)}, "
+            f"but {device_count} are available"
+        )
     return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
 
 

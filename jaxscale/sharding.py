@@ -73,6 +73,8 @@ class Rules:
         sections = {}
         for section in ("rules", "optimizer", "gradients"):
             table = data.get(section) or {}
+            if not isinstance(table, dict):
+                raise ConfigError(f"rules '{name}' {section}: expected a mapping of logical axes, got {table!r}")
             sections[section] = {
                 str(k): _mesh_axes(v, f"rules '{name}' {section}.{k}") for k, v in table.items()
             }
@@ -125,7 +127,7 @@ def shard_count(spec: PartitionSpec, mesh: Mesh) -> list[int]:
 
 def check_divisible(name: str, shape: tuple[int, ...], axes: Axes, spec: PartitionSpec, mesh: Mesh) -> None:
     """Raise if a dimension is not divisible by the mesh axes it is sharded over."""
-    for dim, (size, logical, ways, part) in enumerate(zip(shape, axes, shard_count(spec, mesh), spec)):
+    for dim, (size, logical, ways, part) in enumerate(zip(shape, axes, shard_count(spec, mesh), spec, strict=True)):
         if size % ways:
             raise ConfigError(
                 f"{name}: dimension {dim} ('{logical}', size {size}) is not divisible by "

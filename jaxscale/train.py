@@ -190,7 +190,7 @@ class Trainer:
             params_o = jax.lax.with_sharding_constraint(state.params, opt_layout)
             updates, opt_state = self.optimizer.update(grads_o, state.opt_state, params_o)
             params = optax.apply_updates(params_o, updates)
-        out = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(self.config.train)(state.step)}
+        out = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(self.config.train)(state.step)}
         return TrainState(state.step + 1, params, opt_state), out
 
     @cached_property

@@ -1,0 +1,45 @@
+"""Eight simulated CPU devices for every test, set before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from jaxscale.config import Config, load_config  # noqa: E402
+
+# A model small enough to compile in seconds, with every dimension divisible by 8.
+TINY = [
+    "model.vocab_size=256",
+    "model.embed=64",
+    "model.layers=2",
+    "model.heads=8",
+    "model.kv_heads=4",
+    "model.head_dim=8",
+    "model.mlp=128",
+    "train.global_batch=16",
+    "train.seq_len=32",
+    "train.steps=2",
+    "train.warmup_steps=1",
+    "train.learning_rate=0.01",
+    "data.max_bytes=200000",
+]
+
+
+def tiny_config(*overrides: str, rules: str = "dp", mesh: dict[str, int] | None = None) -> Config:
+    """The test model with a rules preset and mesh sizes (unnamed axes are 1)."""
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **(mesh or {})}
+    mesh_args = [f"mesh.{k}={v}" for k, v in sizes.items()]
+    return load_config(None, [*TINY, f"rules={rules}", *mesh_args, *overrides])
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return str(tmp_path / "run")
