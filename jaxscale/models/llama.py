@@ -30,9 +30,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import ModelConfig
+from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain
 
 RESIDUAL = ("batch", "norm_length", "act_embed")
+Q_AXES = ("batch", "length", "heads", "head_dim")
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+MLP_AXES = ("batch", "length", "mlp")
+LOGITS = ("batch", "length", "vocab")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype) -> nnx.Param:
@@ -92,18 +97,23 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         dt = jnp.dtype(c.dtype)
-        x = constrain(x, ("batch", "length", "act_embed"))
-        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dt))
-        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...].astype(dt))
-        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...].astype(dt))
-        q = constrain(rope(q, positions, c.rope_theta), ("batch", "length", "heads", "head_dim"))
-        k = constrain(rope(k, positions, c.rope_theta), ("batch", "length", "kv_heads", "head_dim"))
-        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        q, k, v = sequence.column_parallel(
+            x,
+            RESIDUAL,
+            [
+                ("bse,ehd->bshd", self.wq[...].astype(dt), ("embed", "heads", "head_dim"), Q_AXES),
+                ("bse,ehd->bshd", self.wk[...].astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", self.wv[...].astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
+            ],
+        )
+        q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
+        k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "attention")
-        y = jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dt))
-        return checkpoint_name(constrain(y, RESIDUAL), "attention_out")
+        out = checkpoint_name(constrain(out, Q_AXES), "attention")
+        wo = self.wo[...].astype(dt)
+        y = sequence.row_parallel("bshd,hde->bse", out, Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL)
+        return checkpoint_name(y, "attention_out")
 
 
 class MLP(nnx.Module):
@@ -118,12 +128,18 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        x = constrain(x, ("batch", "length", "act_embed"))
-        gate = x @ self.w_gate[...].astype(dt)
-        up = x @ self.w_up[...].astype(dt)
-        hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp")), "mlp_hidden")
-        y = hidden @ self.w_down[...].astype(dt)
-        return checkpoint_name(constrain(y, RESIDUAL), "mlp_out")
+        gate, up = sequence.column_parallel(
+            x,
+            RESIDUAL,
+            [
+                ("bse,ef->bsf", self.w_gate[...].astype(dt), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", self.w_up[...].astype(dt), ("embed", "mlp"), MLP_AXES),
+            ],
+        )
+        hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, MLP_AXES), "mlp_hidden")
+        wd = self.w_down[...].astype(dt)
+        y = sequence.row_parallel("bsf,fe->bse", hidden, MLP_AXES, wd, ("mlp", "embed"), RESIDUAL)
+        return checkpoint_name(y, "mlp_out")
 
 
 class Block(nnx.Module):
@@ -174,7 +190,9 @@ class Llama(nnx.Module):
             body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
         x = self.final_norm(scan(x, self.blocks))
-        x = constrain(x, ("batch", "length", "act_embed"))
-        head = self.embedding[...].T if c.tie_embeddings else self.lm_head[...]
-        logits = x @ head.astype(dt)
-        return constrain(logits, ("batch", "length", "vocab"))
+        if c.tie_embeddings:
+            head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
+        else:
+            head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
+        (logits,) = sequence.column_parallel(x, RESIDUAL, [head])
+        return logits

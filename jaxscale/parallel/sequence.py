@@ -1,0 +1,122 @@
+"""Megatron sequence parallelism (SP): explicit collectives at the edges of tensor-parallel regions.
+
+With tensor parallelism alone, every device holds the whole residual stream
+and each layer ends its attention and MLP with an all-reduce of ``b·s·h``.
+Sequence parallelism (Korthikanti et al., 2022) shards the residual stream,
+the norms and the residual adds on the sequence over the tensor axes (the
+rules table maps ``norm_length`` to them), so those activations take 1/t of
+the memory. Each tensor-parallel region then needs:
+
+* on entry, an **all-gather** of its input over the sequence, fused with the
+  column-parallel matmuls that consume it (:func:`column_parallel`; its
+  backward is a reduce-scatter of the partial input gradients);
+* on exit, a **reduce-scatter** of the row-parallel matmul's partial sums onto
+  the sequence (:func:`row_parallel`; its backward is an all-gather).
+
+Per layer and pass that is 2 x (all-gather + reduce-scatter) of ``b·s·h`` in
+place of 2 all-reduces: the same wire bytes, 2·(t−1)/t·b·s·h·bytes each
+(FORMULAS.md, "TP + SP"), and the activations between regions are 1/t.
+
+Why by hand: the partitioner would express "partial sums -> sequence-sharded"
+as an all-reduce followed by a slice; GPU and TPU pipelines rewrite that into
+a reduce-scatter, XLA:CPU does not. A ``jax.shard_map`` that is manual over
+the SP axes only (data, fsdp and the rest stay with the partitioner) states
+the collective, so every backend runs the same program. The ``shard_map`` is
+manual over every mesh axis (XLA cannot keep auto axes sharded through a
+manual collective on a sub-group: it would gather the batch), so the weights'
+other shards (FSDP on ``embed``) are all-gathered inside too, and their
+gradients reduce-scattered. Which axes are SP axes is read from the rules
+(``norm_length`` axes not in ``length``): with none, both functions are plain
+einsums under sharding constraints and the partitioner's all-reduce does TP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxscale.config import ConfigError
+from jaxscale.sharding import Axes, active, constrain
+
+SEQUENCE = "norm_length"
+
+
+def sequence_axes() -> tuple[str, ...]:
+    """Mesh axes of size > 1 that shard ``norm_length`` but not ``length`` under the active rules."""
+    current = active()
+    if current is None:
+        return ()
+    mesh, rules = current
+    table = rules.table()
+    inner = set(table.get("length", ()))
+    return tuple(a for a in table.get(SEQUENCE, ()) if a not in inner and mesh.shape[a] > 1)
+
+
+def _names(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+def _gather_weight(w: jax.Array, spec: PartitionSpec, keep: tuple[str, ...]) -> jax.Array:
+    """All-gather a weight shard over every mesh axis of its spec except ``keep`` (the FSDP gather)."""
+    for dim, part in enumerate(spec):
+        others = tuple(n for n in _names(part) if n not in keep)
+        if others:
+            w = lax.all_gather(w, others, axis=dim, tiled=True)
+    return w
+
+
+def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
+    mesh, rules = active()
+    spec = rules.spec
+    out = spec(out_axes) if isinstance(out_axes[0], str | None) else tuple(spec(a) for a in out_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in in_axes), out_specs=out)
+
+
+def column_parallel(
+    x: jax.Array, x_axes: Axes, projections: Sequence[tuple[str, jax.Array, Axes, Axes]]
+) -> list[jax.Array]:
+    """All-gather ``x`` on the sequence, then ``einsum(eq, x, w)`` for each ``(eq, w, w_axes, out_axes)``."""
+    manual = sequence_axes()
+    if not manual:
+        return [constrain(jnp.einsum(eq, x, w), out) for eq, w, _, out in projections]
+    _, rules = active()
+    dim = x_axes.index(SEQUENCE)
+    w_specs = [rules.spec(w_axes) for _, _, w_axes, _ in projections]
+
+    def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
+        x = lax.all_gather(x, manual, axis=dim, tiled=True)
+        return tuple(
+            jnp.einsum(eq, x, _gather_weight(w, s, manual)) for (eq, *_), w, s in zip(projections, ws, w_specs)
+        )
+
+    fn = _shard_map(body, [x_axes, *(a for _, _, a, _ in projections)], [out for *_, out in projections])
+    return list(fn(constrain(x, x_axes), *(w for _, w, _, _ in projections)))
+
+
+def row_parallel(
+    equation: str, h: jax.Array, h_axes: Axes, w: jax.Array, w_axes: Axes, out_axes: Axes
+) -> jax.Array:
+    """Leave a tensor-parallel region: ``einsum(equation, h, w)`` reduce-scattered onto the sequence."""
+    manual = sequence_axes()
+    if not manual:
+        return constrain(jnp.einsum(equation, h, w), out_axes)
+    _, rules = active()
+    h_spec = rules.spec(h_axes)
+    contracted = {n for a, part in zip(h_axes, h_spec) if a not in out_axes for n in _names(part)}
+    if contracted != set(manual):
+        raise ConfigError(
+            f"rules '{rules.name}': sequence parallelism over {manual} needs the contracted axes of "
+            f"{h_axes} sharded over the same mesh axes (e.g. heads and mlp on tensor)"
+        )
+    w_spec = rules.spec(w_axes)
+    dim = out_axes.index(SEQUENCE)
+
+    def body(h: jax.Array, w: jax.Array) -> jax.Array:
+        y = jnp.einsum(equation, h, _gather_weight(w, w_spec, manual))
+        return lax.psum_scatter(y, manual, scatter_dimension=dim, tiled=True)
+
+    return _shard_map(body, [h_axes, w_axes], out_axes)(constrain(h, h_axes), w)
