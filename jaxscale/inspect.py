@@ -1,0 +1,574 @@
+"""Read a compiled train step: its collectives, their wire bytes, and its memory.
+
+:func:`collectives` parses the post-optimisation HLO text
+(``compiled.as_text()``) into one :class:`Collective` per collective
+instruction: all-reduce, all-gather, reduce-scatter, all-to-all and
+collective-permute, their async ``-start`` forms (the ``-done`` is not
+counted) and those nested in fusions or async computations. Each carries its
+sizes, its device groups and the mesh axes that form them, the ``while``
+loops around it (``lax.scan`` over layers, the microbatch scan) and so how many
+times it runs per step, and its wire bytes per device per step by the rule of
+FORMULAS.md: all-reduce 2·(n−1)/n·size, all-gather (n−1)/n·result size,
+reduce-scatter (n−1)/n·operand size, all-to-all (n−1)/n·size,
+collective-permute its size; times the runs.
+
+XLA:CPU lowers a reduce-scatter as an all-reduce followed by a dynamic-slice
+of each device's 1/n. An all-reduce operand whose every use is such a slice
+(through bitcasts, copies, tuple elements and fusion parameters) is counted
+in :attr:`Collective.sliced_bytes`; :attr:`Collective.reading` then says
+``reduce-scatter (all-reduce+slice on this backend)`` and
+:attr:`Collective.rs_wire_bytes` gives the reduce-scatter reading next to
+the as-compiled :attr:`Collective.wire_bytes`.
+
+Device ids in the HLO are positions in the step's device assignment, which
+for a jitted step over a mesh is ``mesh.devices.flat``; groups are matched
+against the groups each subset of the mesh's (non-trivial) axes forms.
+
+:func:`summarize` sums by kind and by mesh axes, :func:`memory` reads
+``compiled.memory_analysis()`` and :func:`step_report` puts them next to the
+analytic figures of FORMULAS.md for a trainer's layout, as JSON-ready data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+SLICED = "reduce-scatter (all-reduce+slice on this backend)"
+DATA_AXES = ("data", "fsdp")
+
+# Ops an all-reduce's result may pass through on its way to the dynamic-slice.
+_TRANSPARENT = {"bitcast", "copy", "reshape", "transpose", "all-reduce-done"}
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_CALLS = re.compile(
+    r"\b(calls|to_apply|body|branch_computations|true_computation|false_computation|called_computations)="
+    r"(\{[^}]*\}|%?[\w.\-]+)"
+)
+
+
+# -- HLO text ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instr:
+    name: str
+    type: str
+    opcode: str
+    operands: tuple[str, ...]
+    operand_types: tuple[str, ...]  # as printed inline, "" where only the name is
+    args: str
+    attrs: str
+
+
+@dataclasses.dataclass
+class _Computation:
+    name: str
+    instrs: dict[str, _Instr] = dataclasses.field(default_factory=dict)
+
+    def params(self) -> dict[int, str]:
+        return {int(i.args): i.name for i in self.instrs.values() if i.opcode == "parameter"}
+
+    def users(self) -> dict[str, list[tuple[_Instr, int]]]:
+        out: dict[str, list[tuple[_Instr, int]]] = defaultdict(list)
+        for instr in self.instrs.values():
+            for k, op in enumerate(instr.operands):
+                out[op].append((instr, k))
+        return out
+
+
+def _close(s: str, i: int) -> int:
+    """Index of the bracket closing the one at ``s[i]``."""
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] in "([{":
+            depth += 1
+        elif s[j] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return j
+    raise ValueError(f"unbalanced brackets in {s!r}")
+
+
+def _split_top(s: str) -> list[str]:
+    """Split on the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for j, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(s[start:j].strip())
+            start = j + 1
+    if s[start:].strip():
+        parts.append(s[start:].strip())
+    return parts
+
+
+def _tuple_items(type_: str) -> list[str]:
+    """The top-level elements of a tuple type; ``[type_]`` for an array."""
+    return _split_top(type_[1:-1]) if type_.startswith("(") else [type_]
+
+
+def _shapes(type_: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The (dtype, dims) of every array in a (possibly nested tuple) type."""
+    return tuple(
+        (dt, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d))
+        for dt, dims in _ARRAY.findall(type_)
+        if dt != "token"
+    )
+
+
+def _bytes(type_: str) -> int:
+    total = 0
+    for dtype, dims in _shapes(type_):
+        bits = 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
+        total += math.prod(dims) * bits // 8
+    return total
+
+
+def _parse_instr(line: str) -> _Instr | None:
+    line = re.sub(r"/\*.*?\*/", "", line)
+    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
+    if m is None:
+        return None
+    rest = line[m.end() :]
+    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
+    type_, rest = rest[:end], rest[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+        return None
+    close = _close(rest, op.end() - 1)
+    args = rest[op.end() : close]
+    names, types = [], []
+    for part in _split_top(args):
+        ref = re.search(r"%([\w.\-]+)\s*$", part)
+        if ref:
+            names.append(ref.group(1))
+            types.append(part[: ref.start()].strip())
+    return _Instr(m.group(1), type_, op.group(1), tuple(names), tuple(types), args, rest[close + 1 :])
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str]:
+    """The computations of an HLO module by name, and the entry's name."""
+    comps: dict[str, _Computation] = {}
+    entry, current = "", None
+    for line in hlo_text.splitlines():
+        if current is None:
+            head = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+            if head and not line.startswith(("HloModule", " ")):
+                current = comps.setdefault(head.group(2), _Computation(head.group(2)))
+                entry = head.group(2) if head.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif (instr := _parse_instr(line)) is not None:
+            current.instrs[instr.name] = instr
+    if not entry:
+        raise ValueError("no ENTRY computation in the HLO text")
+    return comps, entry
+
+
+def _callees(instr: _Instr) -> list[tuple[str, str]]:
+    """(role, computation) for every computation an instruction calls."""
+    return [(role, name.strip(" %")) for role, ref in _CALLS.findall(instr.attrs) for name in ref.strip("{}").split(",")]
+
+
+def _trip_count(instr: _Instr, comps: dict[str, _Computation]) -> int | None:
+    """A while loop's trip count: ``known_trip_count``, else its condition's ``i < N`` (from 0)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.attrs)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", instr.attrs)
+    if cond is None or cond.group(1) not in comps:
+        return None
+    scope = [comps[cond.group(1)]]
+    scope += [comps[c] for i in scope[0].instrs.values() for _, c in _callees(i) if c in comps]
+    instrs = [i for c in scope for i in c.instrs.values()]
+    limits = {int(i.args) for i in instrs if i.opcode == "constant" and re.fullmatch(r"[su]\d+\[\]", i.type)}
+    directions = {d for i in instrs if i.opcode == "compare" for d in re.findall(r"direction=(\w+)", i.attrs)}
+    if len(limits) != 1 or len(directions) != 1 or not directions <= {"LT", "LE", "NE"}:
+        return None
+    return limits.pop() + (1 if directions == {"LE"} else 0)
+
+
+# -- collectives -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A ``while`` loop around a collective: the while instruction, its body, its trip count."""
+
+    name: str
+    body: str
+    trips: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of a compiled step; bytes are per device."""
+
+    name: str
+    kind: str  # one of KINDS
+    is_async: bool  # an ``-start`` form
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result array
+    result_bytes: int
+    operand_bytes: int
+    groups: tuple[tuple[int, ...], ...]  # device groups (source-target pairs for a permute)
+    n: int  # devices per group
+    axes: tuple[str, ...] | None  # mesh axes the groups run over; None if no subset of axes forms them
+    computation: str
+    loops: tuple[Loop, ...]  # enclosing while loops, outermost first
+    runs: int  # executions per step: the product of the loops' trip counts
+    op_name: str  # the jax op(s) it came from (metadata)
+    sliced_bytes: int = 0  # all-reduce operand bytes whose only use is each device's 1/n slice
+
+    @property
+    def size(self) -> int:
+        """The bytes the wire formula applies to: the result for an all-gather, else the operand."""
+        return self.result_bytes if self.kind == "all-gather" else self.operand_bytes
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each device sends per step, as compiled."""
+        if self.kind == "collective-permute":
+            return float(self.size * self.runs)
+        factor = 2 if self.kind == "all-reduce" else 1
+        return factor * (self.n - 1) / self.n * self.size * self.runs
+
+    @property
+    def rs_wire_bytes(self) -> float:
+        """Wire bytes with the all-reduce+slice part read as the reduce-scatter GPU/TPU would emit."""
+        if self.kind != "all-reduce":
+            return self.wire_bytes
+        return (self.n - 1) / self.n * (2 * self.size - self.sliced_bytes) * self.runs
+
+    @property
+    def reading(self) -> str:
+        """The kind, or :data:`SLICED` for an all-reduce that is only ever sliced to 1/n."""
+        return SLICED if self.kind == "all-reduce" and self.sliced_bytes == self.size > 0 else self.kind
+
+    @property
+    def phase(self) -> str:
+        """``forward`` (under jax's ``jvp``), ``backward`` (``transpose``), ``update`` (neither) or ``mixed``.
+
+        A combined op's name is ``prefix/(a:b:c)``; each part is read with the prefix.
+        """
+        prefix, _, parts = self.op_name.partition("/(")
+        names = [prefix + "/" + p for p in parts.removesuffix(")").split(":")] if parts else [prefix]
+        phases = {"backward" if "transpose(" in n else "forward" if "jvp(" in n else "update" for n in names}
+        return phases.pop() if len(phases) == 1 else "mixed"
+
+
+def _groups(attrs: str, mesh_size: int) -> tuple[tuple[int, ...], ...]:
+    """Parse ``replica_groups`` in any of XLA's printed forms into explicit device groups."""
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if m:
+        return tuple(tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{([\d,]+)", m.group(1) + "}"))
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", attrs)
+    if m:
+        return _mesh_groups(m.group(1), m.group(2), m.group(3))
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if m:
+        shape, dims = _ints(m.group(1)), _ints(m.group(2))
+        perm = _ints(m.group(3)) if m.group(3) else tuple(range(len(dims)))
+        return tuple(map(tuple, np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(shape).tolist()))
+    m = re.search(r"replica_groups=\{(\{.*?\})?\}", attrs)
+    if m and m.group(1):
+        return tuple(_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+    if m or "replica_groups" not in attrs:
+        return (tuple(range(mesh_size)),)  # empty groups: every device
+    raise ValueError(f"unrecognised replica_groups in {attrs[:200]!r}")
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> tuple[tuple[int, ...], ...]:
+    """Groups of the ``mesh['a'=2,'b'=4], device_ids=(...) {'b'}`` form (sub-axes ``'a':(1)2`` too)."""
+    names, sizes = zip(*((n, int(s)) for n, s in re.findall(r"'([^']+)'=(\d+)", axes)), strict=True)
+    ids = np.arange(math.prod(sizes))
+    if device_ids:
+        iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", device_ids.strip())
+        if iota:
+            dims = _ints(iota.group(1))
+            ids = ids.reshape(dims).transpose(_ints(iota.group(2)) if iota.group(2) else range(len(dims)))
+        else:
+            ids = np.array(_ints(device_ids.replace("[", "").replace("]", "")))
+    ids = ids.reshape(sizes)
+    # Split every grouped axis into (before, sub-axis, after) and keep the grouped sub-axes last.
+    split_sizes: list[int] = []
+    grouped_dims: list[int] = []
+    refs = [re.fullmatch(r"'([^']+)'(?::\((\d+)\)(\d+))?", r.strip()) for r in grouped.split(",") if r.strip()]
+    for axis, size in zip(names, sizes, strict=True):
+        subs = sorted((int(r.group(2) or 1), int(r.group(3) or size)) for r in refs if r.group(1) == axis)
+        covered = 1
+        for pre, sub in subs:
+            if pre > covered:
+                split_sizes.append(pre // covered)
+            grouped_dims.append(len(split_sizes))
+            split_sizes.append(sub)
+            covered = pre * sub
+        if covered < size:
+            split_sizes.append(size // covered)
+    ids = ids.reshape(split_sizes)
+    rest = [d for d in range(len(split_sizes)) if d not in grouped_dims]
+    group_size = math.prod(split_sizes[d] for d in grouped_dims)
+    return tuple(map(tuple, ids.transpose(rest + grouped_dims).reshape(-1, group_size).tolist()))
+
+
+def mesh_axes(groups: tuple[tuple[int, ...], ...], mesh: Mesh, exact: bool = True) -> tuple[str, ...] | None:
+    """The fewest mesh axes whose device groups equal ``groups`` (or, not ``exact``, contain each group).
+
+    Device ids are positions in ``mesh.devices.flat``; axes of size 1 are never named.
+    """
+    ids = np.arange(mesh.size).reshape(mesh.devices.shape)
+    live = [i for i, s in enumerate(mesh.devices.shape) if s > 1]
+    wanted = {frozenset(g) for g in groups}
+    for r in range(len(live) + 1):
+        for subset in itertools.combinations(live, r):
+            rest = [i for i in range(ids.ndim) if i not in subset]
+            formed = ids.transpose(rest + list(subset)).reshape(-1, math.prod(ids.shape[i] for i in subset))
+            formed_sets = {frozenset(g) for g in formed.tolist()}
+            if (wanted == formed_sets) if exact else all(any(w <= f for f in formed_sets) for w in wanted):
+                return tuple(mesh.axis_names[i] for i in subset)
+    return None
+
+
+def _sliced_bytes(comps: dict[str, _Computation], comp: _Computation, instr: _Instr, n: int) -> int:
+    """Bytes of an all-reduce's operands whose every use is a dynamic-slice of 1/n of them."""
+    users = comp.users()
+
+    def only_slices(c: _Computation, name: str, c_users: dict, slices: list[int]) -> bool:
+        if not c_users.get(name):
+            return False
+        for user, k in c_users[name]:
+            if user.opcode in _TRANSPARENT:
+                ok = only_slices(c, user.name, c_users, slices)
+            elif user.opcode == "fusion":
+                callee = comps[_callees(user)[0][1]]
+                ok = only_slices(callee, callee.params()[k], callee.users(), slices)
+            elif user.opcode == "dynamic-slice" and k == 0:
+                slices.append(_bytes(user.type))
+                ok = True
+            else:
+                ok = False
+            if not ok:
+                return False
+        return True
+
+    items = _tuple_items(instr.type)
+    total = 0
+    for index, item in enumerate(items):
+        starts = [instr.name]
+        if len(items) > 1 or instr.type.startswith("("):
+            starts = [
+                u.name
+                for u, _ in users[instr.name]
+                if u.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", u.attrs)
+            ]
+        slices: list[int] = []
+        size = _bytes(item)
+        if starts and all(only_slices(comp, s, users, slices) for s in starts) and all(b * n == size for b in slices):
+            total += size
+    return total
+
+
+def _contexts(comps: dict[str, _Computation], entry: str) -> dict[str, tuple[int, tuple[Loop, ...]]]:
+    """For each computation reached from the entry: runs per step and its enclosing loops."""
+    out: dict[str, tuple[int, tuple[Loop, ...]]] = {}
+
+    def visit(name: str, runs: int, loops: tuple[Loop, ...]) -> None:
+        before = out.get(name, (0, loops))
+        out[name] = (before[0] + runs, before[1])
+        for instr in comps[name].instrs.values():
+            for role, callee in _callees(instr):
+                if callee not in comps:
+                    continue
+                if role == "body":
+                    trips = _trip_count(instr, comps)
+                    if trips is None:
+                        warnings.warn(f"while {instr.name}: trip count unknown, counted once", stacklevel=2)
+                    visit(callee, runs * (trips or 1), (*loops, Loop(instr.name, callee, trips)))
+                else:
+                    visit(callee, runs, loops)
+
+    visit(entry, 1, ())
+    return out
+
+
+def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
+    """Every collective of a compiled (post-optimisation) HLO module, in text order."""
+    comps, entry = _parse(hlo_text)
+    contexts = _contexts(comps, entry)
+    out = []
+    for comp in comps.values():
+        if comp.name not in contexts:
+            continue
+        runs, loops = contexts[comp.name]
+        for instr in comp.instrs.values():
+            kind = instr.opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            is_async = instr.opcode.endswith("-start")
+            op_types = [t or comp.instrs[o].type for o, t in zip(instr.operands, instr.operand_types, strict=True)]
+            operand_bytes = sum(_bytes(t) for t in op_types)
+            result_type = instr.type
+            if is_async and kind in ("all-gather", "collective-permute") and instr.type.startswith("("):
+                result_type = _tuple_items(instr.type)[1]  # (operands, results[, contexts])
+            groups = _groups(instr.attrs, mesh.size)
+            n = 2 if kind == "collective-permute" else len(groups[0])
+            sliced = _sliced_bytes(comps, comp, instr, n) if kind == "all-reduce" and n > 1 else 0
+            op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
+            out.append(
+                Collective(
+                    name=instr.name,
+                    kind=kind,
+                    is_async=is_async,
+                    shapes=_shapes(result_type),
+                    result_bytes=_bytes(result_type),
+                    operand_bytes=operand_bytes,
+                    groups=groups,
+                    n=n,
+                    axes=mesh_axes(groups, mesh, exact=kind != "collective-permute"),
+                    computation=comp.name,
+                    loops=loops,
+                    runs=runs,
+                    op_name=op_name.group(1) if op_name else "",
+                    sliced_bytes=sliced,
+                )
+            )
+    return out
+
+
+def in_loop(found: list[Collective], trips: int | None = None) -> list[Collective]:
+    """The collectives inside a while loop; with ``trips``, only where the innermost loop runs that often.
+
+    ``in_loop(collectives(text, mesh), trips=config.model.layers)`` is the layer scan's
+    (forward and backward) when the layer count differs from the microbatch count.
+    """
+    return [c for c in found if c.loops and (trips is None or c.loops[-1].trips == trips)]
+
+
+def summarize(found: list[Collective]) -> dict[str, Any]:
+    """Count, runs per step and wire bytes per device per step, in total, by kind and by mesh axes.
+
+    Kinds are keyed by :attr:`Collective.reading`; ``rs_wire_bytes`` is the reduce-scatter reading.
+    """
+
+    def row() -> dict[str, float]:
+        return {"count": 0, "runs": 0, "wire_bytes": 0.0, "rs_wire_bytes": 0.0}
+
+    total, by_kind, by_axes = row(), defaultdict(row), defaultdict(row)
+    for c in found:
+        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
+        for r in (total, by_kind[c.reading], by_axes[axes]):
+            r["count"] += 1
+            r["runs"] += c.runs
+            r["wire_bytes"] += c.wire_bytes
+            r["rs_wire_bytes"] += c.rs_wire_bytes
+    return {"total": total, "by_kind": dict(by_kind), "by_axes": dict(by_axes)}
+
+
+# -- memory and the step report ----------------------------------------------------
+
+
+def memory(compiled: Any) -> dict[str, int]:
+    """Bytes per device from ``compiled.memory_analysis()``; total = arguments + outputs − aliased + temp + code."""
+    m = compiled.memory_analysis()
+    out = {
+        "argument": m.argument_size_in_bytes,
+        "output": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+        "generated_code": m.generated_code_size_in_bytes,
+    }
+    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["generated_code"]
+    return out
+
+
+def per_device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` (the largest shard's shape)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
+    )
+
+
+def state_bytes(trainer: Any) -> dict[str, int]:
+    """Bytes per device of the train state's parts, from their shardings."""
+    state = trainer.abstract_state()
+    return {
+        "params": per_device_bytes(state.params),
+        "opt_state": per_device_bytes(state.opt_state),
+        "step": per_device_bytes(state.step),
+        "batch": per_device_bytes(trainer.abstract_batch()),
+    }
+
+
+def _dp_ways(trainer: Any, kind: str) -> int:
+    """How many ways the data-parallel axes split the largest-split parameter in ``kind``'s layout."""
+    ways = 1
+    for sharding in jax.tree.leaves(trainer.param_shardings(kind)):
+        names = [a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part)]
+        ways = max(ways, math.prod(trainer.mesh.shape[a] for a in names if a in DATA_AXES))
+    return ways
+
+
+def formulas(trainer: Any) -> dict[str, Any]:
+    """FORMULAS.md's figures for this layout, in bytes per device (jaxscale's fp32 convention)."""
+    config, mesh = trainer.config, trainer.mesh
+    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_params))
+    pbytes = np.dtype(config.model.param_dtype).itemsize
+    abytes = np.dtype(config.model.dtype).itemsize
+    nd = mesh.shape["data"] * mesh.shape["fsdp"]
+    t = mesh.shape["tensor"]
+    params_ways, grads_ways, opt_ways = (_dp_ways(trainer, k) for k in ("params", "gradients", "optimizer"))
+    stage = 3 if params_ways > 1 else 2 if grads_ways > 1 else 1 if opt_ways > 1 else 0
+    out: dict[str, Any] = {
+        "convention": "fp32 master params 4Ψ + Adam moments 8Ψ + fp32 gradients 4Ψ (transient), each / its dp ways",
+        "psi": psi,
+        "n_d": nd,
+        "zero_stage": stage,
+        "params_bytes": pbytes * psi / params_ways,
+        "grads_bytes": pbytes * psi / grads_ways,
+        "adam_bytes": 2 * pbytes * psi / opt_ways,
+        "dp_comm_bytes": (3 if stage == 3 else 2) * (nd - 1) / nd * psi * pbytes,
+    }
+    if t > 1:
+        t_cfg, m = config.train, config.train.microbatches
+        b = t_cfg.global_batch // (nd * m)
+        s = t_cfg.seq_len // mesh.shape["context"]
+        per_all_reduce = 2 * (t - 1) / t * b * s * config.model.embed * abytes
+        out["tp_comm_bytes"] = 4 * config.model.layers * m * per_all_reduce
+    return out
+
+
+def compile_step(trainer: Any) -> Any:
+    """The trainer's compiled step, from abstract state and batch (nothing is materialised)."""
+    return trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+
+
+def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
+    """Compile the step (unless given) and report memory, collectives and the formulas; JSON-serialisable."""
+    compiled = compile_step(trainer) if compiled is None else compiled
+    report = {
+        "rules": trainer.rules.name,
+        "mesh": dict(trainer.mesh.shape),
+        "backend": jax.default_backend(),
+        "memory": memory(compiled),
+        "state": state_bytes(trainer),
+        "collectives": summarize(collectives(compiled.as_text(), trainer.mesh)),
+        "formulas": formulas(trainer),
+    }
+    return json.loads(json.dumps(report))
