@@ -270,6 +270,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     if config.data.source not in DATA_SOURCES:
         raise ConfigError(f"data.source: '{config.data.source}' is not one of {', '.join(DATA_SOURCES)}")
+    if config.data.source == "stdlib" and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
         low = 0 if key == "steps" else 1
         if getattr(t, key) < low:

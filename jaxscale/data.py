@@ -82,7 +82,7 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, int]) -> tuple[int, 
     starts = [idx[0].start or 0 for idx in index_map.values()]
     stops = [shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
     start, stop = min(starts), max(stops)
-    covered = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops)})
+    covered = sum(b - a for a, b in {(a, b) for a, b in zip(starts, stops, strict=True)})
     if covered != stop - start:
         raise ConfigError("this process's batch rows are not contiguous: order the mesh so processes own blocks")
     return start, stop

@@ -31,7 +31,7 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     axis_types = (AxisType.Auto,) * len(MESH_AXES)
     if config.dcn is not None:
         dcn = [getattr(config.dcn, a) for a in MESH_AXES]
-        ici = [shape[a] // d for a, d in zip(MESH_AXES, dcn)]
+        ici = [shape[a] // d for a, d in zip(MESH_AXES, dcn, strict=True)]
         grid = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices, allow_split_physical_axes=True
         )

@@ -26,7 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import metrics as metrics_lib
-from jaxscale.config import Config, ConfigError
+from jaxscale.config import Config
 from jaxscale.data import Batches, load_tokens
 from jaxscale.mesh import make_mesh
 from jaxscale.models.llama import Llama
@@ -89,13 +89,14 @@ class Trainer:
         """Check every parameter and activation layout by tracing the step abstractly."""
         paths = jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]
         flat_axes = jax.tree.leaves(self.axes, is_leaf=_is_axes)
-        for (path, leaf), axes in zip(paths, flat_axes):
+        for (path, leaf), axes in zip(paths, flat_axes, strict=True):
             name = "param " + jax.tree_util.keystr(path, simple=True, separator=".")
             for kind in ("params", "optimizer", "gradients"):
-                check_divisible(name, leaf.shape, axes, self.rules.spec(axes, kind), self.mesh)
+                where = name if kind == "params" else f"{name} ({kind} layout)"
+                check_divisible(where, leaf.shape, axes, self.rules.spec(axes, kind), self.mesh)
         t = self.config.train
         micro = t.global_batch // t.microbatches
-        for what, rows in (("train.global_batch", t.global_batch), ("per-microbatch batch", micro)):
+        for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
 
@@ -111,14 +112,20 @@ class Trainer:
     def state_shardings(self) -> TrainState:
         replicated = NamedSharding(self.mesh, PartitionSpec())
         opt_abstract = jax.eval_shape(self.optimizer.init, self.abstract_params)
-        opt_shardings = optax.tree_map_params(
-            self.optimizer,
-            lambda _, s: s,
-            opt_abstract,
-            self.param_shardings("optimizer"),
-            transform_non_params=lambda _: replicated,
-        )
-        return TrainState(replicated, self.param_shardings("params"), opt_shardings)
+        found = {}
+
+        def map_state() -> None:
+            # Traced, so that optax's placeholder init runs no eager op (nothing compiles here).
+            found["opt"] = optax.tree_map_params(
+                self.optimizer,
+                lambda _, s: s,
+                opt_abstract,
+                self.param_shardings("optimizer"),
+                transform_non_params=lambda _: replicated,
+            )
+
+        jax.eval_shape(map_state)
+        return TrainState(replicated, self.param_shardings("params"), found["opt"])
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:

@@ -295,7 +295,7 @@ def test_fill_axis_takes_the_rest():
             ["model.embed=60"],
             "zero1",
             {"data": 8},
-            r"^param [\w.]+: dimension \d \('embed', size 60\) is not divisible by "
+            r"^param [\w.]+ \(optimizer layout\): dimension \d \('embed', size 60\) is not divisible by "
             r"mesh axes \('data', 'fsdp'\) of size 8$",
         ),
     ],
@@ -328,7 +328,7 @@ def test_microbatch_not_divisible():
     # 16 rows divide over 8 devices, but 4 microbatches of 4 rows do not.
     config = tiny_config("train.microbatches=4", rules="dp", mesh={"data": 8})
     with fails_early(
-        r"^per-microbatch batch: dimension 0 \('batch', size 4\) is not divisible by "
+        r"^train.global_batch / train.microbatches: dimension 0 \('batch', size 4\) is not divisible by "
         r"mesh axes \('data', 'fsdp'\) of size 8$"
     ):
         Trainer.build(config)

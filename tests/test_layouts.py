@@ -28,7 +28,7 @@ def rel_err(a, b) -> float:
 
 def assert_trees_close(tree, ref, rtol: float = RTOL) -> None:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    for (path, x), r in zip(flat, jax.tree.leaves(ref)):
+    for (path, x), r in zip(flat, jax.tree.leaves(ref), strict=True):
         err = rel_err(jax.device_get(x), jax.device_get(r))
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol:.0e}"
 

@@ -23,10 +23,10 @@ def test_loss_falls_and_metrics_are_logged(run_dir):
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 10, 20, 30, 39]
     assert records == history
-    assert all(METRIC_KEYS <= r.keys() for r in records)
+    assert all(r.keys() >= METRIC_KEYS for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert records[0]["lr"] == 0.0 and records[1]["lr"] > 0
-    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] for r in records)
+    assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in records)
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_named"])

@@ -89,10 +89,11 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.wq = _param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), c.init_std, c.param_dtype)
-        self.wk = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
-        self.wv = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), c.init_std, c.param_dtype)
-        self.wo = _param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), c.init_std, c.param_dtype)
+        std, pdt = c.init_std, c.param_dtype
+        self.wq = _param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
+        self.wk = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wv = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wo = _param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config

@@ -89,9 +89,8 @@ def column_parallel(
 
     def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
         x = lax.all_gather(x, manual, axis=dim, tiled=True)
-        return tuple(
-            jnp.einsum(eq, x, _gather_weight(w, s, manual)) for (eq, *_), w, s in zip(projections, ws, w_specs)
-        )
+        pairs = zip(projections, ws, w_specs, strict=True)
+        return tuple(jnp.einsum(eq, x, _gather_weight(w, s, manual)) for (eq, *_), w, s in pairs)
 
     fn = _shard_map(body, [x_axes, *(a for _, _, a, _ in projections)], [out for *_, out in projections])
     return list(fn(constrain(x, x_axes), *(w for _, w, _, _ in projections)))
@@ -106,7 +105,7 @@ def row_parallel(
         return constrain(jnp.einsum(equation, h, w), out_axes)
     _, rules = active()
     h_spec = rules.spec(h_axes)
-    contracted = {n for a, part in zip(h_axes, h_spec) if a not in out_axes for n in _names(part)}
+    contracted = {n for a, part in zip(h_axes, h_spec, strict=True) if a not in out_axes for n in _names(part)}
     if contracted != set(manual):
         raise ConfigError(
             f"rules '{rules.name}': sequence parallelism over {manual} needs the contracted axes of "
