@@ -32,11 +32,27 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     if config.dcn is not None:
         dcn = [getattr(config.dcn, a) for a in MESH_AXES]
         ici = [shape[a] // d for a, d in zip(MESH_AXES, dcn, strict=True)]
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, allow_split_physical_axes=True
-        )
-        return Mesh(grid, MESH_AXES, axis_types=axis_types)
+        return Mesh(_hybrid_grid(ici, dcn, devices), MESH_AXES, axis_types=axis_types)
     sizes = tuple(shape[a] for a in MESH_AXES)
     if len(devices) == len(jax.devices()):
         return jax.make_mesh(sizes, MESH_AXES, axis_types=axis_types, devices=devices)
     return Mesh(np.array(devices).reshape(sizes), MESH_AXES, axis_types=axis_types)
+
+
+def _hybrid_grid(ici: list[int], dcn: list[int], devices: list[jax.Device]) -> np.ndarray:
+    """Devices laid out so each axis is (dcn x ici), the dcn factor outermost.
+
+    Granules (the groups joined by the slow network) are TPU slices where devices
+    have a ``slice_index``, else processes; a single process simulating several
+    hosts splits its devices into equal consecutive granules.
+    """
+    if all(hasattr(d, "slice_index") for d in devices):
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, allow_split_physical_axes=True)
+    if jax.process_count() > 1:
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True
+        )
+    n = len(ici)
+    grid = np.array(devices).reshape(*dcn, *ici)
+    interleaved = [axis for i in range(n) for axis in (i, n + i)]
+    return grid.transpose(interleaved).reshape([d * i for d, i in zip(dcn, ici, strict=True)])
