@@ -27,6 +27,11 @@ against the groups each subset of the mesh's (non-trivial) axes forms.
 :func:`summarize` sums by kind and by mesh axes, :func:`memory` reads
 ``compiled.memory_analysis()`` and :func:`step_report` puts them next to the
 analytic figures of FORMULAS.md for a trainer's layout, as JSON-ready data.
+The layer scan's collectives, with their sizes::
+
+    found = collectives(compile_step(trainer).as_text(), trainer.mesh)
+    for c in in_loop(found, trips=trainer.config.model.layers):
+        print(c.phase, c.reading, c.axes, c.shapes, c.operand_bytes, c.runs, c.wire_bytes)
 """
 
 from __future__ import annotations
@@ -181,7 +186,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str]:
 
 def _callees(instr: _Instr) -> list[tuple[str, str]]:
     """(role, computation) for every computation an instruction calls."""
-    return [(role, name.strip(" %")) for role, ref in _CALLS.findall(instr.attrs) for name in ref.strip("{}").split(",")]
+    return [
+        (role, name.strip(" %")) for role, ref in _CALLS.findall(instr.attrs) for name in ref.strip("{}").split(",")
+    ]
 
 
 def _trip_count(instr: _Instr, comps: dict[str, _Computation]) -> int | None:
@@ -260,7 +267,8 @@ class Collective:
 
     @property
     def phase(self) -> str:
-        """``forward`` (under jax's ``jvp``), ``backward`` (``transpose``), ``update`` (neither) or ``mixed``.
+        """``forward`` (under jax's ``jvp``), ``backward`` (``transpose``), ``mixed`` (a combined op) or
+        ``update``: neither pass (the optimizer, or resharding the outputs, which carries no op name).
 
         A combined op's name is ``prefix/(a:b:c)``; each part is read with the prefix.
         """
@@ -328,22 +336,53 @@ def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> tuple[tuple
     return tuple(map(tuple, ids.transpose(rest + grouped_dims).reshape(-1, group_size).tolist()))
 
 
+def _prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
 def mesh_axes(groups: tuple[tuple[int, ...], ...], mesh: Mesh, exact: bool = True) -> tuple[str, ...] | None:
     """The fewest mesh axes whose device groups equal ``groups`` (or, not ``exact``, contain each group).
 
-    Device ids are positions in ``mesh.devices.flat``; axes of size 1 are never named.
+    Device ids are positions in ``mesh.devices.flat``; axes of size 1 are never named. Groups that
+    only part of an axis forms name it as XLA does, ``'fsdp:(pre)size'``: the ``size`` devices of the
+    axis, split as ``[pre, size, rest]``, that differ in the middle coordinate.
     """
-    ids = np.arange(mesh.size).reshape(mesh.devices.shape)
-    live = [i for i, s in enumerate(mesh.devices.shape) if s > 1]
+    # Every axis split into its prime factors, major to minor: (axis, factor's pre-size, factor).
+    dims = []
+    for name, size in mesh.shape.items():
+        pre = 1
+        for p in _prime_factors(size):
+            dims.append((name, pre, p))
+            pre *= p
+    ids = np.arange(mesh.size).reshape([p for _, _, p in dims] or [1])
     wanted = {frozenset(g) for g in groups}
-    for r in range(len(live) + 1):
-        for subset in itertools.combinations(live, r):
+    for r in range(len(dims) + 1):
+        for subset in itertools.combinations(range(len(dims)), r):
+            size = math.prod(dims[i][2] for i in subset)
+            if exact and size != len(groups[0]):
+                continue
             rest = [i for i in range(ids.ndim) if i not in subset]
-            formed = ids.transpose(rest + list(subset)).reshape(-1, math.prod(ids.shape[i] for i in subset))
-            formed_sets = {frozenset(g) for g in formed.tolist()}
-            if (wanted == formed_sets) if exact else all(any(w <= f for f in formed_sets) for w in wanted):
-                return tuple(mesh.axis_names[i] for i in subset)
+            formed = {frozenset(g) for g in ids.transpose(rest + list(subset)).reshape(-1, size).tolist()}
+            if (wanted == formed) if exact else all(any(w <= f for f in formed) for w in wanted):
+                return _axes_name([dims[i] for i in subset], mesh)
     return None
+
+
+def _axes_name(dims: list[tuple[str, int, int]], mesh: Mesh) -> tuple[str, ...]:
+    """Merge consecutive prime factors of one axis and name them (``'fsdp'`` or ``'fsdp:(1)2'``)."""
+    runs: list[list[Any]] = []
+    for name, pre, p in dims:
+        if runs and runs[-1][0] == name and runs[-1][1] * runs[-1][2] == pre:
+            runs[-1][2] *= p
+        else:
+            runs.append([name, pre, p])
+    return tuple(name if size == mesh.shape[name] else f"{name}:({pre}){size}" for name, pre, size in runs)
 
 
 def _sliced_bytes(comps: dict[str, _Computation], comp: _Computation, instr: _Instr, n: int) -> int:
@@ -372,7 +411,7 @@ def _sliced_bytes(comps: dict[str, _Computation], comp: _Computation, instr: _In
     total = 0
     for index, item in enumerate(items):
         starts = [instr.name]
-        if len(items) > 1 or instr.type.startswith("("):
+        if instr.type.startswith("("):
             starts = [
                 u.name
                 for u, _ in users[instr.name]
@@ -412,6 +451,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     """Every collective of a compiled (post-optimisation) HLO module, in text order."""
     comps, entry = _parse(hlo_text)
     contexts = _contexts(comps, entry)
+    axes_of: dict[tuple[Any, bool], tuple[str, ...] | None] = {}
     out = []
     for comp in comps.values():
         if comp.name not in contexts:
@@ -429,6 +469,9 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
                 result_type = _tuple_items(instr.type)[1]  # (operands, results[, contexts])
             groups = _groups(instr.attrs, mesh.size)
             n = 2 if kind == "collective-permute" else len(groups[0])
+            exact = kind != "collective-permute"
+            if (groups, exact) not in axes_of:
+                axes_of[groups, exact] = mesh_axes(groups, mesh, exact)
             sliced = _sliced_bytes(comps, comp, instr, n) if kind == "all-reduce" and n > 1 else 0
             op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
             out.append(
@@ -441,7 +484,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
                     operand_bytes=operand_bytes,
                     groups=groups,
                     n=n,
-                    axes=mesh_axes(groups, mesh, exact=kind != "collective-permute"),
+                    axes=axes_of[groups, exact],
                     computation=comp.name,
                     loops=loops,
                     runs=runs,
@@ -500,9 +543,7 @@ def memory(compiled: Any) -> dict[str, int]:
 
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` (the largest shard's shape)."""
-    return sum(
-        math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)
-    )
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def state_bytes(trainer: Any) -> dict[str, int]:
@@ -516,41 +557,52 @@ def state_bytes(trainer: Any) -> dict[str, int]:
     }
 
 
-def _dp_ways(trainer: Any, kind: str) -> int:
-    """How many ways the data-parallel axes split the largest-split parameter in ``kind``'s layout."""
-    ways = 1
-    for sharding in jax.tree.leaves(trainer.param_shardings(kind)):
-        names = [a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part)]
-        ways = max(ways, math.prod(trainer.mesh.shape[a] for a in names if a in DATA_AXES))
-    return ways
+def _sharded_over(trainer: Any, kind: str) -> list[set[str]]:
+    """For each parameter, the mesh axes (of size > 1) that split it in ``kind``'s layout."""
+    return [
+        {a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part)}
+        - {a for a, size in trainer.mesh.shape.items() if size == 1}
+        for sharding in jax.tree.leaves(trainer.param_shardings(kind))
+    ]
 
 
 def formulas(trainer: Any) -> dict[str, Any]:
-    """FORMULAS.md's figures for this layout, in bytes per device (jaxscale's fp32 convention)."""
+    """FORMULAS.md's figures for this layout, in bytes per device (jaxscale's fp32 convention).
+
+    The ZeRO stage is read from the layout: 3 if the data-parallel axes split the parameters,
+    2 if the gradients, 1 if the optimizer state. TP divides the tensor-sharded parameters Ψ_t by t
+    (the rest, norms, stays whole); pipeline and expert splits are not modelled.
+    """
     config, mesh = trainer.config, trainer.mesh
-    psi = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_params))
+    sizes = [math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_params)]
+    psi = sum(sizes)
     pbytes = np.dtype(config.model.param_dtype).itemsize
-    abytes = np.dtype(config.model.dtype).itemsize
     nd = mesh.shape["data"] * mesh.shape["fsdp"]
     t = mesh.shape["tensor"]
-    params_ways, grads_ways, opt_ways = (_dp_ways(trainer, k) for k in ("params", "gradients", "optimizer"))
-    stage = 3 if params_ways > 1 else 2 if grads_ways > 1 else 1 if opt_ways > 1 else 0
+    psi_t = sum(n for n, axes in zip(sizes, _sharded_over(trainer, "params"), strict=True) if "tensor" in axes)
+    local = psi - psi_t + psi_t / t
+    ways = {
+        kind: max(math.prod(mesh.shape[a] for a in axes & set(DATA_AXES)) for axes in _sharded_over(trainer, kind))
+        for kind in ("params", "gradients", "optimizer")
+    }
+    stage = 3 if ways["params"] > 1 else 2 if ways["gradients"] > 1 else 1 if ways["optimizer"] > 1 else 0
     out: dict[str, Any] = {
         "convention": "fp32 master params 4Ψ + Adam moments 8Ψ + fp32 gradients 4Ψ (transient), each / its dp ways",
         "psi": psi,
+        "psi_tensor_sharded": psi_t,
         "n_d": nd,
         "zero_stage": stage,
-        "params_bytes": pbytes * psi / params_ways,
-        "grads_bytes": pbytes * psi / grads_ways,
-        "adam_bytes": 2 * pbytes * psi / opt_ways,
-        "dp_comm_bytes": (3 if stage == 3 else 2) * (nd - 1) / nd * psi * pbytes,
+        "params_bytes": pbytes * local / ways["params"],
+        "grads_bytes": pbytes * local / ways["gradients"],
+        "adam_bytes": 2 * pbytes * local / ways["optimizer"],
+        "dp_comm_bytes": (3 if stage == 3 else 2) * (nd - 1) / nd * local * pbytes,
     }
     if t > 1:
-        t_cfg, m = config.train, config.train.microbatches
-        b = t_cfg.global_batch // (nd * m)
-        s = t_cfg.seq_len // mesh.shape["context"]
-        per_all_reduce = 2 * (t - 1) / t * b * s * config.model.embed * abytes
-        out["tp_comm_bytes"] = 4 * config.model.layers * m * per_all_reduce
+        m = config.train.microbatches
+        b = config.train.global_batch // (nd * m)
+        s = config.train.seq_len // mesh.shape["context"]
+        bsh = b * s * config.model.embed * np.dtype(config.model.dtype).itemsize
+        out["tp_comm_bytes"] = 4 * config.model.layers * m * 2 * (t - 1) / t * bsh  # 2 all-reduces fwd, 2 bwd
     return out
 
 

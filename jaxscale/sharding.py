@@ -9,7 +9,7 @@ A rules file (``configs/rules/<name>.yaml``) has up to three sections::
       layers: null
     optimizer:    # optional: overrides for the optimizer state (ZeRO-1)
       embed: data
-    gradients:    # optional: overrides for gradients and their accumulator (ZeRO-2)
+    gradients:    # optional: overrides for the gradient accumulator (ZeRO-2)
       embed: data
 
 Each logical name maps to one mesh axis, a list of them, or null

@@ -168,8 +168,9 @@ class Trainer:
         grad_shardings = self.param_shardings("gradients")
         value_and_grad = jax.value_and_grad(self.loss)
         if m == 1:
-            loss, grads = value_and_grad(params, batch)
-            return loss, jax.lax.with_sharding_constraint(grads, grad_shardings)
+            # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
+            # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
+            return value_and_grad(params, batch)
 
         def split(x: jax.Array) -> jax.Array:
             # Row r of microbatch i is global row r * m + i: every device keeps its own rows.
@@ -197,7 +198,7 @@ class Trainer:
             params_o = jax.lax.with_sharding_constraint(state.params, opt_layout)
             updates, opt_state = self.optimizer.update(grads_o, state.opt_state, params_o)
             params = optax.apply_updates(params_o, updates)
-        out = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(self.config.train)(state.step)}
+        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": schedule(self.config.train)(state.step)}
         return TrainState(state.step + 1, params, opt_state), out
 
     @cached_property
