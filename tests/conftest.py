@@ -1,6 +1,7 @@
 """Eight simulated CPU devices for every test, set before jax is imported."""
 
 import os
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
@@ -38,6 +39,19 @@ def tiny_config(*overrides: str, rules: str = "dp", mesh: dict[str, int] | None 
     sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **(mesh or {})}
     mesh_args = [f"mesh.{k}={v}" for k, v in sizes.items()]
     return load_config(None, [*TINY, f"rules={rules}", *mesh_args, *overrides])
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def subprocess_env(xla_flags: str | None = "--xla_force_host_platform_device_count=8") -> dict[str, str]:
+    """The environment for a jaxscale subprocess: this checkout's code, CPU devices as asked."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    if xla_flags is not None:
+        env["XLA_FLAGS"] = xla_flags
+    return env
 
 
 @pytest.fixture

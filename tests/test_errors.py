@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 import yaml
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 
 from jaxscale import cli
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
@@ -460,14 +459,10 @@ def test_experiment_file_not_a_mapping(tmp_path):
 
 
 def run_cli(tmp_path: Path, *args: str, xla_flags: str | None = "--xla_force_host_platform_device_count=8"):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    if xla_flags is not None:
-        env["XLA_FLAGS"] = xla_flags
     return subprocess.run(
         [sys.executable, "-m", "jaxscale", "train", *args],
         cwd=tmp_path,
-        env=env,
+        env=subprocess_env(xla_flags),
         capture_output=True,
         text=True,
         timeout=120,

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from conftest import subprocess_env, tiny_config
 
 from jaxscale.train import Trainer
 
@@ -65,7 +65,7 @@ def test_readme_python_example_runs(monkeypatch, capsys):
 def test_cli_trains_and_writes_metrics(tmp_path):
     cmd = [sys.executable, "-m", "jaxscale", "train", "--no-progress", "--set", "train.steps=2",
            "--set", f"run_dir={tmp_path}", "--set", "data.max_bytes=100000"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=subprocess_env())
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
