@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from jaxscale import distributed
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config, requested_devices
 
 DEFAULT_CPU_DEVICES = 8
@@ -26,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=20 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--coordinator", help="host:port of process 0 (multi-process; or JAXSCALE_COORDINATOR)")
+    train.add_argument("--num-processes", type=int, help="processes in the job (or JAXSCALE_NUM_PROCESSES)")
+    train.add_argument("--process-id", type=int, help="this process's index (or JAXSCALE_PROCESS_ID)")
     return parser
 
 
@@ -38,15 +42,22 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
-        _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
+        cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
+        processes = cluster.num_processes or 1
+        _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
+        distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
+        import jax
+
         from jaxscale.train import Trainer
 
         trainer = Trainer.build(config)
     except ConfigError as e:
         print(f"jaxscale: error: {e}", file=sys.stderr)
         return 2
-    _, history = trainer.fit(progress=not args.no_progress)
-    if history:
+    with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
+        _, history = trainer.fit(progress=not args.no_progress)
+        distributed.finish(config.distributed.init_timeout_s)
+    if history and jax.process_index() == 0:
         first, last = history[0], history[-1]
         print(
             f"step {first['step']} loss {first['loss']:.4f} -> step {last['step']} loss {last['loss']:.4f}; "

