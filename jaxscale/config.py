@@ -29,6 +29,24 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward (``jaxscale/models/moe.py``); ``model.moe: null`` is a dense model."""
+
+    experts: int = 8
+    top_k: int = 2
+    mlp: int | None = None  # hidden size of each expert; None: model.mlp
+    every_n_layers: int = 1  # layer i is MoE when (i + 1) % every_n_layers == 0
+    shared_experts: int = 0  # always-on experts: one dense SwiGLU of shared_experts x mlp
+    capacity_factor: float = 1.25
+    dispatch: str = "capacity"  # capacity | dropless
+    router: str = "softmax"  # softmax | sigmoid
+    normalize_gates: bool = True  # the top-k gates of a token sum to 1
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    impl: str = "shard_map"  # shard_map (explicit all-to-all) | partitioner (einsum dispatch, rules only)
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """A Llama-style decoder."""
 
@@ -47,6 +65,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
+    moe: MoEConfig | None = None
 
 
 @dataclasses.dataclass
@@ -260,6 +279,39 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib",)
+MOE_CHOICES = {
+    "dispatch": ("capacity", "dropless"),
+    "router": ("softmax", "sigmoid"),
+    "impl": ("shard_map", "partitioner"),
+}
+
+
+def validate_moe(m: ModelConfig) -> None:
+    """Checks of ``model.moe`` that need no devices."""
+    moe = m.moe
+    if moe is None:
+        return
+    for key, choices in MOE_CHOICES.items():
+        if getattr(moe, key) not in choices:
+            raise ConfigError(f"model.moe.{key}: '{getattr(moe, key)}' is not one of {', '.join(choices)}")
+    for key in ("experts", "top_k", "every_n_layers"):
+        if getattr(moe, key) < 1:
+            raise ConfigError(f"model.moe.{key} must be at least 1, got {getattr(moe, key)}")
+    if moe.mlp is not None and moe.mlp < 1:
+        raise ConfigError(f"model.moe.mlp must be positive, got {moe.mlp}")
+    if moe.top_k > moe.experts:
+        raise ConfigError(f"model.moe.top_k ({moe.top_k}) is more than model.moe.experts ({moe.experts})")
+    if m.layers % moe.every_n_layers:
+        raise ConfigError(
+            f"model.layers ({m.layers}) is not divisible by model.moe.every_n_layers ({moe.every_n_layers})"
+        )
+    if moe.shared_experts < 0:
+        raise ConfigError(f"model.moe.shared_experts must be at least 0, got {moe.shared_experts}")
+    if moe.capacity_factor <= 0:
+        raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}")
+    for key in ("aux_loss_weight", "z_loss_weight"):
+        if getattr(moe, key) < 0:
+            raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
 
 
 def validate(config: Config) -> None:
@@ -277,6 +329,7 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
+    validate_moe(m)
     if config.data.source not in DATA_SOURCES:
         raise ConfigError(f"data.source: '{config.data.source}' is not one of {', '.join(DATA_SOURCES)}")
     if config.data.source == "stdlib" and m.vocab_size < 256:

@@ -3,8 +3,10 @@
 Model FLOPs per token (FORMULAS.md): ``6 * Ψ_matmul + 6 * L * s * heads * head_dim``,
 the second term being attention scores and values, forward and backward,
 halved for the causal mask. Ψ_matmul counts the weights used in matmuls (the
-embedding table only when tied to the output head). MFU divides achieved
-model FLOP/s by the device's peak; recomputation is not counted.
+embedding table only when tied to the output head); for a mixture of experts,
+only the active ones: the router, ``top_k`` experts and the shared experts of
+each MoE layer. MFU divides achieved model FLOP/s by the device's peak;
+recomputation is not counted.
 """
 
 from __future__ import annotations
@@ -34,16 +36,23 @@ PEAK_FLOPS = {
 
 
 def param_count(config: ModelConfig) -> dict[str, int]:
-    """Parameters by role, from the shapes the model creates."""
+    """Parameters by role, from the shapes the model creates; ``matmul`` counts only active experts."""
     c = config
     attn = c.embed * c.head_dim * (2 * c.heads + 2 * c.kv_heads)
     mlp = 3 * c.embed * c.mlp
     norms = 2 * c.embed
-    blocks = c.layers * (attn + mlp + norms)
+    mlp_total = mlp_active = c.layers * mlp
+    if c.moe is not None:
+        f = c.moe.mlp or c.mlp
+        moe_layers = c.layers // c.moe.every_n_layers
+        expert, shared, router = 3 * c.embed * f, 3 * c.embed * f * c.moe.shared_experts, c.embed * c.moe.experts
+        mlp_total += moe_layers * (c.moe.experts * expert + shared + router - mlp)
+        mlp_active += moe_layers * (c.moe.top_k * expert + shared + router - mlp)
+    blocks = c.layers * (attn + norms) + mlp_total
     embedding = c.vocab_size * c.embed
     head = 0 if c.tie_embeddings else c.embed * c.vocab_size
     total = blocks + embedding + head + c.embed
-    matmul = c.layers * (attn + mlp) + c.embed * c.vocab_size
+    matmul = c.layers * attn + mlp_active + c.embed * c.vocab_size
     return {"total": total, "matmul": matmul, "embedding": embedding}
 
 

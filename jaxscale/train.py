@@ -29,6 +29,7 @@ from jaxscale import metrics as metrics_lib
 from jaxscale.config import Config
 from jaxscale.data import Batches, load_tokens
 from jaxscale.mesh import make_mesh
+from jaxscale.models import moe
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.sharding import Rules, check_divisible, constrain, use_rules
@@ -156,49 +157,58 @@ class Trainer:
 
     # -- the step --------------------------------------------------------------------
 
-    def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        """Mean cross-entropy of the model on one batch."""
+    def loss_and_metrics(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The objective on one batch (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics."""
         model = nnx.merge(self.graphdef, params)
-        logits = model(batch["inputs"], batch["positions"])
-        return cross_entropy(logits, batch["targets"])
+        logits, aux = model.forward(batch["inputs"], batch["positions"])
+        return cross_entropy(logits, batch["targets"]) + moe.aux_objective(aux, self.config.model), aux
 
-    def _grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
-        """Loss and gradients, accumulated over ``train.microbatches`` with ``lax.scan``."""
+    def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        """The objective on one batch: mean cross-entropy, plus the MoE auxiliary losses if any."""
+        return self.loss_and_metrics(params, batch)[0]
+
+    def _grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+        """Loss, gradients and model metrics, accumulated over ``train.microbatches`` with ``lax.scan``."""
         m = self.config.train.microbatches
         grad_shardings = self.param_shardings("gradients")
-        value_and_grad = jax.value_and_grad(self.loss)
+        value_and_grad = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
         if m == 1:
             # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
             # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
-            return value_and_grad(params, batch)
+            (loss, aux), grads = value_and_grad(params, batch)
+            return loss, grads, aux
 
         def split(x: jax.Array) -> jax.Array:
             # Row r of microbatch i is global row r * m + i: every device keeps its own rows.
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
             return constrain(x, (None, *BATCH_AXES))
 
-        def body(carry: tuple[jax.Array, Any], micro: dict[str, jax.Array]) -> tuple[tuple[jax.Array, Any], None]:
-            loss_sum, grad_sum = carry
-            loss, grads = value_and_grad(params, micro)
+        def body(carry: tuple[jax.Array, Any, Any], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
+            loss_sum, grad_sum, aux_sum = carry
+            (loss, aux), grads = value_and_grad(params, micro)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings)), None
+            aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
+            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings), aux_sum), None
 
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings
         )
-        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), jax.tree.map(split, batch))
-        return loss_sum / m, jax.tree.map(lambda g: g / m, grad_sum)
+        aux_zeros = {k: jnp.zeros((), jnp.float32) for k in moe.METRICS} if self.config.model.moe else {}
+        init = (jnp.zeros((), jnp.float32), zeros, aux_zeros)
+        (loss_sum, grad_sum, aux_sum), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+        return loss_sum / m, jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         with use_rules(self.mesh, self.rules):
-            loss, grads = self._grads(state.params, batch)
+            loss, grads, aux = self._grads(state.params, batch)
             opt_layout = self.param_shardings("optimizer")
             # Compute the update where the optimizer state lives (ZeRO-1/2: a shard per device).
             grads_o = jax.lax.with_sharding_constraint(grads, opt_layout)
             params_o = jax.lax.with_sharding_constraint(state.params, opt_layout)
             updates, opt_state = self.optimizer.update(grads_o, state.opt_state, params_o)
             params = optax.apply_updates(params_o, updates)
-        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": schedule(self.config.train)(state.step)}
+        lr = schedule(self.config.train)(state.step)
+        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": lr, **aux}
         return TrainState(state.step + 1, params, opt_state), out
 
     @cached_property
@@ -222,7 +232,7 @@ class Trainer:
 
         def f(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
             with use_rules(self.mesh, self.rules):
-                return self._grads(params, batch)
+                return self._grads(params, batch)[:2]
 
         return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))(params, batch)
 
@@ -271,6 +281,7 @@ class Trainer:
                     "mfu": flops_per_step / step_time / peak,
                     "memory_bytes": metrics_lib.device_memory_in_use(),
                     "compile_s": compile_s,
+                    **{k: float(out[k]) for k in moe.METRICS if k in out},
                 })
                 last_time, last_step = now, step + 1
         logger.close()

@@ -18,10 +18,20 @@ one and not the other); ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
 The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
 ``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
 ``nnx.remat`` with the configured policy.
+
+With ``model.moe``, every ``every_n_layers``-th block's MLP is a mixture of
+experts (``jaxscale/models/moe.py``). A scan needs identical steps, so the unit
+stacked and scanned is then a :class:`Group` of ``every_n_layers`` blocks whose
+last is the MoE one (the scan runs ``layers / every_n_layers`` times); one
+stack of groups keeps the layer order and a single loop, where a dense stack
+and an MoE stack would need a second loop or an interleaving schedule. Each
+step returns its MoE layer's auxiliary losses; :meth:`Llama.forward` returns
+their mean over the MoE layers next to the logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -30,6 +40,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import ModelConfig
+from jaxscale.models import moe
 from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain
 
@@ -144,17 +155,38 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder block: attention and MLP, each on a residual branch."""
+    """Pre-norm decoder block: attention and MLP (or mixture of experts), each on a residual branch."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
         self.attn_norm = RMSNorm(config, rngs)
         self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config, rngs)
-        self.mlp = MLP(config, rngs)
+        self.moe_layer = moe_layer
+        if moe_layer:
+            width = config.moe.shared_experts * moe.expert_width(config)
+            shared = MLP(dataclasses.replace(config, mlp=width), rngs) if width else None
+            self.mlp = moe.MoE(config, rngs, shared)
+        else:
+            self.mlp = MLP(config, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The block's output and its MoE metrics (none for a dense block)."""
         x = constrain(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
-        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        y, aux = self.mlp(self.mlp_norm(x)) if self.moe_layer else (self.mlp(self.mlp_norm(x)), {})
+        return constrain(x + y, RESIDUAL), aux
+
+
+class Group(nnx.Module):
+    """``model.moe.every_n_layers`` blocks, the last with a mixture of experts: the unit the layer scan repeats."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        n = config.moe.every_n_layers
+        self.blocks = nnx.List([Block(config, rngs, moe_layer=i == n - 1) for i in range(n)])
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        for block in self.blocks:
+            x, aux = block(x, positions)
+        return x, aux
 
 
 class Llama(nnx.Module):
@@ -165,10 +197,12 @@ class Llama(nnx.Module):
         self.config = c
         self.embedding = _param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
-        @nnx.split_rngs(splits=c.layers)
+        steps = c.layers // c.moe.every_n_layers if c.moe else c.layers
+
+        @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(c, rngs)
+        def make_blocks(rngs: nnx.Rngs) -> Block | Group:
+            return Group(c, rngs) if c.moe else Block(c, rngs)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(c, rngs)
@@ -176,24 +210,29 @@ class Llama(nnx.Module):
             self.lm_head = _param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        return self.forward(tokens, positions)[0]
+
+    def forward(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Logits and the MoE metrics averaged over the MoE layers (``moe.METRICS``; none when dense)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
         x = constrain(x, RESIDUAL)
 
-        def body(x: jax.Array, block: Block) -> jax.Array:
+        def body(x: jax.Array, block: Block | Group) -> tuple[jax.Array, dict[str, jax.Array]]:
             return block(x, positions)
 
         policy = remat_policy(c)
         if policy is not None:
             body = nnx.remat(body, policy=policy, prevent_cse=False)
         scan = nnx.scan(
-            body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
+            body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        x = self.final_norm(scan(x, self.blocks))
+        x, aux = scan(x, self.blocks)
+        x = self.final_norm(x)
         if c.tie_embeddings:
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
         (logits,) = sequence.column_parallel(x, RESIDUAL, [head])
-        return logits
+        return logits, jax.tree.map(jnp.mean, aux)
