@@ -47,6 +47,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
+    attention: str = "dot"
+    attention_block: int = 512
 
 
 @dataclasses.dataclass
@@ -251,6 +253,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib",)
+ATTENTIONS = ("dot", "blockwise", "ring", "cudnn")
 
 
 def validate(config: Config) -> None:
@@ -264,6 +267,10 @@ def validate(config: Config) -> None:
     for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive")
+    if m.attention not in ATTENTIONS:
+        raise ConfigError(f"model.attention: '{m.attention}' is not one of {', '.join(ATTENTIONS)}")
+    if m.attention_block <= 0:
+        raise ConfigError("model.attention_block must be positive")
     if m.heads % m.kv_heads:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:
