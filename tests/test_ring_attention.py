@@ -109,6 +109,24 @@ def test_blockwise_attention_on_one_device(causal, references):
     assert_close(value_and_grads(attend, q, k, v, ct), references[causal, 2][0], "blockwise")
 
 
+def test_gradient_memory_is_linear_in_the_sequence_under_a_layer_scan():
+    """Linearizing a scan over layers must not stack anything per tile (JAX hoists constant-only values)."""
+    temp = {}
+    for seq_len in (2048, 4096):
+        q = jax.ShapeDtypeStruct((1, seq_len, HEADS, 16), jnp.float32)
+        kv = jax.ShapeDtypeStruct((1, seq_len, 2, 16), jnp.float32)
+
+        def loss(q, k, v):
+            def layer(x, _):
+                return ring_attention.attention(x, k, v, Q_AXES, KV_AXES, causal=True, block=128), None
+
+            return jax.lax.scan(layer, q, None, length=2)[0].sum()
+
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+        temp[seq_len] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp[4096] < 2.5 * temp[2048], temp
+
+
 def test_zigzag_balances_causal_work():
     """Per-device attention FLOPs from the tiles the kernel computes: equal with zig-zag, ~2x with contiguous."""
     for cp in (2, 4, 8):

@@ -222,6 +222,10 @@ def _forward(q, k, v, plan: _Ring):
     b, s, h, g, _ = q.shape
     state = (plan.zeros(q.shape), plan.zeros((b, h, g, s), _NEG), plan.zeros((b, h, g, s)))
 
+    # Checkpointed, though nothing here is ever differentiated (the custom VJP is): when the layer scan around
+    # this is linearized, JAX hoists constant-only values (the causal masks) out of it and, without the
+    # checkpoint, would stack one per tile: O(s²) memory.
+    @jax.checkpoint
     def visit(state, kv, step):
         return _fold(q, *kv, ids[me], ids[(me - step) % plan.cp], state, plan)
 
