@@ -102,11 +102,21 @@ def test_contiguous_chunks_are_correct_too(references):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_blockwise_attention_on_one_device(causal, references):
-    """Without rules the kernel is flash-style blockwise attention over the whole sequence (16 tiles)."""
+def test_blockwise_attention(causal, references):
+    """Without a ring the kernel is flash-style attention over the whole sequence (16 tiles): on one device,
+    and under rules that shard the batch and heads (the sequence, split over context, is gathered)."""
     q, k, v, ct = inputs(2)
-    attend = jax.jit(lambda q, k, v: ring_attention.attention(q, k, v, Q_AXES, KV_AXES, causal=causal, block=TILE))
-    assert_close(value_and_grads(attend, q, k, v, ct), references[causal, 2][0], "blockwise")
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, context=2, tensor=2))
+
+    def attend(q, k, v, rules: str | None):
+        if rules is None:
+            return ring_attention.attention(q, k, v, Q_AXES, KV_AXES, causal=causal, block=TILE)
+        with use_rules(mesh, Rules.load(rules)):
+            return ring_attention.attention(q, k, v, Q_AXES, KV_AXES, causal=causal, block=TILE, ring=False)
+
+    for rules in (None, "fsdp_tp_cp"):
+        got = jax.jit(value_and_grads, static_argnums=0)(partial(attend, rules=rules), q, k, v, ct)
+        assert_close(got, references[causal, 2][0], f"blockwise under rules {rules}")
 
 
 def test_gradient_memory_is_linear_in_the_sequence_under_a_layer_scan():
