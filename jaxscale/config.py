@@ -271,6 +271,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.attention: '{m.attention}' is not one of {', '.join(ATTENTIONS)}")
     if m.attention_block <= 0:
         raise ConfigError("model.attention_block must be positive")
+    if m.attention == "cudnn" and m.dtype == "float32":
+        raise ConfigError("model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got float32")
     if m.heads % m.kv_heads:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:

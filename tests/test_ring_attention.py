@@ -264,7 +264,9 @@ def test_kv_gather_check_sees_dot_attention():
          r"train\.seq_len \(36\) is not divisible by 8: causal ring attention over context cuts it into 2 x 4"),
         (["model.attention=ring", "model.attention_block=3"], "cp", {"fsdp": 4, "context": 2},
          r"model\.attention_block \(3\) does not divide the 8-token chunks of train\.seq_len \(32\)"),
-        (["model.attention=cudnn"], "dp", {"data": 8}, r"model\.attention: 'cudnn' needs GPU devices, these are cpu"),
+        (["model.attention=cudnn"], "dp", {"data": 8}, r"model\.attention: 'cudnn' needs model\.dtype bfloat16"),
+        (["model.attention=cudnn", "model.dtype=bfloat16"], "dp", {"data": 8},
+         r"model\.attention: 'cudnn' needs GPU devices, these are cpu"),
     ],
 )
 def test_bad_attention_config_fails_before_compiling(overrides, rules, mesh, match):

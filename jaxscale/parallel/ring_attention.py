@@ -16,8 +16,9 @@ grouped-query attention maps ``a/g`` query heads to each kv head in the
 einsum). Backward (a custom VJP, not autodiff through the loop): K and V
 travel again ``c−1`` times, and their gradient accumulators (fp32) ``c`` times
 (the last hop brings them home): ``2·(c−1)·b·(s/c)·g·d_h·bytes +
-2·c·b·(s/c)·g·d_h·4`` — "about twice" the forward, as FORMULAS.md says, a
-little more with fp32 accumulators.
+2·c·b·(s/c)·g·d_h·4``: "about twice" the forward, as FORMULAS.md says, when
+K and V are fp32 (2.1x at c=8); with bf16 K and V the fp32 accumulators make
+it 3.3x (they are kept fp32 for the sum over c devices).
 
 **What is saved**: activation memory per device is that of ``s/c`` tokens
 (FORMULAS.md: "CP divides s by c"), and attention itself keeps only
