@@ -66,6 +66,8 @@ class ModelConfig:
     remat: str = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
     moe: MoEConfig | None = None
+    attention: str = "dot"
+    attention_block: int = 512
 
 
 @dataclasses.dataclass
@@ -312,6 +314,7 @@ def validate_moe(m: ModelConfig) -> None:
     for key in ("aux_loss_weight", "z_loss_weight"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
+ATTENTIONS = ("dot", "blockwise", "ring", "cudnn")
 
 
 def validate(config: Config) -> None:
@@ -325,6 +328,12 @@ def validate(config: Config) -> None:
     for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive")
+    if m.attention not in ATTENTIONS:
+        raise ConfigError(f"model.attention: '{m.attention}' is not one of {', '.join(ATTENTIONS)}")
+    if m.attention_block <= 0:
+        raise ConfigError("model.attention_block must be positive")
+    if m.attention == "cudnn" and m.dtype == "float32":
+        raise ConfigError("model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got float32")
     if m.heads % m.kv_heads:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:

@@ -7,7 +7,9 @@ trains on real text with nothing downloaded. A batch is a function of
 ``seq_len + 1`` tokens at an offset drawn from that seed, which makes a run
 reproducible and resumable without loader state. Each process builds only the
 rows its own devices hold and hands them to
-``jax.make_array_from_process_local_data``.
+``jax.make_array_from_process_local_data``. An ``order`` puts each row's
+tokens, targets and positions in the order the devices hold them (ring
+attention's zig-zag chunks); the loss, a mean over tokens, is unchanged.
 """
 
 from __future__ import annotations
@@ -52,21 +54,25 @@ def load_tokens(config: DataConfig) -> np.ndarray:
 class Batches:
     """Deterministic batches of next-token windows from one token stream."""
 
-    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int):
+    def __init__(
+        self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, order: np.ndarray | None = None
+    ):
         if len(tokens) <= seq_len + 1:
             raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
         self.tokens = tokens
         self.global_batch = global_batch
         self.seq_len = seq_len
         self.seed = seed
+        # The order of each row's tokens, targets and positions (ring attention's zig-zag chunks).
+        self.order = np.arange(seq_len, dtype=np.int32) if order is None else np.asarray(order, np.int32)
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of the global batch of ``step``: inputs, targets, positions."""
         rng = np.random.default_rng([self.seed, step])
         offsets = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)[start:stop]
         window = self.tokens[offsets[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
-        positions = np.broadcast_to(np.arange(self.seq_len, dtype=np.int32), (len(offsets), self.seq_len))
-        return {"inputs": window[:, :-1], "targets": window[:, 1:], "positions": np.array(positions)}
+        positions = np.broadcast_to(self.order, (len(offsets), self.seq_len))
+        return {"inputs": window[:, self.order], "targets": window[:, self.order + 1], "positions": np.array(positions)}
 
     def global_batch_arrays(self, step: int, sharding: NamedSharding) -> dict[str, jax.Array]:
         """The global batch of ``step`` as sharded arrays, each process supplying its own rows."""

@@ -30,6 +30,7 @@ from jaxscale.config import Config
 from jaxscale.data import Batches, load_tokens
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
+from jaxscale.models.attention import sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.sharding import Rules, check_divisible, constrain, use_rules
@@ -241,7 +242,8 @@ class Trainer:
     @cached_property
     def batches(self) -> Batches:
         t = self.config.train
-        return Batches(load_tokens(self.config.data), t.global_batch, t.seq_len, t.seed)
+        order = sequence_order(self.config.model, t.seq_len, self.mesh, self.rules)
+        return Batches(load_tokens(self.config.data), t.global_batch, t.seq_len, t.seed, order)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch of ``step``, sharded by the rules' ``batch`` and ``length``."""

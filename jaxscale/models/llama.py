@@ -41,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import ModelConfig
 from jaxscale.models import moe
+from jaxscale.models.attention import attention
 from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain
 
@@ -95,7 +96,10 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads."""
+    """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads.
+
+    The kernel is ``model.attention`` (:mod:`jaxscale.models.attention`).
+    """
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
@@ -121,7 +125,7 @@ class Attention(nnx.Module):
         q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        out = attention(q, k, v, Q_AXES, KV_AXES, c)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         wo = self.wo[...].astype(dt)
         y = sequence.row_parallel("bshd,hde->bse", out, Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL)

@@ -28,6 +28,9 @@ other shards (FSDP on ``embed``) are all-gathered inside too, and their
 gradients reduce-scattered. Which axes are SP axes is read from the rules
 (``norm_length`` axes not in ``length``): with none, both functions are plain
 einsums under sharding constraints and the partitioner's all-reduce does TP.
+With context parallelism too (``length`` on ``context``), ``norm_length``
+must list the context axes first (``[context, tensor]``), so that gathering
+the SP shards gives back each device's context block.
 """
 
 from __future__ import annotations
@@ -52,8 +55,14 @@ def sequence_axes() -> tuple[str, ...]:
         return ()
     mesh, rules = current
     table = rules.table()
-    inner = set(table.get("length", ()))
-    return tuple(a for a in table.get(SEQUENCE, ()) if a not in inner and mesh.shape[a] > 1)
+    inner, outer = table.get("length", ()), table.get(SEQUENCE, ())
+    manual = tuple(a for a in outer if a not in inner and mesh.shape[a] > 1)
+    if manual and inner and outer[: len(inner)] != inner:
+        # Gathering the SP shards must give back the blocks of 'length' (context parallelism).
+        raise ConfigError(
+            f"rules '{rules.name}': {SEQUENCE} {list(outer)} must start with the mesh axes of length {list(inner)}"
+        )
+    return manual
 
 
 def _names(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -105,7 +114,8 @@ def row_parallel(
         return constrain(jnp.einsum(equation, h, w), out_axes)
     _, rules = active()
     h_spec = rules.spec(h_axes)
-    contracted = {n for a, part in zip(h_axes, h_spec, strict=True) if a not in out_axes for n in _names(part)}
+    h_letters, out_letters = equation.split(",")[0], equation.split("->")[1]
+    contracted = {n for a, part in zip(h_letters, h_spec, strict=True) if a not in out_letters for n in _names(part)}
     if contracted != set(manual):
         raise ConfigError(
             f"rules '{rules.name}': sequence parallelism over {manual} needs the contracted axes of "

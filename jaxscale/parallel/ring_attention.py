@@ -1,0 +1,362 @@
+"""Context parallelism (CP): ring attention over the mesh axes that shard the sequence.
+
+Every module of the model but attention is token-wise, so with the rules
+table mapping ``length`` (and ``norm_length``) to ``context`` each device holds
+``s/c`` tokens everywhere. Attention needs the whole sequence: here each
+device keeps its query block while the key/value blocks travel a ring of the
+``c`` devices (``lax.ppermute`` to the next device), merged into the output by
+an online (log-sum-exp) softmax, so no device ever holds the full key/value
+sequence or any ``s x s`` score matrix. The transfer of the next block is
+issued before the current one is computed, so the two can overlap.
+
+**What moves, per layer, per device** (FORMULAS.md, "CP (ring)"): forward,
+the K and V blocks ``c−1`` times: ``2·(c−1)·b·(s/c)·g·d_h·bytes`` (``g`` the
+kv heads on this device; kv heads are never repeated before the transfer,
+grouped-query attention maps ``a/g`` query heads to each kv head in the
+einsum). Backward (a custom VJP, not autodiff through the loop): K and V
+travel again ``c−1`` times, and their gradient accumulators (fp32) ``c`` times
+(the last hop brings them home): ``2·(c−1)·b·(s/c)·g·d_h·bytes +
+2·c·b·(s/c)·g·d_h·4``: "about twice" the forward, as FORMULAS.md says, when
+K and V are fp32 (2.1x at c=8); with bf16 K and V the fp32 accumulators make
+it 3.3x (they are kept fp32 for the sum over c devices).
+
+**What is saved**: activation memory per device is that of ``s/c`` tokens
+(FORMULAS.md: "CP divides s by c"), and attention itself keeps only
+``q, k, v, out`` and the log-sum-exp of the local block (O(s/c)); scores
+exist one ``block x block`` tile at a time (flash-style), so no
+``5·a·s/h`` term either.
+
+**Causal load balance**: the sequence is cut into ``2c`` chunks and device
+``i`` holds chunks ``i`` and ``2c−1−i`` (zig-zag), so every device has one
+early and one late chunk and does the same work: ``2c+1`` chunk-pair tiles
+against ``4i+3`` (up to ``4c−1``) with contiguous chunks. Fully masked tiles
+are skipped (``lax.switch``), the diagonal ones masked. The data path puts the
+tokens, targets and positions of each sequence in this order
+(:func:`sequence_order`), so the loss (a mean over tokens) is unchanged and
+RoPE sees the true positions.
+
+With a ring of one device the same kernel is blockwise (flash) attention on
+one device: ``model.attention: blockwise``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from jaxscale.config import ConfigError
+from jaxscale.sharding import Axes, active
+
+SKIP, DIAGONAL, FULL = 0, 1, 2
+LAYOUTS = ("zigzag", "contiguous")
+_NEG = float(np.finfo(np.float32).min)
+
+
+def chunk_layout(cp: int, layout: str = "zigzag") -> np.ndarray:
+    """[cp, 2]: which of the ``2·cp`` sequence chunks each device holds, in order."""
+    if layout == "zigzag":
+        return np.array([[i, 2 * cp - 1 - i] for i in range(cp)])
+    if layout == "contiguous":
+        return np.array([[2 * i, 2 * i + 1] for i in range(cp)])
+    raise ValueError(f"layout '{layout}' is not one of {', '.join(LAYOUTS)}")
+
+
+def sequence_order(seq_len: int, cp: int, layout: str = "zigzag") -> np.ndarray:
+    """The positions of a sequence in the order the devices of a ring of ``cp`` hold them."""
+    chunk = seq_len // (2 * cp)
+    return (chunk_layout(cp, layout)[:, :, None] * chunk + np.arange(chunk)).reshape(-1)
+
+
+def block_ids(cp: int, seq_len: int, block: int, causal: bool, layout: str = "zigzag") -> np.ndarray:
+    """[cp, local blocks]: the global index of each ``block``-token tile of each device's sequence."""
+    if cp == 1 or not causal:
+        return np.arange(seq_len // block).reshape(cp, -1)
+    per_chunk = seq_len // (2 * cp * block)
+    return (chunk_layout(cp, layout)[:, :, None] * per_chunk + np.arange(per_chunk)).reshape(cp, -1)
+
+
+def tile_kind(q_id, k_id, causal: bool):
+    """SKIP, DIAGONAL (causally masked) or FULL for a query tile against a key tile (numpy or jax)."""
+    if not causal:
+        return FULL
+    xp = jnp if isinstance(q_id, jax.Array) else np
+    return xp.where(q_id > k_id, FULL, xp.where(q_id == k_id, DIAGONAL, SKIP))
+
+
+def tile_counts(cp: int, seq_len: int, block: int, causal: bool = True, layout: str = "zigzag") -> np.ndarray:
+    """[cp, 3]: tiles each device skips, masks and computes in full, in the kernel's own schedule."""
+    ids = block_ids(cp, seq_len, block, causal, layout)
+    counts = np.zeros((cp, 3), np.int64)
+    for me in range(cp):
+        for step in range(cp):
+            kinds = tile_kind(ids[me][:, None], ids[(me - step) % cp][None, :], causal)
+            counts[me] += np.bincount(np.broadcast_to(kinds, (ids.shape[1],) * 2).ravel(), minlength=3)
+    return counts
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The static plan of one attention call: ring axes and size, tile ids, masking, tile size."""
+
+    axes: tuple[str, ...]
+    cp: int
+    ids: np.ndarray
+    causal: bool
+    block: int
+    scale: float
+    varying: tuple[str, ...]
+
+    def index(self) -> jax.Array:
+        return lax.axis_index(self.axes) if self.cp > 1 else jnp.int32(0)
+
+    def shift(self, x):
+        """Send to the next device of the ring."""
+        return lax.ppermute(x, self.axes, [(i, (i + 1) % self.cp) for i in range(self.cp)])
+
+    def zeros(self, shape: tuple[int, ...], fill: float = 0.0) -> jax.Array:
+        """An fp32 accumulator, typed as varying over the mesh axes the blocks vary over (check_vma)."""
+        return lax.pcast(jnp.full(shape, fill, jnp.float32), self.varying, to="varying")
+
+
+def _tile(x: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
+    return lax.dynamic_slice_in_dim(x, i * block, block, axis)
+
+
+def _put(x: jax.Array, tile: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
+    return lax.dynamic_update_slice_in_dim(x, tile, i * block, axis)
+
+
+def _scores(q: jax.Array, k: jax.Array, masked: bool, scale: float) -> jax.Array:
+    """[b, kv heads, group, q, k] scores of one tile, fp32, causally masked on a diagonal tile."""
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+    if masked:
+        n = q.shape[1]
+        s = jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n)[None, :], s, _NEG)
+    return s
+
+
+def _fold_tile(acc, q, k, v, *, masked: bool, scale: float):
+    """Online softmax: fold one key/value tile into the running (out, max, sum) of one query tile."""
+    o, m, total = acc
+    s = _scores(q, k, masked, scale)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return o * jnp.transpose(corr, (0, 3, 1, 2))[..., None] + pv, m_new, total * corr + p.sum(-1)
+
+
+def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring):
+    """Fold the key/value tiles ``k_ids`` into the running (out, max, sum) of the query tiles ``q_ids``."""
+    block = plan.block
+    full = partial(_fold_tile, masked=False, scale=plan.scale)
+    branches = (lambda acc, *_: acc, partial(_fold_tile, masked=True, scale=plan.scale), full)
+
+    def per_query(state, i):
+        o, m, total = state
+        qi = _tile(q, i, block, 1)
+
+        def per_key(acc, j):
+            kj, vj = _tile(k, j, block, 1), _tile(v, j, block, 1)
+            if not plan.causal:
+                return full(acc, qi, kj, vj), None
+            return lax.switch(tile_kind(q_ids[i], k_ids[j], True), branches, acc, qi, kj, vj), None
+
+        acc = (_tile(o, i, block, 1), _tile(m, i, block, 3), _tile(total, i, block, 3))
+        acc, _ = lax.scan(per_key, acc, jnp.arange(k.shape[1] // block))
+        return (_put(o, acc[0], i, block, 1), _put(m, acc[1], i, block, 3), _put(total, acc[2], i, block, 3)), None
+
+    state, _ = lax.scan(per_query, state, jnp.arange(q.shape[1] // block))
+    return state
+
+
+def _grad_tile(acc, q, do, lse, delta, k, v, *, masked: bool, scale: float):
+    """Add one tile's contribution to (dq of the query tile, dk and dv of the key/value tile)."""
+    dq, dk, dv = acc
+    p = jnp.exp(_scores(q, k, masked, scale) - lse[..., None])
+    dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bqhgd,bkhd->bhgqk", do, v, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = dq + jnp.einsum("bhgqk,bkhd->bqhgd", ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring):
+    """Gradients of one key/value block: adds to ``dq``, returns it with this block's (dk, dv)."""
+    block = plan.block
+    full = partial(_grad_tile, masked=False, scale=plan.scale)
+    branches = (lambda acc, *_: acc, partial(_grad_tile, masked=True, scale=plan.scale), full)
+
+    def per_key(dq, j):
+        kj, vj = _tile(k, j, block, 1), _tile(v, j, block, 1)
+        zeros = plan.zeros(kj.shape)
+
+        def per_query(carry, i):
+            dq, dk, dv = carry
+            tiles = (_tile(q, i, block, 1), _tile(do, i, block, 1), _tile(lse, i, block, 3), _tile(delta, i, block, 3))
+            acc = (_tile(dq, i, block, 1), dk, dv)
+            if plan.causal:
+                acc = lax.switch(tile_kind(q_ids[i], k_ids[j], True), branches, acc, *tiles, kj, vj)
+            else:
+                acc = full(acc, *tiles, kj, vj)
+            return (_put(dq, acc[0], i, block, 1), acc[1], acc[2]), None
+
+        (dq, dk, dv), _ = lax.scan(per_query, (dq, zeros, zeros), jnp.arange(q.shape[1] // block))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = lax.scan(per_key, dq, jnp.arange(k.shape[1] // block))
+    return dq, *(jnp.moveaxis(x, 0, 1).reshape(k.shape) for x in (dk, dv))
+
+
+def _forward(q, k, v, plan: _Ring):
+    """Local blocks q [b, s/c, kv heads, group, d], k and v [b, s/c, kv heads, d] -> (out, log-sum-exp)."""
+    me = plan.index()
+    ids = jnp.asarray(plan.ids, jnp.int32)
+    b, s, h, g, _ = q.shape
+    state = (plan.zeros(q.shape), plan.zeros((b, h, g, s), _NEG), plan.zeros((b, h, g, s)))
+
+    # Checkpointed, though nothing here is ever differentiated (the custom VJP is): when the layer scan around
+    # this is linearized, JAX hoists constant-only values (the causal masks) out of it and, without the
+    # checkpoint, would stack one per tile: O(s²) memory.
+    @jax.checkpoint
+    def visit(state, kv, step):
+        return _fold(q, *kv, ids[me], ids[(me - step) % plan.cp], state, plan)
+
+    kv = (k, v)
+    if plan.cp > 1:
+
+        def ring_step(carry, step):
+            state, kv = carry
+            incoming = plan.shift(kv)  # issued before this block is computed: transfer overlaps compute
+            return (visit(state, kv, step), incoming), None
+
+        (state, kv), _ = lax.scan(ring_step, (state, kv), jnp.arange(plan.cp - 1))
+    o, m, total = visit(state, kv, plan.cp - 1)
+    out = o / jnp.transpose(total, (0, 3, 1, 2))[..., None]
+    return out.astype(q.dtype), m + jnp.log(total)
+
+
+def _backward(plan: _Ring, residuals, do):
+    """The ring again: K, V and their fp32 gradient accumulators travel; dq stays."""
+    q, k, v, out, lse = residuals
+    me = plan.index()
+    ids = jnp.asarray(plan.ids, jnp.int32)
+    delta = jnp.einsum("bqhgd,bqhgd->bhgq", do.astype(jnp.float32), out.astype(jnp.float32))
+    dq = plan.zeros(q.shape)
+    dkv = (plan.zeros(k.shape), plan.zeros(v.shape))
+
+    def visit(dq, dkv, kv, step):
+        dq, dk, dv = _grad(q, do, lse, delta, *kv, ids[me], ids[(me - step) % plan.cp], dq, plan)
+        return dq, (dkv[0] + dk, dkv[1] + dv)
+
+    kv = (k, v)
+    if plan.cp > 1:
+
+        def ring_step(carry, step):
+            dq, kv, dkv = carry
+            incoming = plan.shift(kv)
+            dq, dkv = visit(dq, dkv, kv, step)
+            return (dq, incoming, plan.shift(dkv)), None
+
+        (dq, kv, dkv), _ = lax.scan(ring_step, (dq, kv, dkv), jnp.arange(plan.cp - 1))
+    dq, dkv = visit(dq, dkv, kv, plan.cp - 1)
+    if plan.cp > 1:
+        dkv = plan.shift(dkv)  # the last hop brings each block's gradient home
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(plan: _Ring, q, k, v):
+    return _forward(q, k, v, plan)[0]
+
+
+def _attend_fwd(plan: _Ring, q, k, v):
+    out, lse = _forward(q, k, v, plan)
+    return out, (q, k, v, out, lse)
+
+
+_attend.defvjp(_attend_fwd, _backward)
+
+
+def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """[b, s, heads, d] queries against [b, s, kv heads, d] keys and values, on this device's blocks."""
+    b, s, heads, d = q.shape
+    kv_heads = k.shape[2]
+    out = _attend(plan, q.reshape(b, s, kv_heads, heads // kv_heads, d), k, v)
+    return out.reshape(q.shape)
+
+
+def _names(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+def _plan(
+    seq_len: int, cp: int, axes: tuple[str, ...], varying: tuple[str, ...], head_dim: int, causal: bool, block: int,
+    layout: str,
+) -> _Ring:
+    """Check the sizes; the tile is ``block`` tokens, or a whole chunk when that is shorter."""
+    chunks = 2 * cp if causal and cp > 1 else cp
+    if seq_len % chunks:
+        raise ConfigError(
+            f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
+            f"{' x '.join(axes)} cuts it into 2 x {cp} chunks"
+        )
+    chunk = seq_len // chunks
+    tile = min(block, chunk)
+    if chunk % tile:
+        raise ConfigError(
+            f"model.attention_block ({block}) does not divide the {chunk}-token chunks of train.seq_len ({seq_len})"
+        )
+    ids = block_ids(cp, seq_len, tile, causal, layout)
+    return _Ring(axes, cp, ids, causal, tile, 1.0 / math.sqrt(head_dim), varying)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_axes: Axes,
+    kv_axes: Axes,
+    *,
+    causal: bool = True,
+    block: int = 512,
+    ring: bool = True,
+    layout: str = "zigzag",
+) -> jax.Array:
+    """Attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim].
+
+    Under :func:`jaxscale.sharding.use_rules` this is a ``jax.shard_map``
+    manual over every mesh axis, with specs from the rules (``q_axes`` and
+    ``kv_axes`` name the dimensions): the batch and heads stay where the rules
+    put them, and with ``ring`` the sequence's mesh axes form the ring (their
+    sequence must be in :func:`sequence_order` when causal). Without ``ring``,
+    or outside ``use_rules``, it is blockwise attention over the whole sequence.
+    """
+    current = active()
+    if current is None:
+        return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
+    mesh, rules = current
+    q_spec, kv_spec = rules.spec(q_axes), rules.spec(kv_axes)
+    if _names(q_spec[3]) or _names(kv_spec[3]):
+        raise ConfigError(f"rules '{rules.name}': '{q_axes[3]}' must not be sharded for ring/blockwise attention")
+    if q_spec[2] != kv_spec[2]:
+        raise ConfigError(
+            f"rules '{rules.name}': '{q_axes[2]}' and '{kv_axes[2]}' must be sharded over the same mesh axes "
+            f"for ring/blockwise attention (got {q_spec[2]} and {kv_spec[2]})"
+        )
+    axes = _names(q_spec[1]) if ring else ()
+    if not ring:
+        q_spec, kv_spec = (PartitionSpec(s[0], None, *s[2:]) for s in (q_spec, kv_spec))
+    cp = math.prod(mesh.shape[a] for a in axes)
+    varying = tuple(a for part in q_spec for a in _names(part))
+    plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
+    fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
+    return fn(q, k, v)
