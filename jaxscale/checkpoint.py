@@ -74,7 +74,7 @@ class Checkpointer:
         async_save: bool = True,
         remove_uncommitted: bool = False,
     ):
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()
         self.removed = _remove_uncommitted(self.directory) if remove_uncommitted else []
         keep_policies: list[Any] = [policies.LatestN(keep)]
         if keep_every:
