@@ -20,8 +20,9 @@ gathering the state on one host.
 
 Atomicity (orbax): a step is written into ``<step>.orbax-checkpoint-tmp`` and
 renamed to ``<step>`` only after every item is committed; ``latest_step`` lists
-finalized steps only, and the training loop's checkpointer deletes the
-temporary directories a killed process left before it writes anything. Older steps are deleted (the
+finalized steps only, and a run that goes on writing into the directory
+(fresh into an empty one, or resuming) first deletes the temporary
+directories a killed process left. Older steps are deleted (the
 keep policy: the last ``keep``, plus every ``keep_every``-th step) only after a
 newer one is finalized, so a crash never leaves fewer complete checkpoints.
 
@@ -72,10 +73,8 @@ class Checkpointer:
         keep: int = 3,
         keep_every: int = 0,
         async_save: bool = True,
-        remove_uncommitted: bool = False,
     ):
         self.directory = Path(directory).absolute()
-        self.removed = _remove_uncommitted(self.directory) if remove_uncommitted else []
         keep_policies: list[Any] = [policies.LatestN(keep)]
         if keep_every:
             keep_policies.append(policies.EveryNSteps(keep_every))
@@ -87,9 +86,8 @@ class Checkpointer:
 
     @classmethod
     def from_config(cls, config: Config) -> Checkpointer:
-        """The run's checkpointer, having removed what a killed run left uncommitted."""
         ck = config.checkpoint
-        return cls(checkpoint_dir(config), ck.keep, ck.keep_every, ck.async_save, remove_uncommitted=True)
+        return cls(checkpoint_dir(config), ck.keep, ck.keep_every, ck.async_save)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint, if any."""
@@ -133,30 +131,30 @@ class Checkpointer:
         restored.state = self.restore_state(abstract_state, step)
         return restored
 
+    def remove_uncommitted(self) -> list[str]:
+        """Delete the step directories a killed process left uncommitted (orbax never lists them as steps).
+
+        For the run about to write here only. Synchronous, unlike orbax's own
+        ``cleanup_tmp_directories`` (a background task that ``close`` does not
+        wait for, so two managers opened one after the other on a directory
+        could both be deleting the same files).
+        """
+        removed = []
+        if jax.process_index() == 0 and self.directory.is_dir():
+            for path in sorted(self.directory.iterdir()):
+                if path.is_dir() and ocp.utils.is_tmp_checkpoint(path):
+                    shutil.rmtree(path)
+                    removed.append(path.name)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxscale: uncommitted checkpoints removed")
+        return removed
+
     def wait(self) -> None:
         """Block until every started save is finalized."""
         self.manager.wait_until_finished()
 
     def close(self) -> None:
         self.manager.close()
-
-
-def _remove_uncommitted(directory: Path) -> list[str]:
-    """Delete the step directories a killed process left uncommitted (orbax never lists them as steps).
-
-    Synchronous, unlike orbax's own ``cleanup_tmp_directories`` (a background
-    task that ``close`` does not wait for, so two managers opened one after the
-    other on a directory could both be deleting the same files).
-    """
-    removed = []
-    if jax.process_index() == 0 and directory.is_dir():
-        for path in sorted(directory.iterdir()):
-            if path.is_dir() and ocp.utils.is_tmp_checkpoint(path):
-                shutil.rmtree(path)
-                removed.append(path.name)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("jaxscale: uncommitted checkpoints removed")
-    return removed
 
 
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:

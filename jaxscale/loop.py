@@ -20,8 +20,10 @@ and raises :class:`NonFiniteError` naming the step under ``stop``.
 Resume (``checkpoint.resume=auto``, ``--resume``) starts from the latest
 complete checkpoint: the state is read straight into this trainer's shardings
 (whatever its mesh and rules table), the loader's saved state must describe
-this data at that step, and the counters carry on. A fresh run never writes
-into a directory that already holds checkpoints.
+this data at that step, and the counters carry on; the temporary directories
+of a save that a killed run left uncommitted are deleted (an ``event`` record
+names them). A fresh run never writes into a directory that already holds
+checkpoints.
 """
 
 from __future__ import annotations
@@ -55,21 +57,27 @@ def fit(
     checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume == "auto" else None
     with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
         try:
-            state, skipped, resumed = _start(trainer, checkpointer, state)
+            state, skipped, resumed, removed = _start(trainer, checkpointer, state)
             last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
             run = _Run(trainer, checkpointer, skipped, int(state.step), last, progress, resumed)
+            if removed:
+                run.logger.log({"step": int(state.step), "event": "removed_uncommitted", "paths": removed})
             return run.train(state, preemption)
         finally:
             if checkpointer is not None:
                 checkpointer.close()
 
 
-def _start(trainer: Trainer, checkpointer: Checkpointer | None, state: TrainState | None) -> tuple[Any, int, bool]:
-    """The state to start from, the skipped-update count, and whether it was resumed."""
+def _start(
+    trainer: Trainer, checkpointer: Checkpointer | None, state: TrainState | None
+) -> tuple[Any, int, bool, list[str]]:
+    """The state to start from, the skipped-update count, whether it was resumed, and the uncommitted
+    checkpoint directories removed."""
     c = trainer.config
     latest = checkpointer.latest_step() if checkpointer is not None else None
     if latest is None:
-        return (trainer.init_state() if state is None else state), 0, False
+        removed = checkpointer.remove_uncommitted() if checkpointer is not None else []
+        return (trainer.init_state() if state is None else state), 0, False, removed
     if state is not None or c.checkpoint.resume != "auto":
         raise ConfigError(
             f"{checkpointer.directory} holds checkpoints (latest step {latest}): continue with --resume "
@@ -78,8 +86,9 @@ def _start(trainer: Trainer, checkpointer: Checkpointer | None, state: TrainStat
     saved = checkpointer.read_json(latest)
     check_compatible(saved.config, c, latest)
     trainer.batches.check_state(saved.data, latest)
+    removed = checkpointer.remove_uncommitted()
     restored = checkpointer.restore_state(trainer.abstract_state(), latest)
-    return restored, int(saved.loop["skipped_updates"]), True
+    return restored, int(saved.loop["skipped_updates"]), True, removed
 
 
 class _Run:

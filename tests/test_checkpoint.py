@@ -168,6 +168,7 @@ def test_sigkill_during_async_save_loses_nothing_else(straight, resumed, tmp_pat
     state, history = trainer.fit(progress=False)
     expected = train_losses(straight.history)
     assert train_losses(history) == {s: expected[s] for s in range(5, 10)}
+    assert history[0]["event"] == "removed_uncommitted" and history[0]["paths"][0].startswith("10.orbax-checkpoint-tmp")
     assert_trees_equal(jax.device_get(state), straight.state)
     assert logged_steps(run_dir) == list(range(10))
     assert not list(directory.glob("*.orbax-checkpoint-tmp*"))
