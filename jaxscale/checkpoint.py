@@ -4,8 +4,9 @@ A checkpoint is one orbax step directory ``<checkpoint.dir>/<step>`` with four i
 
 - ``state``: the train state (step, fp32 parameters, Adam state) as sharded arrays
   (tensorstore, OCDBT). Bytes on disk: 4Ψ parameters + 8Ψ Adam moments + a few
-  scalars, about 12Ψ whatever the layout; each array is written once, each
-  process writing only the shards it holds (one replica of each).
+  scalars, at most about 12Ψ whatever the layout (chunks are compressed, so
+  zeros such as the moments of embedding rows never seen take less); each array
+  is written once, each process writing only the shards it holds (one replica).
 - ``data``: the loader's state (next step, sequences read, epoch, identity of the data).
 - ``loop``: the loop's counters (updates skipped for a non-finite loss or gradient).
 - ``config``: the resolved config.
