@@ -1,4 +1,4 @@
-"""``jaxscale train --config FILE [--set KEY=VALUE ...]``.
+"""``jaxscale train --config FILE [--set KEY=VALUE ...] [--resume]`` and ``jaxscale prepare-data``.
 
 The config is read and validated before jax is imported, so that when no
 ``XLA_FLAGS`` is set the command can ask the host platform for as many
@@ -30,7 +30,29 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--coordinator", help="host:port of process 0 (multi-process; or JAXSCALE_COORDINATOR)")
     train.add_argument("--num-processes", type=int, help="processes in the job (or JAXSCALE_NUM_PROCESSES)")
     train.add_argument("--process-id", type=int, help="this process's index (or JAXSCALE_PROCESS_ID)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest complete checkpoint (checkpoint.resume=auto)")
+    prep = commands.add_parser("prepare-data", help="tokenize text files into a memory-mapped token directory")
+    prep.add_argument("inputs", nargs="+", help="plain text files (one document each) or .jsonl files")
+    prep.add_argument("--out", required=True, help="output directory")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' or the path of a Hugging Face tokenizer.json")
+    prep.add_argument("--text-field", default="text", help="the text field of JSONL records")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for eval")
+    prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json")
     return parser
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from jaxscale.prepare import prepare_data
+
+    try:
+        meta = prepare_data(args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction, args.eod_token)
+    except ConfigError as e:
+        print(f"jaxscale: error: {e}", file=sys.stderr)
+        return 2
+    splits = ", ".join(f"{k} {v['tokens']} tokens in {v['documents']} documents" for k, v in meta["splits"].items())
+    print(f"{args.out}: {splits}; vocab_size {meta['vocab_size']}, {meta['dtype']}")
+    return 0
 
 
 def _simulate_cpu_devices(count: int) -> None:
@@ -40,29 +62,39 @@ def _simulate_cpu_devices(count: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "prepare-data":
+        return _prepare_data(args)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])])
         cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
         processes = cluster.num_processes or 1
         _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
         distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
         import jax
 
+        from jaxscale.loop import NonFiniteError
         from jaxscale.train import Trainer
 
         trainer = Trainer.build(config)
+        with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
+            _, history = trainer.fit(progress=not args.no_progress)
+            distributed.finish(config.distributed.init_timeout_s)
     except ConfigError as e:
         print(f"jaxscale: error: {e}", file=sys.stderr)
         return 2
-    with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
-        _, history = trainer.fit(progress=not args.no_progress)
-        distributed.finish(config.distributed.init_timeout_s)
-    if history and jax.process_index() == 0:
-        first, last = history[0], history[-1]
+    except NonFiniteError as e:
+        print(f"jaxscale: stopped: {e}", file=sys.stderr)
+        return 1
+    steps = [r for r in history if "loss" in r]
+    if steps and jax.process_index() == 0:
+        first, last = steps[0], steps[-1]
         print(
             f"step {first['step']} loss {first['loss']:.4f} -> step {last['step']} loss {last['loss']:.4f}; "
             f"{last['tokens_per_sec']:.0f} tokens/s, metrics in {config.run_dir}/metrics.jsonl"
         )
+    if history and history[-1].get("event") == "preempted":
+        saved = "checkpoint saved" if history[-1]["saved"] else "checkpointing is off, nothing saved"
+        print(f"preempted (SIGTERM) after {history[-1]['step']} updates; {saved}")
     return 0
 
 

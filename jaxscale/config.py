@@ -117,14 +117,32 @@ class TrainConfig:
     eps: float = 1e-8
     clip_norm: float = 1.0
     peak_flops: float | None = None
+    eval_every: int = 0
+    eval_steps: int = 4
+    nonfinite: str = "stop"
 
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where tokens come from; ``stdlib`` is the byte-level text of Python's own sources."""
+    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
+    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
 
     source: str = "stdlib"
+    path: str | None = None
     max_bytes: int = 8_000_000
+    eval_bytes: int = 400_000
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """orbax checkpoints of the train state, loader state and config; ``every: 0`` saves none."""
+
+    every: int = 0
+    keep: int = 3
+    keep_every: int = 0
+    dir: str | None = None
+    resume: str = "off"
+    async_save: bool = True
 
 
 @dataclasses.dataclass
@@ -146,6 +164,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -280,7 +299,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
-DATA_SOURCES = ("stdlib",)
+DATA_SOURCES = ("stdlib", "tokens")
+NONFINITE_POLICIES = ("stop", "skip")
+RESUME_MODES = ("off", "auto")
 MOE_CHOICES = {
     "dispatch": ("capacity", "dropless"),
     "router": ("softmax", "sigmoid"),
@@ -343,6 +364,9 @@ def validate(config: Config) -> None:
         raise ConfigError(f"data.source: '{config.data.source}' is not one of {', '.join(DATA_SOURCES)}")
     if config.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
+    if config.data.source == "tokens" and not config.data.path:
+        raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
+    _validate_loop(config)
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
         low = 0 if key == "steps" else 1
         if getattr(t, key) < low:
@@ -361,6 +385,30 @@ def validate(config: Config) -> None:
     for axis, size in (config.mesh.dcn.__dict__ if config.mesh.dcn else {}).items():
         if size < 1:
             raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
+
+
+def _validate_loop(config: Config) -> None:
+    """Evaluation, non-finite policy and checkpoint settings."""
+    t, ck = config.train, config.checkpoint
+    if t.nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"train.nonfinite: '{t.nonfinite}' is not one of {', '.join(NONFINITE_POLICIES)}")
+    if ck.resume not in RESUME_MODES:
+        raise ConfigError(f"checkpoint.resume: '{ck.resume}' is not one of {', '.join(RESUME_MODES)}")
+    for key, value, low in (
+        ("train.eval_every", t.eval_every, 0),
+        ("train.eval_steps", t.eval_steps, 1),
+        ("checkpoint.every", ck.every, 0),
+        ("checkpoint.keep", ck.keep, 1),
+        ("checkpoint.keep_every", ck.keep_every, 0),
+        ("data.eval_bytes", config.data.eval_bytes, 1),
+    ):
+        if value < low:
+            raise ConfigError(f"{key} must be at least {low}, got {value}")
+
+
+def checkpoint_dir(config: Config) -> Path:
+    """``checkpoint.dir``, or ``<run_dir>/checkpoints``."""
+    return Path(config.checkpoint.dir or Path(config.run_dir) / "checkpoints").absolute()
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

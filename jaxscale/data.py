@@ -1,35 +1,55 @@
-"""Token data: byte-level text every machine has, sampled deterministically per step.
+"""Token data: deterministic global batches, each process reading only its own rows.
 
-The built-in source is the Python standard library's own ``.py`` files, read
-in sorted order and tokenised as bytes (vocabulary 256), so the default model
-trains on real text with nothing downloaded. A batch is a function of
-``(seed, step)`` alone: each of the ``global_batch`` rows is a window of
-``seq_len + 1`` tokens at an offset drawn from that seed, which makes a run
-reproducible and resumable without loader state. Each process builds only the
-rows its own devices hold and hands them to
-``jax.make_array_from_process_local_data``. An ``order`` puts each row's
-tokens, targets and positions in the order the devices hold them (ring
-attention's zig-zag chunks); the loss, a mean over tokens, is unchanged.
+Two sources, chosen by ``data.source``:
+
+- ``stdlib`` (the default): the Python standard library's own ``.py`` files,
+  read in sorted order and tokenised as bytes (vocabulary 256), so the default
+  model trains on real text with nothing downloaded. Row ``r`` of step ``s`` is
+  a window of ``seq_len + 1`` bytes at an offset drawn from ``(seed, s)``. The
+  held-out stream is the ``eval_bytes`` of sources that follow the training
+  bytes.
+- ``tokens``: a directory written by ``jaxscale prepare-data`` (see
+  :mod:`jaxscale.prepare`). Its ``train`` tokens (documents packed, each
+  followed by the end-of-document token) are cut into sequences of
+  ``seq_len + 1`` tokens that overlap by one; grain's ``MapDataset.shuffle``
+  permutes them afresh every epoch (a Feistel index shuffle: O(1) memory
+  however long the data), and the global batch of step ``s`` is sequences
+  ``s·B .. s·B + B - 1`` of that endless stream. Evaluation reads the ``val``
+  split in order.
+
+An ``order`` puts each row's tokens, targets and positions in the order the
+devices hold them (ring attention's zig-zag chunks); the loss, a mean over
+tokens, is unchanged. Either way a batch is a function of ``(seed, step)`` alone, so a restart needs
+no replay; the loader's small :meth:`Loader.state` (position, epoch, and the
+identity of the data) is saved in every checkpoint and checked on resume, so a
+run never silently continues on different data. Each process builds only the
+rows its own devices hold (:func:`process_rows`) and hands them to
+``jax.make_array_from_process_local_data``.
 """
 
 from __future__ import annotations
 
+import abc
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
+import grain
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxscale.config import ConfigError, DataConfig
+from jaxscale.config import Config, ConfigError
+from jaxscale.prepare import TokenDir
 
 BYTE_VOCAB = 256
 
 
-def stdlib_bytes(max_bytes: int) -> np.ndarray:
-    """Up to ``max_bytes`` bytes of the standard library's Python sources, as uint8 tokens."""
+def stdlib_bytes(max_bytes: int, skip: int = 0) -> np.ndarray:
+    """Up to ``max_bytes`` bytes of the standard library's Python sources after the first ``skip``, as uint8."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
+    chunks, seen, total = [], 0, 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
             continue
@@ -37,6 +57,11 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
             data = path.read_bytes()
         except OSError:
             continue
+        if seen + len(data) <= skip:
+            seen += len(data)
+            continue
+        data = data[max(skip - seen, 0) :]
+        seen = skip
         chunks.append(data[: max_bytes - total])
         total += len(chunks[-1])
         if total >= max_bytes:
@@ -44,35 +69,26 @@ def stdlib_bytes(max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
 
-def load_tokens(config: DataConfig) -> np.ndarray:
-    """The token stream named by the data config."""
-    if config.source != "stdlib":
-        raise ConfigError(f"data.source: '{config.source}' is not a known source (stdlib)")
-    return stdlib_bytes(config.max_bytes)
+class Loader(abc.ABC):
+    """Global batches of ``(inputs, targets, positions)`` by step; subclasses supply :meth:`rows`."""
 
-
-class Batches:
-    """Deterministic batches of next-token windows from one token stream."""
-
-    def __init__(
-        self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, order: np.ndarray | None = None
-    ):
-        if len(tokens) <= seq_len + 1:
-            raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
-        self.tokens = tokens
+    def __init__(self, global_batch: int, seq_len: int, identity: dict[str, Any]):
         self.global_batch = global_batch
         self.seq_len = seq_len
-        self.seed = seed
+        self.identity = {**identity, "global_batch": global_batch, "seq_len": seq_len}
         # The order of each row's tokens, targets and positions (ring attention's zig-zag chunks).
-        self.order = np.arange(seq_len, dtype=np.int32) if order is None else np.asarray(order, np.int32)
+        self.order = np.arange(seq_len, dtype=np.int32)
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
-        """Rows ``start:stop`` of the global batch of ``step``: inputs, targets, positions."""
-        rng = np.random.default_rng([self.seed, step])
-        offsets = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)[start:stop]
-        window = self.tokens[offsets[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
-        positions = np.broadcast_to(self.order, (len(offsets), self.seq_len))
-        return {"inputs": window[:, self.order], "targets": window[:, self.order + 1], "positions": np.array(positions)}
+        """Rows ``start:stop`` of the global batch of ``step``: inputs, targets, positions (in ``order``)."""
+        windows = self.windows(step, range(start, self.global_batch if stop is None else stop))
+        positions = np.broadcast_to(self.order, (len(windows), self.seq_len))
+        inputs, targets = windows[:, self.order], windows[:, self.order + 1]
+        return {"inputs": inputs, "targets": targets, "positions": np.array(positions)}
+
+    @abc.abstractmethod
+    def windows(self, step: int, rows: range) -> np.ndarray:
+        """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``."""
 
     def global_batch_arrays(self, step: int, sharding: NamedSharding) -> dict[str, jax.Array]:
         """The global batch of ``step`` as sharded arrays, each process supplying its own rows."""
@@ -81,10 +97,121 @@ class Batches:
         local = self.rows(step, start, stop)
         return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}
 
+    def state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint records: the next step to read and the identity of the data."""
+        return {"step": step, "sequences_read": step * self.global_batch, **self.identity}
 
-def process_rows(sharding: NamedSharding, shape: tuple[int, int]) -> tuple[int, int]:
-    """The contiguous range of batch rows that this process's devices hold."""
-    index_map = sharding.addressable_devices_indices_map(shape)
+    def check_state(self, saved: dict[str, Any], step: int) -> None:
+        """Raise if a checkpoint's loader state is not this data, or not at ``step``."""
+        for key, value in self.identity.items():
+            if saved.get(key) != value:
+                raise ConfigError(
+                    f"resume: the checkpoint's data has {key}={saved.get(key)!r}, this config's has {value!r}"
+                )
+        if saved.get("step") != step:
+            raise ConfigError(f"resume: the checkpoint's loader is at step {saved.get('step')}, its state at {step}")
+
+
+class Batches(Loader):
+    """Windows at offsets drawn from ``(seed, step)`` in one token stream (the ``stdlib`` source)."""
+
+    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, identity: dict | None = None):
+        if len(tokens) <= seq_len + 1:
+            raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
+        super().__init__(global_batch, seq_len, {**(identity or {}), "seed": seed, "tokens": len(tokens)})
+        self.tokens = tokens
+        self.seed = seed
+
+    def windows(self, step: int, rows: range) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, step])
+        offsets = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)[rows.start : rows.stop]
+        return self.tokens[offsets[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
+
+
+class PackedSequences:
+    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start = index * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], np.int32)
+
+
+class PackedBatches(Loader):
+    """Packed documents of a ``prepare-data`` split; shuffled per epoch with ``seed``, in order without."""
+
+    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict):
+        sequences = PackedSequences(tokens, seq_len)
+        if len(sequences) == 0:
+            raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
+        super().__init__(global_batch, seq_len, {**identity, "seed": seed, "sequences": len(sequences)})
+        self.sequences_per_epoch = len(sequences)
+        dataset = grain.MapDataset.source(sequences)
+        self.dataset = (dataset if seed is None else dataset.shuffle(seed=seed)).repeat()
+
+    def windows(self, step: int, rows: range) -> np.ndarray:
+        first = step * self.global_batch
+        return np.stack([self.dataset[first + r] for r in rows])
+
+    def state(self, step: int) -> dict[str, Any]:
+        return {**super().state(step), "epoch": step * self.global_batch // self.sequences_per_epoch}
+
+
+def make_loader(config: Config, split: str = "train", order: np.ndarray | None = None) -> Loader:
+    """The loader of ``split`` (``train``, or ``eval``: the held-out data) for ``config.data``, rows in ``order``."""
+    loader = _loader(config, split)
+    if order is not None:
+        loader.order = np.asarray(order, np.int32)
+    return loader
+
+
+def _loader(config: Config, split: str) -> Loader:
+    d, t = config.data, config.train
+    if d.source == "stdlib":
+        identity = {"source": "stdlib", "max_bytes": d.max_bytes}
+        if split == "train":
+            return Batches(stdlib_bytes(d.max_bytes), t.global_batch, t.seq_len, t.seed, identity)
+        held_out = stdlib_bytes(d.eval_bytes, skip=d.max_bytes)
+        return Batches(held_out, t.global_batch, t.seq_len, t.seed, {**identity, "split": split})
+    tokens = check_data(config)
+    identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}
+    if split == "train":
+        return PackedBatches(tokens.tokens("train"), t.global_batch, t.seq_len, t.seed, identity)
+    return PackedBatches(tokens.tokens("val"), t.global_batch, t.seq_len, None, {**identity, "split": split})
+
+
+def check_data(config: Config) -> TokenDir | None:
+    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length."""
+    if config.data.source != "tokens":
+        return None
+    tokens = TokenDir.open(config.data.path)
+    if tokens.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of "
+            f"data.path={config.data.path}"
+        )
+    for split in ("train", "val") if config.train.eval_every else ("train",):
+        count = tokens.meta["splits"][split]["tokens"]
+        if count <= config.train.seq_len:
+            raise ConfigError(
+                f"data.path: the {split} split of {tokens.path} has {count} tokens, too few for "
+                f"train.seq_len={config.train.seq_len}"
+            )
+    return tokens
+
+
+def process_rows(
+    sharding: NamedSharding, shape: tuple[int, int], devices: Iterable[jax.Device] | None = None
+) -> tuple[int, int]:
+    """The contiguous range of batch rows held by ``devices`` (default: this process's devices)."""
+    wanted = set(sharding.addressable_devices if devices is None else devices)
+    index_map = {d: idx for d, idx in sharding.devices_indices_map(shape).items() if d in wanted}
     starts = [idx[0].start or 0 for idx in index_map.values()]
     stops = [shape[0] if idx[0].stop is None else idx[0].stop for idx in index_map.values()]
     start, stop = min(starts), max(stops)

@@ -2,7 +2,8 @@
 
 config -> mesh + rules -> abstract model (``nnx.eval_shape``) -> shardings from
 the logical axes -> jitted init straight into those shardings -> per-process
-global batch -> jitted, donated ``train_step`` -> metrics.
+global batch -> jitted, donated ``train_step`` -> metrics -> async checkpoint
+(the loop itself, with resume, evaluation and fault handling, is :mod:`jaxscale.loop`).
 
 :class:`Trainer` is the programmatic API: build it from a config, then call
 :meth:`Trainer.init_state`, :meth:`Trainer.batch` and :meth:`Trainer.step`.
@@ -21,13 +22,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import metrics as metrics_lib
+from jaxscale import loop
 from jaxscale.config import Config
-from jaxscale.data import Batches, load_tokens
+from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
 from jaxscale.models.attention import sequence_order
@@ -100,6 +102,7 @@ class Trainer:
         micro = t.global_batch // t.microbatches
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
+        check_data(self.config)
         jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
 
     # -- shardings -----------------------------------------------------------------
@@ -152,9 +155,13 @@ class Trainer:
         params = nnx.to_pure_dict(nnx.state(model))
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
+    @cached_property
+    def jit_init(self) -> Any:
+        return jax.jit(self._init, out_shardings=self.state_shardings)
+
     def init_state(self) -> TrainState:
         """A fresh state, created on the devices directly in its shardings."""
-        return jax.jit(self._init, out_shardings=self.state_shardings)()
+        return self.jit_init()
 
     # -- the step --------------------------------------------------------------------
 
@@ -240,10 +247,17 @@ class Trainer:
     # -- data ------------------------------------------------------------------------
 
     @cached_property
-    def batches(self) -> Batches:
-        t = self.config.train
-        order = sequence_order(self.config.model, t.seq_len, self.mesh, self.rules)
-        return Batches(load_tokens(self.config.data), t.global_batch, t.seq_len, t.seed, order)
+    def batches(self) -> Loader:
+        return make_loader(self.config, "train", self.sequence_order)
+
+    @cached_property
+    def eval_batches(self) -> Loader:
+        return make_loader(self.config, "eval", self.sequence_order)
+
+    @cached_property
+    def sequence_order(self) -> np.ndarray | None:
+        """The order of each sequence's tokens on the devices (zig-zag chunks under ring attention)."""
+        return sequence_order(self.config.model, self.config.train.seq_len, self.mesh, self.rules)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch of ``step``, sharded by the rules' ``batch`` and ``length``."""
@@ -251,43 +265,57 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------
 
-    def fit(self, state: TrainState | None = None, progress: bool = True) -> tuple[TrainState, list[dict[str, Any]]]:
-        """Train for ``train.steps`` steps, logging every ``train.log_every``; returns the state and the log."""
-        c, t = self.config, self.config.train
-        state = self.init_state() if state is None else state
-        tokens_per_step = t.global_batch * t.seq_len
-        flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * tokens_per_step
-        peak = metrics_lib.peak_flops(self.mesh.devices.flat[0], t.peak_flops) * self.mesh.size
-        logger = metrics_lib.MetricsLogger(c.run_dir, t.steps, bar=progress)
-        compiled_at = time.perf_counter()
-        step_fn = self.jit_step.lower(state, self.abstract_batch()).compile()
-        compile_s = time.perf_counter() - compiled_at
-        first = int(state.step)
-        last_time, last_step = time.perf_counter(), first
-        for step in range(first, t.steps):
-            state, out = step_fn(state, self.batch(step))
-            if step % t.log_every == 0 or step == t.steps - 1:
-                out = jax.device_get(out)
-                now = time.perf_counter()
-                steps = max(step + 1 - last_step, 1)
-                step_time = (now - last_time) / steps
-                tokens_per_sec = tokens_per_step / step_time
-                logger.log({
-                    "step": step,
-                    "loss": float(out["loss"]),
-                    "grad_norm": float(out["grad_norm"]),
-                    "lr": float(out["lr"]),
-                    "tokens_per_sec": tokens_per_sec,
-                    "step_time_s": step_time,
-                    "tflops_per_device": flops_per_step / step_time / self.mesh.size / 1e12,
-                    "mfu": flops_per_step / step_time / peak,
-                    "memory_bytes": metrics_lib.device_memory_in_use(),
-                    "compile_s": compile_s,
-                    **{k: float(out[k]) for k in moe.METRICS if k in out},
-                })
-                last_time, last_step = now, step + 1
-        logger.close()
-        return state, logger.history
+    def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
+        new, out = self._train_step(state, batch)
+        finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
+
+        def keep(n: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.where(finite, n, o)
+
+        params = jax.tree.map(keep, new.params, state.params)
+        opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
+        return TrainState(new.step, params, opt_state), {**out, "finite": finite}
+
+    @cached_property
+    def compiled_guarded_step(self) -> tuple[Any, float]:
+        """The guarded step, jitted like :attr:`jit_step` and compiled once; with its compile time in seconds."""
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
+        jitted = jax.jit(
+            self._guarded_step,
+            in_shardings=(self.state_shardings, batch),
+            out_shardings=(self.state_shardings, replicated),
+            donate_argnums=0,
+        )
+        start = time.perf_counter()
+        compiled = jitted.lower(self.abstract_state(), self.abstract_batch()).compile()
+        return compiled, time.perf_counter() - start
+
+    @cached_property
+    def jit_eval_loss(self) -> Any:
+        """Jitted loss of a batch under this layout, the parameters not donated."""
+
+        def f(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+            with use_rules(self.mesh, self.rules):
+                return self.loss(params, batch)
+
+        batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
+        return jax.jit(f, in_shardings=(self.state_shardings.params, batch))
+
+    def evaluate(self, params: Any) -> float:
+        """Mean loss over the first ``train.eval_steps`` batches of the held-out data."""
+        losses = [
+            self.jit_eval_loss(params, self.eval_batches.global_batch_arrays(k, self.batch_sharding))
+            for k in range(self.config.train.eval_steps)
+        ]
+        return float(np.mean(jax.device_get(losses)))
+
+    def fit(
+        self, state: TrainState | None = None, progress: bool = True, stop_at: int | None = None
+    ) -> tuple[TrainState, list[dict[str, Any]]]:
+        """Train to ``train.steps`` (or until ``stop_at`` updates); see :func:`jaxscale.loop.fit`."""
+        return loop.fit(self, state, progress, stop_at)
 
 
 def train(config: Config, progress: bool = True) -> tuple[TrainState, list[dict[str, Any]]]:

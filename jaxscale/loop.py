@@ -1,0 +1,202 @@
+"""The training loop: resume, train, log, evaluate, checkpoint; stop cleanly on SIGTERM or a non-finite value.
+
+Each pass dispatches the guarded step (:meth:`Trainer._guarded_step`: the
+update is not applied where the loss or gradient norm is not finite) and, while
+it runs, reads the metrics of the step before, so the host never holds the
+devices up. At a boundary (checkpoint, evaluation, SIGTERM, the end) the step
+just dispatched is read too, then:
+
+- evaluation (``train.eval_every``, and at the last step): the mean loss of
+  ``train.eval_steps`` held-out batches, logged as ``{"step", "eval_loss"}``;
+- checkpoint (``checkpoint.every``, and at the end): refused if any value of
+  the state is not finite; asynchronous, training goes on while it is written;
+- SIGTERM: a checkpoint (when checkpointing is on), then a normal return (the
+  command line exits 0).
+
+A non-finite loss or gradient norm is counted (``skipped_updates`` in every
+record; that step's record is always logged) under ``train.nonfinite=skip``,
+and raises :class:`NonFiniteError` naming the step under ``stop``.
+
+Resume (``checkpoint.resume=auto``, ``--resume``) starts from the latest
+complete checkpoint: the state is read straight into this trainer's shardings
+(whatever its mesh and rules table), the loader's saved state must describe
+this data at that step, and the counters carry on; the temporary directories
+of a save that a killed run left uncommitted are deleted (an ``event`` record
+names them). A fresh run never writes into a directory that already holds
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxscale import metrics as metrics_lib
+from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible
+from jaxscale.config import ConfigError
+from jaxscale.models import moe
+
+if TYPE_CHECKING:
+    from jaxscale.train import Trainer, TrainState
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: a non-finite loss or gradient (``train.nonfinite=stop``), or a non-finite state to save."""
+
+
+def fit(
+    trainer: Trainer, state: TrainState | None = None, progress: bool = True, stop_at: int | None = None
+) -> tuple[TrainState, list[dict[str, Any]]]:
+    """Train ``trainer`` to ``train.steps`` (or until ``stop_at`` updates); returns the state and the log.
+
+    With ``state`` None the run resumes from the latest checkpoint when
+    ``checkpoint.resume`` is ``auto`` and one exists, else starts fresh.
+    """
+    c, ck = trainer.config, trainer.config.checkpoint
+    checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume == "auto" else None
+    with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
+        try:
+            state, skipped, resumed, removed = _start(trainer, checkpointer, state)
+            last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
+            run = _Run(trainer, checkpointer, skipped, int(state.step), last, progress, resumed)
+            if removed:
+                run.logger.log({"step": int(state.step), "event": "removed_uncommitted", "paths": removed})
+            return run.train(state, preemption)
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()
+
+
+def _start(
+    trainer: Trainer, checkpointer: Checkpointer | None, state: TrainState | None
+) -> tuple[Any, int, bool, list[str]]:
+    """The state to start from, the skipped-update count, whether it was resumed, and the uncommitted
+    checkpoint directories removed."""
+    c = trainer.config
+    latest = checkpointer.latest_step() if checkpointer is not None else None
+    if latest is None:
+        removed = checkpointer.remove_uncommitted() if checkpointer is not None else []
+        return (trainer.init_state() if state is None else state), 0, False, removed
+    if state is not None or c.checkpoint.resume != "auto":
+        raise ConfigError(
+            f"{checkpointer.directory} holds checkpoints (latest step {latest}): continue with --resume "
+            "(checkpoint.resume=auto), or set another run_dir or checkpoint.dir"
+        )
+    saved = checkpointer.read_json(latest)
+    check_compatible(saved.config, c, latest)
+    trainer.batches.check_state(saved.data, latest)
+    removed = checkpointer.remove_uncommitted()
+    restored = checkpointer.restore_state(trainer.abstract_state(), latest)
+    return restored, int(saved.loop["skipped_updates"]), True, removed
+
+
+class _Run:
+    """One call of :func:`fit`: the compiled step, the metrics logger, timing and counters."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        checkpointer: Checkpointer | None,
+        skipped: int,
+        first: int,
+        last: int,
+        progress: bool,
+        resumed: bool,
+    ):
+        c, t = trainer.config, trainer.config.train
+        self.trainer, self.checkpointer, self.skipped = trainer, checkpointer, skipped
+        self.first, self.last = first, last
+        self.tokens_per_step = t.global_batch * t.seq_len
+        self.flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
+        self.peak = metrics_lib.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
+        resume_step = first if resumed else None
+        self.logger = metrics_lib.MetricsLogger(c.run_dir, t.steps, bar=progress, resume_step=resume_step)
+        self.step_fn, self.compile_s = trainer.compiled_guarded_step
+        self.mark(first)
+
+    def mark(self, step: int) -> None:
+        """Start timing the steps from ``step`` on."""
+        self.last_time, self.last_step = time.perf_counter(), step
+
+    def train(self, state: TrainState, preemption: Preemption) -> tuple[TrainState, list[dict[str, Any]]]:
+        t, ck = self.trainer.config.train, self.trainer.config.checkpoint
+        saving = self.checkpointer is not None and ck.every > 0
+        pending = None
+        try:
+            for step in range(self.first, self.last):
+                state, out = self.step_fn(state, self.trainer.batch(step))
+                if pending is not None:
+                    self.account(*pending)
+                pending = (step, out)
+                done = step + 1
+                stop = preemption.reached(done)
+                save = saving and (done % ck.every == 0 or done == self.last or stop)
+                evaluate = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
+                if not (save or evaluate or stop or done == self.last):
+                    continue
+                self.account(*pending)
+                pending = None
+                if evaluate:
+                    self.evaluate(done, state)
+                if save:
+                    self.save(done, state)
+                if stop:
+                    self.logger.log({"step": done, "event": "preempted", "saved": save})
+                    break
+        finally:
+            self.logger.close()
+        return state, self.logger.history
+
+    def account(self, step: int, out: dict[str, jax.Array]) -> None:
+        """Read a finished step's metrics: count or refuse a skipped update, log when due."""
+        t = self.trainer.config.train
+        out = jax.device_get(out)
+        finite = bool(out["finite"])
+        if not finite:
+            if t.nonfinite == "stop":
+                raise NonFiniteError(
+                    f"step {step}: loss {float(out['loss'])}, gradient norm {float(out['grad_norm'])} "
+                    "(not applied; train.nonfinite=skip skips such updates)"
+                )
+            self.skipped += 1
+        if finite and step % t.log_every and step not in (t.steps - 1, self.last - 1):
+            return
+        now = time.perf_counter()
+        step_time = (now - self.last_time) / max(step + 1 - self.last_step, 1)
+        self.logger.log({
+            "step": step,
+            "loss": float(out["loss"]),
+            "grad_norm": float(out["grad_norm"]),
+            "lr": float(out["lr"]),
+            "skipped_updates": self.skipped,
+            "tokens_per_sec": self.tokens_per_step / step_time,
+            "step_time_s": step_time,
+            "tflops_per_device": self.flops_per_step / step_time / self.trainer.mesh.size / 1e12,
+            "mfu": self.flops_per_step / step_time / self.peak,
+            "memory_bytes": metrics_lib.device_memory_in_use(),
+            "compile_s": self.compile_s,
+            **{k: float(out[k]) for k in moe.METRICS if k in out},
+        })
+        self.last_time, self.last_step = now, step + 1
+
+    def evaluate(self, done: int, state: TrainState) -> None:
+        start = time.perf_counter()
+        loss = self.trainer.evaluate(state.params)
+        self.logger.log({"step": done, "eval_loss": loss, "eval_s": time.perf_counter() - start})
+        self.mark(done)
+
+    def save(self, done: int, state: TrainState) -> None:
+        assert self.checkpointer is not None
+        if not all_finite(state):
+            raise NonFiniteError(
+                f"the state after {done} updates is not finite: not saved "
+                f"(the latest checkpoint is step {self.checkpointer.latest_step()})"
+            )
+        start = time.perf_counter()
+        data = self.trainer.batches.state(done)
+        loop = {"skipped_updates": self.skipped}
+        self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
+        self.logger.log({"step": done, "checkpoint": done, "save_blocking_s": time.perf_counter() - start})
+        self.mark(done)
