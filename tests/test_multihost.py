@@ -26,32 +26,52 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(run_dir: Path, steps: int, port: int) -> list[subprocess.Popen]:
+def start(run_dir: Path, steps: int, port: int, *extra: str) -> list[subprocess.Popen]:
     """Two jaxscale processes of 4 CPU devices each, process 0 the coordinator on ``port``."""
     env = subprocess_env("--xla_force_host_platform_device_count=4")
     procs = []
     for pid in range(2):
         cmd = [sys.executable, "-m", "jaxscale", "train", "--no-progress", "--coordinator", f"127.0.0.1:{port}",
                "--num-processes", "2", "--process-id", str(pid), *RUN,
-               "--set", f"train.steps={steps}", "--set", f"run_dir={run_dir}"]
+               "--set", f"train.steps={steps}", "--set", f"run_dir={run_dir}", *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 
 
-def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_two_processes_match_one_process_of_eight_devices(tmp_path):
-    procs = start(tmp_path / "mh", steps=4, port=free_port())
+def finish(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
+
+
+def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
+    # 2 processes x 4 devices train with fsdp_tp and checkpoint every 2 steps; both are killed once
+    # a checkpoint is committed, restarted with --resume, and finish. Every step's loss equals the
+    # same run in one process of 8 devices.
+    run_dir, steps = tmp_path / "mh", 6
+    ckpt = ["--set", "checkpoint.every=2"]
+    first = start(run_dir, steps, free_port(), *ckpt)
+    deadline = time.monotonic() + 240
+    committed = run_dir / "checkpoints" / "2"  # orbax renames a step's directory to its number once complete
+    while not committed.is_dir():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in first), "no checkpoint was committed"
+        time.sleep(0.2)
+    for p in first:
+        p.kill()
+        p.communicate()
+    finish(start(run_dir, steps, free_port(), *ckpt, "--resume"))
     overrides = [a for a in RUN if a != "--set"]
     default = CONFIG_DIR / "experiments" / "tiny.yaml"  # what the command line trains without --config
-    config = load_config(default, [*overrides, "train.steps=4", f"run_dir={tmp_path / 'one'}"])
+    config = load_config(default, [*overrides, f"train.steps={steps}", f"run_dir={tmp_path / 'one'}"])
     _, history = Trainer.build(config).fit(progress=False)
-    assert losses(tmp_path / "mh") == pytest.approx([r["loss"] for r in history], rel=1e-5)
+    one = {r["step"]: r["loss"] for r in history if "loss" in r}
+    assert sorted(one) == list(range(steps))
+    assert losses(run_dir) == pytest.approx(one, rel=1e-5)
 
 
 def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path):
