@@ -107,6 +107,16 @@ class DataConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+    """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1)."""
+
+    microbatches: int | None = None  # None: as many as there are stages
+    repeats: int = 1
+    schedule: str = "gpipe"
+    remat: bool = True  # recompute each stage body in the backward: keep only its input per tick
+
+
+@dataclasses.dataclass
 class Config:
     """One experiment: model, mesh, rules table, data and training."""
 
@@ -116,6 +126,7 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -251,6 +262,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib",)
+PIPELINE_SCHEDULES = ("gpipe", "circular")
 
 
 def validate(config: Config) -> None:
@@ -280,6 +292,7 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
+    validate_pipeline(config.pipeline)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -290,6 +303,20 @@ def validate(config: Config) -> None:
     for axis, size in (config.mesh.dcn.__dict__ if config.mesh.dcn else {}).items():
         if size < 1:
             raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
+
+
+def validate_pipeline(p: PipelineConfig) -> None:
+    """The pipeline section on its own; what needs the mesh is checked when the pipeline is traced."""
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule: '{p.schedule}' is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    if p.microbatches is not None and p.microbatches < 1:
+        raise ConfigError(f"pipeline.microbatches must be at least 1, got {p.microbatches}")
+    if p.repeats < 1:
+        raise ConfigError(f"pipeline.repeats must be at least 1, got {p.repeats}")
+    if p.schedule == "gpipe" and p.repeats != 1:
+        raise ConfigError(f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular (gpipe runs stages once)")
+    if p.schedule == "circular" and p.repeats < 2:
+        raise ConfigError("pipeline.schedule=circular needs pipeline.repeats >= 2 (with 1 it is gpipe)")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

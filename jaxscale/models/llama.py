@@ -30,7 +30,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import ModelConfig
-from jaxscale.parallel import sequence
+from jaxscale.parallel import pipeline, sequence
 from jaxscale.sharding import constrain
 
 RESIDUAL = ("batch", "norm_length", "act_embed")
@@ -190,7 +190,11 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        x = self.final_norm(scan(x, self.blocks))
+        if pipeline.stages() > 1:
+            x = pipeline.apply(self.blocks, x, positions, RESIDUAL, policy)
+        else:
+            x = scan(x, self.blocks)
+        x = self.final_norm(x)
         if c.tie_embeddings:
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
