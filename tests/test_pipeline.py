@@ -105,13 +105,15 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
 
 
 def test_parameters_per_device_fall_as_one_over_p():
-    blocks = {}
+    blocks, opt = {}, {}
     for p in (1, 2, 4):
         trainer = Trainer.build(tiny_config(*BASE, *pipe(p, 1), rules="pp", mesh={"stage": p}), jax.devices()[:p])
         state = trainer.abstract_state()
         blocks[p] = inspect.per_device_bytes(state.params["blocks"])
-        assert inspect.per_device_bytes(state.opt_state) > 2 * blocks[p]
+        opt[p] = inspect.per_device_bytes(state.opt_state)
     assert blocks[1] == 2 * blocks[2] == 4 * blocks[4]
+    # Adam's two moments of the blocks fall with them; the rest (embedding, head) is replicated.
+    assert opt[1] - opt[2] == 2 * (blocks[1] - blocks[2]) and opt[2] - opt[4] == 2 * (blocks[2] - blocks[4])
 
 
 # -- the schedule ------------------------------------------------------------------

@@ -192,7 +192,7 @@ def apply(
     sharding_params = {a for w_axes in jax.tree.leaves(axes, is_leaf=_is_axes) for a in _names(rules.spec(w_axes))}
     data = tuple(itertools.takewhile(lambda a: a not in sharding_params, _names(rules.spec(x_axes)[0])))
     manual = {AXIS, *data}
-    inner = Rules(rules.name, {k: tuple(a for a in v if a not in manual) for k, v in rules.params.items()})
+    inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     rows = x.shape[0] // m
     # Row r of microbatch i is row r * m + i: each device keeps its own rows.
     micro_x = constrain(x.reshape(rows, m, *x.shape[1:]).swapaxes(0, 1), (None, *x_axes))
