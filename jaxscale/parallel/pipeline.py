@@ -44,15 +44,18 @@ Bytes per device per step, b·s·h·bytes being one microbatch's activations on 
   enters every stage (the embedding is replicated over ``stage``), so its gradient is summed over
   stages once after the loop; and the last stage's outputs reach every stage in the forward.
 
-Not 1F1B: 1F1B starts a microbatch's backward as soon as its forward leaves the last stage, so that
-at most p microbatches of activations are alive. Here the loss is taken after the loop and autodiff
-transposes the whole loop, so every backward runs after every forward. A hand-written 1F1B loop
-would need the head and the loss inside the loop (a custom VJP returning the gradients computed in
-its forward) and, to beat GPipe + remat, per-microbatch residuals stored in the loop's carry,
-which jax's ``vjp`` does not separate from the parameters it closes over. Keeping only stage
-inputs, 1F1B would save (v·m + p − 1) − p inputs of b·s·h against the recompute transient of one
-stage, which ``benchmarks/pp_bubble.py`` shows is the larger part; GPipe + remat pays one more
-forward of the stack per step for the memory 1F1B gets from its order.
+Not 1F1B: 1F1B starts each microbatch's backward as soon as its forward leaves the last stage, so at
+most p microbatches of activations are alive on a stage. Here the loss is taken after the loop and
+autodiff transposes the whole loop, so every backward follows every forward. A 1F1B loop must be
+written by hand, with the head and the loss inside it (the last stage takes each microbatch's loss
+gradient as its forward ends; a custom VJP hands back the gradients computed in the forward), and it
+beats GPipe + remat only if it keeps each in-flight microbatch's residuals in the loop's carry
+instead of recomputing them; the residuals of jax's ``vjp`` include the parameters it closes over,
+which would be copied into every slot. Keeping only stage inputs (1F1B + remat), it would hold p
+of them instead of v·m + p − 1, while the recompute transient of one stage, which both have, is
+the larger part (``benchmarks/pp_bubble.py``). GPipe + remat costs one more forward of the stack per
+step (about a third more stage compute) for that memory; ``pipeline.remat=false`` keeps every
+tick's activations instead.
 """
 
 from __future__ import annotations
