@@ -154,6 +154,16 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass
+class PipelineConfig:
+    """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1)."""
+
+    microbatches: int | None = None  # None: as many as there are stages
+    repeats: int = 1
+    schedule: str = "gpipe"
+    remat: bool = True  # recompute each stage body in the backward: keep only its input per tick
+
+
+@dataclasses.dataclass
 class Config:
     """One experiment: model, mesh, rules table, data and training."""
 
@@ -165,6 +175,7 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -336,6 +347,7 @@ def validate_moe(m: ModelConfig) -> None:
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
 ATTENTIONS = ("dot", "blockwise", "ring", "cudnn")
+PIPELINE_SCHEDULES = ("gpipe", "circular")
 
 
 def validate(config: Config) -> None:
@@ -375,6 +387,7 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
+    validate_pipeline(config.pipeline)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -409,6 +422,20 @@ def _validate_loop(config: Config) -> None:
 def checkpoint_dir(config: Config) -> Path:
     """``checkpoint.dir``, or ``<run_dir>/checkpoints``."""
     return Path(config.checkpoint.dir or Path(config.run_dir) / "checkpoints").absolute()
+
+
+def validate_pipeline(p: PipelineConfig) -> None:
+    """The pipeline section on its own; what needs the mesh is checked when the pipeline is traced."""
+    if p.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"pipeline.schedule: '{p.schedule}' is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    if p.microbatches is not None and p.microbatches < 1:
+        raise ConfigError(f"pipeline.microbatches must be at least 1, got {p.microbatches}")
+    if p.repeats < 1:
+        raise ConfigError(f"pipeline.repeats must be at least 1, got {p.repeats}")
+    if p.schedule == "gpipe" and p.repeats != 1:
+        raise ConfigError(f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular (gpipe runs stages once)")
+    if p.schedule == "circular" and p.repeats < 2:
+        raise ConfigError("pipeline.schedule=circular needs pipeline.repeats >= 2 (with 1 it is gpipe)")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

@@ -35,6 +35,7 @@ from jaxscale.models import moe
 from jaxscale.models.attention import sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
+from jaxscale.parallel.pipeline import use_pipeline
 from jaxscale.sharding import Rules, check_divisible, constrain, use_rules
 
 BATCH_AXES = ("batch", "length")
@@ -207,7 +208,7 @@ class Trainer:
         return loss_sum / m, jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        with use_rules(self.mesh, self.rules):
+        with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
             loss, grads, aux = self._grads(state.params, batch)
             opt_layout = self.param_shardings("optimizer")
             # Compute the update where the optimizer state lives (ZeRO-1/2: a shard per device).
@@ -239,7 +240,7 @@ class Trainer:
         """Jitted loss and (accumulated) gradients under this layout, for tests and research code."""
 
         def f(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
-            with use_rules(self.mesh, self.rules):
+            with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
                 return self._grads(params, batch)[:2]
 
         return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))(params, batch)
@@ -297,7 +298,7 @@ class Trainer:
         """Jitted loss of a batch under this layout, the parameters not donated."""
 
         def f(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-            with use_rules(self.mesh, self.rules):
+            with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
                 return self.loss(params, batch)
 
         batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)

@@ -39,10 +39,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.config import ModelConfig
+from jaxscale.config import ConfigError, ModelConfig
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
-from jaxscale.parallel import sequence
+from jaxscale.parallel import pipeline, sequence
 from jaxscale.sharding import constrain
 
 RESIDUAL = ("batch", "norm_length", "act_embed")
@@ -232,7 +232,12 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        x, aux = scan(x, self.blocks)
+        if pipeline.stages() > 1:
+            if c.moe is not None:
+                raise ConfigError("pipeline parallelism (layers on stage) cannot carry model.moe's aux losses yet")
+            x, aux = pipeline.apply(self.blocks, x, positions, RESIDUAL, policy), {}
+        else:
+            x, aux = scan(x, self.blocks)
         x = self.final_norm(x)
         if c.tie_embeddings:
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
