@@ -71,9 +71,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, parse_override, resolve_named
+from jaxscale.config import MESH_AXES, Config, ConfigError, ModelConfig, parse_override, resolve_named
 
-DP_AXES = ("data", "fsdp")
 TOKEN_NAMES = ("batch", "length")
 RESIDUAL = ("batch", "norm_length", "act_embed")
 MATMUL_IN = ("batch", "length", "act_embed")
@@ -188,14 +187,14 @@ def _moe(m: ModelConfig) -> Any:
     return getattr(m, "moe", None)
 
 
-def _mlp_per_token(m: ModelConfig) -> tuple[float, int]:
-    """SwiGLU hidden elements per token a layer computes (MoE: top-k experts at the capacity factor), and f."""
+def _mlp_per_token(m: ModelConfig) -> int:
+    """SwiGLU hidden elements per token a layer computes (MoE: top-k experts at the capacity factor)."""
     moe = _moe(m)
     if moe is None:
-        return m.mlp, m.mlp
+        return m.mlp
     f = moe.mlp or m.mlp
     routed = moe.top_k * f * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
-    return routed + moe.shared_experts * f, f
+    return round(routed + moe.shared_experts * f)
 
 
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
@@ -206,8 +205,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     up); ``save_named``: the input and ``model.remat_names``.
     """
     h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
-    fe, _ = _mlp_per_token(m)
-    fe = round(fe)
+    fe = _mlp_per_token(m)
     sizes = {"h": h, "ad": a * d, "gd": g * d, "f": fe}
     x = Activation("layer input", h, RESIDUAL)
     if policy == "full":
@@ -216,7 +214,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
         return [
             x,
             Activation("query, key, value", a * d + 2 * g * d, Q_AXES),
-            Activation("attention projection", h, RESIDUAL),
+            Activation("attention projection", h, MATMUL_IN),  # under SP: the partial sums, before the scatter
             Activation("gate, up", 2 * fe, MLP_AXES),
         ]
     if policy == "save_named":
@@ -434,15 +432,19 @@ def _embedding_flows(sp: _Split, place: Placement, step: Step, bsh: float, pbyte
     """The lookup table: rows are looked up where they live, the activations move (see the module docstring)."""
     micro = step.microbatches
     table = sp.whole * pbytes
+    lookup = "embedding lookup: activations"
     out: list[Flow] = []
     if sp_axes:  # the table is gathered whole, its gradient reduced whole
         full = table * place.size(vocab_axes)
         out += _flow("embedding table", "all-gather", sp.gathered, table, 1, place, "forward", False)
         out += _flow("embedding table", "all-gather", vocab_axes, full, 1, place, "forward", False)
-        out += _flow("embedding gradient", "all-reduce", vocab_axes, full, 1, place, "backward", True)
+        out += _flow("embedding gradient", "all-reduce", vocab_axes, full / place.size(sp.scattered), 1, place,
+                     "backward", True)
+        if sp.scattered:
+            out += _flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, place, "backward",
+                         True)
         kind = "reduce-scatter" if sp.gathered else "all-reduce"
         return out + _flow("embedding gradient", kind, sp.gathered + sp.reduced, full, 1, place, "backward", True)
-    lookup = "embedding lookup: activations"
     if sp.gathered:
         out += _flow(lookup, "all-to-all", sp.gathered, bsh, micro, place, "forward", False)
         out += _flow(lookup, "all-to-all", sp.gathered, bsh, micro, place, "backward", False)
@@ -472,9 +474,10 @@ def _param_flows(p: Param, m: ModelConfig, place: Placement, step: Step, bsh: fl
             out += _flow(p.path, "all-gather", sp.gathered, unit, runs if p.in_layers else 1, place, "forward", True)
             if p.in_layers and (not in_sp or m.remat != "none"):  # SP's shard_map keeps it, unless recomputed
                 out += _flow(p.path, "all-gather", sp.gathered, unit, runs, place, "backward", True)
-        if in_sp:  # inside the shard_map: summed over the replicas first, then scattered
+        if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
             out += _flow(p.path + " gradient", "all-reduce", sp.reduced, unit, runs, place, "backward", True)
-            out += _flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, runs, place, "backward", True)
+            out += _flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, unit, runs, place,
+                         "backward", True)
         else:
             shard = unit / place.size(sp.gathered)
             out += _flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, runs, place, "backward", True)
@@ -483,6 +486,8 @@ def _param_flows(p: Param, m: ModelConfig, place: Placement, step: Step, bsh: fl
                          "backward", True)
     updated = [a for a in place.mesh_axes(p.axes, "optimizer") if a in place.token_axes and a not in sp.held]
     shard_all = sp.whole / place.size(sp.gathered) * pbytes
+    if step.microbatches > 1 and not sp.scattered:  # ZeRO-1: each microbatch's sum is re-gathered to accumulate
+        out += _flow(p.path + " gradient", "all-gather", updated, shard_all, step.microbatches, place, "update", False)
     return out + _flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, place, "update", False)
 
 
@@ -562,13 +567,6 @@ def summarize_flows(flows: Sequence[Flow]) -> dict[str, Any]:
     return {"total": sum(f.wire_bytes for f in flows), "by_kind": by_kind, "by_axes": by_axes}
 
 
-def formula_comm(psi: float, n_d: int, stage: int, param_bytes: int = 4) -> float:
-    """FORMULAS.md: data-parallel wire bytes per device per step (DP, ZeRO-1/2: 2(N−1)/N·Ψ; ZeRO-3: 3(N−1)/N·Ψ)."""
-    if n_d <= 1:
-        return 0.0
-    return (3 if stage == 3 else 2) * (n_d - 1) / n_d * psi * param_bytes
-
-
 # -- clusters and time -----------------------------------------------------------------
 
 
@@ -627,10 +625,6 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
     if cluster.usable_memory > 1 or cluster.compute_efficiency > 1:
         raise ConfigError(f"cluster {Path(path).stem}: usable_memory and compute_efficiency are fractions (<= 1)")
     return cluster
-
-
-def cluster_names() -> list[str]:
-    return sorted(p.stem for p in (CONFIG_DIR / "clusters").glob("*.yaml"))
 
 
 def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> bool:

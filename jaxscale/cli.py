@@ -1,4 +1,4 @@
-"""``jaxscale train --config FILE [--set KEY=VALUE ...]``.
+"""``jaxscale train --config FILE [--set KEY=VALUE ...]``; ``inspect``, ``plan`` and ``report`` (see ``--help``).
 
 The config is read and validated before jax is imported, so that when no
 ``XLA_FLAGS`` is set the command can ask the host platform for as many
@@ -26,7 +26,39 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.steps=20 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _inspection_commands(commands)
     return parser
+
+
+def _inspection_commands(commands: argparse._SubParsersAction) -> None:
+    """``inspect``, ``plan`` and ``report``: read a layout, choose one, look at a run (jaxscale/commands.py)."""
+    inspect = commands.add_parser("inspect", help="compile the train step without running it and report its layout")
+    inspect.add_argument("--config", default=str(CONFIG_DIR / "experiments" / "tiny.yaml"), help="experiment YAML")
+    inspect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config key (repeatable)")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
+    plan = commands.add_parser("plan", help="search layouts: fit in memory, reach the batch, rank by step time")
+    plan.add_argument("--model", required=True, help="a model YAML (path, or a name in configs/models/)")
+    plan.add_argument("--cluster", required=True, help="a cluster YAML (path, or a name in configs/clusters/)")
+    plan.add_argument("--set", dest="cluster_overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a cluster key, e.g. --set nodes=8 (repeatable)")
+    plan.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
+    plan.add_argument("--seq-len", type=int, required=True, help="sequence length")
+    plan.add_argument("--attention", help="attention to assume (dot keeps s x s scores; blockwise, ring, cudnn do "
+                      "not); default: the model's")
+    plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--png", metavar="FILE", help="write a picture of the memory of the ranked layouts")
+    plan.add_argument("--write", metavar="FILE", help="write the chosen layout as an experiment file (+ rules file)")
+    plan.add_argument("--pick", type=int, default=0,
+                      help="which ranked layout --write writes (default: the best this installation can run)")
+    plan.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
+                      help="compile the top K (default 3) on simulated devices: predicted vs compiled")
+    report = commands.add_parser("report", help="plot loss, tokens/s and memory of a run from its metrics.jsonl")
+    report.add_argument("run_dir", help="the run directory")
+    report.add_argument("--out", metavar="FILE", help="the PNG to write (default RUN_DIR/report.png)")
+    report.add_argument("--tensorboard", action="store_true", help="also write the metrics as TensorBoard events")
 
 
 def _simulate_cpu_devices(count: int) -> None:
@@ -36,6 +68,10 @@ def _simulate_cpu_devices(count: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command != "train":
+        from jaxscale import commands
+
+        return commands.run(args, _simulate_cpu_devices)
     try:
         config = load_config(args.config, args.overrides)
         _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)

@@ -81,14 +81,21 @@ def device_memory_in_use(device: jax.Device | None = None) -> int:
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl``; shows a progress bar.
 
-    Only the main process (``jax.process_index() == 0``) writes or prints.
+    Only the main process (``jax.process_index() == 0``) writes or prints. With
+    ``tensorboard`` every record also goes to ``<run_dir>/tensorboard`` (:mod:`jaxscale.report`).
     """
 
-    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool | None = None, bar: bool = True):
+    def __init__(self, run_dir: str | Path, total_steps: int, enabled: bool | None = None, bar: bool = True,
+                 tensorboard: bool = False):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.history: list[dict[str, Any]] = []
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
+        self.tensorboard = None
+        if self.enabled and tensorboard:
+            from jaxscale.report import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(run_dir)
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text("")
@@ -101,6 +108,8 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         if self.bar is not None:
             self.bar.n = record["step"]
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}")
@@ -109,3 +118,5 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -246,7 +246,7 @@ class Trainer:
         tokens_per_step = t.global_batch * t.seq_len
         flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * tokens_per_step
         peak = metrics_lib.peak_flops(self.mesh.devices.flat[0], t.peak_flops) * self.mesh.size
-        logger = metrics_lib.MetricsLogger(c.run_dir, t.steps, bar=progress)
+        logger = metrics_lib.MetricsLogger(c.run_dir, t.steps, bar=progress, tensorboard=t.tensorboard)
         compiled_at = time.perf_counter()
         step_fn = self.jit_step.lower(state, self.abstract_batch()).compile()
         compile_s = time.perf_counter() - compiled_at
