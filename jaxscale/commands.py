@@ -55,8 +55,9 @@ def _plan(args: argparse.Namespace, simulate: Callable[[int], None]) -> int:
     if args.verify:
         simulate(min(cluster.devices, MAX_SIMULATED))
     if args.attention:
-        config.model.attention = args.attention
-        model_dict["attention"] = args.attention
+        config.model.attention = args.attention  # what the analytic model assumes
+        if "attention" in {f.name for f in dataclasses.fields(ModelConfig)}:
+            model_dict["attention"] = args.attention  # and what a written experiment runs, where it can
     from jaxscale import plan, report
 
     params = analytic.param_table(config)

@@ -12,7 +12,8 @@
    that fits is taken (the playbook's recipe, FORMULAS.md "Batch size").
 3. **Maximise throughput.** Rank by predicted step time: compute at the cluster's stated
    efficiency, the pipeline bubble, and the communication that cannot hide
-   (:func:`jaxscale.analytic.step_time`).
+   (:func:`jaxscale.analytic.step_time`); within 0.1% the simpler layout (fewer strategies),
+   then the smaller memory, comes first.
 
 Every layout is data: :func:`rules_for` writes its rules table (starting from
 ``configs/rules/dp.yaml``, so every logical name the model uses is present) and
@@ -207,12 +208,12 @@ def _divisors(n: int) -> list[int]:
 
 
 def _pipelines(m: ModelConfig, devices: int, max_stages: int) -> Iterator[tuple[int, int, int]]:
-    """(stages, pipeline microbatches, repeats): GPipe with m = p, 2p, 4p; circular with v = 2."""
+    """(stages, pipeline microbatches, repeats): GPipe with m = p, 2p, 4p, 8p; circular with v = 2."""
     yield 1, 1, 1
     for p in _divisors(devices):
         if p == 1 or p > max_stages or m.layers % p:
             continue
-        for mult in (1, 2, 4):
+        for mult in (1, 2, 4, 8):
             yield p, mult * p, 1
             if m.layers % (2 * p) == 0:
                 yield p, mult * p, 2
@@ -286,7 +287,9 @@ def search(
             if b == 1:
                 reject(layout, mem["total"], f"needs {mem['total'] / 1e9:.1f} GB per device at micro-batch 1 "
                        f"({layout.describe()}, remat {layout.remat}) > {cluster.budget / 1e9:.1f} GB")
-    found.sort(key=lambda c: c.time["total"])
+    # Fastest first; within 0.1% the layout with fewer strategies, then the smaller memory.
+    found.sort(key=lambda c: (round(math.log(c.time["total"]) / math.log(1.001)), c.layout.family.count("+"),
+                              c.memory["total"]))
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     return Plan(found[:top] if top else found, rejected, searched, sequences, seq_len, cluster)

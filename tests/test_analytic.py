@@ -40,6 +40,7 @@ LAYOUTS = [
     ("tp", {"data": 2, "tensor": 4}),
     ("tp", {"data": 2, "tensor": 4}, "model.remat=full"),
     ("tp_sp", {"data": 2, "tensor": 4}),
+    ("tp_sp", {"data": 2, "tensor": 4}, "model.remat=save_dots"),
     ("fsdp_tp", {"fsdp": 2, "tensor": 4}),
     ("fsdp_tp_sp", {"data": 2, "fsdp": 2, "tensor": 2}, "model.remat=full"),
 ]

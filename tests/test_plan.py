@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import jax
@@ -62,7 +63,7 @@ def test_plan_8b_on_one_node_fits_reaches_the_batch_and_ranks(plan_8b):
     assert plan_8b.candidates, plan.table(plan_8b)
     sequences = TOKENS_4M // 8192
     times = [c.time["total"] for c in plan_8b.candidates]
-    assert times == sorted(times)
+    assert all(later >= 0.998 * earlier for earlier, later in itertools.pairwise(times))  # ties: simpler first
     for c in plan_8b.candidates:
         lay = c.layout
         assert lay.devices == 8
