@@ -25,8 +25,10 @@ are *the* parameters; FORMULAS.md "Model state"):
 jaxscale keeps more than Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer
 (:func:`korthikanti`): autodiff saves both the fp32 and the compute-dtype copies around
 each RMSNorm, the query/key/value, both the scores and the probabilities, and SwiGLU's
-gate, up, silu and product, and under SP the all-gathered norm output is saved whole
-(Megatron re-gathers it in the backward).
+gate, up, silu and product; without remat the weights cast to the compute dtype too. Under
+SP the all-gathered norm output is saved whole (Megatron re-gathers it in the backward),
+save_dots keeps the attention projection's partial sums whole (before the reduce-scatter),
+and without remat the shard_map keeps its weight operands (gathered, under FSDP).
 
 Communication (wire bytes per device per step, :func:`communication`), counted as
 :mod:`jaxscale.inspect` counts the compiled step (all-reduce 2·(n−1)/n·size, all-gather
@@ -38,7 +40,10 @@ and reduce-scatter (n−1)/n of the whole, all-to-all (n−1)/n, permute its siz
   updated parameters (ZeRO-1/2): 2·(N−1)/N·Ψ·4; ZeRO-3 gathers every layer's parameters
   forward and again backward and reduce-scatters the gradients: 3·(N−1)/N·Ψ·4. jaxscale
   reduces the gradients of every microbatch (the accumulator lives in the gradient layout),
-  so these run ``train.microbatches`` times a step;
+  so these run ``train.microbatches`` times a step, and ZeRO-1 re-gathers each microbatch's
+  reduced gradient to accumulate it. Inside SP's shard_map a weight's gradient is summed over
+  the replicas at its gathered size before it is scattered over ``fsdp``, and the gathered
+  weight is kept for the backward (gathered again only under remat);
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
   ids; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
@@ -46,7 +51,9 @@ and reduce-scatter (n−1)/n of the whole, all-to-all (n−1)/n, permute its siz
   once forward under ZeRO-3 (and reused backward);
 * TP (Megatron): per layer 2 all-reduces of b·s·h forward; backward XLA reduces the input
   gradient of each column-parallel projection separately (q, k, v, gate, up: 5 b·s·h where
-  Megatron sums first: 2); SP: 2 all-gathers + 2 reduce-scatters of b·s·h each way;
+  Megatron sums first: 2); SP: 2 all-gathers + 2 reduce-scatters of b·s·h each way; under
+  remat the backward redoes the layer's collectives up to the attention output (TP: 1
+  all-reduce; SP: 2 all-gathers, 1 reduce-scatter);
 * CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, twice that backward; PP: a
   microbatch's b·s·h per pipeline iteration each way; EP: dispatch + combine all-to-all of
   k·b·s·h per MoE layer each way (FORMULAS.md).
@@ -58,6 +65,12 @@ parameter gather are exposed, gradient reduction, ZeRO-3 gathers and the CP ring
 with compute up to the compute time. Each collective runs at the bandwidth of the slowest
 link its group crosses (within a node or across nodes: the mesh puts ``tensor``
 innermost).
+
+Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
+bf16 buffers and activation collectives are f32 and do not compare. The embedding lookup's
+traffic is what the partitioner chose in the tested layouts; it varies with the layout
+(with accumulation under HSDP x SP it gathers and permutes instead), a few % of a large
+model's traffic.
 """
 
 from __future__ import annotations
