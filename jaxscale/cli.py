@@ -1,4 +1,6 @@
-"""``jaxscale train --config FILE [--set KEY=VALUE ...] [--resume]`` and ``jaxscale prepare-data``.
+"""``jaxscale train --config FILE [--set KEY=VALUE ...] [--resume]``; ``prepare-data``, ``inspect``, ``plan``.
+
+``report`` plots a run; ``--help`` lists every command.
 
 The config is read and validated before jax is imported, so that when no
 ``XLA_FLAGS`` is set the command can ask the host platform for as many
@@ -39,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="the text field of JSONL records")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for eval")
     prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json")
+    _inspection_commands(commands)
     return parser
 
 
@@ -55,6 +58,37 @@ def _prepare_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspection_commands(commands: argparse._SubParsersAction) -> None:
+    """``inspect``, ``plan`` and ``report``: read a layout, choose one, look at a run (jaxscale/commands.py)."""
+    inspect = commands.add_parser("inspect", help="compile the train step without running it and report its layout")
+    inspect.add_argument("--config", default=str(CONFIG_DIR / "experiments" / "tiny.yaml"), help="experiment YAML")
+    inspect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config key (repeatable)")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
+    plan = commands.add_parser("plan", help="search layouts: fit in memory, reach the batch, rank by step time")
+    plan.add_argument("--model", required=True, help="a model YAML (path, or a name in configs/models/)")
+    plan.add_argument("--cluster", required=True, help="a cluster YAML (path, or a name in configs/clusters/)")
+    plan.add_argument("--set", dest="cluster_overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a cluster key, e.g. --set nodes=8 (repeatable)")
+    plan.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
+    plan.add_argument("--seq-len", type=int, required=True, help="sequence length")
+    plan.add_argument("--attention", choices=("dot", "blockwise", "ring", "cudnn"),
+                      help="attention to assume (dot keeps s x s scores, the others do not); default: the model's")
+    plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--png", metavar="FILE", help="write a picture of the memory of the ranked layouts")
+    plan.add_argument("--write", metavar="FILE", help="write the chosen layout as an experiment file (+ rules file)")
+    plan.add_argument("--pick", type=int, default=0,
+                      help="which ranked layout --write writes (default: the best this installation can run)")
+    plan.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
+                      help="compile the top K (default 3) on simulated devices: predicted vs compiled")
+    report = commands.add_parser("report", help="plot loss, tokens/s and memory of a run from its metrics.jsonl")
+    report.add_argument("run_dir", help="the run directory")
+    report.add_argument("--out", metavar="FILE", help="the PNG to write (default RUN_DIR/report.png)")
+    report.add_argument("--tensorboard", action="store_true", help="also write the metrics as TensorBoard events")
+
+
 def _simulate_cpu_devices(count: int) -> None:
     if "XLA_FLAGS" not in os.environ:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
@@ -64,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "prepare-data":
         return _prepare_data(args)
+    if args.command != "train":
+        from jaxscale import commands
+
+        return commands.run(args, _simulate_cpu_devices)
     try:
         config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])])
         cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)

@@ -12,6 +12,7 @@ command line can read a config before the backend starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -108,6 +109,7 @@ class TrainConfig:
     seq_len: int = 128
     microbatches: int = 1
     log_every: int = 10
+    tensorboard: bool = False  # also log to <run_dir>/tensorboard (needs tensorboardX)
     learning_rate: float = 3e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -383,6 +385,8 @@ def validate(config: Config) -> None:
         low = 0 if key == "steps" else 1
         if getattr(t, key) < low:
             raise ConfigError(f"train.{key} must be at least {low}, got {getattr(t, key)}")
+    if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("train.tensorboard: needs tensorboardX (pip install 'jaxscale[plot]')")
     if t.global_batch % t.microbatches:
         raise ConfigError(
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"

@@ -112,7 +112,9 @@ class _Run:
         self.flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
         self.peak = metrics_lib.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
         resume_step = first if resumed else None
-        self.logger = metrics_lib.MetricsLogger(c.run_dir, t.steps, bar=progress, resume_step=resume_step)
+        self.logger = metrics_lib.MetricsLogger(
+            c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard
+        )
         self.step_fn, self.compile_s = trainer.compiled_guarded_step
         self.mark(first)
 

@@ -98,7 +98,8 @@ class MetricsLogger:
 
     Only the main process (``jax.process_index() == 0``) writes or prints. A resumed
     run passes ``resume_step``: the file keeps the records of earlier steps and
-    drops those a crashed run logged after its last checkpoint.
+    drops those a crashed run logged after its last checkpoint. With ``tensorboard``
+    every record also goes to ``<run_dir>/tensorboard`` (:mod:`jaxscale.report`).
     """
 
     def __init__(
@@ -108,11 +109,17 @@ class MetricsLogger:
         enabled: bool | None = None,
         bar: bool = True,
         resume_step: int | None = None,
+        tensorboard: bool = False,
     ):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self.history: list[dict[str, Any]] = []
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
+        self.tensorboard = None
+        if self.enabled and tensorboard:
+            from jaxscale.report import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(run_dir)
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
@@ -130,6 +137,8 @@ class MetricsLogger:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
         if self.bar is not None and "loss" in record:
             self.bar.n = record["step"]
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}")
@@ -138,3 +147,5 @@ class MetricsLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -1,0 +1,127 @@
+"""Pictures and TensorBoard: memory breakdowns, a run's curves, live scalars.
+
+matplotlib is optional (``pip install 'jaxscale[plot]'``) and imported only when a picture
+is asked for; so is tensorboardX (``train.tensorboard: true``, or ``jaxscale report RUN_DIR
+--tensorboard`` after the fact). tensorboardX is a small pure-Python writer of TensorBoard
+event files (no TensorFlow, no torch), so runs can log where only jax is installed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxscale.config import ConfigError
+
+# Parts of a memory breakdown, in stacking order, with the keys of jaxscale.analytic.memory they sum.
+MEMORY_PARTS = {
+    "parameters": ("params",),
+    "optimizer": ("optimizer",),
+    "gradients": ("gradients", "accumulator"),
+    "activations": ("activations",),
+    "peak transient": ("transient", "mask"),
+    "batch": ("batch",),
+}
+RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory (GB)"))
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ConfigError("pictures need matplotlib: pip install 'jaxscale[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def analytic_parts(memory: dict[str, float]) -> dict[str, float]:
+    """An analytic memory breakdown (:func:`jaxscale.analytic.memory`) in the parts a picture stacks."""
+    return {part: sum(memory.get(k, 0.0) for k in keys) for part, keys in MEMORY_PARTS.items()}
+
+
+def memory_png(bars: Sequence[tuple[str, dict[str, float]]], path: str | Path, budget: float | None = None,
+               title: str = "memory per device") -> Path:
+    """Stacked horizontal bars, one per ``(label, {part: bytes})``; a dashed line at ``budget`` bytes."""
+    plt = _pyplot()
+    parts = list(dict.fromkeys(part for _, bar in bars for part in bar))
+    largest = max([sum(bar.values()) for _, bar in bars] + [budget or 0.0])
+    scale, unit = (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(bars) + 1.8))
+    labels = [label for label, _ in bars]
+    left = [0.0] * len(bars)
+    for part in parts:
+        widths = [bar.get(part, 0.0) / scale for _, bar in bars]
+        ax.barh(labels, widths, left=left, label=part)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    if budget:
+        ax.axvline(budget / scale, color="black", linestyle="--", label="usable memory")
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} per device")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl``."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise ConfigError(f"no metrics.jsonl in {run_dir}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
+    """Loss, tokens/s and memory over steps of a run (records without a curve's key are skipped)."""
+    plt = _pyplot()
+    records = read_metrics(run_dir)
+    fig, axes = plt.subplots(len(RUN_CURVES), 1, figsize=(8, 2.4 * len(RUN_CURVES)), sharex=True)
+    for ax, (key, label) in zip(axes, RUN_CURVES, strict=True):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
+        scale = 1e9 if key == "memory_bytes" else 1.0
+        ax.plot([s for s, _ in points], [v / scale for _, v in points], marker=".")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    axes[0].set_title(str(run_dir))
+    fig.tight_layout()
+    out = Path(path) if path is not None else Path(run_dir) / "report.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+class TensorBoardWriter:
+    """Every numeric field of a metrics record as a TensorBoard scalar at its step."""
+
+    def __init__(self, run_dir: str | Path):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError as e:
+            raise ConfigError("TensorBoard logging needs tensorboardX: pip install 'jaxscale[plot]'") from e
+        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = record.get("step", 0)
+        for key, value in record.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def metrics_to_tensorboard(run_dir: str | Path) -> Path:
+    """Write a finished run's ``metrics.jsonl`` as TensorBoard events in ``<run_dir>/tensorboard``."""
+    writer = TensorBoardWriter(run_dir)
+    for record in read_metrics(run_dir):
+        writer.write(record)
+    writer.close()
+    return Path(run_dir) / "tensorboard"

@@ -1,0 +1,154 @@
+"""jaxscale plan: layouts as rules files, the three-step search, the written experiment, the compiled check."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import jax
+import pytest
+import yaml
+from conftest import TINY
+
+from jaxscale import analytic, commands, plan
+from jaxscale.cli import main
+from jaxscale.config import load_config
+from jaxscale.sharding import Rules
+from jaxscale.train import Trainer
+
+TOKENS_4M = 4 * 2**20
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    config = load_config(None, ["model=llama3-8b"])
+    return config.model, analytic.param_table(config)
+
+
+@pytest.fixture(scope="module")
+def plan_8b(llama8b):
+    model, params = llama8b
+    return plan.search(model, params, analytic.load_cluster("h100"), TOKENS_4M, 8192, top=0)
+
+
+def tiny_model() -> dict:
+    return {k.split(".")[1]: yaml.safe_load(v) for k, v in (o.split("=") for o in TINY) if k.startswith("model.")}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        plan.Layout(data=8, zero=1),
+        plan.Layout(data=2, tensor=4, zero=2, remat="full"),
+        plan.Layout(data=2, fsdp=2, tensor=2, sequence=True),
+    ],
+    ids=lambda lay: lay.family,
+)
+def test_a_layout_is_a_rules_file_the_trainer_runs(layout, tmp_path):
+    # The rules the planner reasons with are the rules the written experiment loads.
+    path, rules_path = plan.write_experiment(layout, tiny_model(), 32, tmp_path / "exp.yaml")
+    config = load_config(path, [f"run_dir={tmp_path / 'run'}"])
+    trainer = Trainer.build(config)
+    assert dict(trainer.mesh.shape) == layout.mesh()
+    assert config.model.remat == layout.remat
+    loaded = analytic.Placement.from_rules(Rules.load(str(rules_path)), layout.mesh())
+    assert loaded == plan.placement(layout)
+    if layout.zero:
+        specs = {str(s.spec) for s in jax.tree.leaves(trainer.param_shardings("optimizer"))}
+        assert any("'data'" in s for s in specs)
+
+
+def test_plan_8b_on_one_node_fits_reaches_the_batch_and_ranks(plan_8b):
+    assert plan_8b.candidates, plan.table(plan_8b)
+    sequences = TOKENS_4M // 8192
+    times = [c.time["total"] for c in plan_8b.candidates]
+    assert all(later >= 0.998 * earlier for earlier, later in itertools.pairwise(times))  # ties: simpler first
+    for c in plan_8b.candidates:
+        lay = c.layout
+        assert lay.devices == 8
+        assert c.memory["total"] <= plan_8b.cluster.budget
+        assert lay.micro_batch * lay.pipeline_microbatches * lay.accumulation * lay.data * lay.fsdp == sequences
+        assert 0 < c.time["mfu"] <= plan_8b.cluster.compute_efficiency
+    # Plain DP holds 16Ψ = 128 GB of state per device: rejected, with the memory it needed.
+    assert "DP" not in {c.layout.family for c in plan_8b.candidates}
+    assert plan_8b.rejected["DP"].startswith("needs ") and "GB per device" in plan_8b.rejected["DP"]
+    need = float(plan_8b.rejected["DP"].split()[1]) * 1e9
+    assert need > 16 * 8.03e9
+    # Every strategy was searched: CP and PP layouts fit or say why they do not.
+    families = {c.layout.family for c in plan_8b.candidates} | set(plan_8b.rejected)
+    assert any("CP" in f for f in families) and any("PP" in f for f in families)
+    text = plan.table(plan_8b)
+    assert "families that never fit" in text and text.count("\n") > len(plan_8b.candidates)
+
+
+def test_more_memory_buys_larger_micro_batches(llama8b, plan_8b):
+    model, params = llama8b
+    roomy = plan.search(model, params, analytic.load_cluster("h200"), TOKENS_4M, 8192, top=0)
+
+    def key(layout: plan.Layout) -> plan.Layout:
+        return dataclasses.replace(layout, micro_batch=1, accumulation=1)
+
+    tight = {key(c.layout): c.layout.micro_batch for c in plan_8b.candidates}
+    pairs = [(tight[key(c.layout)], c.layout.micro_batch) for c in roomy.candidates if key(c.layout) in tight]
+    assert len(roomy.candidates) >= len(plan_8b.candidates) and pairs
+    assert all(big >= small for small, big in pairs) and any(big > small for small, big in pairs)
+
+
+def test_plan_70b_on_64_gpus_keeps_tensor_parallelism_in_a_node():
+    config = load_config(None, ["model=llama3-70b"])
+    cluster = analytic.load_cluster("h100", ["nodes=8"])
+    result = plan.search(config.model, analytic.param_table(config), cluster, TOKENS_4M, 8192)
+    assert result.candidates and all(c.layout.devices == 64 for c in result.candidates)
+    for c in result.candidates:
+        assert c.layout.tensor <= cluster.devices_per_node
+        assert not analytic.crosses_nodes(["tensor"], c.layout.mesh(), cluster.devices_per_node)
+
+
+def test_written_plan_compiles_as_predicted(tmp_path):
+    # Step 1-3 on the test model for a made-up small device, then the compiled check of the best two.
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))
+    cluster_file = tmp_path / "small.yaml"
+    cluster_file.write_text(yaml.safe_dump({
+        "device": "small", "memory_bytes": 4.0e6, "peak_flops": 1.0e12, "intra_bandwidth": 1.0e11,
+        "inter_bandwidth": 1.0e10, "devices_per_node": 8,
+    }))
+    config = load_config(None, [f"model={tmp_path / 'tiny.yaml'}"])
+    params = analytic.param_table(config)
+    result = plan.search(config.model, params, analytic.load_cluster(str(cluster_file)), 16 * 32, 32, top=2)
+    assert result.candidates
+    rows = commands.verify(result.candidates, tiny_model(), 32)
+    for row in rows:
+        assert row["memory_predicted"] == pytest.approx(row["memory_compiled"], rel=0.10), row
+        assert row["comm_predicted"] == pytest.approx(row["comm_compiled"], rel=0.05), row
+    assert "verify: compiled on 8 simulated" in commands.format_verify(rows, 8, "cpu")
+
+
+def test_cli_plan_writes_an_experiment_jaxscale_train_accepts(tmp_path, capsys):
+    out, png = tmp_path / "best.yaml", tmp_path / "plan.png"
+    argv = ["plan", "--model", "llama3-8b", "--cluster", "h100", "--global-batch-tokens", str(TOKENS_4M),
+            "--seq-len", "8192", "--json", "--top", "10", "--write", str(out)]
+    pytest.importorskip("matplotlib")
+    assert main([*argv, "--png", str(png)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert len(printed["candidates"]) == 10 and printed["rejected"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    config = load_config(out, ["run_dir=" + str(tmp_path / "run")])
+    best = next(c["layout"] for c in printed["candidates"] if not c["missing"])  # the best this build runs
+    assert config.mesh.sizes() == {a: best[a] for a in config.mesh.sizes()}
+    assert config.model.remat == best["remat"]
+    assert config.train.global_batch * config.train.seq_len == TOKENS_4M
+    Trainer.build(config)  # the 8B layout validates on 8 simulated devices (abstractly)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--global-batch-tokens", "1000", "--seq-len", "300"], "not a multiple of --seq-len"),
+        (["--global-batch-tokens", "4096", "--seq-len", "1024", "--set", "nodes=0"], "'nodes' must be a positive"),
+    ],
+)
+def test_cli_plan_bad_input_is_one_line(argv, message, capsys):
+    assert main(["plan", "--model", "llama3-8b", "--cluster", "h100", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
