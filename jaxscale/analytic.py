@@ -137,11 +137,12 @@ def param_table(config: Config) -> list[Param]:
     """The model's parameters, abstractly (``nnx.eval_shape``: nothing is allocated, any size)."""
     import jax
 
-    from jaxscale.train import _is_axes, abstract_model
+    from jaxscale.sharding import is_axes
+    from jaxscale.train import abstract_model
 
     _, shapes, axes = abstract_model(config)
     paths = jax.tree_util.tree_flatten_with_path(shapes)[0]
-    flat_axes = jax.tree.leaves(axes, is_leaf=_is_axes)
+    flat_axes = jax.tree.leaves(axes, is_leaf=is_axes)
     return [
         Param(jax.tree_util.keystr(path, simple=True, separator="."), tuple(leaf.shape), tuple(a))
         for (path, leaf), a in zip(paths, flat_axes, strict=True)
@@ -720,10 +721,10 @@ def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
 def _trainer_params(trainer: Any) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
     import jax
 
-    from jaxscale.train import _is_axes
+    from jaxscale.sharding import is_axes
 
     paths = jax.tree_util.tree_flatten_with_path(trainer.abstract_params)[0]
-    flat_axes = jax.tree.leaves(trainer.axes, is_leaf=_is_axes)
+    flat_axes = jax.tree.leaves(trainer.axes, is_leaf=is_axes)
     return [
         (jax.tree_util.keystr(path, simple=True, separator="."), tuple(leaf.shape), tuple(a))
         for (path, leaf), a in zip(paths, flat_axes, strict=True)

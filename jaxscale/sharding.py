@@ -116,13 +116,33 @@ class Rules:
         return PartitionSpec(*parts)
 
 
+def is_axes(x: Any) -> bool:
+    """True for a tuple of logical axis names (a leaf of a tree of axes)."""
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+
+
+def spec_axes(part: str | tuple[str, ...] | PartitionSpec | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple), or of a whole PartitionSpec."""
+    if isinstance(part, PartitionSpec):
+        return tuple(a for entry in part for a in spec_axes(entry))
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
 def shard_count(spec: PartitionSpec, mesh: Mesh) -> list[int]:
     """How many ways each dimension is split."""
-    out = []
-    for part in spec:
-        names = () if part is None else (part,) if isinstance(part, str) else part
-        out.append(math.prod(mesh.shape[n] for n in names))
-    return out
+    return [math.prod(mesh.shape[n] for n in spec_axes(part)) for part in spec]
+
+
+def gather_shards(w: jax.Array, spec: PartitionSpec, keep: tuple[str, ...] = ()) -> jax.Array:
+    """Inside a manual ``shard_map``: all-gather ``w`` over every mesh axis of ``spec`` not in ``keep``.
+
+    The FSDP gather of a weight whose other shards (tensor, expert) stay local.
+    """
+    for dim, part in enumerate(spec):
+        others = tuple(n for n in spec_axes(part) if n not in keep)
+        if others:
+            w = jax.lax.all_gather(w, others, axis=dim, tiled=True)
+    return w
 
 
 def check_divisible(name: str, shape: tuple[int, ...], axes: Axes, spec: PartitionSpec, mesh: Mesh) -> None:

@@ -36,7 +36,7 @@ from jaxscale.models.attention import sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel.pipeline import use_pipeline
-from jaxscale.sharding import Rules, check_divisible, constrain, use_rules
+from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, use_rules
 
 BATCH_AXES = ("batch", "length")
 
@@ -45,10 +45,6 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
-
-
-def _is_axes(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
 def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
@@ -93,7 +89,7 @@ class Trainer:
     def validate(self) -> None:
         """Check every parameter and activation layout by tracing the step abstractly."""
         paths = jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]
-        flat_axes = jax.tree.leaves(self.axes, is_leaf=_is_axes)
+        flat_axes = jax.tree.leaves(self.axes, is_leaf=is_axes)
         for (path, leaf), axes in zip(paths, flat_axes, strict=True):
             name = "param " + jax.tree_util.keystr(path, simple=True, separator=".")
             for kind in ("params", "optimizer", "gradients"):
@@ -112,7 +108,7 @@ class Trainer:
         return NamedSharding(self.mesh, self.rules.spec(axes, kind))
 
     def param_shardings(self, kind: str = "params") -> Any:
-        return jax.tree.map(lambda a: self.sharding(a, kind), self.axes, is_leaf=_is_axes)
+        return jax.tree.map(lambda a: self.sharding(a, kind), self.axes, is_leaf=is_axes)
 
     @cached_property
     def state_shardings(self) -> TrainState:

@@ -48,35 +48,21 @@ import math
 
 import jax
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from jaxscale.config import ConfigError, MoEConfig
 from jaxscale.models import moe as moe_lib
-from jaxscale.sharding import active, constrain
-
-
-def _names(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+from jaxscale.sharding import active, constrain, gather_shards, spec_axes
 
 
 def _live(logical: str) -> tuple[str, ...]:
     """Mesh axes of size > 1 that shard the logical axis ``logical`` under the active rules."""
     mesh, rules = active()
-    return tuple(a for a in _names(rules.spec((logical,))[0]) if mesh.shape[a] > 1)
+    return tuple(a for a in spec_axes(rules.spec((logical,))[0]) if mesh.shape[a] > 1)
 
 
 def ep_axes() -> tuple[str, ...]:
     """The EP axes: mesh axes of size > 1 the rules shard the experts over (none outside ``use_rules``)."""
     return _live("expert") if active() is not None else ()
-
-
-def _gather(w: jax.Array, spec: PartitionSpec, keep: tuple[str, ...]) -> jax.Array:
-    """All-gather a weight over every mesh axis of its spec not in ``keep`` (the FSDP gather)."""
-    for dim, part in enumerate(spec):
-        others = tuple(n for n in _names(part) if n not in keep)
-        if others:
-            w = lax.all_gather(w, others, axis=dim, tiled=True)
-    return w
 
 
 def _check(ep: tuple[str, ...], seq: tuple[str, ...], mlp: tuple[str, ...]) -> None:
@@ -113,7 +99,7 @@ def experts(
         # Whole sequences on every device: capacity is counted per sequence.
         if seq:
             x, index, gate, slot = (lax.all_gather(a, seq, axis=1, tiled=True) for a in (x, index, gate, slot))
-        w_gate, w_up, w_down = (_gather(w, s, keep) for w, s in zip(ws, w_specs, strict=True))
+        w_gate, w_up, w_down = (gather_shards(w, s, keep) for w, s in zip(ws, w_specs, strict=True))
         if partial:
             # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
             # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.

@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.parallel.sequence import sequence_axes
-from jaxscale.sharding import Axes, Rules, active, check_divisible, constrain, use_rules
+from jaxscale.sharding import Axes, Rules, active, check_divisible, constrain, is_axes, spec_axes, use_rules
 
 AXIS = "stage"
 LAYERS = "layers"
@@ -136,17 +136,6 @@ def schedule(p: int, m: int, v: int) -> np.ndarray:
 # -- the pipelined stack -----------------------------------------------------------
 
 
-def _names(part: Any) -> tuple[str, ...]:
-    """Mesh axes of one PartitionSpec entry, or of a whole PartitionSpec."""
-    if isinstance(part, PartitionSpec):
-        return tuple(a for entry in part for a in _names(entry))
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
-
-
-def _is_axes(x: Any) -> bool:
-    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
-
-
 def _check(p: int, m: int, v: int, layers: int, x: jax.Array, x_axes: Axes) -> None:
     if layers % (p * v):
         raise ConfigError(f"model.layers ({layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats ({v})")
@@ -192,8 +181,8 @@ def apply(
     # Data-parallel axes that shard no block parameter are manual too (a prefix of the batch's axes):
     # the loop then sums each parameter's gradient over ticks on every device and reduces it over
     # them once, after the loop, where the partitioner would all-reduce it at every tick.
-    sharding_params = {a for w_axes in jax.tree.leaves(axes, is_leaf=_is_axes) for a in _names(rules.spec(w_axes))}
-    data = tuple(itertools.takewhile(lambda a: a not in sharding_params, _names(rules.spec(x_axes)[0])))
+    sharding_params = {a for w_axes in jax.tree.leaves(axes, is_leaf=is_axes) for a in spec_axes(rules.spec(w_axes))}
+    data = tuple(itertools.takewhile(lambda a: a not in sharding_params, spec_axes(rules.spec(x_axes)[0])))
     manual = {AXIS, *data}
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     rows = x.shape[0] // m

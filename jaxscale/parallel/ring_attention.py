@@ -52,7 +52,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale.config import ConfigError
-from jaxscale.sharding import Axes, active
+from jaxscale.sharding import Axes, active, spec_axes
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
 LAYOUTS = ("zigzag", "contiguous")
@@ -294,10 +294,6 @@ def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return out.reshape(q.shape)
 
 
-def _names(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
-
-
 def _plan(
     seq_len: int, cp: int, axes: tuple[str, ...], varying: tuple[str, ...], head_dim: int, causal: bool, block: int,
     layout: str,
@@ -345,18 +341,18 @@ def attention(
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
     mesh, rules = current
     q_spec, kv_spec = rules.spec(q_axes), rules.spec(kv_axes)
-    if _names(q_spec[3]) or _names(kv_spec[3]):
+    if spec_axes(q_spec[3]) or spec_axes(kv_spec[3]):
         raise ConfigError(f"rules '{rules.name}': '{q_axes[3]}' must not be sharded for ring/blockwise attention")
     if q_spec[2] != kv_spec[2]:
         raise ConfigError(
             f"rules '{rules.name}': '{q_axes[2]}' and '{kv_axes[2]}' must be sharded over the same mesh axes "
             f"for ring/blockwise attention (got {q_spec[2]} and {kv_spec[2]})"
         )
-    axes = _names(q_spec[1]) if ring else ()
+    axes = spec_axes(q_spec[1]) if ring else ()
     if not ring:
         q_spec, kv_spec = (PartitionSpec(s[0], None, *s[2:]) for s in (q_spec, kv_spec))
     cp = math.prod(mesh.shape[a] for a in axes)
-    varying = tuple(a for part in q_spec for a in _names(part))
+    varying = tuple(a for part in q_spec for a in spec_axes(part))
     plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
     fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
     return fn(q, k, v)

@@ -40,10 +40,9 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
 
 from jaxscale.config import ConfigError
-from jaxscale.sharding import Axes, active, constrain
+from jaxscale.sharding import Axes, active, constrain, gather_shards, spec_axes
 
 SEQUENCE = "norm_length"
 
@@ -63,19 +62,6 @@ def sequence_axes() -> tuple[str, ...]:
             f"rules '{rules.name}': {SEQUENCE} {list(outer)} must start with the mesh axes of length {list(inner)}"
         )
     return manual
-
-
-def _names(part: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
-
-
-def _gather_weight(w: jax.Array, spec: PartitionSpec, keep: tuple[str, ...]) -> jax.Array:
-    """All-gather a weight shard over every mesh axis of its spec except ``keep`` (the FSDP gather)."""
-    for dim, part in enumerate(spec):
-        others = tuple(n for n in _names(part) if n not in keep)
-        if others:
-            w = lax.all_gather(w, others, axis=dim, tiled=True)
-    return w
 
 
 def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
@@ -99,7 +85,7 @@ def column_parallel(
     def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
         x = lax.all_gather(x, manual, axis=dim, tiled=True)
         pairs = zip(projections, ws, w_specs, strict=True)
-        return tuple(jnp.einsum(eq, x, _gather_weight(w, s, manual)) for (eq, *_), w, s in pairs)
+        return tuple(jnp.einsum(eq, x, gather_shards(w, s, manual)) for (eq, *_), w, s in pairs)
 
     fn = _shard_map(body, [x_axes, *(a for _, _, a, _ in projections)], [out for *_, out in projections])
     return list(fn(constrain(x, x_axes), *(w for _, w, _, _ in projections)))
@@ -115,7 +101,7 @@ def row_parallel(
     _, rules = active()
     h_spec = rules.spec(h_axes)
     h_letters, out_letters = equation.split(",")[0], equation.split("->")[1]
-    contracted = {n for a, part in zip(h_letters, h_spec, strict=True) if a not in out_letters for n in _names(part)}
+    contracted = {n for a, part in zip(h_letters, h_spec, strict=True) if a not in out_letters for n in spec_axes(part)}
     if contracted != set(manual):
         raise ConfigError(
             f"rules '{rules.name}': sequence parallelism over {manual} needs the contracted axes of "
@@ -125,7 +111,7 @@ def row_parallel(
     dim = out_axes.index(SEQUENCE)
 
     def body(h: jax.Array, w: jax.Array) -> jax.Array:
-        y = jnp.einsum(equation, h, _gather_weight(w, w_spec, manual))
+        y = jnp.einsum(equation, h, gather_shards(w, w_spec, manual))
         return lax.psum_scatter(y, manual, scatter_dimension=dim, tiled=True)
 
     return _shard_map(body, [h_axes, w_axes], out_axes)(constrain(h, h_axes), w)
