@@ -3,9 +3,10 @@
 LAYOUTS is the table of compiled checks: one line per layout (rules preset, mesh sizes, config
 overrides), each compiled once on 8 simulated devices (fp32: XLA:CPU runs bf16 matmuls in f32) and
 held to the analytic memory within 10% of ``compiled.memory_analysis()`` and the analytic wire
-bytes within 5% of the collectives inspected in the HLO (reduce-scatter reading). Context, pipeline
-and expert parallelism join the table with one line each once their rules presets and modules are
-on this branch, e.g. ``("cp", {"data": 2, "context": 4}, "model.attention=ring")``.
+bytes within 5% of the collectives inspected in the HLO (reduce-scatter reading). Expert
+parallelism is in the table; context and pipeline parallelism are not yet: the analytic model
+misses the ring's compiled bytes (cp: -25%) and the pipeline's memory (pp_fsdp: +82%), to be fixed
+before their lines join.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ LAYOUTS = [
     ("tp_sp", {"data": 2, "tensor": 4}, "model.remat=save_dots"),
     ("fsdp_tp", {"fsdp": 2, "tensor": 4}),
     ("fsdp_tp_sp", {"data": 2, "fsdp": 2, "tensor": 2}, "model.remat=full"),
+    ("ep", {"expert": 8}, "model.moe.experts=8", "model.moe.top_k=2"),
 ]
 
 
