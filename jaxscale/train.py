@@ -232,14 +232,19 @@ class Trainer:
         """One optimizer step; the metrics' loss is that of the parameters before the update."""
         return self.jit_step(state, batch)
 
-    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
-        """Jitted loss and (accumulated) gradients under this layout, for tests and research code."""
+    @cached_property
+    def jit_loss_and_grads(self) -> Any:
+        """Jitted loss and (accumulated) gradients under this layout, built once per trainer."""
 
         def f(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
             with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
                 return self._grads(params, batch)[:2]
 
-        return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))(params, batch)
+        return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))
+
+    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        """Loss and (accumulated) gradients under this layout, for tests and research code."""
+        return self.jit_loss_and_grads(params, batch)
 
     # -- data ------------------------------------------------------------------------
 
