@@ -18,6 +18,10 @@ are *the* parameters; FORMULAS.md "Model state"):
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
   scores mask of dot-product attention once; the batch;
+* under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
+  loop keeps the microbatches' inputs and outputs, one stage input per tick (or, without
+  ``pipeline.remat``, the stage's residuals per tick) and the stage weights' gradient as its carry,
+  and the backward recomputes one tick's stage forward;
 * the transient peak: the larger of one layer's backward (its residuals' cotangents and
   its unreduced weight gradient) and the loss (logits in the compute dtype and fp32, their
   exponentials and gradient).
@@ -54,8 +58,12 @@ and reduce-scatter (n−1)/n of the whole, all-to-all (n−1)/n, permute its siz
   Megatron sums first: 2); SP: 2 all-gathers + 2 reduce-scatters of b·s·h each way; under
   remat the backward redoes the layer's collectives up to the attention output (TP: 1
   all-reduce; SP: 2 all-gathers, 1 reduce-scatter);
-* CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, twice that backward; PP: a
-  microbatch's b·s·h per pipeline iteration each way; EP: dispatch + combine all-to-all of
+* CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, as much backward plus the fp32 key and value
+  gradients, which travel c hops (the last brings them home); with CP a gradient is all-reduced over
+  the context axes and then over the data axes (two all-reduces, as compiled); PP: a
+  microbatch's b·s·h per loop tick (v·m + p − 1 of them, the bubble's included) each way, and the
+  last stage's outputs all-reduced over the stages forward and their gradient backward (b·s·h
+  each); EP: dispatch + combine all-to-all of
   k·b·s·h per MoE layer each way (FORMULAS.md).
 
 Time (:func:`step_time`): model FLOPs (6Ψ + causal attention, :mod:`jaxscale.metrics`),
@@ -183,6 +191,12 @@ class Placement:
         """Mesh axes that split the tokens (batch and sequence): each holds different data."""
         return self.mesh_axes(TOKEN_NAMES)
 
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the sequence but not the batch: context parallelism."""
+        batch = self.mesh_axes(("batch",))
+        return tuple(a for a in self.mesh_axes(("length",)) if a not in batch)
+
 
 # -- activations ---------------------------------------------------------------------
 
@@ -278,6 +292,7 @@ class Step:
     microbatches: int = 1  # gradient accumulation steps
     pipeline_microbatches: int = 1
     repeats: int = 1
+    pipeline_remat: bool = True
 
     @classmethod
     def from_config(cls, config: Config, stages: int = 1) -> Step:
@@ -286,7 +301,7 @@ class Step:
         m = (pipeline.microbatches or stages) if pipeline is not None else 1
         v = pipeline.repeats if pipeline is not None else 1
         t = config.train
-        return cls(t.global_batch, t.seq_len, t.microbatches, m, v)
+        return cls(t.global_batch, t.seq_len, t.microbatches, m, v, pipeline.remat if pipeline is not None else True)
 
 
 def _bytes_of(act: Activation, m: ModelConfig) -> int:
@@ -323,34 +338,65 @@ def memory(m: ModelConfig, params: Sequence[Param], place: Placement, step: Step
         return sum(p.size / place.ways(p.axes, kind) for p in params) * pbytes
 
     micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
+    pipelined = bool(place.mesh_axes(("layers",))) and "stage" in place.mesh_axes(("layers",))
+    rows = micro_rows / step.pipeline_microbatches if pipelined else micro_rows  # through a layer at once
     layers = _layers_here(m, place)
     residuals = layer_residuals(m, m.remat, step.seq_len)
-    per_layer = sum(_per_device(r, micro_rows, step, m, place) for r in residuals)
+    per_layer = sum(_per_device(r, rows, step, m, place) for r in residuals)
     kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
     if m.remat == "none" and sequence_axes(place):  # SP's shard_map keeps its (gathered) weight operands
         kept_weights = sum(_split(p, place, step, m.layers).unit for p in params if p.in_layers and _in_sp_region(p))
     elif m.remat == "none" and m.dtype != m.param_dtype:  # the weights cast to the compute dtype
         kept_weights = _layer_param_elems(params, place, reduced=True)
     per_layer += kept_weights * cbytes
-    everything = sum(_per_device(r, micro_rows, step, m, place) for r in layer_residuals(m, "none", step.seq_len))
+    everything = sum(_per_device(r, rows, step, m, place) for r in layer_residuals(m, "none", step.seq_len))
     layer_backward = everything * RECOMPUTE.get(m.remat, 1.0) + kept_weights * cbytes
     layer_backward += _layer_param_elems(params, place, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = _per_device(vocab, micro_rows, step, m, place) * (cbytes + 12) / cbytes
+    activations = layers * per_layer
+    if pipelined:
+        activations, layer_backward = _pipeline_activations(m, place, step, rows, layers * per_layer, layer_backward)
     out = {
         "params": state("params"),
         "optimizer": 2 * state("optimizer"),
         "gradients": state(grad_kind),
         "accumulator": state("gradients") if step.microbatches > 1 else 0.0,
-        "activations": layers * per_layer,
+        # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
+        "pipeline accumulator": sum(p.size / place.ways(p.axes) for p in params if p.in_layers) * pbytes
+        if pipelined else 0.0,
+        "activations": activations,
         "transient": max(layer_backward, loss),
         "batch": 3 * 4 * step.global_batch * step.seq_len / place.ways(TOKEN_NAMES),
     }
     if getattr(m, "attention", "dot") not in FLASH_ATTENTION:
         mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
-        out["mask"] = _per_device(mask, micro_rows, step, m, place) * 5 / 4  # fp32 where + bool
+        out["mask"] = _per_device(mask, rows, step, m, place) * 5 / 4  # fp32 where + bool
     out["total"] = sum(out.values())
     return out
+
+
+def _pipeline_ticks(place: Placement, step: Step) -> int:
+    """Iterations of the pipeline loop, v·m + p − 1: every stage runs them all, the bubble's too."""
+    return step.repeats * step.pipeline_microbatches + place.ways(("layers",)) - 1
+
+
+def _pipeline_activations(m: ModelConfig, place: Placement, step: Step, rows: float, stage_residuals: float,
+                          layer_backward: float) -> tuple[float, float]:
+    """Kept activations and the backward's transient of a pipelined stage (:mod:`jaxscale.parallel.pipeline`).
+
+    The loop holds the microbatches' inputs and outputs and, per tick, either the stage's input
+    (``pipeline.remat``: the stage forward is recomputed in the backward, whose transient then holds
+    one tick's stage residuals) or all of the stage's residuals. ``stage_residuals`` is one
+    microbatch through all the layers this device holds; a tick runs 1/v of them.
+    """
+    pm, v = step.pipeline_microbatches, step.repeats
+    ticks = _pipeline_ticks(place, step)
+    x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, place)
+    buffers = 2 * pm * x
+    if step.pipeline_remat:
+        return buffers + ticks * x, layer_backward + stage_residuals / v
+    return buffers + ticks * stage_residuals / v, layer_backward
 
 
 def state_formula(psi: float, n_d: int, stage: int, param_bytes: int = 4) -> dict[str, float]:
@@ -394,6 +440,18 @@ def _flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, p
     if n <= 1 or size <= 0 or runs <= 0:
         return []
     return [Flow(what, kind, axes, size, runs, n, phase, overlap)]
+
+
+def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, place: Placement) -> list[Flow]:
+    """A gradient summed over ``axes``: XLA reduces over the context axes first, then over the rest.
+
+    The partial sums over the sequence (context parallelism) and over the batch are two
+    all-reduces of the whole gradient, not one over their product (seen in the compiled step).
+    """
+    context = [a for a in axes if a in place.context_axes]
+    rest = [a for a in axes if a not in context]
+    flows = _flow(what, "all-reduce", context, size, runs, place, "backward", True)
+    return flows + _flow(what, "all-reduce", rest, size, runs, place, "backward", True)
 
 
 def _is_embedding(p: Param) -> bool:
@@ -468,8 +526,7 @@ def _embedding_flows(sp: _Split, place: Placement, step: Step, bsh: float, pbyte
         return out
     if sp.scattered:
         out += _flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, place, "backward", True)
-    return out + _flow("embedding gradient", "all-reduce", sp.reduced, table / place.size(sp.scattered), micro, place,
-                       "backward", True)
+    return out + _gradient_all_reduce("embedding gradient", sp.reduced, table / place.size(sp.scattered), micro, place)
 
 
 def _param_flows(p: Param, m: ModelConfig, place: Placement, step: Step, bsh: float) -> list[Flow]:
@@ -484,20 +541,27 @@ def _param_flows(p: Param, m: ModelConfig, place: Placement, step: Step, bsh: fl
         unit = sp.unit * pbytes
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and _in_sp_region(p)
+        fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
+        if p.in_layers and "stage" in place.mesh_axes(("layers",)):
+            # In the pipeline loop every tick runs 1/v of the stage's layers, gathering and scattering as
+            # it goes, and its backward gathers again for the recomputed stage forward (pipeline.remat).
+            # Over the other data axes the loop sums the gradient and reduces it once, after the loop.
+            fsdp_runs = runs * _pipeline_ticks(place, step) / step.repeats
+            regather += step.pipeline_remat
         if sp.gathered:
-            out += _flow(p.path, "all-gather", sp.gathered, unit, runs if p.in_layers else 1, place, "forward", True)
+            out += _flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, place, "forward",
+                         True)
             if p.in_layers and (not in_sp or m.remat != "none"):  # SP's shard_map keeps it, unless recomputed
-                out += _flow(p.path, "all-gather", sp.gathered, unit, runs, place, "backward", True)
+                out += _flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, place, "backward", True)
         if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
             out += _flow(p.path + " gradient", "all-reduce", sp.reduced, unit, runs, place, "backward", True)
             out += _flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, unit, runs, place,
                          "backward", True)
         else:
             shard = unit / place.size(sp.gathered)
-            out += _flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, runs, place, "backward", True)
+            out += _flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, fsdp_runs, place, "backward", True)
             out += _flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, place, "backward", True)
-            out += _flow(p.path + " gradient", "all-reduce", sp.reduced, shard / place.size(sp.scattered), runs, place,
-                         "backward", True)
+            out += _gradient_all_reduce(p.path + " gradient", sp.reduced, shard / place.size(sp.scattered), runs, place)
     updated = [a for a in place.mesh_axes(p.axes, "optimizer") if a in place.token_axes and a not in sp.held]
     shard_all = sp.whole / place.size(sp.gathered) * pbytes
     if step.microbatches > 1 and not sp.scattered:  # ZeRO-1: each microbatch's sum is re-gathered to accumulate
@@ -519,8 +583,13 @@ def communication(m: ModelConfig, params: Sequence[Param], place: Placement, ste
 
     tensor = [a for a in place.mesh_axes(("heads",)) if a not in place.token_axes]
     sp = sequence_axes(place)
-    runs = micro * layers
+    runs = micro * layers  # a layer's activation collectives, in units of bsh
     recompute = m.remat != "none"  # the backward recomputes the layer up to its last collective
+    stage_remat = False  # the backward recomputes the whole stage forward (pipeline.remat)
+    if "stage" in place.mesh_axes(("layers",)):
+        # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers, bubble ticks included.
+        runs *= _pipeline_ticks(place, step) / (step.pipeline_microbatches * step.repeats)
+        stage_remat = step.pipeline_remat
     if sp:
         for phase in ("forward", "backward"):
             flows += _flow("SP: norm output", "all-gather", sp, bsh, 2 * runs, place, phase, False)
@@ -535,27 +604,32 @@ def communication(m: ModelConfig, params: Sequence[Param], place: Placement, ste
         flows += _flow("TP: attention and MLP out", "all-reduce", tensor, bsh, 2 * runs, place, "forward", False)
         flows += _flow("TP: q, k, v, gate, up input gradients", "all-reduce", tensor, bsh, 5 * runs, place,
                        "backward", False)
-        if recompute:
-            flows += _flow("TP: recomputed attention output", "all-reduce", tensor, bsh, runs, place, "backward",
-                           False)
+        # The recomputed stage forward all-reduces twice a layer; a recomputed layer, up to its attention output.
+        flows += _flow("TP: recomputed forward", "all-reduce", tensor, bsh, (2 * stage_remat + recompute) * runs,
+                       place, "backward", False)
         flows += _flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, bsh, micro, place, "forward", False)
         flows += _flow("TP: head input gradient", "all-reduce", tensor, bsh, micro, place, "backward", False)
 
-    context = [a for a in place.mesh_axes(("length",)) if a not in place.mesh_axes(("batch",))]
+    context = place.context_axes
     if context:
         c = place.size(context)
-        kv = rows * s_local * m.kv_heads * m.head_dim * cbytes
-        flows += _flow("CP ring: keys, values", "collective-permute", context, 2 * kv, (c - 1) * runs, place,
-                       "forward", True)
-        flows += _flow("CP ring: keys, values and gradients", "collective-permute", context, 4 * kv,
-                       (c - 1) * runs, place, "backward", True)
+        kv = rows * s_local * m.kv_heads * m.head_dim
+        for phase in ("forward", "backward"):
+            flows += _flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
+                           place, phase, True)
+        flows += _flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
+                       2 * kv * 4, c * runs, place, "backward", True)
 
     stages = place.mesh_axes(("layers",))
     if stages:
-        m_pp = step.pipeline_microbatches * step.repeats
+        ticks = _pipeline_ticks(place, step)
         size = bsh / step.pipeline_microbatches
-        flows += _flow("PP: stage boundary", "collective-permute", stages, size, m_pp * micro, place, "forward", False)
-        flows += _flow("PP: stage boundary", "collective-permute", stages, size, m_pp * micro, place, "backward",
+        for phase in ("forward", "backward"):
+            flows += _flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, place, phase,
+                           False)
+        flows += _flow("PP: last stage's outputs to every stage", "all-reduce", stages, bsh, micro, place, "forward",
+                       False)
+        flows += _flow("PP: their gradient, summed over stages", "all-reduce", stages, bsh, micro, place, "backward",
                        False)
 
     moe = _moe(m)
@@ -660,8 +734,10 @@ def step_time(
     tokens = step.global_batch * step.seq_len
     model_flops = flops_per_token(m, step.seq_len) * tokens
     extra = {"none": 0.0, "save_dots": 0.05, "save_named": 0.15, "full": 1 / 3}[m.remat]
-    compute = model_flops * (1 + extra) / devices / (cluster.peak_flops * cluster.compute_efficiency)
     p = place.ways(("layers",))
+    if p > 1 and step.pipeline_remat:  # the backward recomputes each stage's forward
+        extra += 1 / 3
+    compute = model_flops * (1 + extra) / devices / (cluster.peak_flops * cluster.compute_efficiency)
     bubble = 0.0
     if p > 1:
         bubble = compute * (p - 1) / (step.repeats * step.pipeline_microbatches)

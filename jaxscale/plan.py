@@ -229,7 +229,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     for t, sp, c, e, (p, mb, v) in itertools.product(
         tensors, (False, True), contexts, experts, _pipelines(m, devices, max_stages)
     ):
-        if sp and t == 1:
+        if (sp and t == 1) or (p > 1 and (sp or c > 1)):  # the pipeline runs neither SP nor CP in a stage
             continue
         rest, left = divmod(devices, t * c * e * p)
         if left:

@@ -208,3 +208,10 @@ def test_sequence_parallelism_inside_a_stage(warm, tmp_path):
     config = tiny_config(*pipe(2, 1), rules=path, mesh={"stage": 2, "fsdp": 2, "tensor": 2})
     with fails_early(r"^rules 'sp': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage"):
         Trainer.build(config)
+
+
+def test_context_parallelism_inside_a_stage(warm, tmp_path):
+    path = write_rules(tmp_path, "cp", length="context", norm_length="context")
+    config = tiny_config("model.attention=ring", *pipe(2, 1), rules=path, mesh={"stage": 2, "context": 2, "data": 2})
+    with fails_early(r"^rules 'cp': context parallelism \(length on \['context'\]\) inside a pipeline stage"):
+        Trainer.build(config)

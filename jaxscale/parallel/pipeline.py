@@ -109,6 +109,12 @@ def stages() -> int:
             f"rules '{rules.name}': sequence parallelism (norm_length on {sequence_axes()}) inside a pipeline "
             "stage is not supported"
         )
+    context = [a for a in rules.table().get("length", ()) if mesh.shape[a] > 1]
+    if context:
+        raise ConfigError(
+            f"rules '{rules.name}': context parallelism (length on {context}) inside a pipeline stage is not "
+            "supported"
+        )
     return mesh.shape[AXIS]
 
 
