@@ -2,9 +2,10 @@
 
 The plain loss (:func:`jaxscale.train.cross_entropy`) takes logits
 ``[batch, length, vocab]``: the head matmul's output in the compute dtype,
-its fp32 copy, the softmax and the gradient of the logits all exist at once,
-about ``b·s·V·(dtype + 12)`` bytes at the loss's peak (b·s·V·4 for each fp32
-buffer): for a 128k vocabulary and 8k tokens per device, 4 GiB per fp32 buffer.
+its fp32 copy, the softmax and the gradient of the logits, up to
+``b·s·V·(dtype + 12)`` bytes at the loss's peak (XLA fuses some of them: 1.6
+fp32 buffers measured on CPU, ``benchmarks/loss_memory.py``); for a 128k
+vocabulary and 8k tokens per device, 4 GiB per fp32 buffer.
 
 :func:`chunked_cross_entropy` never builds them: it takes the hidden states
 ``[b, s, e]`` and the head weight ``[e, V]`` and runs a ``lax.scan`` over
@@ -31,10 +32,13 @@ gathered over its ``embed`` axes once before the scan; with ``vocab`` sharded
 (tensor parallelism) the log-sum-exp and the target logit of each chunk are
 all-reduced (``b·chunk`` floats each, a few per chunk) and the gradient of the
 hidden states is summed over the vocabulary shards (``b·chunk·e`` per chunk,
-as the plain head's backward sums ``b·s·e``). The head gradient of each chunk
-is summed over the batch shards as it is accumulated (XLA reduces a partial
-sum inside the loop body), so the data-parallel reduction of the head weight
-(``e·V/t`` floats) runs ``s / chunk`` times instead of once.
+as the plain head's backward sums ``b·s·e``; XLA:CPU all-reduces it where SP's
+plain head reduce-scatters). The head gradient is accumulated per batch shard
+(a ``[shards, e, V]`` fp32 accumulator sharded on the batch axes: ``e·V/t``
+floats per device, the size of the plain path's unreduced head gradient) and
+summed over the shards once after the loop: a partial sum carried through
+the loop would be all-reduced by XLA in every chunk, ``s / chunk`` times the
+head's gradient reduction.
 """
 
 from __future__ import annotations

@@ -36,20 +36,27 @@ from jaxscale.sharding import Axes, Rules, active
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_axes: Axes, kv_axes: Axes, config: ModelConfig) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim]."""
-    current = active()
-    platform = current[0].devices.flat[0].platform if current else jax.devices()[0].platform
     kind = config.attention
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
-        kind = resolve_attention(config, platform, q.shape[1])
+        kind = resolve_attention(config, _platform(), q.shape[1])
     if kind in ("blockwise", "ring"):
         return ring_attention.attention(
             q, k, v, q_axes, kv_axes, causal=True, block=config.attention_block, ring=kind == "ring"
         )
     if kind == "cudnn":
+        platform = _platform()
         if platform != "gpu":
             raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {platform}")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _platform() -> str:
+    """The platform of the active mesh's devices (of jax's default devices outside one, or under an abstract mesh)."""
+    current = active()
+    if current is not None and isinstance(current[0], Mesh):
+        return current[0].devices.flat[0].platform
+    return jax.devices()[0].platform
 
 
 CUDNN_HEAD_DIM = 128  # the largest head_dim cuDNN's flash attention takes on every GPU (256 from Hopper on)
