@@ -24,7 +24,7 @@ are *the* parameters; FORMULAS.md "Model state"):
   and the backward recomputes one tick's stage forward;
 * the transient peak: the larger of one layer's backward (its residuals' cotangents and
   its unreduced weight gradient) and the loss (logits in the compute dtype and fp32, their
-  exponentials and gradient).
+  exponentials and gradient; of ``model.loss_chunk`` tokens per sequence when chunked).
 
 jaxscale keeps more than Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer
 (:func:`korthikanti`): autodiff saves both the fp32 and the compute-dtype copies around
@@ -354,6 +354,8 @@ def memory(m: ModelConfig, params: Sequence[Param], place: Placement, step: Step
     layer_backward += _layer_param_elems(params, place, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = _per_device(vocab, micro_rows, step, m, place) * (cbytes + 12) / cbytes
+    if getattr(m, "loss_chunk", 0):  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
+        loss *= m.loss_chunk / step.seq_len
     activations = layers * per_layer
     if pipelined:
         activations, layer_backward = _pipeline_activations(m, place, step, rows, layers * per_layer, layer_backward)

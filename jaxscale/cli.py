@@ -73,8 +73,9 @@ def _inspection_commands(commands: argparse._SubParsersAction) -> None:
                       help="override a cluster key, e.g. --set nodes=8 (repeatable)")
     plan.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
     plan.add_argument("--seq-len", type=int, required=True, help="sequence length")
-    plan.add_argument("--attention", choices=("dot", "blockwise", "ring", "cudnn"),
-                      help="attention to assume (dot keeps s x s scores, the others do not); default: the model's")
+    plan.add_argument("--attention", choices=("dot", "blockwise", "ring", "cudnn", "auto"),
+                      help="attention to assume (dot keeps s x s scores, the others do not; auto: what the "
+                      "cluster's devices would run); default: the model's")
     plan.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--png", metavar="FILE", help="write a picture of the memory of the ranked layouts")

@@ -58,6 +58,11 @@ def _plan(args: argparse.Namespace, simulate: Callable[[int], None]) -> int:
         config.model.attention = args.attention  # what the analytic model assumes
         if "attention" in {f.name for f in dataclasses.fields(ModelConfig)}:
             model_dict["attention"] = args.attention  # and what a written experiment runs, where it can
+    if config.model.attention == "auto":  # the kernel the cluster's devices would run (ring comes with CP layouts)
+        from jaxscale.models.attention import resolve_attention
+
+        platform = "tpu" if "tpu" in cluster.device.lower() else "gpu"
+        config.model.attention = resolve_attention(config.model, platform, args.seq_len)
     from jaxscale import plan, report
 
     params = analytic.param_table(config)

@@ -67,8 +67,9 @@ class ModelConfig:
     remat: str = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
     moe: MoEConfig | None = None
-    attention: str = "dot"
+    attention: str = "dot"  # dot | blockwise | ring | cudnn | auto (resolved at build: models/attention.py)
     attention_block: int = 512
+    loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
 
 
 @dataclasses.dataclass
@@ -348,7 +349,7 @@ def validate_moe(m: ModelConfig) -> None:
     for key in ("aux_loss_weight", "z_loss_weight"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
-ATTENTIONS = ("dot", "blockwise", "ring", "cudnn")
+ATTENTIONS = ("dot", "blockwise", "ring", "cudnn", "auto")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
 
 
@@ -369,6 +370,10 @@ def validate(config: Config) -> None:
         raise ConfigError("model.attention_block must be positive")
     if m.attention == "cudnn" and m.dtype == "float32":
         raise ConfigError("model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got float32")
+    if m.loss_chunk < 0:
+        raise ConfigError(f"model.loss_chunk must be at least 0 (0: the plain loss), got {m.loss_chunk}")
+    if m.loss_chunk and t.seq_len % m.loss_chunk:
+        raise ConfigError(f"model.loss_chunk ({m.loss_chunk}) does not divide train.seq_len ({t.seq_len})")
     if m.heads % m.kv_heads:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:

@@ -30,9 +30,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale import loop
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
+from jaxscale.loss import model_cross_entropy
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
-from jaxscale.models.attention import sequence_order
+from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel.pipeline import use_pipeline
@@ -81,6 +82,7 @@ class Trainer:
         """Validate the layout against the devices and build the trainer; compiles nothing."""
         mesh = make_mesh(config.mesh, devices)
         rules = Rules.load(config.rules)
+        config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         graphdef, abstract_params, axes = abstract_model(config)
         trainer = cls(config, mesh, rules, graphdef, abstract_params, axes, make_optimizer(config.train, axes))
         trainer.validate()
@@ -165,8 +167,12 @@ class Trainer:
     def loss_and_metrics(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one batch (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics."""
         model = nnx.merge(self.graphdef, params)
-        logits, aux = model.forward(batch["inputs"], batch["positions"])
-        return cross_entropy(logits, batch["targets"]) + moe.aux_objective(aux, self.config.model), aux
+        if self.config.model.loss_chunk:
+            ce, aux = model_cross_entropy(model, batch, self.config.model.loss_chunk)
+        else:
+            logits, aux = model.forward(batch["inputs"], batch["positions"])
+            ce = cross_entropy(logits, batch["targets"])
+        return ce + moe.aux_objective(aux, self.config.model), aux
 
     def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         """The objective on one batch: mean cross-entropy, plus the MoE auxiliary losses if any."""

@@ -10,18 +10,26 @@
   the sequence's mesh axes (the rules' ``length``) form a ring that passes
   key/value blocks; the data path orders each sequence in zig-zag chunks
   (:func:`sequence_order`). With ``length`` unsharded it is ``blockwise``.
-* ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, GPU only.
+* ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, GPU only
+  (cuDNN's fused flash attention; bf16/fp16, head_dim a multiple of 8 up to 128,
+  256 on Hopper). It takes the same ``[batch, length, heads, head_dim]`` layout
+  and grouped-query k/v (``kv_heads`` dividing ``heads``) directly, as the XLA
+  path does. Untested here: the tests run on CPU.
+* ``auto``: one of the above, chosen once when the trainer is built
+  (:func:`resolve_attention`), so the step, ``inspect`` and the analytic model
+  all see the concrete kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxscale.config import ConfigError, ModelConfig
+from jaxscale.config import Config, ConfigError, ModelConfig
 from jaxscale.parallel import ring_attention
 from jaxscale.sharding import Axes, Rules, active
 
@@ -29,17 +37,60 @@ from jaxscale.sharding import Axes, Rules, active
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_axes: Axes, kv_axes: Axes, config: ModelConfig) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim]."""
     kind = config.attention
+    if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
+        kind = resolve_attention(config, _platform(), q.shape[1])
     if kind in ("blockwise", "ring"):
         return ring_attention.attention(
             q, k, v, q_axes, kv_axes, causal=True, block=config.attention_block, ring=kind == "ring"
         )
     if kind == "cudnn":
-        current = active()
-        platform = current[0].devices.flat[0].platform if current else jax.devices()[0].platform
+        platform = _platform()
         if platform != "gpu":
             raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {platform}")
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _platform() -> str:
+    """The platform of the active mesh's devices (of jax's default devices outside one, or under an abstract mesh)."""
+    current = active()
+    if current is not None and isinstance(current[0], Mesh):
+        return current[0].devices.flat[0].platform
+    return jax.devices()[0].platform
+
+
+CUDNN_HEAD_DIM = 128  # the largest head_dim cuDNN's flash attention takes on every GPU (256 from Hopper on)
+BLOCKWISE_TILES = 4  # auto: blockwise once the sequence spans more than this many attention_block tiles
+
+
+def resolve_attention(config: ModelConfig, platform: str, seq_len: int, context: int = 1) -> str:
+    """The kernel ``model.attention`` runs on ``platform`` ("cpu", "gpu", "tpu") at ``seq_len`` tokens.
+
+    Anything but ``auto`` is kept. ``auto`` is ``ring`` when the rules shard the sequence
+    (``context`` > 1 devices); else ``cudnn`` on GPU for bf16/fp16 compute and a head_dim cuDNN
+    takes; else ``blockwise`` when ``seq_len > BLOCKWISE_TILES x attention_block`` (2048 tokens
+    by default, where dot keeps fp32 ``s x s`` scores of 16 MiB per sequence and head in every
+    layer, plus the probabilities, and the tiled kernel skips over 10 of its 25 or more tiles
+    as fully masked); else ``dot``.
+    """
+    if config.attention != "auto":
+        return config.attention
+    if context > 1:
+        return "ring"
+    cudnn_dtype = config.dtype in ("bfloat16", "float16")
+    if platform == "gpu" and cudnn_dtype and config.head_dim <= CUDNN_HEAD_DIM and config.head_dim % 8 == 0:
+        return "cudnn"
+    if seq_len > BLOCKWISE_TILES * config.attention_block:
+        return "blockwise"
+    return "dot"
+
+
+def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
+    """``config`` with ``model.attention`` resolved for the mesh's devices and the rules' sequence axes."""
+    context = math.prod(mesh.shape[a] for a in rules.table().get("length", ()))
+    platform = mesh.devices.flat[0].platform
+    kind = resolve_attention(config.model, platform, config.train.seq_len, context)
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
 
 
 def ring_size(config: ModelConfig, mesh: Mesh, rules: Rules, length: str = "length") -> int:

@@ -220,6 +220,23 @@ class Llama(nnx.Module):
         """Logits and the MoE metrics averaged over the MoE layers (``moe.METRICS``; none when dense)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
+        x, aux = self.hidden(tokens, positions)
+        if c.tie_embeddings:
+            head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
+        else:
+            head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
+        (logits,) = sequence.column_parallel(x, RESIDUAL, [head])
+        return logits, aux
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""
+        dt = jnp.dtype(self.config.dtype)
+        return self.embedding[...].astype(dt).T if self.config.tie_embeddings else self.lm_head[...].astype(dt)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The final-normed hidden states [batch, length, embed] (``RESIDUAL`` axes) and the MoE metrics."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
         x = constrain(x, RESIDUAL)
 
@@ -238,10 +255,4 @@ class Llama(nnx.Module):
             x, aux = pipeline.apply(self.blocks, x, positions, RESIDUAL, policy), {}
         else:
             x, aux = scan(x, self.blocks)
-        x = self.final_norm(x)
-        if c.tie_embeddings:
-            head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
-        else:
-            head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
-        (logits,) = sequence.column_parallel(x, RESIDUAL, [head])
-        return logits, jax.tree.map(jnp.mean, aux)
+        return self.final_norm(x), jax.tree.map(jnp.mean, aux)

@@ -1,0 +1,161 @@
+"""Chunked ("fused linear") cross-entropy: the loss from the final hidden states and the head weight.
+
+The plain loss (:func:`jaxscale.train.cross_entropy`) takes logits
+``[batch, length, vocab]``: the head matmul's output in the compute dtype,
+its fp32 copy, the softmax and the gradient of the logits, up to
+``b·s·V·(dtype + 12)`` bytes at the loss's peak (XLA fuses some of them: 1.6
+fp32 buffers measured on CPU, ``benchmarks/loss_memory.py``); for a 128k
+vocabulary and 8k tokens per device, 4 GiB per fp32 buffer.
+
+:func:`chunked_cross_entropy` never builds them: it takes the hidden states
+``[b, s, e]`` and the head weight ``[e, V]`` and runs a ``lax.scan`` over
+``s / chunk`` slices of the sequence; each step computes one
+``[b, chunk, V]`` block of logits (matmul accumulated in fp32), its
+log-sum-exp and the target logit, and keeps only the log-sum-exp (``b·s``
+floats in all). The backward is a ``custom_vjp`` that runs the scan again,
+recomputing each block of logits to form its gradient (softmax minus one-hot)
+and accumulating the gradients of the hidden states and of the head weight
+block by block. Peak loss memory falls from ``b·s·V·4`` per buffer to
+``b·chunk·V·4``.
+
+**What it costs**: the head matmul runs once more (recomputed in the backward:
+4 head matmuls instead of 3, +2·b·s·e·V FLOPs); Liger's variant computes the
+gradient in the forward instead, which wastes it in evaluation, so the
+recomputation is chosen here. The chunks are strided (chunk ``j`` holds tokens
+``j, j + s/chunk, ...``): the loss is a sum over tokens, so any partition
+will do, and a strided one keeps a sequence-sharded layout (context
+parallelism) sharded inside every chunk. **What it communicates** under the
+rules: the hidden states are constrained to ``('batch', 'length',
+'act_embed')`` (under sequence parallelism, an all-gather of the sequence,
+which the plain path does inside its column-parallel head); the head weight is
+gathered over its ``embed`` axes once before the scan; with ``vocab`` sharded
+(tensor parallelism) the log-sum-exp and the target logit of each chunk are
+all-reduced (``b·chunk`` floats each, a few per chunk) and the gradient of the
+hidden states is summed over the vocabulary shards (``b·chunk·e`` per chunk,
+as the plain head's backward sums ``b·s·e``; XLA:CPU all-reduces it where SP's
+plain head reduce-scatters). The head gradient is accumulated per batch shard
+(a ``[shards, e, V]`` fp32 accumulator sharded on the batch axes: ``e·V/t``
+floats per device, the size of the plain path's unreduced head gradient) and
+summed over the shards once after the loop: a partial sum carried through
+the loop would be all-reduced by XLA in every chunk, ``s / chunk`` times the
+head's gradient reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale.sharding import active, constrain, spec_axes
+
+HIDDEN = ("batch", "length", "act_embed")
+TARGETS = ("batch", "length")
+LOGITS = ("batch", "length", "vocab")
+HEAD = (None, "vocab")  # the head weight [embed, vocab], gathered on embed for the loop
+SHARD_HEAD = ("batch", None, "vocab")  # partial head gradients, one per batch shard
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[b, s, ...] -> [s / chunk, b, chunk, ...]: step j of the scan holds tokens j, j + s/chunk, ..."""
+    b, s = x.shape[:2]
+    return jnp.moveaxis(x.reshape(b, chunk, s // chunk, *x.shape[2:]), 2, 0)
+
+
+def _unchunk(x: jax.Array) -> jax.Array:
+    """The inverse of :func:`_chunks`."""
+    n, b, chunk = x.shape[:3]
+    return jnp.moveaxis(x, 0, 2).reshape(b, chunk * n, *x.shape[3:])
+
+
+def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
+    """One chunk's logits [b, chunk, V] in fp32 (the matmul accumulated in fp32)."""
+    return constrain(jnp.einsum("bce,ev->bcv", h, w, preferred_element_type=jnp.float32), LOGITS)
+
+
+def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """One-hot mask of the targets, by comparison with an iota (stays sharded on vocab)."""
+    return jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
+
+
+def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Mean loss and the log-sum-exp of every token, chunked as :func:`_chunks`."""
+
+    def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
+        h, t = xs
+        logits = _logits(constrain(h, HIDDEN), w)
+        picked = jnp.sum(jnp.where(_is_target(logits, t), logits, 0.0), axis=-1)
+        return None, (jax.nn.logsumexp(logits, axis=-1), picked)
+
+    _, (lse, picked) = jax.lax.scan(body, None, (_chunks(hidden, chunk), _chunks(targets, chunk)))
+    return (jnp.sum(lse) - jnp.sum(picked)) / targets.size, lse
+
+
+def _batch_shards() -> int:
+    """How many ways the active rules split the batch (1 outside :func:`jaxscale.sharding.use_rules`)."""
+    current = active()
+    if current is None:
+        return 1
+    mesh, rules = current
+    return math.prod(mesh.shape[a] for a in spec_axes(rules.spec(("batch",))))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    return _forward(hidden, w, targets, chunk)[0]
+
+
+def _cross_entropy_fwd(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, Any]:
+    loss, lse = _forward(hidden, w, targets, chunk)
+    return loss, (hidden, w, targets, lse)
+
+
+def _cross_entropy_bwd(chunk: int, residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+    hidden, w, targets, lse = residuals
+    scale = g / targets.size
+    shards = _batch_shards()
+
+    def by_shard(x: jax.Array) -> jax.Array:
+        return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+
+    def body(dw: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, t, chunk_lse = xs
+        h = constrain(h, HIDDEN)
+        logits = _logits(h, w)
+        dlogits = (jnp.exp(logits - chunk_lse[..., None]) - _is_target(logits, t)) * scale
+        dlogits = constrain(dlogits.astype(w.dtype), LOGITS)
+        dh = jnp.einsum("bcv,ev->bce", dlogits, w, preferred_element_type=jnp.float32)
+        # Each batch shard's partial head gradient, summed over the shards once after the loop.
+        dw = dw + jnp.einsum("sbce,sbcv->sev", by_shard(h), by_shard(dlogits), preferred_element_type=jnp.float32)
+        return constrain(dw, SHARD_HEAD), constrain(dh.astype(hidden.dtype), HIDDEN)
+
+    dw0 = constrain(jnp.zeros((shards, *w.shape), jnp.float32), SHARD_HEAD)
+    dw, dh = jax.lax.scan(body, dw0, (_chunks(hidden, chunk), _chunks(targets, chunk), lse))
+    return _unchunk(dh), constrain(jnp.sum(dw, axis=0).astype(w.dtype), HEAD), None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """Mean cross-entropy of ``hidden @ w`` against ``targets``, ``chunk`` tokens of each sequence at a time.
+
+    ``hidden`` [batch, length, embed] and ``w`` [embed, vocab] in the compute dtype, ``targets``
+    [batch, length] integers; ``chunk`` must divide ``length``. Equal to
+    ``cross_entropy(hidden @ w, targets)`` in value and gradient (exactly so in fp32), without
+    ever holding more than one ``[batch, chunk, vocab]`` block of logits.
+    """
+    s = hidden.shape[1]
+    if chunk <= 0 or s % chunk:
+        raise ValueError(f"chunk {chunk} does not divide the sequence length {s}")
+    hidden = constrain(hidden, HIDDEN)
+    return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TARGETS), chunk)
+
+
+def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The chunked loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics."""
+    hidden, aux = model.hidden(batch["inputs"], batch["positions"])
+    return chunked_cross_entropy(hidden, model.head_weight(), batch["targets"], chunk), aux
