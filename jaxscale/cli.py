@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--config", help="a model YAML over the generated one (hf-to-jaxscale), or the checkpoint's")
     convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                          help="jaxscale-to-hf: tensor dtype (default: the model's param_dtype)")
-    convert.add_argument("--max-shard-mb", type=float, default=2000.0, help="jaxscale-to-hf: bytes per file")
+    convert.add_argument("--max-shard-mb", type=float, default=2000.0, help="jaxscale-to-hf: MiB per safetensors file")
     return parser
 
 
