@@ -281,7 +281,7 @@ def _unnest(prefix: tuple[str, ...], tree: Any) -> Any:
     return tree
 
 
-def _dotted(tree: Any) -> dict[str, Any]:
+def by_name(tree: Any) -> dict[str, Any]:
     """``{"blocks.attn.wq": leaf, ...}`` of a nested mapping."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in flat}
@@ -291,7 +291,7 @@ def param_shapes(source: ParamsSource) -> dict[str, tuple[int, ...]]:
     """The saved shape of every parameter, by dotted name (metadata only: no array is read)."""
     with ocp.PyTreeCheckpointer() as checkpointer:
         tree = checkpointer.metadata(source.item).item_metadata.tree
-    return {name: tuple(leaf.shape) for name, leaf in _dotted(_unnest(source.prefix, tree)).items()}
+    return {name: tuple(leaf.shape) for name, leaf in by_name(_unnest(source.prefix, tree)).items()}
 
 
 def read_param(source: ParamsSource, path: tuple[str | int, ...]) -> np.ndarray:
@@ -317,7 +317,7 @@ def check_params(source: ParamsSource, where: str, config: Config, abstract_para
         have, want = _unnest(path[:-1], saved).get(path[-1]), _unnest(path[:-1], current).get(path[-1])
         if have != want:
             raise ConfigError(f"{where}: {source.item.parent} has model.{name}={have!r}, the config has {want!r}")
-    shapes, wanted = param_shapes(source), _dotted(abstract_params)
+    shapes, wanted = param_shapes(source), by_name(abstract_params)
     for name, leaf in wanted.items():
         if name not in shapes:
             raise ConfigError(f"{where}: {source.item.parent} has no parameter {name}")

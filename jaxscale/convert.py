@@ -64,7 +64,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxscale.checkpoint import ParamsSource, params_source, read_param, save_params
+from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
 from jaxscale.config import (
     DTYPES,
     Config,
@@ -76,6 +76,7 @@ from jaxscale.config import (
     resolve_named,
     validate_moe,
 )
+from jaxscale.train import abstract_model
 
 INDEX = "model.safetensors.index.json"
 HF_CONFIG = "hf_config.json"  # the imported config.json, kept next to the checkpoint for the way back
@@ -295,8 +296,6 @@ def _check_model(model: ModelConfig) -> None:
 
 def _tensor_files(hf_dir: Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor: from the index json, or from the one file's header."""
-    from safetensors import safe_open
-
     index = hf_dir / INDEX
     if index.exists():
         return {name: hf_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
@@ -305,36 +304,38 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
         raise ConfigError(f"{hf_dir}: no *.safetensors file (PyTorch .bin checkpoints are not read)")
     where = {}
     for file in files:
-        with safe_open(file, framework="numpy") as f:
+        with _safetensors().safe_open(file, framework="numpy") as f:
             where.update(dict.fromkeys(f.keys(), file))
     return where
 
 
-def abstract_params(model: ModelConfig) -> dict[str, Any]:
-    """Our parameters' ShapeDtypeStructs, by dotted name, as the trainer builds them (nothing allocated)."""
-    from jaxscale.checkpoint import _dotted
-    from jaxscale.train import abstract_model
-
-    return _dotted(abstract_model(Config(model=model))[1])
+def _safetensors() -> Any:
+    """The safetensors package (the ``hf`` extra), or a one-line error saying how to install it."""
+    try:
+        import safetensors.numpy
+    except ImportError as e:
+        raise ConfigError("converting Hugging Face weights needs safetensors: pip install 'jaxscale[hf]'") from e
+    return safetensors
 
 
 def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None = None) -> ModelConfig:
     """Convert the HF directory ``hf_dir`` into a parameters checkpoint in ``out_dir``; returns its model."""
-    from safetensors import safe_open
-
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not (hf_dir / "config.json").exists():
         raise ConfigError(f"{hf_dir}: no config.json (a local Hugging Face model directory is needed)")
+    if (out_dir / PARAMS_DIR).exists():
+        raise ConfigError(f"{out_dir / PARAMS_DIR} already exists: choose another directory")
     hf = json.loads((hf_dir / "config.json").read_text())
     model = _layer_over(model_from_hf(hf), override)
     _check_model(model)
     where = _tensor_files(hf_dir)
-    shapes = abstract_params(model)
+    shapes = by_name(abstract_model(Config(model=model))[1])
     params: dict[str, Any] = {}
     used = set()
     dtype = NUMPY_DTYPES[model.param_dtype]
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in set(where.values())}
+        open_file = _safetensors().safe_open
+        handles = {file: stack.enter_context(open_file(file, framework="numpy")) for file in set(where.values())}
         for w in weights(model):
             name = ".".join(map(str, w.path))
             full = shapes[name].shape
@@ -347,7 +348,7 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
                 if hf_value.shape != hf_shape(w, inner):
                     implied = hf_shape(w, inner)
                     raise ConfigError(f"{hf_dir}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
-                value[index] = to_ours(w, hf_value, inner).astype(dtype)
+                value[index] = to_ours(w, hf_value, inner)
                 used.add(tensor)
             node = params
             for key in w.path[:-1]:
@@ -373,10 +374,8 @@ def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, Model
 
 
 def _write_shard(out_dir: Path, number: int, tensors: dict[str, np.ndarray]) -> str:
-    from safetensors.numpy import save_file
-
     name = f"model-{number:05d}.safetensors.part"
-    save_file(tensors, out_dir / name, metadata={"format": "pt"})
+    _safetensors().numpy.save_file(tensors, out_dir / name, metadata={"format": "pt"})
     return name
 
 
