@@ -269,7 +269,9 @@ def save_params(directory: str | Path, params: Any, model: dict[str, Any]) -> No
         raise ConfigError(f"{root / PARAMS_DIR} already exists: choose another directory")
     root.mkdir(parents=True, exist_ok=True)
     in_place = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
-    registry = ocp.type_handlers.create_type_handler_registry((np.ndarray, in_place))
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, in_place), (jax.Array, ocp.type_handlers.ArrayHandler())
+    )
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(root / PARAMS_DIR, args=ocp.args.PyTreeSave(params))

@@ -329,34 +329,33 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     model = _layer_over(model_from_hf(hf), override)
     _check_model(model)
     where = _tensor_files(hf_dir)
+    table = weights(model)
+    expected = {tensor for w in table for _, tensor in slices(w, model)}
+    missing = sorted(expected - set(where))
+    if missing:
+        raise ConfigError(f"{hf_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+    unused = sorted(set(where) - expected - ({"lm_head.weight"} if model.tie_embeddings else set()))
+    if unused:
+        raise ConfigError(f"{hf_dir}: tensors with no place in the jaxscale model: {', '.join(unused[:5])}")
     shapes = by_name(abstract_model(Config(model=model))[1])
     params: dict[str, Any] = {}
-    used = set()
-    dtype = NUMPY_DTYPES[model.param_dtype]
     with ExitStack() as stack:
         open_file = _safetensors().safe_open
         handles = {file: stack.enter_context(open_file(file, framework="numpy")) for file in set(where.values())}
-        for w in weights(model):
-            name = ".".join(map(str, w.path))
-            full = shapes[name].shape
-            value = np.empty(full, dtype)
-            inner = full[len(next(slices(w, model))[0]):]
+        for w in table:
+            full = shapes[".".join(map(str, w.path))].shape
+            value = np.empty(full, NUMPY_DTYPES[model.param_dtype])
+            inner = full[w.layered + w.expert :]
             for index, tensor in slices(w, model):
-                if tensor not in where:
-                    raise ConfigError(f"{hf_dir}: tensor {tensor} is missing (needed for {name})")
                 hf_value = handles[where[tensor]].get_tensor(tensor)
                 if hf_value.shape != hf_shape(w, inner):
                     implied = hf_shape(w, inner)
                     raise ConfigError(f"{hf_dir}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
                 value[index] = to_ours(w, hf_value, inner)
-                used.add(tensor)
             node = params
             for key in w.path[:-1]:
                 node = node.setdefault(key, {})
             node[w.path[-1]] = value
-    unused = sorted(set(where) - used - ({"lm_head.weight"} if model.tie_embeddings else set()))
-    if unused:
-        raise ConfigError(f"{hf_dir}: tensors with no place in the jaxscale model: {', '.join(unused[:5])}")
     save_params(out_dir, params, dataclasses.asdict(model))
     (out_dir / HF_CONFIG).write_text(json.dumps(hf, indent=2))
     return model

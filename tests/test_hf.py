@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -107,6 +108,8 @@ def test_converted_logits_match_transformers(converted):
     assert model.kv_heads < model.heads
     assert model.rope_theta == SIZES["rope_theta"] and model.norm_eps == SIZES["rms_norm_eps"]
     assert model.tie_embeddings == (converted.case == "llama_tied")
+    shapes = checkpoint.param_shapes(checkpoint.params_source(converted.ckpt))
+    assert sum(math.prod(shape) for shape in shapes.values()) == converted.hf.num_parameters()
 
 
 def random_params(model: ModelConfig, seed: int) -> dict:
@@ -242,6 +245,11 @@ def test_bf16_checkpoint_and_the_command_line(llama_ckpt, tmp_path, capsys):
     assert main(["convert", "hf-to-jaxscale", "--from", str(tmp_path / "hf16"), "--to", str(tmp_path / "x"),
                  "--config", str(write_yaml(tmp_path / "bad.yaml", "mlp: 96\n"))]) == 2
     assert capsys.readouterr().err.strip().endswith("model.mlp=96, config.json has 128")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    safetensors_numpy.save_file({"model.layers.0.mlp.up_proj.bias": np.zeros(128, np.float32)},
+                                tmp_path / "hf16" / "extra.safetensors")
+    with pytest.raises(ConfigError, match=r"no place in the jaxscale model: model\.layers\.0\.mlp\.up_proj\.bias"):
+        convert.hf_to_jaxscale(tmp_path / "hf16", tmp_path / "y")
 
 
 def write_yaml(path: Path, text: str) -> Path:
