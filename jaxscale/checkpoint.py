@@ -27,6 +27,14 @@ directories a killed process left. Older steps are deleted (the
 keep policy: the last ``keep``, plus every ``keep_every``-th step) only after a
 newer one is finalized, so a crash never leaves fewer complete checkpoints.
 
+Parameters checkpoints (``checkpoint.init_from``): a directory holding
+``params/`` (the model's parameters alone, one orbax pytree, as
+``jaxscale convert hf-to-jaxscale`` writes it) and ``model.yaml`` (the model
+they belong to), or a run's checkpoint directory (the parameters of its latest
+step's ``state``). A new run reads them straight into its own shardings, each
+device only its slices, after the saved shapes were checked against the
+config; the optimizer state is fresh and the step 0.
+
 Preemption: SIGTERM sets a flag that the loop reads at the next step boundary
 (with several processes, jax's preemption sync point makes them agree on the step).
 """
@@ -43,15 +51,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+import yaml
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
-from jaxscale.config import Config, ConfigError, checkpoint_dir
+from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
 
 ITEMS = ("state", "data", "loop", "config")
+PARAMS_DIR = "params"
+MODEL_FILE = "model.yaml"
 # The model settings that decide the shapes and dtypes of the saved arrays.
 SHAPE_KEYS = ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp", "tie_embeddings", "param_dtype")
+MOE_SHAPE_KEYS = ("experts", "mlp", "every_n_layers", "shared_experts")
 
 
 @dataclasses.dataclass
@@ -211,3 +224,140 @@ class Preemption:
         if jax.process_count() > 1:
             return multihost_utils.reached_preemption_sync_point(step)
         return self.requested
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamsSource:
+    """Where a checkpoint keeps a model's parameters: an orbax pytree directory, the keys of the
+    parameters within it, and the model config (a mapping) they belong to."""
+
+    item: Path
+    prefix: tuple[str, ...]
+    model: dict[str, Any]
+
+
+def params_source(path: str | Path) -> ParamsSource:
+    """The parameters of a parameters checkpoint (``params/`` + ``model.yaml``) or of a run's latest checkpoint."""
+    root = Path(path).absolute()
+    if (root / PARAMS_DIR).is_dir():
+        if not (root / MODEL_FILE).exists():
+            raise ConfigError(f"{root}: has {PARAMS_DIR}/ but no {MODEL_FILE} naming its model")
+        return ParamsSource(root / PARAMS_DIR, (), _read_yaml(root / MODEL_FILE))
+    step = None
+    if root.is_dir():
+        checkpointer = Checkpointer(root, async_save=False)
+        try:
+            step = checkpointer.latest_step()
+            model = checkpointer.read_json(step).config["model"] if step is not None else None
+        finally:
+            checkpointer.close()
+    if step is None:
+        raise ConfigError(
+            f"{root}: not a parameters checkpoint ({PARAMS_DIR}/ and {MODEL_FILE}) nor a run's checkpoint directory"
+        )
+    return ParamsSource(root / str(step) / "state", ("params",), model)
+
+
+def save_params(directory: str | Path, params: Any, model: dict[str, Any]) -> None:
+    """Write ``params`` (a pure dict of numpy arrays) and its model config as a parameters checkpoint.
+
+    The arrays are written from where they lie: no defensive copy, no compression buffers (orbax's
+    defaults hold about twice the model in host memory while writing; uncompressed, the files are larger).
+    """
+    root = Path(directory).absolute()
+    if (root / PARAMS_DIR).exists():
+        raise ConfigError(f"{root / PARAMS_DIR} already exists: choose another directory")
+    root.mkdir(parents=True, exist_ok=True)
+    in_place = ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, in_place), (jax.Array, ocp.type_handlers.ArrayHandler())
+    )
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(root / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+    (root / MODEL_FILE).write_text(yaml.safe_dump(model, sort_keys=False))
+
+
+def _nest(prefix: tuple[str, ...], tree: Any) -> Any:
+    for key in reversed(prefix):
+        tree = {key: tree}
+    return tree
+
+
+def _unnest(prefix: tuple[str, ...], tree: Any) -> Any:
+    for key in prefix:
+        tree = tree[key]
+    return tree
+
+
+def by_name(tree: Any) -> dict[str, Any]:
+    """``{"blocks.attn.wq": leaf, ...}`` of a nested mapping."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in flat}
+
+
+def param_shapes(source: ParamsSource) -> dict[str, tuple[int, ...]]:
+    """The saved shape of every parameter, by dotted name (metadata only: no array is read)."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = checkpointer.metadata(source.item).item_metadata.tree
+    return {name: tuple(leaf.shape) for name, leaf in by_name(_unnest(source.prefix, tree)).items()}
+
+
+def read_param(source: ParamsSource, path: tuple[str | int, ...]) -> np.ndarray:
+    """One parameter (``path`` in the params tree) read whole into host memory, and nothing else."""
+    item = _nest((*source.prefix, *path), np.zeros(0))
+    args = ocp.args.PyTreeRestore(
+        item=item, restore_args=_nest((*source.prefix, *path), ocp.RestoreArgs(restore_type=np.ndarray)),
+        partial_restore=True,
+    )
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return _unnest((*source.prefix, *path), checkpointer.restore(source.item, args=args))
+
+
+def check_params(source: ParamsSource, where: str, config: Config, abstract_params: Any) -> None:
+    """Raise a :class:`ConfigError` naming the key or parameter if ``source`` would not restore into the config."""
+    saved, current = source.model, config.to_dict()["model"]
+    keys = [((k,), k) for k in SHAPE_KEYS if k != "param_dtype"]
+    if (saved.get("moe") is None) != (current["moe"] is None):
+        keys.append((("moe",), "moe"))
+    elif current["moe"] is not None:
+        keys += [(("moe", k), f"moe.{k}") for k in MOE_SHAPE_KEYS]
+    for path, name in keys:
+        have, want = _unnest(path[:-1], saved).get(path[-1]), _unnest(path[:-1], current).get(path[-1])
+        if have != want:
+            raise ConfigError(f"{where}: {source.item.parent} has model.{name}={have!r}, the config has {want!r}")
+    shapes, wanted = param_shapes(source), by_name(abstract_params)
+    for name, leaf in wanted.items():
+        if name not in shapes:
+            raise ConfigError(f"{where}: {source.item.parent} has no parameter {name}")
+        if shapes[name] != leaf.shape:
+            raise ConfigError(
+                f"{where}: parameter {name} of {source.item.parent} is {shapes[name]}, the config needs {leaf.shape}"
+            )
+    extra = sorted(set(shapes) - set(wanted))
+    if extra:
+        raise ConfigError(f"{where}: {source.item.parent} has parameters the config does not: {', '.join(extra)}")
+
+
+def restore_params(source: ParamsSource, abstract_params: Any) -> Any:
+    """The parameters read straight into the shardings and dtypes of ``abstract_params`` (ShapeDtypeStructs)."""
+    item = _nest(source.prefix, abstract_params)
+    restore_args = jax.tree.map(
+        lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype), item
+    )
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        return _unnest(source.prefix, checkpointer.restore(source.item, args=args))
+
+
+def init_state_from(trainer: Any, path: str | Path) -> Any:
+    """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``)."""
+    source = params_source(path)
+    abstract = trainer.abstract_state()
+    check_params(source, "checkpoint.init_from", trainer.config, abstract.params)
+    params = restore_params(source, abstract.params)
+
+    def fresh(params: Any) -> Any:
+        return trainer._init()._replace(params=params, opt_state=trainer.optimizer.init(params))
+
+    return jax.jit(fresh, out_shardings=trainer.state_shardings, donate_argnums=0)(params)

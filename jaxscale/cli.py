@@ -42,7 +42,28 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for eval")
     prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json")
     _inspection_commands(commands)
+    convert = commands.add_parser("convert", help="Hugging Face Llama/Mixtral weights to jaxscale and back")
+    convert.add_argument("direction", choices=("hf-to-jaxscale", "jaxscale-to-hf"))
+    convert.add_argument("--from", dest="source", required=True,
+                         help="an HF directory (config.json, *.safetensors), or a jaxscale parameters/run checkpoint")
+    convert.add_argument("--to", dest="target", required=True, help="the checkpoint or HF directory to write")
+    convert.add_argument("--config", help="a model YAML over the generated one (hf-to-jaxscale), or the checkpoint's")
+    convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                         help="jaxscale-to-hf: tensor dtype (default: the model's param_dtype)")
+    convert.add_argument("--max-shard-mb", type=float, default=2000.0, help="jaxscale-to-hf: MiB per safetensors file")
     return parser
+
+
+def _convert(args: argparse.Namespace) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host arrays only: no accelerator memory
+    from jaxscale import convert
+
+    try:
+        print(convert.main(args.direction, args.source, args.target, args.config, args.dtype, args.max_shard_mb))
+    except ConfigError as e:
+        print(f"jaxscale: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -99,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "prepare-data":
         return _prepare_data(args)
+    if args.command == "convert":
+        return _convert(args)
     if args.command != "train":
         from jaxscale import commands
 

@@ -146,6 +146,7 @@ class CheckpointConfig:
     dir: str | None = None
     resume: str = "off"
     async_save: bool = True
+    init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
 
 
 @dataclasses.dataclass

@@ -23,7 +23,8 @@ complete checkpoint: the state is read straight into this trainer's shardings
 this data at that step, and the counters carry on; the temporary directories
 of a save that a killed run left uncommitted are deleted (an ``event`` record
 names them). A fresh run never writes into a directory that already holds
-checkpoints.
+checkpoints. Resume wins over ``checkpoint.init_from``, which only starts a
+new run (step 0, fresh optimizer) from other parameters.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxscale import metrics as metrics_lib
-from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible
+from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible, init_state_from
 from jaxscale.config import ConfigError
 from jaxscale.models import moe
 
@@ -78,7 +79,10 @@ def _start(
     latest = checkpointer.latest_step() if checkpointer is not None else None
     if latest is None:
         removed = checkpointer.remove_uncommitted() if checkpointer is not None else []
-        return (trainer.init_state() if state is None else state), 0, False, removed
+        if state is None:
+            init_from = c.checkpoint.init_from
+            state = init_state_from(trainer, init_from) if init_from else trainer.init_state()
+        return state, 0, False, removed
     if state is not None or c.checkpoint.resume != "auto":
         raise ConfigError(
             f"{checkpointer.directory} holds checkpoints (latest step {latest}): continue with --resume "

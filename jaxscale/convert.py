@@ -1,0 +1,437 @@
+"""Hugging Face weights in and out: Llama and Mixtral safetensors <-> jaxscale parameters checkpoints.
+
+``jaxscale convert hf-to-jaxscale --from HF_DIR --to CKPT_DIR`` reads a local
+Hugging Face directory (``config.json`` and ``*.safetensors``, one file or
+shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM``
+or ``MixtralForCausalLM`` and writes a parameters checkpoint
+(:func:`jaxscale.checkpoint.save_params`): ``CKPT_DIR/params`` (orbax) and
+``CKPT_DIR/model.yaml``, the jaxscale model generated from ``config.json``
+(``--config`` layers a model YAML over it: compute dtype, remat, MoE dispatch).
+``checkpoint.init_from: CKPT_DIR`` starts a run from it.
+``jaxscale convert jaxscale-to-hf --from CKPT_DIR --to HF_DIR`` goes back,
+from a converted checkpoint or a run's checkpoint directory (its latest step),
+to safetensors shards of at most ``--max-shard-mb`` with their index and a
+``config.json`` that ``from_pretrained`` reads.
+
+The layouts (HF ``nn.Linear`` weights are ``[out, in]``; ours ``[in..., out...]``,
+layers stacked on a leading axis, experts on the next):
+
+=========================================  =========================================
+Hugging Face, layer ``i``, expert ``e``     jaxscale
+=========================================  =========================================
+``model.embed_tokens.weight [V, D]``        ``embedding [V, D]``
+``self_attn.q_proj.weight [H·Dh, D]``       ``blocks.attn.wq [L, D, H, Dh]`` (transpose)
+``self_attn.k_proj/v_proj [K·Dh, D]``       ``blocks.attn.wk/wv [L, D, K, Dh]``
+``self_attn.o_proj.weight [D, H·Dh]``       ``blocks.attn.wo [L, H, Dh, D]``
+``mlp.gate_proj/up_proj [F, D]``            ``blocks.mlp.w_gate/w_up [L, D, F]``
+``mlp.down_proj [D, F]``                    ``blocks.mlp.w_down [L, F, D]``
+``block_sparse_moe.gate [E, D]``            ``blocks.blocks.0.mlp.router [L, D, E]``
+``block_sparse_moe.experts.e.w1/w3 [F, D]`` ``blocks.blocks.0.mlp.w_gate/w_up [L, E, D, F]``
+``block_sparse_moe.experts.e.w2 [D, F]``    ``blocks.blocks.0.mlp.w_down [L, E, F, D]``
+``input_layernorm / post_attention_...``    ``blocks.attn_norm / mlp_norm.scale [L, D]``
+``model.norm.weight``, ``lm_head [V, D]``   ``final_norm.scale``, ``lm_head [D, V]``
+=========================================  =========================================
+
+RoPE: HF checkpoints already hold q/k in the rotate-half layout that
+:func:`jaxscale.models.llama.rope` uses, so the heads need only a reshape (no
+permutation); the tests check the logits. Tied embeddings: no ``lm_head`` either
+way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
+``router: softmax, normalize_gates: true``; the generated model uses dropless
+dispatch (capacity dispatch may drop tokens that HF keeps); HF's
+``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
+jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default,
+biases, a sliding window, another activation) is a :class:`ConfigError`.
+
+Streaming: safetensors files are read tensor by tensor (``safe_open``, numpy;
+bf16 comes as ``ml_dtypes.bfloat16``) into one stacked array per parameter
+at a time, so host memory holds the model once (the arrays orbax writes) plus
+one HF tensor; the export reads one parameter at a time (orbax partial restore)
+and holds at most one parameter and one shard. We write the mapping ourselves:
+it is a table of names and transposes, and neither ``transformers`` nor
+``torch`` is needed to run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
+from jaxscale.config import (
+    DTYPES,
+    Config,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    _build,
+    _read_yaml,
+    resolve_named,
+    validate_moe,
+)
+from jaxscale.train import abstract_model
+
+INDEX = "model.safetensors.index.json"
+HF_CONFIG = "hf_config.json"  # the imported config.json, kept next to the checkpoint for the way back
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One jaxscale parameter and the HF tensors it is made of.
+
+    ``hf`` names one tensor, with ``{i}`` for the layer and ``{e}`` for the expert when the parameter is
+    stacked over them. ``split``: the HF tensor is ``nn.Linear``'s ``[out, in]`` and ours (one layer, one
+    expert) is ``[in..., out...]`` with ``split`` leading "in" dimensions; None: the same layout.
+    """
+
+    path: tuple[str | int, ...]
+    hf: str
+    split: int | None = 1
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf
+
+    @property
+    def expert(self) -> bool:
+        return "{e}" in self.hf
+
+
+def hf_shape(w: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor's shape for one layer's (and expert's) slice of ours of ``shape``."""
+    return shape if w.split is None else (math.prod(shape[w.split :]), math.prod(shape[: w.split]))
+
+
+def to_ours(w: Weight, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """One HF tensor as one layer's (and expert's) slice of ours, of ``shape``."""
+    return tensor if w.split is None else tensor.T.reshape(shape)
+
+
+def to_hf(w: Weight, value: np.ndarray) -> np.ndarray:
+    """One layer's (and expert's) slice of ours as the HF tensor."""
+    if w.split is None:
+        return value
+    return value.reshape(math.prod(value.shape[: w.split]), -1).T
+
+
+def weights(model: ModelConfig) -> list[Weight]:
+    """The table of every parameter of ``model`` (a Llama, or a Mixtral: an MoE block every layer)."""
+    layer = "model.layers.{i}."
+    block: tuple[str | int, ...] = ("blocks", "blocks", 0) if model.moe else ("blocks",)
+    table = [
+        Weight(("embedding",), "model.embed_tokens.weight", None),
+        Weight((*block, "attn", "wq"), layer + "self_attn.q_proj.weight"),
+        Weight((*block, "attn", "wk"), layer + "self_attn.k_proj.weight"),
+        Weight((*block, "attn", "wv"), layer + "self_attn.v_proj.weight"),
+        Weight((*block, "attn", "wo"), layer + "self_attn.o_proj.weight", 2),
+        Weight((*block, "attn_norm", "scale"), layer + "input_layernorm.weight", None),
+        Weight((*block, "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", None),
+        Weight(("final_norm", "scale"), "model.norm.weight", None),
+    ]
+    if model.moe:
+        moe = layer + "block_sparse_moe."
+        table += [
+            Weight((*block, "mlp", "router"), moe + "gate.weight"),
+            Weight((*block, "mlp", "w_gate"), moe + "experts.{e}.w1.weight"),
+            Weight((*block, "mlp", "w_up"), moe + "experts.{e}.w3.weight"),
+            Weight((*block, "mlp", "w_down"), moe + "experts.{e}.w2.weight"),
+        ]
+    else:
+        table += [
+            Weight((*block, "mlp", "w_gate"), layer + "mlp.gate_proj.weight"),
+            Weight((*block, "mlp", "w_up"), layer + "mlp.up_proj.weight"),
+            Weight((*block, "mlp", "w_down"), layer + "mlp.down_proj.weight"),
+        ]
+    if not model.tie_embeddings:
+        table.append(Weight(("lm_head",), "lm_head.weight"))
+    return table
+
+
+def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str]]:
+    """Each (index into our stacked parameter, HF tensor name) of ``w``."""
+    layers = range(model.layers) if w.layered else [None]
+    experts = range(model.moe.experts) if w.expert else [None]
+    for i in layers:
+        for e in experts:
+            index = tuple(x for x in (i, e) if x is not None)
+            yield index, w.hf.format(i=i, e=e)
+
+
+# -- config.json <-> model YAML -------------------------------------------------------------------------
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    """``rope_theta`` of an HF config (transformers 4 top level, or 5's ``rope_parameters``); default RoPE only."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ConfigError(
+            f"config.json: rope scaling '{kind}' is not supported (jaxscale implements the default RoPE only)"
+        )
+    return float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+
+
+def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """The jaxscale model of an HF ``config.json`` (a mapping); ConfigError for what it cannot express."""
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ConfigError(f"config.json: model_type {kind!r} is not one of {', '.join(ARCHITECTURES)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json: hidden_act {hf['hidden_act']!r} (jaxscale's MLP is SwiGLU: silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key):
+            raise ConfigError(f"config.json: {key}=true (jaxscale's projections have no bias)")
+    if hf.get("sliding_window") is not None:
+        raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} (jaxscale attends to the whole prefix)")
+    heads = hf["num_attention_heads"]
+    model = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        embed=hf["hidden_size"],
+        layers=hf["num_hidden_layers"],
+        heads=heads,
+        kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp=hf["intermediate_size"],
+        rope_theta=_rope_theta(hf),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )
+    if kind == "mixtral":
+        top_k = hf.get("num_experts_per_tok", 2)
+        model.moe = MoEConfig(
+            experts=hf.get("num_local_experts", 8),
+            top_k=top_k,
+            mlp=hf["intermediate_size"],
+            dispatch="dropless",
+            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * top_k,
+            z_loss_weight=0.0,
+        )
+    return model
+
+
+def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The HF ``config.json`` of ``model`` (over ``base``, the config it was imported from, if any)."""
+    moe = model.moe
+    if moe is not None:
+        for key, want in (("every_n_layers", 1), ("shared_experts", 0), ("router", "softmax"),
+                          ("normalize_gates", True)):
+            if getattr(moe, key) != want:
+                raise ConfigError(f"model.moe.{key}={getattr(moe, key)!r}: Mixtral needs {want!r}")
+    kind = "mixtral" if moe else "llama"
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "torch_dtype")}
+    out.update({
+        "architectures": [ARCHITECTURES[kind]],
+        "model_type": kind,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.embed,
+        "intermediate_size": moe.mlp or model.mlp if moe else model.mlp,
+        "num_hidden_layers": model.layers,
+        "num_attention_heads": model.heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": model.tie_embeddings,
+        "dtype": dtype,
+    })
+    if kind == "llama":
+        out.update({"attention_bias": False, "mlp_bias": False})
+    else:
+        out.update({
+            "num_local_experts": moe.experts,
+            "num_experts_per_tok": moe.top_k,
+            "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k,
+            "sliding_window": None,
+        })
+    return out
+
+
+def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
+    """``model`` with the keys of the model YAML ``override`` (a path or a name in configs/models/) on top;
+    the keys that decide the parameters' shapes must agree."""
+    if override is None:
+        return model
+    raw = _read_yaml(resolve_named(override, "models"))
+    generated = dataclasses.asdict(model)
+    merged = {**generated, **raw}
+    if isinstance(raw.get("moe"), dict) and generated["moe"] is not None:
+        merged["moe"] = {**generated["moe"], **raw["moe"]}
+    out = _build(ModelConfig, merged, "model")
+    for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "tie_embeddings"):
+        if getattr(out, key) != getattr(model, key):
+            raise ConfigError(f"{override}: model.{key}={getattr(out, key)!r}, config.json has {getattr(model, key)!r}")
+    if (out.moe is None) != (model.moe is None):
+        raise ConfigError(f"{override}: model.moe does not match config.json's model_type")
+    if model.moe is not None:
+        for key in ("experts", "top_k", "mlp", "every_n_layers", "shared_experts"):
+            if getattr(out.moe, key) != getattr(model.moe, key):
+                raise ConfigError(f"{override}: model.moe.{key}={getattr(out.moe, key)!r}, config.json has "
+                                  f"{getattr(model.moe, key)!r}")
+    elif out.mlp != model.mlp:
+        raise ConfigError(f"{override}: model.mlp={out.mlp!r}, config.json has {model.mlp!r}")
+    return out
+
+
+def _check_model(model: ModelConfig) -> None:
+    if model.param_dtype not in DTYPES:
+        raise ConfigError(f"model.param_dtype: '{model.param_dtype}' is not one of {', '.join(DTYPES)}")
+    if model.heads % model.kv_heads:
+        raise ConfigError(f"model.heads ({model.heads}) is not divisible by model.kv_heads ({model.kv_heads})")
+    validate_moe(model)
+
+
+# -- Hugging Face -> jaxscale -----------------------------------------------------------------------------
+
+
+def _tensor_files(hf_dir: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor: from the index json, or from the one file's header."""
+    index = hf_dir / INDEX
+    if index.exists():
+        return {name: hf_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{hf_dir}: no *.safetensors file (PyTorch .bin checkpoints are not read)")
+    where = {}
+    for file in files:
+        with _safetensors().safe_open(file, framework="numpy") as f:
+            where.update(dict.fromkeys(f.keys(), file))
+    return where
+
+
+def _safetensors() -> Any:
+    """The safetensors package (the ``hf`` extra), or a one-line error saying how to install it."""
+    try:
+        import safetensors.numpy
+    except ImportError as e:
+        raise ConfigError("converting Hugging Face weights needs safetensors: pip install 'jaxscale[hf]'") from e
+    return safetensors
+
+
+def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None = None) -> ModelConfig:
+    """Convert the HF directory ``hf_dir`` into a parameters checkpoint in ``out_dir``; returns its model."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    if not (hf_dir / "config.json").exists():
+        raise ConfigError(f"{hf_dir}: no config.json (a local Hugging Face model directory is needed)")
+    if (out_dir / PARAMS_DIR).exists():
+        raise ConfigError(f"{out_dir / PARAMS_DIR} already exists: choose another directory")
+    hf = json.loads((hf_dir / "config.json").read_text())
+    model = _layer_over(model_from_hf(hf), override)
+    _check_model(model)
+    where = _tensor_files(hf_dir)
+    table = weights(model)
+    expected = {tensor for w in table for _, tensor in slices(w, model)}
+    missing = sorted(expected - set(where))
+    if missing:
+        raise ConfigError(f"{hf_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
+    unused = sorted(set(where) - expected - ({"lm_head.weight"} if model.tie_embeddings else set()))
+    if unused:
+        raise ConfigError(f"{hf_dir}: tensors with no place in the jaxscale model: {', '.join(unused[:5])}")
+    shapes = by_name(abstract_model(Config(model=model))[1])
+    params: dict[str, Any] = {}
+    with ExitStack() as stack:
+        open_file = _safetensors().safe_open
+        handles = {file: stack.enter_context(open_file(file, framework="numpy")) for file in set(where.values())}
+        for w in table:
+            full = shapes[".".join(map(str, w.path))].shape
+            value = np.empty(full, NUMPY_DTYPES[model.param_dtype])
+            inner = full[w.layered + w.expert :]
+            for index, tensor in slices(w, model):
+                hf_value = handles[where[tensor]].get_tensor(tensor)
+                if hf_value.shape != hf_shape(w, inner):
+                    implied = hf_shape(w, inner)
+                    raise ConfigError(f"{hf_dir}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
+                value[index] = to_ours(w, hf_value, inner)
+            node = params
+            for key in w.path[:-1]:
+                node = node.setdefault(key, {})
+            node[w.path[-1]] = value
+    save_params(out_dir, params, dataclasses.asdict(model))
+    (out_dir / HF_CONFIG).write_text(json.dumps(hf, indent=2))
+    return model
+
+
+# -- jaxscale -> Hugging Face -----------------------------------------------------------------------------
+
+
+def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, ModelConfig]:
+    source = params_source(ckpt)
+    raw = source.model if override is None else _read_yaml(resolve_named(override, "models"))
+    model = _build(ModelConfig, raw, "model")
+    _check_model(model)
+    return source, model
+
+
+def _write_shard(out_dir: Path, number: int, tensors: dict[str, np.ndarray]) -> str:
+    name = f"model-{number:05d}.safetensors.part"
+    _safetensors().numpy.save_file(tensors, out_dir / name, metadata={"format": "pt"})
+    return name
+
+
+def jaxscale_to_hf(
+    ckpt: str | Path, out_dir: str | Path, override: str | None = None, dtype: str | None = None,
+    max_shard_mb: float = 2000.0,
+) -> list[Path]:
+    """Export the parameters at ``ckpt`` (converted or a run's) as an HF directory; returns the shard files."""
+    source, model = _source(ckpt, override)
+    dtype = dtype or model.param_dtype
+    if dtype not in NUMPY_DTYPES:
+        raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(NUMPY_DTYPES)}")
+    config = hf_config(model, dtype, _imported_config(Path(ckpt)))
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if list(out_dir.glob("*.safetensors")):
+        raise ConfigError(f"{out_dir} already holds safetensors files: choose an empty directory")
+    limit = max_shard_mb * 2**20
+    shards: list[str] = []
+    weight_map: dict[str, int] = {}
+    pending: dict[str, np.ndarray] = {}
+    size = total = 0
+    for w in weights(model):
+        value = read_param(source, w.path)
+        for index, tensor in slices(w, model):
+            hf_value = np.ascontiguousarray(to_hf(w, value[index]).astype(NUMPY_DTYPES[dtype]))
+            if pending and size + hf_value.nbytes > limit:
+                shards.append(_write_shard(out_dir, len(shards) + 1, pending))
+                pending, size = {}, 0
+            pending[tensor] = hf_value
+            weight_map[tensor] = len(shards)
+            size += hf_value.nbytes
+            total += hf_value.nbytes
+        del value
+    shards.append(_write_shard(out_dir, len(shards) + 1, pending))
+    if len(shards) == 1:
+        final = ["model.safetensors"]
+    else:
+        final = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+        index = {"metadata": {"total_size": total}, "weight_map": {t: final[k] for t, k in sorted(weight_map.items())}}
+        (out_dir / INDEX).write_text(json.dumps(index, indent=2))
+    for part, name in zip(shards, final, strict=True):
+        (out_dir / part).rename(out_dir / name)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return [out_dir / name for name in final]
+
+
+def _imported_config(ckpt: Path) -> dict[str, Any] | None:
+    path = ckpt / HF_CONFIG
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def main(direction: str, source: str, target: str, override: str | None, dtype: str | None, max_shard_mb: float) -> str:
+    """The ``convert`` command; returns the line it prints."""
+    if direction == "hf-to-jaxscale":
+        model = hf_to_jaxscale(source, target, override)
+        kind = f"{model.moe.experts}-expert Mixtral" if model.moe else "Llama"
+        return f"{target}: {kind}, {model.layers} layers; model config in {Path(target) / 'model.yaml'}"
+    files = jaxscale_to_hf(source, target, override, dtype, max_shard_mb)
+    return f"{target}: {len(files)} safetensors file{'s' * (len(files) > 1)} and config.json"

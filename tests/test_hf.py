@@ -1,0 +1,257 @@
+"""Hugging Face weights in and out: logits of converted tiny Llama and Mixtral models against transformers'
+own, bit-exact round trips, fine-tuning from a converted checkpoint, and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxscale import checkpoint, convert
+from jaxscale.cli import main
+from jaxscale.config import Config, ConfigError, ModelConfig, load_config
+from jaxscale.sharding import use_rules
+from jaxscale.train import Trainer, abstract_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+RTOL = 1e-4
+SIZES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=8, intermediate_size=128, rope_theta=5000.0, rms_norm_eps=1e-6)
+# Llama: fsdp_tp on fsdp=4 x tensor=2. Mixtral: 4 experts of width 64, ep_fsdp_tp on expert=2 x fsdp=2 x
+# tensor=2, dropless dispatch (the generated model's; capacity dispatch could drop tokens HF keeps).
+CASES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "fsdp_tp", {"fsdp": 4, "tensor": 2}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, "fsdp_tp",
+                   {"fsdp": 4, "tensor": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}, "ep_fsdp_tp",
+                {"expert": 2, "fsdp": 2, "tensor": 2}),
+}
+
+
+def hf_model(case: str, seed: int = 0):
+    """A tiny random HF model: every weight drawn, the norm scales around 1 (so swapping two is seen)."""
+    config_cls, model_cls, extra, _, _ = CASES[case]
+    config = getattr(transformers, config_cls)(**{**SIZES, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def tokens(rows: int = 4, length: int = 16) -> np.ndarray:
+    return np.random.default_rng(0).integers(0, SIZES["vocab_size"], (rows, length), dtype=np.int32)
+
+
+def layout(case: str, ckpt: Path, *overrides: str) -> list[str]:
+    _, _, _, rules, mesh = CASES[case]
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **mesh}
+    return [f"model={ckpt / 'model.yaml'}", f"rules={rules}", *(f"mesh.{k}={v}" for k, v in sizes.items()),
+            *overrides]
+
+
+class Converted:
+    """One case converted from HF: the HF model, the checkpoint, a trainer on the case's layout, a jitted forward."""
+
+    def __init__(self, case: str, root: Path):
+        self.case, self.hf = case, hf_model(case)
+        self.hf_dir, self.ckpt = root / "hf", root / "ckpt"
+        self.hf.save_pretrained(self.hf_dir, max_shard_size="100KB")
+        convert.hf_to_jaxscale(self.hf_dir, self.ckpt)
+        config = load_config(None, layout(case, self.ckpt, "train.global_batch=4", "train.seq_len=16"))
+        self.trainer = Trainer.build(config)
+
+        def forward(params, tokens):
+            with use_rules(self.trainer.mesh, self.trainer.rules):
+                positions = jax.numpy.broadcast_to(jax.numpy.arange(tokens.shape[1]), tokens.shape)
+                return nnx.merge(self.trainer.graphdef, params)(tokens, positions)
+
+        self.forward = jax.jit(forward, in_shardings=(self.trainer.state_shardings.params, self.trainer.batch_sharding))
+
+    def params(self, ckpt: Path):
+        return checkpoint.restore_params(checkpoint.params_source(ckpt), self.trainer.abstract_state().params)
+
+    def logits(self, ckpt: Path, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(jax.device_get(self.forward(self.params(ckpt), tokens)))
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory):
+    return Converted(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_converted_logits_match_transformers(converted):
+    x = tokens()
+    assert len(list(converted.hf_dir.glob("*.safetensors"))) > 1  # sharded, read through the index
+    assert rel_err(converted.logits(converted.ckpt, x), hf_logits(converted.hf, x)) < RTOL
+    model = load_config(None, layout(converted.case, converted.ckpt)).model
+    assert model.kv_heads < model.heads
+    assert model.rope_theta == SIZES["rope_theta"] and model.norm_eps == SIZES["rms_norm_eps"]
+    assert model.tie_embeddings == (converted.case == "llama_tied")
+    shapes = checkpoint.param_shapes(checkpoint.params_source(converted.ckpt))
+    assert sum(math.prod(shape) for shape in shapes.values()) == converted.hf.num_parameters()
+
+
+def random_params(model: ModelConfig, seed: int) -> dict:
+    """Parameters of ``model`` drawn at random on the host (norm scales included)."""
+    rng = np.random.default_rng(seed)
+    shapes = abstract_model(Config(model=model))[1]
+    return jax.tree.map(lambda a: rng.normal(0, 0.08, a.shape).astype(np.float32), shapes)
+
+
+def test_round_trip_is_bit_exact_and_transformers_loads_the_export(converted, tmp_path):
+    model = load_config(None, layout(converted.case, converted.ckpt)).model
+    params = random_params(model, seed=1)
+    jax_ckpt = tmp_path / "jaxscale"
+    checkpoint.save_params(jax_ckpt, params, dataclasses.asdict(model))
+    files = convert.jaxscale_to_hf(jax_ckpt, tmp_path / "hf", max_shard_mb=0.1)
+    assert len(files) > 1 and (tmp_path / "hf" / convert.INDEX).exists()
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "back")
+    back = checkpoint.params_source(tmp_path / "back")
+    for w in convert.weights(model):
+        saved = params
+        for key in w.path:
+            saved = saved[key]
+        again = checkpoint.read_param(back, w.path)
+        assert again.dtype == saved.dtype and np.array_equal(again, saved), w.path
+    exported = getattr(transformers, CASES[converted.case][1]).from_pretrained(tmp_path / "hf").eval()
+    x = tokens()
+    assert rel_err(converted.logits(jax_ckpt, x), hf_logits(exported, x)) < RTOL
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tmp_path_factory) -> tuple[object, Path]:
+    """The tiny HF Llama and its converted checkpoint."""
+    root = tmp_path_factory.mktemp("finetune")
+    model = hf_model("llama", seed=3)
+    model.save_pretrained(root / "hf")
+    convert.hf_to_jaxscale(root / "hf", root / "ckpt")
+    return model, root / "ckpt"
+
+
+def test_finetune_from_converted_checkpoint_starts_at_the_hf_loss(llama_ckpt, tmp_path):
+    model, ckpt = llama_ckpt
+    # Another layout than the conversion's: fsdp=2 x tensor=4.
+    overrides = [f"model={ckpt / 'model.yaml'}", "rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4",
+                 "train.global_batch=4", "train.seq_len=32", "train.steps=1", "train.log_every=1",
+                 "data.max_bytes=200000", "checkpoint.every=1", f"checkpoint.init_from={ckpt}",
+                 f"run_dir={tmp_path / 'run'}"]
+    trainer = Trainer.build(load_config(None, overrides))
+    state, history = trainer.fit(progress=False)
+    batch = jax.device_get(trainer.batch(0))
+    with torch.no_grad():
+        logits = model(torch.tensor(batch["inputs"]).long()).logits
+        hf_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                    torch.tensor(batch["targets"]).long().reshape(-1))
+    first = next(r for r in history if "loss" in r)
+    assert first["step"] == 0 and int(state.step) == 1
+    assert abs(first["loss"] - float(hf_loss)) < 1e-5 * float(hf_loss)
+
+    # Resume wins over init_from: the run goes on from its own checkpoint of step 1.
+    trainer.config.train.steps, trainer.config.checkpoint.resume = 2, "auto"
+    state, history = trainer.fit(progress=False)
+    assert [r["step"] for r in history if "loss" in r] == [1] and int(state.step) == 2
+
+    # The run's checkpoint (step 2) exports to HF and back to exactly its parameters.
+    convert.jaxscale_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "hf")
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "back")
+    back = checkpoint.params_source(tmp_path / "back")
+    trained = jax.device_get(state.params)
+    for w in convert.weights(trainer.config.model):
+        value = trained
+        for key in w.path:
+            value = value[key]
+        assert np.array_equal(checkpoint.read_param(back, w.path), value), w.path
+
+
+def test_init_from_a_mismatched_model_is_a_config_error(llama_ckpt, tmp_path):
+    _, ckpt = llama_ckpt
+    base = [f"model={ckpt / 'model.yaml'}", "rules=dp", "mesh.data=8", "train.global_batch=8", "train.seq_len=16",
+            f"checkpoint.init_from={ckpt}", f"run_dir={tmp_path / 'run'}"]
+    trainer = Trainer.build(load_config(None, [*base, "model.mlp=96"]))
+    with pytest.raises(ConfigError, match=r"^checkpoint\.init_from: .* has model\.mlp=128, the config has 96$"):
+        trainer.fit(progress=False)
+    assert "compiled_guarded_step" not in trainer.__dict__ and "jit_init" not in trainer.__dict__
+
+    # A saved array whose shape the model file does not explain (the shape check behind the key check).
+    config = load_config(None, base)
+    params = random_params(config.model, seed=0)
+    params["embedding"] = params["embedding"][:128]
+    checkpoint.save_params(tmp_path / "bad", params, dataclasses.asdict(config.model))
+    abstract = abstract_model(config)[1]
+    with pytest.raises(ConfigError, match=r"parameter embedding of .* is \(128, 64\), the config needs \(256, 64\)$"):
+        checkpoint.check_params(checkpoint.params_source(tmp_path / "bad"), "checkpoint.init_from", config, abstract)
+    with pytest.raises(ConfigError, match=r"not a parameters checkpoint"):
+        checkpoint.params_source(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope scaling 'llama3' is not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, r"rope scaling 'yarn' is not supported"),
+        ({"attention_bias": True}, r"attention_bias=true"),
+        ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
+        ({"model_type": "qwen2"}, r"model_type 'qwen2' is not one of llama, mixtral"),
+        ({"model_type": "mixtral", "sliding_window": 4096}, r"sliding_window=4096"),
+    ],
+)
+def test_unsupported_hf_config_is_a_config_error(tmp_path, change, match):
+    hf = {"model_type": "llama", **SIZES, **change}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ConfigError, match=match):
+        convert.hf_to_jaxscale(tmp_path, tmp_path / "out")
+
+
+def test_bf16_checkpoint_and_the_command_line(llama_ckpt, tmp_path, capsys):
+    model, ckpt = llama_ckpt
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf16")
+    model.float()
+    assert main(["convert", "hf-to-jaxscale", "--from", str(tmp_path / "hf16"), "--to", str(tmp_path / "ckpt16"),
+                 "--config", str(write_yaml(tmp_path / "over.yaml", "dtype: bfloat16\nremat: full\n"))]) == 0
+    assert "ckpt16: Llama, 2 layers" in capsys.readouterr().out
+    wide, narrow = checkpoint.params_source(ckpt), checkpoint.params_source(tmp_path / "ckpt16")
+    assert narrow.model["dtype"] == "bfloat16" and narrow.model["remat"] == "full"
+    for w in convert.weights(load_config(None, [f"model={ckpt / 'model.yaml'}"]).model):
+        exact = checkpoint.read_param(wide, w.path).astype(ml_dtypes.bfloat16).astype(np.float32)
+        assert np.array_equal(checkpoint.read_param(narrow, w.path), exact), w.path
+    assert main(["convert", "jaxscale-to-hf", "--from", str(tmp_path / "ckpt16"), "--to", str(tmp_path / "out"),
+                 "--dtype", "bfloat16"]) == 0
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    assert exported.dtype == torch.bfloat16
+    for name, p in model.to(torch.bfloat16).state_dict().items():
+        assert torch.equal(exported.state_dict()[name], p), name
+    model.float()
+    assert main(["convert", "hf-to-jaxscale", "--from", str(tmp_path / "hf16"), "--to", str(tmp_path / "x"),
+                 "--config", str(write_yaml(tmp_path / "bad.yaml", "mlp: 96\n"))]) == 2
+    assert capsys.readouterr().err.strip().endswith("model.mlp=96, config.json has 128")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    safetensors_numpy.save_file({"model.layers.0.mlp.up_proj.bias": np.zeros(128, np.float32)},
+                                tmp_path / "hf16" / "extra.safetensors")
+    with pytest.raises(ConfigError, match=r"no place in the jaxscale model: model\.layers\.0\.mlp\.up_proj\.bias"):
+        convert.hf_to_jaxscale(tmp_path / "hf16", tmp_path / "y")
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
