@@ -14,7 +14,8 @@ failure (out of memory, a backend that cannot compile it) an ``error`` row; neit
 How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
 
 1. ``lower_time_s``, ``compile_time_s``: ``trainer.jit_step.lower(abstract state, abstract batch)``
-   (tracing to StableHLO) and ``.compile()`` (XLA), timed apart; ``memory`` is the compiled
+   (tracing to StableHLO) and ``.compile()`` (XLA), timed apart, in wall time and (``*_cpu_time_s``)
+   in this process's CPU time, which other work on a shared machine does not inflate; ``memory`` is the compiled
    executable's ``memory_analysis()`` per device (:func:`jaxscale.inspect.memory`) and, where the
    runtime keeps allocator statistics (GPU, TPU), ``device_peak_bytes``: the device's peak so far in
    this process (the runs share the process, so it never goes down from one row to the next).
@@ -85,8 +86,12 @@ class Run:
     compile_only: bool = False
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def load_suites(path: str | Path = SUITES_FILE) -> dict[str, dict[str, Any]]:
-    """The suites table, its shape checked (a mapping of suites; lists of override strings)."""
+    """The suites table, its shape checked (override lists of strings, integer steps and layers)."""
     table = _read_yaml(Path(path))
     for suite, spec in table.items():
         if not isinstance(spec, dict):
@@ -95,6 +100,12 @@ def load_suites(path: str | Path = SUITES_FILE) -> dict[str, dict[str, Any]]:
             for name, items in (spec.get(key) or {}).items():
                 if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                     raise ConfigError(f"{path}: {suite}.{key}.{name} is not a list of KEY=VALUE strings")
+        for key in ("steps", "warmup"):
+            if not _is_int(spec.get(key, 0)):
+                raise ConfigError(f"{path}: {suite}.{key} is not an integer")
+        layers = spec.get("layers", [])
+        if not isinstance(layers, list) or not all(_is_int(n) and n > 0 for n in layers):
+            raise ConfigError(f"{path}: {suite}.layers is not a list of positive integers")
     return table
 
 
@@ -136,13 +147,19 @@ def plan(
 
 
 def compile_step(trainer: Trainer) -> tuple[Any, dict[str, float]]:
-    """The trainer's jitted step lowered and compiled from abstract values; the two times apart."""
+    """The trainer's jitted step lowered and compiled from abstract values; the two times apart, each as wall
+    time and as this process's CPU time (all its threads: what other processes on the machine do not inflate)."""
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     lowered = trainer.jit_step.lower(state, batch)
-    lowered_at = time.perf_counter()
+    lowered_at, lowered_cpu = time.perf_counter(), time.process_time()
     compiled = lowered.compile()
-    return compiled, {"lower_time_s": lowered_at - start, "compile_time_s": time.perf_counter() - lowered_at}
+    return compiled, {
+        "lower_time_s": lowered_at - start,
+        "compile_time_s": time.perf_counter() - lowered_at,
+        "compile_cpu_time_s": time.process_time() - lowered_cpu,
+        "lower_cpu_time_s": lowered_cpu - start_cpu,
+    }
 
 
 def device_loop(trainer: Trainer, steps: int) -> Any:
@@ -242,6 +259,7 @@ def run_one(suite: str, run: Run, config: str | Path | None, steps: int, warmup:
         "suite": suite, "name": run.name, "model": None, "params": None, "overrides": run.overrides,
         "mesh": None, "rules": None, "global_batch": None, "seq_len": None,
         "steps": 0 if run.compile_only else steps, "lower_time_s": None, "compile_time_s": None,
+        "lower_cpu_time_s": None, "compile_cpu_time_s": None,
         **dict.fromkeys(TIMES), "memory": None, "status": "ok", "error": None,
     }
     try:
@@ -301,15 +319,20 @@ def _num(x: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x * scale, fmt)
 
 
-def compile_ratio(report: dict[str, Any]) -> tuple[int, int, float, float] | None:
-    """(fewest layers, most layers, compile time ratio, lower + compile ratio) of the compiled rows."""
+def compile_ratio(report: dict[str, Any]) -> dict[str, Any] | None:
+    """Most versus fewest layers of the compiled rows: the ratios of XLA compile time and of lower +
+    compile time, in wall time and in CPU time."""
     rows = [r for r in report["results"] if r["status"] == "ok" and r["steps"] == 0]
     if len(rows) < 2:
         return None
     low = min(rows, key=lambda r: r["model"]["layers"])
     high = max(rows, key=lambda r: r["model"]["layers"])
-    total = (high["lower_time_s"] + high["compile_time_s"]) / (low["lower_time_s"] + low["compile_time_s"])
-    return low["model"]["layers"], high["model"]["layers"], high["compile_time_s"] / low["compile_time_s"], total
+    out: dict[str, Any] = {"layers": (low["model"]["layers"], high["model"]["layers"])}
+    for clock, suffix in (("wall", "time_s"), ("cpu", "cpu_time_s")):
+        out[f"compile_{clock}"] = high[f"compile_{suffix}"] / low[f"compile_{suffix}"]
+        both = [r[f"lower_{suffix}"] + r[f"compile_{suffix}"] for r in (high, low)]
+        out[f"total_{clock}"] = both[0] / both[1]
+    return out
 
 
 def table(report: dict[str, Any]) -> str:
@@ -333,9 +356,10 @@ def table(report: dict[str, Any]) -> str:
         )
     ratio = compile_ratio(report)
     if ratio is not None:
-        low, high, compile_only, total = ratio
-        lines.append(f"compile time, {high} vs {low} layers: {compile_only:.2f}x (XLA compile), "
-                     f"{total:.2f}x (lower + compile)")
+        low, high = ratio["layers"]
+        lines.append(f"compile time, {high} vs {low} layers: XLA compile {ratio['compile_wall']:.2f}x wall, "
+                     f"{ratio['compile_cpu']:.2f}x CPU; lower + compile {ratio['total_wall']:.2f}x wall, "
+                     f"{ratio['total_cpu']:.2f}x CPU")
     if report["backend"] == "cpu":
         lines.append("MFU on CPU is against a nominal 1e11 FLOP/s per device: meaningless")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from conftest import TINY
 
 from jaxscale import bench, metrics
 from jaxscale.cli import main
-from jaxscale.config import load_config
+from jaxscale.config import ConfigError, load_config
 from jaxscale.train import Trainer
 
 NUM = (int, float)
@@ -31,6 +31,7 @@ RESULT = {
     "suite": str, "name": str, "model": (dict, type(None)), "params": (int, type(None)), "overrides": list,
     "mesh": (dict, type(None)), "rules": (str, type(None)), "global_batch": (int, type(None)),
     "seq_len": (int, type(None)), "steps": int, "lower_time_s": OPT_NUM, "compile_time_s": OPT_NUM,
+    "lower_cpu_time_s": OPT_NUM, "compile_cpu_time_s": OPT_NUM,
     "step_time_s": OPT_NUM, "step_time_blocked_s": OPT_NUM, "device_step_time_s": OPT_NUM,
     "dispatch_time_s": OPT_NUM, "tokens_per_s": OPT_NUM, "tflops_per_device": OPT_NUM, "mfu": OPT_NUM,
     "host_overhead_s": OPT_NUM, "host_overhead_blocked_s": OPT_NUM, "loss": OPT_NUM,
@@ -63,7 +64,8 @@ def check_report(report: dict) -> None:
         check(row["model"], MODEL, f"{where}.model")
         check(row["mesh"], MESH, f"{where}.mesh")
         check(row["memory"], MEMORY, f"{where}.memory")
-        assert row["memory"]["total"] > 0 and row["lower_time_s"] > 0 and row["compile_time_s"] > 0
+        assert row["memory"]["total"] > 0
+        assert min(row[f"{p}_{c}"] for p in ("lower", "compile") for c in ("time_s", "cpu_time_s")) > 0
 
 
 def sets(overrides: list[str]) -> list[str]:
@@ -114,9 +116,11 @@ def test_compile_suite_by_depth():
     assert all(r["status"] == "ok" and r["steps"] == 0 for r in rows)
     assert all(r[k] is None for r in rows for k in RUN_FIGURES)
     assert [r["model"]["layers"] for r in rows] == [2, 4] and rows[1]["params"] > rows[0]["params"]
-    low, high, ratio, total = bench.compile_ratio(report)
-    assert (low, high) == (2, 4) and ratio > 0 and total > 0
-    assert "compile time, 4 vs 2 layers" in bench.table(report)
+    ratio = bench.compile_ratio(report)
+    assert ratio["layers"] == (2, 4)
+    assert ratio["compile_cpu"] == pytest.approx(rows[1]["compile_cpu_time_s"] / rows[0]["compile_cpu_time_s"])
+    assert min(ratio[f"{p}_{c}"] for p in ("compile", "total") for c in ("wall", "cpu")) > 0
+    assert "compile time, 4 vs 2 layers: XLA compile" in bench.table(report)
 
 
 def test_options_suite_skips_what_this_build_lacks(tmp_path):
@@ -176,3 +180,17 @@ def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("quick: [a]\n", "suite 'quick' is not a mapping"),
+    ("quick:\n  runs:\n    tiny: model=tiny\n", "quick.runs.tiny is not a list of KEY=VALUE strings"),
+    ("quick:\n  steps: many\n  runs: {tiny: []}\n", "quick.steps is not an integer"),
+    ("compile:\n  layers: [2, 0]\n", "compile.layers is not a list of positive integers"),
+    ("compile:\n  layers: 4\n", "compile.layers is not a list of positive integers"),
+])
+def test_malformed_suites_table(text, message, tmp_path):
+    path = tmp_path / "suites.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        bench.load_suites(path)
