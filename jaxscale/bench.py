@@ -20,7 +20,9 @@ How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
    runtime keeps allocator statistics (GPU, TPU), ``device_peak_bytes``: the device's peak so far in
    this process (the runs share the process, so it never goes down from one row to the next).
 2. The state is initialised on the devices and one batch (``trainer.batch(0)``) loaded before any
-   timing: the input pipeline is not measured. ``warmup`` steps run first, untimed.
+   timing: the input pipeline is not measured. ``warmup`` steps (and one run of the loop of 6) go
+   first, untimed. Then 3, 4 and 6 are measured in turn, ``rounds`` times; each figure is the best
+   of its rounds (timeit's convention: other work on the machine only ever adds time).
 3. ``step_time_blocked_s``: the median of ``steps`` steps each waited for
    (``jax.block_until_ready``): what a loop that reads every step's result before the next sees.
 4. ``step_time_s``: ``steps`` steps dispatched back to back, one ``block_until_ready`` at the end,
@@ -100,7 +102,7 @@ def load_suites(path: str | Path = SUITES_FILE) -> dict[str, dict[str, Any]]:
             for name, items in (spec.get(key) or {}).items():
                 if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
                     raise ConfigError(f"{path}: {suite}.{key}.{name} is not a list of KEY=VALUE strings")
-        for key in ("steps", "warmup"):
+        for key in ("steps", "warmup", "rounds"):
             if not _is_int(spec.get(key, 0)):
                 raise ConfigError(f"{path}: {suite}.{key} is not an integer")
         layers = spec.get("layers", [])
@@ -184,49 +186,53 @@ def _memory(compiled: Any, trainer: Trainer) -> dict[str, int | None]:
     return {**inspect.memory(compiled), "device_peak_bytes": None if peak is None else int(peak)}
 
 
-def measure(trainer: Trainer, steps: int, warmup: int) -> dict[str, Any]:
-    """Compile, then time ``steps`` steps three ways (see the module docstring); the row's figures."""
+def measure(trainer: Trainer, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
+    """Compile, then time ``steps`` steps three ways, ``rounds`` times (see the module docstring); the row's
+    figures, each the best of its rounds."""
     compiled, times = compile_step(trainer)
+    loop = device_loop(trainer, steps)
     state = trainer.init_state()
     batch = trainer.batch(0)
     for _ in range(warmup):
         state, out = compiled(state, batch)
-    jax.block_until_ready(state)
-
-    blocked = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, out = compiled(state, batch)
-        jax.block_until_ready((state, out))
-        blocked.append(time.perf_counter() - start)
-
-    dispatch = 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        call = time.perf_counter()
-        state, out = compiled(state, batch)
-        dispatch += time.perf_counter() - call
-    jax.block_until_ready((state, out))
-    step_time = (time.perf_counter() - start) / steps
-    loss = float(out["loss"])
-
-    loop = device_loop(trainer, steps)
     state = jax.block_until_ready(loop(state, batch))  # the first run of an executable pays for its setup
-    start = time.perf_counter()
-    state = jax.block_until_ready(loop(state, batch))
-    device_time = (time.perf_counter() - start) / steps
+
+    blocked, pipelined, dispatch, device = [], [], [], []
+    for _ in range(rounds):
+        each = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            state, out = compiled(state, batch)
+            jax.block_until_ready((state, out))
+            each.append(time.perf_counter() - start)
+        blocked.append(statistics.median(each))
+
+        calls = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            call = time.perf_counter()
+            state, out = compiled(state, batch)
+            calls += time.perf_counter() - call
+        jax.block_until_ready((state, out))
+        pipelined.append((time.perf_counter() - start) / steps)
+        dispatch.append(calls / steps)
+
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop(state, batch))
+        device.append((time.perf_counter() - start) / steps)
+    loss = float(out["loss"])
+    step_time, blocked_time, device_time = min(pipelined), min(blocked), min(device)
 
     t, n = trainer.config.train, trainer.mesh.size
     tokens = t.global_batch * t.seq_len
     flops = metrics.flops_per_token(trainer.config.model, t.seq_len) * tokens
     peak = metrics.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops)
-    blocked_time = statistics.median(blocked)
     return {
         **times,
         "step_time_s": step_time,
         "step_time_blocked_s": blocked_time,
         "device_step_time_s": device_time,
-        "dispatch_time_s": dispatch / steps,
+        "dispatch_time_s": min(dispatch),
         "tokens_per_s": tokens / step_time,
         "tflops_per_device": flops / step_time / n / 1e12,
         "mfu": flops / step_time / (peak * n),
@@ -252,13 +258,16 @@ def _describe(trainer: Trainer) -> dict[str, Any]:
     }
 
 
-def run_one(suite: str, run: Run, config: str | Path | None, steps: int, warmup: int) -> dict[str, Any]:
+def run_one(
+    suite: str, run: Run, config: str | Path | None, steps: int, warmup: int, rounds: int = 1
+) -> dict[str, Any]:
     """One result row, on as many of the devices as the mesh asks for (all where an axis is -1); a rejected
     config is ``skipped``, any other failure ``error``, with its message."""
     row: dict[str, Any] = {
         "suite": suite, "name": run.name, "model": None, "params": None, "overrides": run.overrides,
         "mesh": None, "rules": None, "global_batch": None, "seq_len": None,
-        "steps": 0 if run.compile_only else steps, "lower_time_s": None, "compile_time_s": None,
+        "steps": 0 if run.compile_only else steps, "rounds": 0 if run.compile_only else rounds,
+        "lower_time_s": None, "compile_time_s": None,
         "lower_cpu_time_s": None, "compile_cpu_time_s": None,
         **dict.fromkeys(TIMES), "memory": None, "status": "ok", "error": None,
     }
@@ -270,7 +279,7 @@ def run_one(suite: str, run: Run, config: str | Path | None, steps: int, warmup:
             compiled, times = compile_step(trainer)
             row.update(times, memory=_memory(compiled, trainer))
         else:
-            row.update(measure(trainer, steps, warmup))
+            row.update(measure(trainer, steps, warmup, rounds))
     except ConfigError as e:
         row.update(status="skipped", error=str(e))
     except Exception as e:  # one failing run (out of memory, an op the backend lacks) must not end the suite
@@ -290,6 +299,7 @@ def run_suite(
     layers: list[int] | None = None,
     steps: int | None = None,
     warmup: int | None = None,
+    rounds: int | None = None,
     suites: str | Path = SUITES_FILE,
 ) -> dict[str, Any]:
     """Run a suite on the present devices; the report object (``schema`` ``jaxscale.bench/1``)."""
@@ -298,8 +308,11 @@ def run_suite(
     spec = table[suite]
     steps = steps if steps is not None else spec.get("steps", 5)
     warmup = warmup if warmup is not None else spec.get("warmup", 2)
-    if steps < 1 or warmup < 0:
-        raise ConfigError(f"--steps must be at least 1 and --warmup at least 0, got {steps} and {warmup}")
+    rounds = rounds if rounds is not None else spec.get("rounds", 3)
+    if steps < 1 or warmup < 0 or rounds < 1:
+        raise ConfigError(
+            f"--steps and --rounds must be at least 1 and --warmup at least 0, got {steps}, {rounds} and {warmup}"
+        )
     if runs[0].compile_only:
         run_one(suite, runs[0], config, steps, warmup)  # compiles once untimed: one-time costs out of the first row
     device = jax.devices()[0]
@@ -311,7 +324,7 @@ def run_suite(
         "devices": jax.device_count(),
         "jax_version": jax.__version__,
         "config": str(config) if config is not None else None,
-        "results": [run_one(suite, run, config, steps, warmup) for run in runs],
+        "results": [run_one(suite, run, config, steps, warmup, rounds) for run in runs],
     }
 
 

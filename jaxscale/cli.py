@@ -102,6 +102,7 @@ def _bench_command(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--layers", help="comma-separated layer counts to compile (compile; default 2,8,32)")
     bench.add_argument("--steps", type=int, help="timed steps per run (default: the suite's)")
     bench.add_argument("--warmup", type=int, help="untimed steps before them (default: the suite's)")
+    bench.add_argument("--rounds", type=int, help="timed rounds; each figure is the best (default: the suite's)")
     bench.add_argument("--suites", default=str(CONFIG_DIR / "bench" / "suites.yaml"), help="the suites table")
     bench.add_argument("--out", default="bench.json", help="the JSON report to write")
 
@@ -121,7 +122,7 @@ def _bench(args: argparse.Namespace) -> int:
         report = bench.run_suite(
             args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
             layers=None if layers is None else [int(n) for n in layers], steps=args.steps, warmup=args.warmup,
-            suites=args.suites,
+            rounds=args.rounds, suites=args.suites,
         )
     except ConfigError as e:
         print(f"jaxscale: error: {e}", file=sys.stderr)

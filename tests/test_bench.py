@@ -30,7 +30,7 @@ MESH = dict.fromkeys(("data", "stage", "fsdp", "context", "expert", "tensor"), i
 RESULT = {
     "suite": str, "name": str, "model": (dict, type(None)), "params": (int, type(None)), "overrides": list,
     "mesh": (dict, type(None)), "rules": (str, type(None)), "global_batch": (int, type(None)),
-    "seq_len": (int, type(None)), "steps": int, "lower_time_s": OPT_NUM, "compile_time_s": OPT_NUM,
+    "seq_len": (int, type(None)), "steps": int, "rounds": int, "lower_time_s": OPT_NUM, "compile_time_s": OPT_NUM,
     "lower_cpu_time_s": OPT_NUM, "compile_cpu_time_s": OPT_NUM,
     "step_time_s": OPT_NUM, "step_time_blocked_s": OPT_NUM, "device_step_time_s": OPT_NUM,
     "dispatch_time_s": OPT_NUM, "tokens_per_s": OPT_NUM, "tflops_per_device": OPT_NUM, "mfu": OPT_NUM,
@@ -78,7 +78,8 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["bench", "--suite", "quick", "--steps", "2", "--warmup", "1", "--out", str(out), *sets(TINY)])
+        code = main(["bench", "--suite", "quick", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
+                     *sets(TINY)])
     assert code == 0
     return json.loads(out.read_text()), printed.getvalue()
 
@@ -88,7 +89,7 @@ def test_quick_suite_report_schema_and_figures(quick):
     check_report(report)
     assert report["backend"] == "cpu" and report["devices"] == 8
     (row,) = report["results"]
-    assert row["suite"] == "quick" and row["status"] == "ok" and row["steps"] == 2
+    assert row["suite"] == "quick" and row["status"] == "ok" and (row["steps"], row["rounds"]) == (2, 2)
     assert row["overrides"] == TINY and row["rules"] == "fsdp_tp" and row["mesh"]["fsdp"] == 8
     config = load_config(bench.BASE_CONFIG, TINY)
     abstract = Trainer.build(config).abstract_params
@@ -103,7 +104,7 @@ def test_quick_suite_report_schema_and_figures(quick):
     assert row["mfu"] == pytest.approx(flops / step / (8 * metrics.PEAK_FLOPS["cpu"]))
     assert row["host_overhead_s"] == pytest.approx(max(0.0, step - row["device_step_time_s"]))
     assert row["host_overhead_blocked_s"] == pytest.approx(row["step_time_blocked_s"] - row["device_step_time_s"])
-    assert 0 < row["loss"] < np.log(256) + 0.5  # 1 + 2 + 2 updates from about ln(256)
+    assert 0 < row["loss"] < np.log(256) + 0.5  # 15 updates: 1 + the loop's untimed 2 + 2 rounds of 3 x 2
     assert row["memory"]["total"] >= row["memory"]["argument"] > 0
     assert "tiny" in printed and "meaningless" in printed and "wrote" in printed
 
@@ -128,14 +129,14 @@ def test_options_suite_skips_what_this_build_lacks(tmp_path):
     before anything compiles; the rest of the suite runs."""
     suites = tmp_path / "suites.yaml"
     suites.write_text(
-        "options:\n  steps: 1\n  warmup: 0\n  variants:\n    baseline: []\n    missing: [nosuch.key=1]\n"
+        "options:\n  steps: 1\n  warmup: 0\n  rounds: 1\n  variants:\n    baseline: []\n    missing: [nosuch.key=1]\n"
         "    refused: [model.attention=nosuch]\n"
     )
     report = bench.run_suite("options", overrides=[*TINY, "mesh.fsdp=1"], suites=suites)
     check_report(report)
     rows = {r["name"]: r for r in report["results"]}
     assert [r["status"] for r in rows.values()] == ["ok", "skipped", "skipped"]
-    assert rows["baseline"]["mesh"]["fsdp"] == 1 and rows["baseline"]["steps"] == 1
+    assert rows["baseline"]["mesh"]["fsdp"] == 1 and (rows["baseline"]["steps"], rows["baseline"]["rounds"]) == (1, 1)
     assert "unknown config key 'nosuch'" in rows["missing"]["error"]
     assert rows["refused"]["overrides"][-1] == "model.attention=nosuch"
     assert "model.attention" in rows["refused"]["error"] and rows["refused"]["params"] is None
@@ -172,7 +173,8 @@ def test_suites_table_order_of_overrides():
     (["--suite", "full", "--models", "tiny,llama-9b"], "--models llama-9b: not in the suite"),
     (["--suite", "compile", "--models", "tiny"], "--models: suite 'compile' has no model runs"),
     (["--suite", "compile", "--layers", "2,x"], "--layers 2,x: expected positive integers"),
-    (["--suite", "quick", "--steps", "0"], "--steps must be at least 1"),
+    (["--suite", "quick", "--steps", "0"], "--steps and --rounds must be at least 1"),
+    (["--suite", "quick", "--rounds", "0"], "--steps and --rounds must be at least 1"),
     (["--set", "model.layers=0"], "model.layers must be positive"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
