@@ -1,6 +1,6 @@
 """``jaxscale train --config FILE [--set KEY=VALUE ...] [--resume]``; ``prepare-data``, ``inspect``, ``plan``.
 
-``report`` plots a run; ``--help`` lists every command.
+``report`` plots a run, ``bench`` times the step; ``--help`` lists every command.
 
 The config is read and validated before jax is imported, so that when no
 ``XLA_FLAGS`` is set the command can ask the host platform for as many
@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                          help="jaxscale-to-hf: tensor dtype (default: the model's param_dtype)")
     convert.add_argument("--max-shard-mb", type=float, default=2000.0, help="jaxscale-to-hf: MiB per safetensors file")
+    _bench_command(commands)
     return parser
 
 
@@ -111,6 +112,48 @@ def _inspection_commands(commands: argparse._SubParsersAction) -> None:
     report.add_argument("--tensorboard", action="store_true", help="also write the metrics as TensorBoard events")
 
 
+def _bench_command(commands: argparse._SubParsersAction) -> None:
+    """``bench``: step time, tokens/s, MFU, compile time and host overhead as JSON (jaxscale/bench.py)."""
+    bench = commands.add_parser("bench", help="benchmark the train step: time, throughput, MFU, compile, overhead")
+    bench.add_argument("--suite", default="quick", help="quick | full | compile | options (configs/bench/suites.yaml)")
+    bench.add_argument("--config", default=str(CONFIG_DIR / "experiments" / "bench.yaml"), help="base experiment")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key of every run (repeatable)")
+    bench.add_argument("--models", help="comma-separated runs of the suite to keep (quick, full)")
+    bench.add_argument("--variants", help="comma-separated variants of the suite to keep (options)")
+    bench.add_argument("--layers", help="comma-separated layer counts to compile (compile; default 2,8,32)")
+    bench.add_argument("--steps", type=int, help="timed steps per run (default: the suite's)")
+    bench.add_argument("--warmup", type=int, help="untimed steps before them (default: the suite's)")
+    bench.add_argument("--rounds", type=int, help="timed rounds; each figure is the best (default: the suite's)")
+    bench.add_argument("--suites", default=str(CONFIG_DIR / "bench" / "suites.yaml"), help="the suites table")
+    bench.add_argument("--out", default="bench.json", help="the JSON report to write")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    def names(text: str | None) -> list[str] | None:
+        return None if text is None else [n.strip() for n in text.split(",") if n.strip()]
+
+    try:
+        config = load_config(args.config, args.overrides)
+        _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
+        from jaxscale import bench
+
+        layers = names(args.layers)
+        if layers is not None and not all(n.isdigit() and int(n) > 0 for n in layers):
+            raise ConfigError(f"--layers {args.layers}: expected positive integers separated by commas")
+        report = bench.run_suite(
+            args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
+            layers=None if layers is None else [int(n) for n in layers], steps=args.steps, warmup=args.warmup,
+            rounds=args.rounds, suites=args.suites,
+        )
+    except ConfigError as e:
+        print(f"jaxscale: error: {e}", file=sys.stderr)
+        return 2
+    print(bench.table(report))
+    print(f"wrote {bench.write(report, args.out)}")
+    return 0
+
+
 def _simulate_cpu_devices(count: int) -> None:
     if "XLA_FLAGS" not in os.environ:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
@@ -122,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return _prepare_data(args)
     if args.command == "convert":
         return _convert(args)
+    if args.command == "bench":
+        return _bench(args)
     if args.command != "train":
         from jaxscale import commands
 

@@ -1,0 +1,198 @@
+"""jaxscale bench on 8 simulated CPU devices: the JSON report's schema and figures (quick suite, a
+2- and 4-layer compile suite), option variants that this build lacks or refuses, failed runs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY
+
+from jaxscale import bench, metrics
+from jaxscale.cli import main
+from jaxscale.config import ConfigError, load_config
+from jaxscale.train import Trainer
+
+NUM = (int, float)
+OPT_NUM = (int, float, type(None))
+TOP = {"schema": str, "created": str, "backend": str, "device_kind": str, "devices": int, "jax_version": str,
+       "config": (str, type(None)), "results": list}
+MODEL = {"layers": int, "embed": int, "heads": int, "kv_heads": int, "head_dim": int, "mlp": int,
+         "vocab_size": int, "dtype": str, "remat": str, "attention": str}
+MEMORY = {"argument": int, "output": int, "alias": int, "temp": int, "generated_code": int, "total": int,
+          "device_peak_bytes": (int, type(None))}
+MESH = dict.fromkeys(("data", "stage", "fsdp", "context", "expert", "tensor"), int)
+RESULT = {
+    "suite": str, "name": str, "model": (dict, type(None)), "params": (int, type(None)), "overrides": list,
+    "mesh": (dict, type(None)), "rules": (str, type(None)), "global_batch": (int, type(None)),
+    "seq_len": (int, type(None)), "steps": int, "rounds": int, "lower_time_s": OPT_NUM, "compile_time_s": OPT_NUM,
+    "lower_cpu_time_s": OPT_NUM, "compile_cpu_time_s": OPT_NUM,
+    "step_time_s": OPT_NUM, "step_time_blocked_s": OPT_NUM, "device_step_time_s": OPT_NUM,
+    "dispatch_time_s": OPT_NUM, "tokens_per_s": OPT_NUM, "tflops_per_device": OPT_NUM, "mfu": OPT_NUM,
+    "host_overhead_s": OPT_NUM, "host_overhead_blocked_s": OPT_NUM, "loss": OPT_NUM,
+    "memory": (dict, type(None)), "status": str, "error": (str, type(None)),
+}
+RUN_FIGURES = ("step_time_s", "step_time_blocked_s", "device_step_time_s", "dispatch_time_s", "tokens_per_s",
+               "tflops_per_device", "mfu", "host_overhead_s", "host_overhead_blocked_s", "loss")
+
+
+def check(obj: dict, schema: dict, where: str) -> None:
+    """Exactly the schema's keys, each of its types (a bool is not a number)."""
+    assert set(obj) == set(schema), f"{where}: keys {sorted(set(obj) ^ set(schema))}"
+    for key, types in schema.items():
+        value = obj[key]
+        assert isinstance(value, types) and not isinstance(value, bool), f"{where}.{key}: {value!r}"
+
+
+def check_report(report: dict) -> None:
+    check(report, TOP, "report")
+    assert report["schema"] == "jaxscale.bench/1"
+    for i, row in enumerate(report["results"]):
+        where = f"results[{i}]"
+        check(row, RESULT, where)
+        assert row["status"] in ("ok", "skipped", "error")
+        assert all(isinstance(o, str) for o in row["overrides"])
+        if row["status"] != "ok":
+            assert row["error"]
+            continue
+        assert row["error"] is None
+        check(row["model"], MODEL, f"{where}.model")
+        check(row["mesh"], MESH, f"{where}.mesh")
+        check(row["memory"], MEMORY, f"{where}.memory")
+        assert row["memory"]["total"] > 0
+        assert min(row[f"{p}_{c}"] for p in ("lower", "compile") for c in ("time_s", "cpu_time_s")) > 0
+
+
+def sets(overrides: list[str]) -> list[str]:
+    return [f"--set={o}" for o in overrides]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """``jaxscale bench --suite quick`` on the test model: the report and what the command printed."""
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["bench", "--suite", "quick", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
+                     *sets(TINY)])
+    assert code == 0
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def test_quick_suite_report_schema_and_figures(quick):
+    report, printed = quick
+    check_report(report)
+    assert report["backend"] == "cpu" and report["devices"] == 8
+    (row,) = report["results"]
+    assert row["suite"] == "quick" and row["status"] == "ok" and (row["steps"], row["rounds"]) == (2, 2)
+    assert row["overrides"] == TINY and row["rules"] == "fsdp_tp" and row["mesh"]["fsdp"] == 8
+    config = load_config(bench.BASE_CONFIG, TINY)
+    abstract = Trainer.build(config).abstract_params
+    assert row["params"] == sum(math.prod(x.shape) for x in jax.tree.leaves(abstract))
+    assert (row["global_batch"], row["seq_len"], row["model"]["layers"]) == (16, 32, 2)
+    step = row["step_time_s"]
+    assert all(row[k] >= 0 for k in RUN_FIGURES if k != "host_overhead_blocked_s")  # that one is signed
+    assert step > 0 and row["device_step_time_s"] > 0
+    assert row["tokens_per_s"] == pytest.approx(16 * 32 / step)
+    flops = metrics.flops_per_token(config.model, 32) * 16 * 32
+    assert row["tflops_per_device"] == pytest.approx(flops / step / 8 / 1e12)
+    assert row["mfu"] == pytest.approx(flops / step / (8 * metrics.PEAK_FLOPS["cpu"]))
+    assert row["host_overhead_s"] == pytest.approx(max(0.0, step - row["device_step_time_s"]))
+    assert row["host_overhead_blocked_s"] == pytest.approx(row["step_time_blocked_s"] - row["device_step_time_s"])
+    assert 0 < row["loss"] < np.log(256) + 0.5  # 15 updates: 1 + the loop's untimed 2 + 2 rounds of 3 x 2
+    assert row["memory"]["total"] >= row["memory"]["argument"] > 0
+    assert "tiny" in printed and "meaningless" in printed and "wrote" in printed
+
+
+def test_compile_suite_by_depth():
+    report = bench.run_suite("compile", overrides=TINY, layers=[2, 4])
+    check_report(report)
+    rows = report["results"]
+    assert [r["name"] for r in rows] == ["layers=2", "layers=4"]
+    assert all(r["status"] == "ok" and r["steps"] == 0 for r in rows)
+    assert all(r[k] is None for r in rows for k in RUN_FIGURES)
+    assert [r["model"]["layers"] for r in rows] == [2, 4] and rows[1]["params"] > rows[0]["params"]
+    ratio = bench.compile_ratio(report)
+    assert ratio["layers"] == (2, 4)
+    assert ratio["compile_cpu"] == pytest.approx(rows[1]["compile_cpu_time_s"] / rows[0]["compile_cpu_time_s"])
+    assert min(ratio[f"{p}_{c}"] for p in ("compile", "total") for c in ("wall", "cpu")) > 0
+    assert "compile time, 4 vs 2 layers: XLA compile" in bench.table(report)
+
+
+def test_options_suite_skips_what_this_build_lacks(tmp_path):
+    """Variants as data: a key this build lacks or a value it refuses is a skipped row naming the key,
+    before anything compiles; the rest of the suite runs."""
+    suites = tmp_path / "suites.yaml"
+    suites.write_text(
+        "options:\n  steps: 1\n  warmup: 0\n  rounds: 1\n  variants:\n    baseline: []\n    missing: [nosuch.key=1]\n"
+        "    refused: [model.attention=nosuch]\n"
+    )
+    report = bench.run_suite("options", overrides=[*TINY, "mesh.fsdp=1"], suites=suites)
+    check_report(report)
+    rows = {r["name"]: r for r in report["results"]}
+    assert [r["status"] for r in rows.values()] == ["ok", "skipped", "skipped"]
+    assert rows["baseline"]["mesh"]["fsdp"] == 1 and (rows["baseline"]["steps"], rows["baseline"]["rounds"]) == (1, 1)
+    assert "unknown config key 'nosuch'" in rows["missing"]["error"]
+    assert rows["refused"]["overrides"][-1] == "model.attention=nosuch"
+    assert "model.attention" in rows["refused"]["error"] and rows["refused"]["params"] is None
+    assert "skipped  unknown config key 'nosuch'" in bench.table(report)
+
+
+def test_a_failing_run_is_an_error_row(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nallocation details")
+
+    monkeypatch.setattr(bench, "measure", out_of_memory)
+    row = bench.run_one("quick", bench.Run("tiny", TINY), bench.BASE_CONFIG, steps=1, warmup=0)
+    assert row["status"] == "error" and row["error"] == "RuntimeError: RESOURCE_EXHAUSTED: out of memory"
+    assert row["params"] > 0 and row["step_time_s"] is None
+
+
+def test_suites_table_order_of_overrides():
+    table = bench.load_suites()
+    assert set(bench.SUITES) <= set(table)
+    assert {"fp8", "tp_overlap", "xla_preset", "loss_chunk", "attention_blockwise"} <= set(table["options"]["variants"])
+    assert set(table["full"]["runs"]) == {"tiny", "llama-150m", "llama-1b"}
+    user = ["train.seq_len=64"]
+    full = bench.plan("full", user, table, models=["llama-1b"])
+    assert [r.name for r in full] == ["llama-1b"] and full[0].overrides[0] == "model=llama-1b"
+    assert full[0].overrides[-1] == "train.seq_len=64"  # the command line tunes the workload
+    fp8 = bench.plan("options", ["precision.fp8=none"], table, variants=["fp8"])
+    assert fp8[0].overrides == ["precision.fp8=none", "precision.fp8=delayed"]  # the variant wins
+    depth = bench.plan("compile", user, table)
+    assert [r.name for r in depth] == ["layers=2", "layers=8", "layers=32"] and all(r.compile_only for r in depth)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "nosuch"], "--suite nosuch: no such suite"),
+    (["--suite", "full", "--models", "tiny,llama-9b"], "--models llama-9b: not in the suite"),
+    (["--suite", "compile", "--models", "tiny"], "--models: suite 'compile' has no model runs"),
+    (["--suite", "compile", "--layers", "2,x"], "--layers 2,x: expected positive integers"),
+    (["--suite", "quick", "--steps", "0"], "--steps and --rounds must be at least 1"),
+    (["--suite", "quick", "--rounds", "0"], "--steps and --rounds must be at least 1"),
+    (["--set", "model.layers=0"], "model.layers must be positive"),
+])
+def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
+    assert main(["bench", *argv, "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("quick: [a]\n", "suite 'quick' is not a mapping"),
+    ("quick:\n  runs:\n    tiny: model=tiny\n", "quick.runs.tiny is not a list of KEY=VALUE strings"),
+    ("quick:\n  steps: many\n  runs: {tiny: []}\n", "quick.steps is not an integer"),
+    ("compile:\n  layers: [2, 0]\n", "compile.layers is not a list of positive integers"),
+    ("compile:\n  layers: 4\n", "compile.layers is not a list of positive integers"),
+])
+def test_malformed_suites_table(text, message, tmp_path):
+    path = tmp_path / "suites.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        bench.load_suites(path)
