@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import loop
+from jaxscale import loop, xla_flags
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.mesh import make_mesh
@@ -80,6 +80,7 @@ class Trainer:
     def build(cls, config: Config, devices: Sequence[jax.Device] | None = None) -> Trainer:
         """Validate the layout against the devices and build the trainer; compiles nothing."""
         mesh = make_mesh(config.mesh, devices)
+        xla_flags.warn(config.xla, mesh.devices.flat[0].platform)
         rules = Rules.load(config.rules)
         graphdef, abstract_params, axes = abstract_model(config)
         trainer = cls(config, mesh, rules, graphdef, abstract_params, axes, make_optimizer(config.train, axes))

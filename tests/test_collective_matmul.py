@@ -1,12 +1,12 @@
 """model.tp_overlap: the collective matmul gives sequence parallelism's results with the same bytes, as ring steps.
 
 Function level: ``all_gather_matmul`` / ``matmul_reduce_scatter`` against ``lax.all_gather`` + einsum and
-einsum + ``lax.psum_scatter``, on one SP axis and on a ring over two. Model level, for t = 2, 4, 8 (tp_sp,
-the rest of the 8 devices on data): the loss and gradients with tp_overlap=true equal those with
-tp_overlap=false and those of one device (fp32, 1e-5); in the compiled HLO every all-gather and
-reduce-scatter of the layer body over 'tensor' is gone, 8·(t−1) collective-permutes of one chunk
-(b·s/t·h) stand in their place (4 decomposed collectives forward, 4 backward), and the wire bytes per mesh
-axis are unchanged. The compiled train step (t = 4) shows the same per pass.
+einsum + ``lax.psum_scatter``, on one SP axis and on a ring over two. Model level, for t = 2, 4, 8 (tp_sp
+with the rest of the 8 devices on data; at t = 2 fsdp_tp_sp, data 2 x fsdp 2): the loss and gradients with
+tp_overlap=true equal those with tp_overlap=false and those of one device (fp32, 1e-5); in the compiled HLO
+every all-gather and reduce-scatter of the layer body over 'tensor' is gone, 8·(t−1) collective-permutes of
+one chunk (b·s/t·h) stand in their place (4 decomposed collectives forward, 4 backward), and the wire bytes
+per mesh axis are unchanged. The compiled train step (t = 4) shows the same per pass.
 """
 
 from __future__ import annotations
@@ -96,11 +96,16 @@ def reference():
     return jax.device_get(state.params), jax.device_get(batch), float(loss), jax.device_get(grads)
 
 
+# t = 2 with FSDP too: the weights' gather inside the shard_map and their gradients' reduce-scatter.
+LAYOUTS = {2: ("fsdp_tp_sp", {"data": 2, "fsdp": 2, "tensor": 2}), 4: ("tp_sp", {"data": 2, "tensor": 4}),
+           8: ("tp_sp", {"tensor": 8})}
+
+
 def tp_sp(t: int, overlap: bool, reference) -> Run:
-    """Loss and gradients of the reference's parameters and batch under tp_sp with ``t`` tensor devices."""
+    """Loss and gradients of the reference's parameters and batch with ``t`` tensor devices (:data:`LAYOUTS`)."""
     params, batch, _, _ = reference
-    mesh = {"data": 8 // t, "tensor": t}
-    config = tiny_config(KV8, f"model.tp_overlap={str(overlap).lower()}", rules="tp_sp", mesh=mesh)
+    rules, mesh = LAYOUTS[t]
+    config = tiny_config(KV8, f"model.tp_overlap={str(overlap).lower()}", rules=rules, mesh=mesh)
     trainer = Trainer.build(config)
     params = jax.device_put(params, trainer.param_shardings())
     batch = jax.device_put(batch, trainer.batch_sharding)
@@ -112,7 +117,8 @@ def tp_sp(t: int, overlap: bool, reference) -> Run:
 def chunk_bytes(trainer: Trainer) -> int:
     """b·(s/t)·h·4: one device's sequence chunk of the residual stream, fp32."""
     c, mesh = trainer.config, trainer.mesh
-    return c.train.global_batch // mesh.shape["data"] * c.train.seq_len // mesh.shape["tensor"] * c.model.embed * 4
+    b = c.train.global_batch // (mesh.shape["data"] * mesh.shape["fsdp"])
+    return b * c.train.seq_len // mesh.shape["tensor"] * c.model.embed * 4
 
 
 def layer_body(run: Run, kind: str) -> list[inspect.Collective]:
