@@ -23,7 +23,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_layouts import RTOL, assert_trees_close
 
-from jaxscale import inspect
+from jaxscale import analytic, inspect
 from jaxscale.config import ConfigError
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.train import Trainer
@@ -159,6 +159,9 @@ def test_compiled_step_decomposes_both_passes():
     permutes = layer_body(run, "collective-permute")
     # Forward: qkv and gate/up entries, attention and MLP exits; backward: their transposes.
     assert sorted(c.phase for c in permutes) == ["backward"] * 4 * (t - 1) + ["forward"] * 4 * (t - 1)
+    # The analytic model counts them so too (with the output head's): the same permute bytes.
+    compiled = inspect.summarize(run.found)["by_kind"]["collective-permute"]["wire_bytes"]
+    assert analytic.predict_trainer(trainer).comm["by_kind"]["collective-permute"] == compiled
 
 
 def test_tp_overlap_without_sequence_parallelism_is_a_config_error():
