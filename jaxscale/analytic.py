@@ -57,7 +57,8 @@ and reduce-scatter (n−1)/n of the whole, all-to-all (n−1)/n, permute its siz
   gradient of each column-parallel projection separately (q, k, v, gate, up: 5 b·s·h where
   Megatron sums first: 2); SP: 2 all-gathers + 2 reduce-scatters of b·s·h each way; under
   remat the backward redoes the layer's collectives up to the attention output (TP: 1
-  all-reduce; SP: 2 all-gathers, 1 reduce-scatter);
+  all-reduce; SP: 2 all-gathers, 1 reduce-scatter); with ``model.tp_overlap`` each SP
+  collective is t−1 collective-permutes of b·s·h/t, counted as hidden by its matmuls;
 * CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, as much backward plus the fp32 key and value
   gradients, which travel c hops (the last brings them home); with CP a gradient is all-reduced over
   the context axes and then over the data axes (two all-reduces, as compiled); PP: a
@@ -593,15 +594,21 @@ def communication(m: ModelConfig, params: Sequence[Param], place: Placement, ste
         runs *= _pipeline_ticks(place, step) / (step.pipeline_microbatches * step.repeats)
         stage_remat = step.pipeline_remat
     if sp:
+        def sp_flow(what: str, kind: str, count: float, phase: str) -> list[Flow]:
+            if not m.tp_overlap:
+                return _flow(what, kind, sp, bsh, count, place, phase, False)
+            # Collective matmul: t − 1 permutes of one chunk per all-gather / reduce-scatter, hidden by its matmuls.
+            t = place.size(tuple(sp))
+            return _flow(what, "collective-permute", sp, bsh / t, (t - 1) * count, place, phase, True)
+
         for phase in ("forward", "backward"):
-            flows += _flow("SP: norm output", "all-gather", sp, bsh, 2 * runs, place, phase, False)
-            flows += _flow("SP: block output", "reduce-scatter", sp, bsh, 2 * runs, place, phase, False)
+            flows += sp_flow("SP: norm output", "all-gather", 2 * runs, phase)
+            flows += sp_flow("SP: block output", "reduce-scatter", 2 * runs, phase)
         if recompute:
-            flows += _flow("SP: recomputed norm outputs", "all-gather", sp, bsh, 2 * runs, place, "backward", False)
-            flows += _flow("SP: recomputed attention output", "reduce-scatter", sp, bsh, runs, place, "backward",
-                           False)
-        flows += _flow("SP: final norm output", "all-gather", sp, bsh, micro, place, "forward", False)
-        flows += _flow("SP: final norm output", "reduce-scatter", sp, bsh, micro, place, "backward", False)
+            flows += sp_flow("SP: recomputed norm outputs", "all-gather", 2 * runs, "backward")
+            flows += sp_flow("SP: recomputed attention output", "reduce-scatter", runs, "backward")
+        flows += sp_flow("SP: final norm output", "all-gather", micro, "forward")
+        flows += sp_flow("SP: final norm output", "reduce-scatter", micro, "backward")
     elif tensor:
         flows += _flow("TP: attention and MLP out", "all-reduce", tensor, bsh, 2 * runs, place, "forward", False)
         flows += _flow("TP: q, k, v, gate, up input gradients", "all-reduce", tensor, bsh, 5 * runs, place,

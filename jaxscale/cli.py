@@ -5,7 +5,9 @@
 The config is read and validated before jax is imported, so that when no
 ``XLA_FLAGS`` is set the command can ask the host platform for as many
 simulated CPU devices as the mesh needs (an ``XLA_FLAGS`` already in the
-environment is always kept; the flag only affects the CPU backend). A bad
+environment is always kept; the flag only affects the CPU backend), and put
+the ``xla.preset`` flags into ``XLA_FLAGS`` or ``LIBTPU_INIT_ARGS``
+(:mod:`jaxscale.xla_flags`; flags already set win). A bad
 config prints one line naming the key or axis and exits with code 2.
 """
 
@@ -15,7 +17,7 @@ import argparse
 import os
 import sys
 
-from jaxscale import distributed
+from jaxscale import distributed, xla_flags
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config, requested_devices
 
 DEFAULT_CPU_DEVICES = 8
@@ -176,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
         processes = cluster.num_processes or 1
         _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
+        xla_flags.apply(config.xla)
         distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
         import jax
 

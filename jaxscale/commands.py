@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from jaxscale import xla_flags
 from jaxscale.config import ConfigError, ModelConfig, _read_yaml, load_config, requested_devices, resolve_named
 
 MAX_SIMULATED = 64
@@ -30,6 +31,7 @@ def run(args: argparse.Namespace, simulate: Callable[[int], None]) -> int:
 def _inspect(args: argparse.Namespace, simulate: Callable[[int], None]) -> int:
     config = load_config(args.config, args.overrides)
     simulate(requested_devices(config.mesh) or 8)
+    xla_flags.apply(config.xla)
     from jaxscale import inspect, report
     from jaxscale.train import Trainer
 

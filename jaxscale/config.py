@@ -70,6 +70,7 @@ class ModelConfig:
     attention: str = "dot"  # dot | blockwise | ring | cudnn | auto (resolved at build: models/attention.py)
     attention_block: int = 512
     loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
+    tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
 
 
 @dataclasses.dataclass
@@ -168,6 +169,14 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass
+class XlaConfig:
+    """XLA flags set before the backend starts (``jaxscale/xla_flags.py``): a preset plus flags of one's own."""
+
+    preset: str = "none"  # none | gpu | tpu
+    flags: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class Config:
     """One experiment: model, mesh, rules table, data and training."""
 
@@ -180,6 +189,7 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    xla: XlaConfig = dataclasses.field(default_factory=XlaConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -352,6 +362,7 @@ def validate_moe(m: ModelConfig) -> None:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
 ATTENTIONS = ("dot", "blockwise", "ring", "cudnn", "auto")
 PIPELINE_SCHEDULES = ("gpipe", "circular")
+XLA_PRESETS = ("none", "gpu", "tpu")
 
 
 def validate(config: Config) -> None:
@@ -398,6 +409,7 @@ def validate(config: Config) -> None:
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
     validate_pipeline(config.pipeline)
+    validate_xla(config.xla)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -446,6 +458,15 @@ def validate_pipeline(p: PipelineConfig) -> None:
         raise ConfigError(f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular (gpipe runs stages once)")
     if p.schedule == "circular" and p.repeats < 2:
         raise ConfigError("pipeline.schedule=circular needs pipeline.repeats >= 2 (with 1 it is gpipe)")
+
+
+def validate_xla(xla: XlaConfig) -> None:
+    """A known preset, and flags of the form ``--name`` or ``--name=value`` (XLA checks the names)."""
+    if xla.preset not in XLA_PRESETS:
+        raise ConfigError(f"xla.preset: '{xla.preset}' is not one of {', '.join(XLA_PRESETS)}")
+    for i, flag in enumerate(xla.flags):
+        if not flag.startswith("--") or len(flag) < 3 or any(c.isspace() for c in flag):
+            raise ConfigError(f"xla.flags[{i}]: '{flag}' is not one flag of the form --name or --name=value")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

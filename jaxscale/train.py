@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import loop
+from jaxscale import loop, xla_flags
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import model_cross_entropy
@@ -81,6 +81,7 @@ class Trainer:
     def build(cls, config: Config, devices: Sequence[jax.Device] | None = None) -> Trainer:
         """Validate the layout against the devices and build the trainer; compiles nothing."""
         mesh = make_mesh(config.mesh, devices)
+        xla_flags.warn(config.xla, mesh.devices.flat[0].platform)
         rules = Rules.load(config.rules)
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         graphdef, abstract_params, axes = abstract_model(config)

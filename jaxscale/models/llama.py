@@ -121,6 +121,7 @@ class Attention(nnx.Module):
                 ("bse,ehd->bshd", self.wk[...].astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
                 ("bse,ehd->bshd", self.wv[...].astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
             ],
+            overlap=c.tp_overlap,
         )
         q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
@@ -128,7 +129,9 @@ class Attention(nnx.Module):
         out = attention(q, k, v, Q_AXES, KV_AXES, c)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         wo = self.wo[...].astype(dt)
-        y = sequence.row_parallel("bshd,hde->bse", out, Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL)
+        y = sequence.row_parallel(
+            "bshd,hde->bse", out, Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL, overlap=c.tp_overlap
+        )
         return checkpoint_name(y, "attention_out")
 
 
@@ -138,6 +141,7 @@ class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
         self.dtype = jnp.dtype(c.dtype)
+        self.overlap = c.tp_overlap
         self.w_gate = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_up = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = _param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
@@ -151,10 +155,11 @@ class MLP(nnx.Module):
                 ("bse,ef->bsf", self.w_gate[...].astype(dt), ("embed", "mlp"), MLP_AXES),
                 ("bse,ef->bsf", self.w_up[...].astype(dt), ("embed", "mlp"), MLP_AXES),
             ],
+            overlap=self.overlap,
         )
         hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, MLP_AXES), "mlp_hidden")
         wd = self.w_down[...].astype(dt)
-        y = sequence.row_parallel("bsf,fe->bse", hidden, MLP_AXES, wd, ("mlp", "embed"), RESIDUAL)
+        y = sequence.row_parallel("bsf,fe->bse", hidden, MLP_AXES, wd, ("mlp", "embed"), RESIDUAL, overlap=self.overlap)
         return checkpoint_name(y, "mlp_out")
 
 
@@ -225,7 +230,7 @@ class Llama(nnx.Module):
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
-        (logits,) = sequence.column_parallel(x, RESIDUAL, [head])
+        (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap)
         return logits, aux
 
     def head_weight(self) -> jax.Array:

@@ -31,6 +31,13 @@ einsums under sharding constraints and the partitioner's all-reduce does TP.
 With context parallelism too (``length`` on ``context``), ``norm_length``
 must list the context axes first (``[context, tensor]``), so that gathering
 the SP shards gives back each device's context block.
+
+With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
+einsum + reduce-scatter become collective matmuls
+(:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
+interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU.
+It needs SP axes (a :class:`ConfigError` otherwise); several SP axes form one
+ring over their product.
 """
 
 from __future__ import annotations
@@ -42,13 +49,18 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.config import ConfigError
+from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.sharding import Axes, active, constrain, gather_shards, spec_axes
 
 SEQUENCE = "norm_length"
 
 
-def sequence_axes() -> tuple[str, ...]:
-    """Mesh axes of size > 1 that shard ``norm_length`` but not ``length`` under the active rules."""
+def sequence_axes(overlap: bool = False) -> tuple[str, ...]:
+    """Mesh axes of size > 1 that shard ``norm_length`` but not ``length`` under the active rules.
+
+    With ``overlap`` (``model.tp_overlap``) there must be some: the collective matmul decomposes
+    sequence parallelism's collectives, and plain TP's all-reduce is the partitioner's.
+    """
     current = active()
     if current is None:
         return ()
@@ -61,6 +73,12 @@ def sequence_axes() -> tuple[str, ...]:
         raise ConfigError(
             f"rules '{rules.name}': {SEQUENCE} {list(outer)} must start with the mesh axes of length {list(inner)}"
         )
+    if overlap and not manual:
+        raise ConfigError(
+            f"model.tp_overlap needs sequence parallelism: rules '{rules.name}' shard {SEQUENCE} over no mesh axis "
+            f"of size > 1 that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, "
+            "or model.tp_overlap=false)"
+        )
     return manual
 
 
@@ -72,10 +90,13 @@ def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
 
 
 def column_parallel(
-    x: jax.Array, x_axes: Axes, projections: Sequence[tuple[str, jax.Array, Axes, Axes]]
+    x: jax.Array, x_axes: Axes, projections: Sequence[tuple[str, jax.Array, Axes, Axes]], overlap: bool = False
 ) -> list[jax.Array]:
-    """All-gather ``x`` on the sequence, then ``einsum(eq, x, w)`` for each ``(eq, w, w_axes, out_axes)``."""
-    manual = sequence_axes()
+    """All-gather ``x`` on the sequence, then ``einsum(eq, x, w)`` for each ``(eq, w, w_axes, out_axes)``.
+
+    ``overlap`` (``model.tp_overlap``): the gather and the einsums as one collective matmul.
+    """
+    manual = sequence_axes(overlap)
     if not manual:
         return [constrain(jnp.einsum(eq, x, w), out) for eq, w, _, out in projections]
     _, rules = active()
@@ -83,19 +104,25 @@ def column_parallel(
     w_specs = [rules.spec(w_axes) for _, _, w_axes, _ in projections]
 
     def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
-        x = lax.all_gather(x, manual, axis=dim, tiled=True)
         pairs = zip(projections, ws, w_specs, strict=True)
-        return tuple(jnp.einsum(eq, x, gather_shards(w, s, manual)) for (eq, *_), w, s in pairs)
+        weights = [(eq, gather_shards(w, s, manual)) for (eq, *_), w, s in pairs]
+        if overlap:
+            return tuple(all_gather_matmul(x, weights, manual, dim))
+        x = lax.all_gather(x, manual, axis=dim, tiled=True)
+        return tuple(jnp.einsum(eq, x, w) for eq, w in weights)
 
     fn = _shard_map(body, [x_axes, *(a for _, _, a, _ in projections)], [out for *_, out in projections])
     return list(fn(constrain(x, x_axes), *(w for _, w, _, _ in projections)))
 
 
 def row_parallel(
-    equation: str, h: jax.Array, h_axes: Axes, w: jax.Array, w_axes: Axes, out_axes: Axes
+    equation: str, h: jax.Array, h_axes: Axes, w: jax.Array, w_axes: Axes, out_axes: Axes, overlap: bool = False
 ) -> jax.Array:
-    """Leave a tensor-parallel region: ``einsum(equation, h, w)`` reduce-scattered onto the sequence."""
-    manual = sequence_axes()
+    """Leave a tensor-parallel region: ``einsum(equation, h, w)`` reduce-scattered onto the sequence.
+
+    ``overlap`` (``model.tp_overlap``): the einsum and the reduce-scatter as one collective matmul.
+    """
+    manual = sequence_axes(overlap)
     if not manual:
         return constrain(jnp.einsum(equation, h, w), out_axes)
     _, rules = active()
@@ -111,6 +138,8 @@ def row_parallel(
     dim = out_axes.index(SEQUENCE)
 
     def body(h: jax.Array, w: jax.Array) -> jax.Array:
+        if overlap:
+            return matmul_reduce_scatter(equation, h, gather_shards(w, w_spec, manual), manual, dim)
         y = jnp.einsum(equation, h, gather_shards(w, w_spec, manual))
         return lax.psum_scatter(y, manual, scatter_dimension=dim, tiled=True)
 

@@ -1,0 +1,164 @@
+"""XLA flag presets for overlapping communication with compute on GPU and TPU (``xla.preset``).
+
+XLA reads its flags once, when the backend starts: GPU (and CPU) flags from
+``XLA_FLAGS``, TPU flags from ``LIBTPU_INIT_ARGS`` (read by libtpu only). A
+flag the binary does not know aborts the process ("Unknown flag in
+XLA_FLAGS"), and names change between releases: ``--xla_gpu_enable_async_collectives``,
+``--xla_gpu_enable_async_all_gather`` and ``--xla_gpu_enable_triton_softmax_fusion``,
+still on JAX's "GPU performance tips" page, abort jaxlib 0.10.2 (asynchronous
+collectives are now the default on GPU). Every flag below was checked on the
+versions jax 0.10.2 installs: the GPU ones are parsed by jaxlib 0.10.2's own
+flag parser (the CPU wheel holds the same XLA debug options, so
+``tests/test_xla_flags.py`` runs a process with the whole GPU preset), the TPU
+ones by libtpu 0.0.42.1 (the version ``jax[tpu]==0.10.2`` pins: it rejects an
+unknown name with "Unknown command line flag" before it looks for a TPU).
+
+``gpu`` (``XLA_FLAGS``; sources: JAX's "GPU performance tips", NVIDIA
+JAX-Toolbox "GPU performance" (rosetta/docs/GPU_performance.md), OpenXLA's
+"GPU optimization levels", MaxText's GPU recipes):
+
+* the latency-hiding scheduler, which moves asynchronous collectives to overlap
+  compute, and their stream at the highest priority;
+* pipelined all-gather / reduce-scatter / all-reduce and while-loop double
+  buffering: FSDP's per-layer gathers and gradient reductions cross the layer
+  scan's iterations;
+* combine thresholds of 128 MiB (fewer, larger NCCL calls; the figure
+  ``launch/slurm.sbatch`` already used), combined per operand, not by dimension;
+* cuBLAS rather than Triton for GEMMs;
+* XLA's own collective matmul (windowed einsum) for every size, on the
+  all-gather/reduce-scatter + dot patterns the partitioner emits (jaxscale's
+  sequence-parallel regions state their collectives inside ``shard_map``;
+  ``model.tp_overlap`` decomposes those).
+
+``tpu`` (``LIBTPU_INIT_ARGS``; source: MaxText benchmarks/xla_flags_library.py,
+``CF_FOR_ALL_REDUCE_AND_ALL_GATHER``, ``DATA_PARALLEL_OVERLAP`` and its
+collective-matmul lines): asynchronous collective fusion of all-gathers over
+several steps, overlap of compute and collectives on the TensorCore,
+asynchronous all-gather, all-reduce and collective-permute, the data-parallel
+all-reduce optimisation, and the decomposed all-gather-einsum and
+einsum-reduce-scatter (TPU's collective matmul). Multi-slice (megascale / DCN)
+flags depend on the slice count and are left to ``xla.flags``.
+
+``xla.flags`` adds flags of one's own, in the preset's variable (``XLA_FLAGS``
+for ``gpu`` and ``none``, ``LIBTPU_INIT_ARGS`` for ``tpu``); XLA, not jaxscale,
+checks their names when the backend starts. A flag already in the environment
+always wins over the preset's of the same name, and nothing already set is
+dropped. The command line applies the preset before jax is imported; the
+programmatic API must call :func:`apply` before jax starts its backend
+(:func:`apply` raises :class:`ConfigError` after), and :meth:`Trainer.build`
+warns when the preset's flags are missing from the environment or meant for
+another backend (the flags only change speed, never results). This module
+never imports jax.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Mapping, MutableMapping
+
+from jaxscale.config import ConfigError, XlaConfig
+
+GPU_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+    "--xla_gpu_enable_triton_gemm=false",
+    "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+    "--xla_gpu_multi_streamed_windowed_einsum=true",
+)
+TPU_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+    "--xla_enable_async_all_reduce=true",
+    "--xla_enable_async_collective_permute=true",
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true",
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true",
+    "--xla_tpu_decompose_all_gather_einsum=true",
+    "--xla_tpu_decompose_einsum_reduce_scatter=true",
+)
+PRESETS: dict[str, tuple[str, ...]] = {"none": (), "gpu": GPU_FLAGS, "tpu": TPU_FLAGS}
+VARIABLES = {"none": "XLA_FLAGS", "gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
+PLATFORMS = {"gpu": ("gpu", "cuda", "rocm"), "tpu": ("tpu",)}
+
+
+def flag_name(flag: str) -> str:
+    """``--xla_a=1`` -> ``xla_a``."""
+    return flag.lstrip("-").split("=", 1)[0]
+
+
+def flags(xla: XlaConfig) -> list[str]:
+    """The preset's flags followed by ``xla.flags``."""
+    return [*PRESETS[xla.preset], *xla.flags]
+
+
+def merge(existing: str | None, new: list[str]) -> str:
+    """``new`` flags not already named in ``existing``, then ``existing`` unchanged (so it also wins last)."""
+    tokens = (existing or "").split()
+    taken = {flag_name(t) for t in tokens if t.startswith("-")}
+    return " ".join([*(f for f in new if flag_name(f) not in taken), *tokens])
+
+
+def environment(xla: XlaConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variable to set and its merged value; empty when there is nothing to add."""
+    new = flags(xla)
+    if not new:
+        return {}
+    var = VARIABLES[xla.preset]
+    return {var: merge(environ.get(var), new)}
+
+
+def _backend_started() -> bool:
+    if "jax" not in sys.modules:
+        return False
+    from jax._src import xla_bridge  # no public query; jax.distributed uses the same one
+
+    return xla_bridge.backends_are_initialized()
+
+
+def apply(xla: XlaConfig, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Put the flags into the environment (``os.environ`` by default) before jax starts its backend."""
+    updates = environment(xla, os.environ if environ is None else environ)
+    if updates and environ is None and _backend_started():
+        raise ConfigError(
+            f"xla.preset={xla.preset}: the jax backend has already started and reads its flags only once; "
+            f"call jaxscale.xla_flags.apply before the first jax computation, or set {', '.join(updates)} "
+            "in the environment"
+        )
+    (os.environ if environ is None else environ).update(updates)
+    return updates
+
+
+def problems(xla: XlaConfig, platform: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why the configured flags are not in effect on this backend (nothing when they are)."""
+    environ = os.environ if environ is None else environ
+    var = VARIABLES[xla.preset]
+    present = {flag_name(t) for t in environ.get(var, "").split() if t.startswith("-")}
+    missing = [flag_name(f) for f in flags(xla) if flag_name(f) not in present]
+    out = []
+    if missing:
+        out.append(
+            f"xla.preset={xla.preset}: {len(missing)} flag(s) not in {var} (e.g. {missing[0]}): "
+            "call jaxscale.xla_flags.apply(config.xla) before jax starts, or use the jaxscale command"
+        )
+    if xla.preset in PLATFORMS and platform not in PLATFORMS[xla.preset]:
+        out.append(f"xla.preset={xla.preset} on the {platform} backend: its flags have no effect there")
+    return out
+
+
+def warn(xla: XlaConfig, platform: str) -> None:
+    """A warning for each of :func:`problems` (the flags change speed only, so a run goes on)."""
+    for problem in problems(xla, platform):
+        warnings.warn(problem, stacklevel=3)
