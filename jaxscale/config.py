@@ -166,6 +166,15 @@ class PipelineConfig:
 
 
 @dataclasses.dataclass
+class PrecisionConfig:
+    """Low-precision matmuls (``jaxscale/fp8.py``): ``fp8: off | delayed | current`` scaling."""
+
+    fp8: str = "off"
+    amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
+    margin: int = 0  # scales leave 2^margin of headroom
+
+
+@dataclasses.dataclass
 class Config:
     """One experiment: model, mesh, rules table, data and training."""
 
@@ -178,6 +187,7 @@ class Config:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -219,6 +229,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if tp is str and value is False:
+        return "off"  # YAML reads the word off as false (precision.fp8: off, checkpoint.resume: off)
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):
@@ -392,6 +404,7 @@ def validate(config: Config) -> None:
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
     validate_pipeline(config.pipeline)
+    validate_precision(config.precision)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -440,6 +453,19 @@ def validate_pipeline(p: PipelineConfig) -> None:
         raise ConfigError(f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular (gpipe runs stages once)")
     if p.schedule == "circular" and p.repeats < 2:
         raise ConfigError("pipeline.schedule=circular needs pipeline.repeats >= 2 (with 1 it is gpipe)")
+
+
+FP8_MODES = ("off", "delayed", "current")
+
+
+def validate_precision(p: PrecisionConfig) -> None:
+    """The precision section on its own."""
+    if p.fp8 not in FP8_MODES:
+        raise ConfigError(f"precision.fp8: '{p.fp8}' is not one of {', '.join(FP8_MODES)}")
+    if p.amax_history < 1:
+        raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
+    if p.margin < 0:
+        raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:
