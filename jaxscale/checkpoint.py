@@ -47,6 +47,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxscale import fp8
 from jaxscale.config import Config, ConfigError, checkpoint_dir
 
 ITEMS = ("state", "data", "loop", "config")
@@ -167,6 +168,7 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
                 f"resume: checkpoint step {step} has model.{key}={saved['model'].get(key)!r}, "
                 f"the config has {current[key]!r}"
             )
+    fp8.check_resume(saved, config.precision, step)
 
 
 @jax.jit

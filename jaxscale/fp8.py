@@ -174,6 +174,18 @@ def check_layout(precision: PrecisionConfig, mesh: Mesh, rules: Rules) -> None:
         )
 
 
+def check_resume(saved: dict[str, Any], precision: PrecisionConfig, step: int) -> None:
+    """Raise if a checkpoint's fp8 state (``saved``: its config) does not restore into ``precision``'s."""
+    old = {"fp8": "off", "amax_history": PrecisionConfig.amax_history, **saved.get("precision", {})}
+    shape = (old["fp8"] != "off", old["amax_history"])
+    if shape != (precision.fp8 != "off", precision.amax_history) and (shape[0] or precision.fp8 != "off"):
+        raise ConfigError(
+            f"resume: checkpoint step {step} has precision.fp8={old['fp8']} with amax_history="
+            f"{old['amax_history']}, the config has precision.fp8={precision.fp8} with "
+            f"amax_history={precision.amax_history} (switching between delayed and current is fine)"
+        )
+
+
 def combine(a: Any, b: Any) -> Any:
     """Two microbatches' updated histories as one step's: the larger amax at each position."""
     return jax.tree.map(jnp.maximum, a, b)

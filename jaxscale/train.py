@@ -320,19 +320,23 @@ class Trainer:
 
     @cached_property
     def jit_eval_loss(self) -> Any:
-        """Jitted loss of a batch under this layout, the parameters not donated."""
+        """Jitted loss of a batch under this layout, the parameters not donated; ``(params, batch, fp8_state=None)``."""
 
         def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any) -> jax.Array:
             with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
                 return self.loss(params, batch, fp8_state)
 
         batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
-        return jax.jit(f, in_shardings=(self.state_shardings.params, batch, self.state_shardings.fp8))
+        jitted = jax.jit(f, in_shardings=(self.state_shardings.params, batch, self.state_shardings.fp8))
+
+        def call(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
+            return jitted(params, batch, self.fresh_fp8() if fp8_state is None else fp8_state)
+
+        return call
 
     def evaluate(self, params: Any, fp8_state: Any = None) -> float:
         """Mean loss over the first ``train.eval_steps`` batches of the held-out data (fp8 scaled by
         ``fp8_state``'s histories; None: a fresh start's)."""
-        fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         losses = [
             self.jit_eval_loss(params, self.eval_batches.global_batch_arrays(k, self.batch_sharding), fp8_state)
             for k in range(self.config.train.eval_steps)

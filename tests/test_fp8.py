@@ -73,6 +73,13 @@ def test_precision_config_errors():
     assert tiny_config("precision.fp8=off").precision.fp8 == "off"  # YAML reads off as false
     with pytest.raises(ConfigError, match=r"precision\.fp8=delayed: not supported with pipeline parallelism"):
         Trainer.build(tiny_config("precision.fp8=delayed", rules="pp", mesh={"stage": 2, "data": 4}))
+    # Resuming needs the saved fp8 state's shape: fp8 on or off, amax_history.
+    saved = {"precision": {"fp8": "current", "amax_history": 16, "margin": 0}}
+    fp8.check_resume(saved, tiny_config("precision.fp8=delayed").precision, 5)
+    with pytest.raises(ConfigError, match=r"resume: checkpoint step 5 has precision\.fp8=current"):
+        fp8.check_resume(saved, tiny_config("precision.amax_history=8", "precision.fp8=delayed").precision, 5)
+    with pytest.raises(ConfigError, match=r"resume: checkpoint step 5 has precision\.fp8=off"):
+        fp8.check_resume({}, tiny_config("precision.fp8=delayed").precision, 5)
 
 
 def test_fp8_state_is_replicated_and_not_optimized():
