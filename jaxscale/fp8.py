@@ -18,10 +18,11 @@ a tensor ``x`` of format ``F`` is stored as ``clip(x / s, ±max_F)`` cast to
 max_F``. ``current`` takes ``amax = max|x|`` of the tensor itself (one more
 reduction over it, before the cast); ``delayed`` takes the largest of the
 last ``precision.amax_history`` steps' amaxes, so the cast does not wait
-for a reduction over the tensor it casts (until a tensor has a history, at
-the first step, it falls back to its own amax). ``precision.margin`` halves
-the scale per unit, headroom for growth between steps. Scales are computed
-in fp32.
+for a reduction over the tensor it casts (only at the first step, with an
+empty history, does it fall back to the tensor's own amax, in a
+``lax.cond`` branch). The history takes this step's amax for the next
+steps. ``precision.margin`` halves the range per unit, headroom for growth
+between steps. Scales are computed in fp32.
 
 State: one amax history (fp32, newest first, ``amax_history`` long) per
 quantized tensor: an :class:`Fp8Meta` variable of the module
@@ -61,6 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import Mesh
 
 from jaxscale.config import ConfigError, PrecisionConfig
@@ -91,13 +93,18 @@ def _push(history: jax.Array, amax: jax.Array) -> jax.Array:
     return jnp.roll(history, 1).at[0].set(amax)
 
 
-def scale(history: jax.Array, amax: jax.Array, fmt: Any, recipe: Recipe) -> jax.Array:
-    """The dequantization scale ``s``: ``amax · 2^margin`` maps to the largest finite value of ``fmt``."""
-    if recipe.delayed:
-        past = jnp.max(history)
-        amax = jnp.where(past > 0, past, amax)
-    s = amax * 2.0**recipe.margin / float(jnp.finfo(fmt).max)
-    return jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0)
+def scale(history: jax.Array, x: jax.Array, fmt: Any, recipe: Recipe) -> jax.Array:
+    """The dequantization scale ``s`` of ``x``: ``amax · 2^margin`` maps to the largest finite value of ``fmt``."""
+
+    def of(amax: jax.Array) -> jax.Array:
+        s = amax * 2.0**recipe.margin / float(jnp.finfo(fmt).max)
+        return jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0)
+
+    if not recipe.delayed:
+        return of(_amax(x))
+    past = jnp.max(history)
+    # A branch, not a select: once there is a history, the scale does not wait for max|x|.
+    return lax.cond(past > 0, lambda: of(past), lambda: of(_amax(x)))
 
 
 def qdq(x: jax.Array, s: jax.Array, fmt: Any) -> jax.Array:
@@ -110,12 +117,11 @@ def qdq(x: jax.Array, s: jax.Array, fmt: Any) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def quantize(x: jax.Array, history: jax.Array, recipe: Recipe) -> jax.Array:
     """A matmul operand in e4m3; the gradient of ``history`` is its update (``x``'s amax pushed in)."""
-    return qdq(x, scale(history, _amax(x), E4M3, recipe), E4M3)
+    return qdq(x, scale(history, x, E4M3, recipe), E4M3)
 
 
 def _quantize_fwd(x: jax.Array, history: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
-    amax = _amax(x)
-    return qdq(x, scale(history, amax, E4M3, recipe), E4M3), _push(history, amax)
+    return qdq(x, scale(history, x, E4M3, recipe), E4M3), _push(history, _amax(x))
 
 
 def _quantize_bwd(recipe: Recipe, new_history: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -136,8 +142,7 @@ def _quantize_grad_fwd(y: jax.Array, history: jax.Array, recipe: Recipe) -> tupl
 
 
 def _quantize_grad_bwd(recipe: Recipe, history: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    amax = _amax(g)
-    return qdq(g, scale(history, amax, E5M2, recipe), E5M2), _push(history, amax)
+    return qdq(g, scale(history, g, E5M2, recipe), E5M2), _push(history, _amax(g))
 
 
 quantize_grad.defvjp(_quantize_grad_fwd, _quantize_grad_bwd)
