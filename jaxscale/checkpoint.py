@@ -2,7 +2,7 @@
 
 A checkpoint is one orbax step directory ``<checkpoint.dir>/<step>`` with four items:
 
-- ``state``: the train state (step, fp32 parameters, Adam state) as sharded arrays
+- ``state``: the train state (step, fp32 parameters, Adam state, fp8 amax histories) as sharded arrays
   (tensorstore, OCDBT). Bytes on disk: 4Ψ parameters + 8Ψ Adam moments + a few
   scalars, at most about 12Ψ whatever the layout (chunks are compressed, so
   zeros such as the moments of embedding rows never seen take less); each array
