@@ -101,7 +101,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, data: dict, loop: dict, config: dict) -> None:
         """Start an asynchronous save of ``step``; returns once the state has been copied off the devices."""
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state._asdict()),
+            state=ocp.args.StandardSave(_stored(state)),
             data=ocp.args.JsonSave(data),
             loop=ocp.args.JsonSave(loop),
             config=ocp.args.JsonSave(config),
@@ -120,7 +120,7 @@ class Checkpointer:
     def restore_state(self, abstract_state: Any, step: int) -> Any:
         """The train state of ``step``, read into the shardings of ``abstract_state`` (ShapeDtypeStructs)."""
         items = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state._asdict()))
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_stored(abstract_state)))
         )
         return type(abstract_state)(**items.state)
 
@@ -157,6 +157,12 @@ class Checkpointer:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _stored(state: Any) -> dict[str, Any]:
+    """The state's fields as saved: an empty one (``fp8`` with precision.fp8=off) is left out, so such
+    checkpoints are those of a train state without it, and restore on either side of it."""
+    return {k: v for k, v in state._asdict().items() if not (isinstance(v, dict) and not v)}
 
 
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
