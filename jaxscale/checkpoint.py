@@ -2,7 +2,7 @@
 
 A checkpoint is one orbax step directory ``<checkpoint.dir>/<step>`` with four items:
 
-- ``state``: the train state (step, fp32 parameters, Adam state) as sharded arrays
+- ``state``: the train state (step, fp32 parameters, Adam state, fp8 amax histories) as sharded arrays
   (tensorstore, OCDBT). Bytes on disk: 4Ψ parameters + 8Ψ Adam moments + a few
   scalars, at most about 12Ψ whatever the layout (chunks are compressed, so
   zeros such as the moments of embedding rows never seen take less); each array
@@ -57,6 +57,7 @@ import yaml
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
+from jaxscale import fp8
 from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
 
 ITEMS = ("state", "data", "loop", "config")
@@ -113,7 +114,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, data: dict, loop: dict, config: dict) -> None:
         """Start an asynchronous save of ``step``; returns once the state has been copied off the devices."""
         args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state._asdict()),
+            state=ocp.args.StandardSave(_stored(state)),
             data=ocp.args.JsonSave(data),
             loop=ocp.args.JsonSave(loop),
             config=ocp.args.JsonSave(config),
@@ -132,7 +133,7 @@ class Checkpointer:
     def restore_state(self, abstract_state: Any, step: int) -> Any:
         """The train state of ``step``, read into the shardings of ``abstract_state`` (ShapeDtypeStructs)."""
         items = self.manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state._asdict()))
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(_stored(abstract_state)))
         )
         return type(abstract_state)(**items.state)
 
@@ -171,6 +172,12 @@ class Checkpointer:
         self.manager.close()
 
 
+def _stored(state: Any) -> dict[str, Any]:
+    """The state's fields as saved: an empty one (``fp8`` with precision.fp8=off) is left out, so such
+    checkpoints are those of a train state without it, and restore on either side of it."""
+    return {k: v for k, v in state._asdict().items() if not (isinstance(v, dict) and not v)}
+
+
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
     """Raise if the checkpoint's model would not restore into ``config``'s shapes."""
     current = config.to_dict()["model"]
@@ -180,6 +187,7 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
                 f"resume: checkpoint step {step} has model.{key}={saved['model'].get(key)!r}, "
                 f"the config has {current[key]!r}"
             )
+    fp8.check_resume(saved, config.precision, step)
 
 
 @jax.jit

@@ -177,6 +177,15 @@ class XlaConfig:
 
 
 @dataclasses.dataclass
+class PrecisionConfig:
+    """Low-precision matmuls (``jaxscale/fp8.py``): ``fp8: off | delayed | current`` scaling."""
+
+    fp8: str = "off"
+    amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
+    margin: int = 0  # scales leave 2^margin of headroom
+
+
+@dataclasses.dataclass
 class Config:
     """One experiment: model, mesh, rules table, data and training."""
 
@@ -190,6 +199,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     xla: XlaConfig = dataclasses.field(default_factory=XlaConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -231,6 +241,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if tp is str and value is False:
+        return "off"  # YAML reads the word off as false (precision.fp8: off, checkpoint.resume: off)
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):
@@ -410,6 +422,7 @@ def validate(config: Config) -> None:
         )
     validate_pipeline(config.pipeline)
     validate_xla(config.xla)
+    validate_precision(config.precision)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -467,6 +480,19 @@ def validate_xla(xla: XlaConfig) -> None:
     for i, flag in enumerate(xla.flags):
         if not flag.startswith("--") or len(flag) < 3 or any(c.isspace() for c in flag):
             raise ConfigError(f"xla.flags[{i}]: '{flag}' is not one flag of the form --name or --name=value")
+
+
+FP8_MODES = ("off", "delayed", "current")
+
+
+def validate_precision(p: PrecisionConfig) -> None:
+    """The precision section on its own."""
+    if p.fp8 not in FP8_MODES:
+        raise ConfigError(f"precision.fp8: '{p.fp8}' is not one of {', '.join(FP8_MODES)}")
+    if p.amax_history < 1:
+        raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
+    if p.margin < 0:
+        raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

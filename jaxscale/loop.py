@@ -189,7 +189,7 @@ class _Run:
 
     def evaluate(self, done: int, state: TrainState) -> None:
         start = time.perf_counter()
-        loss = self.trainer.evaluate(state.params)
+        loss = self.trainer.evaluate(state.params, state.fp8)
         self.logger.log({"step": done, "eval_loss": loss, "eval_s": time.perf_counter() - start})
         self.mark(done)
 

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import loop, xla_flags
+from jaxscale import fp8, loop, xla_flags
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import model_cross_entropy
@@ -46,13 +46,14 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
+    fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/fp8.py); empty with precision.fp8=off
 
 
 def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
     """The model's graph, its parameters as ShapeDtypeStructs, and their logical axes."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Llama(config.model, nnx.Rngs(config.train.seed)))
-    graphdef, state = nnx.split(model)
+        model = nnx.eval_shape(lambda: Llama(config.model, nnx.Rngs(config.train.seed), config.precision))
+    graphdef, state, _ = nnx.split(model, nnx.Param, fp8.Fp8Meta)
     axes = jax.tree.map(
         lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
@@ -103,6 +104,7 @@ class Trainer:
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
+        fp8.check_layout(self.config.precision, self.mesh, self.rules)
         jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
 
     # -- shardings -----------------------------------------------------------------
@@ -130,7 +132,8 @@ class Trainer:
             )
 
         jax.eval_shape(map_state)
-        return TrainState(replicated, self.param_shardings("params"), found["opt"])
+        fp8_state = jax.tree.map(lambda _: replicated, self.abstract_fp8)
+        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -151,9 +154,10 @@ class Trainer:
 
     def _init(self) -> TrainState:
         with nnx.use_eager_sharding(False):
-            model = Llama(self.config.model, nnx.Rngs(self.config.train.seed))
-        params = nnx.to_pure_dict(nnx.state(model))
-        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+            model = Llama(self.config.model, nnx.Rngs(self.config.train.seed), self.config.precision)
+        _, params, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
+        params = nnx.to_pure_dict(params)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), nnx.to_pure_dict(fp8_state))
 
     @cached_property
     def jit_init(self) -> Any:
@@ -165,9 +169,20 @@ class Trainer:
 
     # -- the step --------------------------------------------------------------------
 
-    def loss_and_metrics(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    @cached_property
+    def abstract_fp8(self) -> Any:
+        """The fp8 state's shapes (an empty dict with ``precision.fp8=off``)."""
+        return jax.eval_shape(self._init).fp8
+
+    def fresh_fp8(self) -> Any:
+        """The fp8 state of a fresh start (empty histories): what ``fp8_state=None`` stands for below."""
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_fp8)
+
+    def loss_and_metrics(
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one batch (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics."""
-        model = nnx.merge(self.graphdef, params)
+        model = nnx.merge(self.graphdef, params, self.fresh_fp8() if fp8_state is None else fp8_state)
         if self.config.model.loss_chunk:
             ce, aux = model_cross_entropy(model, batch, self.config.model.loss_chunk)
         else:
@@ -175,44 +190,50 @@ class Trainer:
             ce = cross_entropy(logits, batch["targets"])
         return ce + moe.aux_objective(aux, self.config.model), aux
 
-    def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+    def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
         """The objective on one batch: mean cross-entropy, plus the MoE auxiliary losses if any."""
-        return self.loss_and_metrics(params, batch)[0]
+        return self.loss_and_metrics(params, batch, fp8_state)[0]
 
-    def _grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
-        """Loss, gradients and model metrics, accumulated over ``train.microbatches`` with ``lax.scan``."""
+    def _grads(
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
+    ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
+        """Loss, gradients, model metrics and the updated fp8 state, accumulated over ``train.microbatches``
+        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`)."""
         m = self.config.train.microbatches
+        fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
-        value_and_grad = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
+        value_and_grad = jax.value_and_grad(self.loss_and_metrics, argnums=(0, 2), has_aux=True)
         if m == 1:
             # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
             # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
-            (loss, aux), grads = value_and_grad(params, batch)
-            return loss, grads, aux
+            (loss, aux), (grads, new_fp8) = value_and_grad(params, batch, fp8_state)
+            return loss, grads, aux, new_fp8
 
         def split(x: jax.Array) -> jax.Array:
             # Row r of microbatch i is global row r * m + i: every device keeps its own rows.
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
             return constrain(x, (None, *BATCH_AXES))
 
-        def body(carry: tuple[jax.Array, Any, Any], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
-            loss_sum, grad_sum, aux_sum = carry
-            (loss, aux), grads = value_and_grad(params, micro)
+        def body(carry: tuple[Any, ...], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
+            loss_sum, grad_sum, aux_sum, fp8_max = carry
+            (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
-            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings), aux_sum), None
+            fp8_max = fp8.combine(fp8_max, new_fp8)
+            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings), aux_sum, fp8_max), None
 
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings
         )
         aux_zeros = {k: jnp.zeros((), jnp.float32) for k in moe.METRICS} if self.config.model.moe else {}
-        init = (jnp.zeros((), jnp.float32), zeros, aux_zeros)
-        (loss_sum, grad_sum, aux_sum), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
-        return loss_sum / m, jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
+        init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
+        (loss_sum, grad_sum, aux_sum, fp8_max), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
+        grads, aux = jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
+        return loss_sum / m, grads, aux, fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
-            loss, grads, aux = self._grads(state.params, batch)
+            loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
             opt_layout = self.param_shardings("optimizer")
             # Compute the update where the optimizer state lives (ZeRO-1/2: a shard per device).
             grads_o = jax.lax.with_sharding_constraint(grads, opt_layout)
@@ -221,7 +242,7 @@ class Trainer:
             params = optax.apply_updates(params_o, updates)
         lr = schedule(self.config.train)(state.step)
         out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": lr, **aux}
-        return TrainState(state.step + 1, params, opt_state), out
+        return TrainState(state.step + 1, params, opt_state, fp8_state), out
 
     @cached_property
     def jit_step(self) -> Any:
@@ -243,15 +264,17 @@ class Trainer:
     def jit_loss_and_grads(self) -> Any:
         """Jitted loss and (accumulated) gradients under this layout, built once per trainer."""
 
-        def f(params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
+        def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any) -> tuple[jax.Array, Any]:
             with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
-                return self._grads(params, batch)[:2]
+                return self._grads(params, batch, fp8_state)[:2]
 
         return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))
 
-    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, Any]:
-        """Loss and (accumulated) gradients under this layout, for tests and research code."""
-        return self.jit_loss_and_grads(params, batch)
+    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
+        """Loss and (accumulated) gradients under this layout, for tests and research code.
+
+        ``fp8_state``: the fp8 histories to scale with (None: a fresh start's)."""
+        return self.jit_loss_and_grads(params, batch, fp8_state)
 
     # -- data ------------------------------------------------------------------------
 
@@ -284,7 +307,8 @@ class Trainer:
 
         params = jax.tree.map(keep, new.params, state.params)
         opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
-        return TrainState(new.step, params, opt_state), {**out, "finite": finite}
+        fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
+        return TrainState(new.step, params, opt_state, fp8_state), {**out, "finite": finite}
 
     @cached_property
     def compiled_guarded_step(self) -> tuple[Any, float]:
@@ -303,19 +327,25 @@ class Trainer:
 
     @cached_property
     def jit_eval_loss(self) -> Any:
-        """Jitted loss of a batch under this layout, the parameters not donated."""
+        """Jitted loss of a batch under this layout, the parameters not donated; ``(params, batch, fp8_state=None)``."""
 
-        def f(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
+        def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any) -> jax.Array:
             with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
-                return self.loss(params, batch)
+                return self.loss(params, batch, fp8_state)
 
         batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
-        return jax.jit(f, in_shardings=(self.state_shardings.params, batch))
+        jitted = jax.jit(f, in_shardings=(self.state_shardings.params, batch, self.state_shardings.fp8))
 
-    def evaluate(self, params: Any) -> float:
-        """Mean loss over the first ``train.eval_steps`` batches of the held-out data."""
+        def call(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
+            return jitted(params, batch, self.fresh_fp8() if fp8_state is None else fp8_state)
+
+        return call
+
+    def evaluate(self, params: Any, fp8_state: Any = None) -> float:
+        """Mean loss over the first ``train.eval_steps`` batches of the held-out data (fp8 scaled by
+        ``fp8_state``'s histories; None: a fresh start's)."""
         losses = [
-            self.jit_eval_loss(params, self.eval_batches.global_batch_arrays(k, self.batch_sharding))
+            self.jit_eval_loss(params, self.eval_batches.global_batch_arrays(k, self.batch_sharding), fp8_state)
             for k in range(self.config.train.eval_steps)
         ]
         return float(np.mean(jax.device_get(losses)))

@@ -39,7 +39,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.config import ConfigError, ModelConfig
+from jaxscale.config import ConfigError, ModelConfig, PrecisionConfig
+from jaxscale.fp8 import Fp8
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
 from jaxscale.parallel import pipeline, sequence
@@ -98,10 +99,11 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads.
 
-    The kernel is ``model.attention`` (:mod:`jaxscale.models.attention`).
+    The kernel is ``model.attention`` (:mod:`jaxscale.models.attention`); the projections
+    go through :class:`jaxscale.fp8.Fp8` (a no-op unless ``precision.fp8`` is on).
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
         c = config
         self.config = c
         std, pdt = c.init_std, c.param_dtype
@@ -109,74 +111,82 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wv = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = _param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
+        self.fp8 = Fp8(precision, ("x", "wq", "wk", "wv", "out", "wo"), ("q", "k", "v", "o"))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        c = self.config
+        c, f8 = self.config, self.fp8
         dt = jnp.dtype(c.dtype)
         q, k, v = sequence.column_parallel(
-            x,
+            f8("x", x),
             RESIDUAL,
             [
-                ("bse,ehd->bshd", self.wq[...].astype(dt), ("embed", "heads", "head_dim"), Q_AXES),
-                ("bse,ehd->bshd", self.wk[...].astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
-                ("bse,ehd->bshd", self.wv[...].astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", f8("wq", self.wq[...]).astype(dt), ("embed", "heads", "head_dim"), Q_AXES),
+                ("bse,ehd->bshd", f8("wk", self.wk[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", f8("wv", self.wv[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
             ],
             overlap=c.tp_overlap,
         )
+        q, k, v = f8.grad("q", q), f8.grad("k", k), f8.grad("v", v)
         q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         out = attention(q, k, v, Q_AXES, KV_AXES, c)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
-        wo = self.wo[...].astype(dt)
+        wo = f8("wo", self.wo[...]).astype(dt)
         y = sequence.row_parallel(
-            "bshd,hde->bse", out, Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL, overlap=c.tp_overlap
+            "bshd,hde->bse", f8("out", out), Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL, overlap=c.tp_overlap
         )
-        return checkpoint_name(y, "attention_out")
+        return checkpoint_name(f8.grad("o", y), "attention_out")
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; the matmuls go through :class:`jaxscale.fp8.Fp8`."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
         c = config
         self.dtype = jnp.dtype(c.dtype)
         self.overlap = c.tp_overlap
         self.w_gate = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_up = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = _param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
+        self.fp8 = Fp8(precision, ("x", "w_gate", "w_up", "hidden", "w_down"), ("gate", "up", "down"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt = self.dtype
+        dt, f8 = self.dtype, self.fp8
         gate, up = sequence.column_parallel(
-            x,
+            f8("x", x),
             RESIDUAL,
             [
-                ("bse,ef->bsf", self.w_gate[...].astype(dt), ("embed", "mlp"), MLP_AXES),
-                ("bse,ef->bsf", self.w_up[...].astype(dt), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", f8("w_gate", self.w_gate[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", f8("w_up", self.w_up[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
             ],
             overlap=self.overlap,
         )
+        gate, up = f8.grad("gate", gate), f8.grad("up", up)
         hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, MLP_AXES), "mlp_hidden")
-        wd = self.w_down[...].astype(dt)
-        y = sequence.row_parallel("bsf,fe->bse", hidden, MLP_AXES, wd, ("mlp", "embed"), RESIDUAL, overlap=self.overlap)
-        return checkpoint_name(y, "mlp_out")
+        wd = f8("w_down", self.w_down[...]).astype(dt)
+        y = sequence.row_parallel(
+            "bsf,fe->bse", f8("hidden", hidden), MLP_AXES, wd, ("mlp", "embed"), RESIDUAL, overlap=self.overlap
+        )
+        return checkpoint_name(f8.grad("down", y), "mlp_out")
 
 
 class Block(nnx.Module):
     """Pre-norm decoder block: attention and MLP (or mixture of experts), each on a residual branch."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False):
+    def __init__(
+        self, config: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False, precision: PrecisionConfig | None = None
+    ):
         self.attn_norm = RMSNorm(config, rngs)
-        self.attn = Attention(config, rngs)
+        self.attn = Attention(config, rngs, precision)
         self.mlp_norm = RMSNorm(config, rngs)
         self.moe_layer = moe_layer
         if moe_layer:
             width = config.moe.shared_experts * moe.expert_width(config)
-            shared = MLP(dataclasses.replace(config, mlp=width), rngs) if width else None
+            shared = MLP(dataclasses.replace(config, mlp=width), rngs, precision) if width else None
             self.mlp = moe.MoE(config, rngs, shared)
         else:
-            self.mlp = MLP(config, rngs)
+            self.mlp = MLP(config, rngs, precision)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block's output and its MoE metrics (none for a dense block)."""
@@ -188,9 +198,9 @@ class Block(nnx.Module):
 class Group(nnx.Module):
     """``model.moe.every_n_layers`` blocks, the last with a mixture of experts: the unit the layer scan repeats."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
         n = config.moe.every_n_layers
-        self.blocks = nnx.List([Block(config, rngs, moe_layer=i == n - 1) for i in range(n)])
+        self.blocks = nnx.List([Block(config, rngs, i == n - 1, precision) for i in range(n)])
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         for block in self.blocks:
@@ -199,9 +209,12 @@ class Group(nnx.Module):
 
 
 class Llama(nnx.Module):
-    """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab]."""
+    """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab].
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+    ``precision`` (the config's ``precision`` section) turns on fp8 projections (:mod:`jaxscale.fp8`).
+    """
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
         c = config
         self.config = c
         self.embedding = _param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
@@ -211,7 +224,7 @@ class Llama(nnx.Module):
         @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block | Group:
-            return Group(c, rngs) if c.moe else Block(c, rngs)
+            return Group(c, rngs, precision) if c.moe else Block(c, rngs, precision=precision)
 
         self.blocks = make_blocks(rngs)
         self.final_norm = RMSNorm(c, rngs)
