@@ -264,7 +264,7 @@ class Trainer:
     def jit_loss_and_grads(self) -> Any:
         """Jitted loss and (accumulated) gradients under this layout, built once per trainer."""
 
-        def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any) -> tuple[jax.Array, Any]:
+        def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
             with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
                 return self._grads(params, batch, fp8_state)[:2]
 
