@@ -198,6 +198,11 @@ class Placement:
         batch = self.mesh_axes(("batch",))
         return tuple(a for a in self.mesh_axes(("length",)) if a not in batch)
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the rules put ``layers`` on the ``stage`` axis (size > 1): the pipeline loop runs."""
+        return "stage" in self.mesh_axes(("layers",))
+
 
 # -- activations ---------------------------------------------------------------------
 
@@ -339,7 +344,7 @@ def memory(m: ModelConfig, params: Sequence[Param], place: Placement, step: Step
         return sum(p.size / place.ways(p.axes, kind) for p in params) * pbytes
 
     micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
-    pipelined = bool(place.mesh_axes(("layers",))) and "stage" in place.mesh_axes(("layers",))
+    pipelined = place.pipelined
     rows = micro_rows / step.pipeline_microbatches if pipelined else micro_rows  # through a layer at once
     layers = _layers_here(m, place)
     residuals = layer_residuals(m, m.remat, step.seq_len)
@@ -545,7 +550,7 @@ def _param_flows(p: Param, m: ModelConfig, place: Placement, step: Step, bsh: fl
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and _in_sp_region(p)
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
-        if p.in_layers and "stage" in place.mesh_axes(("layers",)):
+        if p.in_layers and place.pipelined:
             # In the pipeline loop every tick runs 1/v of the stage's layers, gathering and scattering as
             # it goes, and its backward gathers again for the recomputed stage forward (pipeline.remat).
             # Over the other data axes the loop sums the gradient and reduces it once, after the loop.
@@ -589,7 +594,7 @@ def communication(m: ModelConfig, params: Sequence[Param], place: Placement, ste
     runs = micro * layers  # a layer's activation collectives, in units of bsh
     recompute = m.remat != "none"  # the backward recomputes the layer up to its last collective
     stage_remat = False  # the backward recomputes the whole stage forward (pipeline.remat)
-    if "stage" in place.mesh_axes(("layers",)):
+    if place.pipelined:
         # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers, bubble ticks included.
         runs *= _pipeline_ticks(place, step) / (step.pipeline_microbatches * step.repeats)
         stage_remat = step.pipeline_remat
