@@ -7,7 +7,7 @@ train step is compiled and read:
 
 * ``layer``: the collectives over ``tensor`` in the layer scan, per layer, by pass and kind: how many,
   the size each (all-gather: result, others: operand) and their wire bytes per device;
-* ``formula``: FORMULAS.md's TP + SP figure per layer and pass, 4·(t−1)/t·b·s·h·bytes (2 all-gathers
+* ``formula``: docs/formulas.md's TP + SP figure per layer and pass, 4·(t−1)/t·b·s·h·bytes (2 all-gathers
   and 2 reduce-scatters), and the collective matmul's 4·(t−1) permutes of b·s·h/t;
 * ``wire_bytes_by_axes``: the whole step's wire bytes per device per mesh axis;
 * ``memory``: ``compiled.memory_analysis()`` per device.

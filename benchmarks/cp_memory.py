@@ -12,7 +12,7 @@ devices is lowered and compiled, never run:
 Parameters are sharded 8 ways in both, so the difference is activations. The
 collective-permute bytes of the CP step are read from its HLO (each
 instruction's result size times the trip counts of the loops around it) and
-printed next to FORMULAS.md's ``2·(c−1)·b·(s/c)·g·d_h·bytes`` per layer
+printed next to docs/formulas.md's ``2·(c−1)·b·(s/c)·g·d_h·bytes`` per layer
 forward and this kernel's backward: K, V again ``c−1`` times and their fp32
 gradient accumulators ``c`` times. The load balance of causal attention is
 counted from the tiles each device computes (zig-zag against contiguous chunks).
@@ -126,7 +126,7 @@ def permute_bytes(hlo: str) -> dict[str, int]:
 
 
 def ring_formula(trainer: Trainer, seq_len: int, kv_bytes: int) -> dict[str, float]:
-    """FORMULAS.md's CP figure per step (all layers), and this kernel's backward, in bytes per device."""
+    """docs/formulas.md's CP figure per step (all layers), and this kernel's backward, in bytes per device."""
     m = trainer.config.model
     c, b = CP, trainer.config.train.global_batch // (trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"])
     block = b * (seq_len // c) * m.kv_heads * m.head_dim  # one K (or V) block, elements

@@ -5,7 +5,7 @@
 Each line is one layout on 8 simulated CPU devices: the compiled per-device
 memory, the state held per device, the wire bytes per device per step by
 collective kind (as compiled, and in the reduce-scatter reading of XLA:CPU's
-all-reduce + slice), and FORMULAS.md's figures for the same layout. Nothing
+all-reduce + slice), and docs/formulas.md's figures for the same layout. Nothing
 is run: the step is only lowered and compiled.
 """
 

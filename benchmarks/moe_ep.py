@@ -5,7 +5,7 @@
   dispatch with the rules table alone), the wire bytes per device of the
   collectives over the ``expert`` axis per MoE layer per step, forward and
   backward, parsed from the compiled HLO (:mod:`jaxscale.inspect`), next to
-  FORMULAS.md's ``2·k·b·s·h·bytes·(ep−1)/ep`` each way and to that formula
+  docs/formulas.md's ``2·k·b·s·h·bytes·(ep−1)/ep`` each way and to that formula
   times ``E·C / (k·s)``, the padding of fixed-size capacity buffers. Dropless
   dispatch (all-gather + reduce-scatter on XLA:CPU) is listed too, next to
   its own figure ``2·(ep−1)·b·s·h·bytes`` each way.

@@ -7,9 +7,9 @@ microbatches and v in {1, 2} repeats, the train step is compiled and read:
 
 * ``ticks``: trip count of the pipeline loop in the compiled HLO, next to ``v·m + p − 1``;
 * ``bubble``: idle (stage, tick) slots of :func:`jaxscale.parallel.pipeline.schedule`, the table
-  the loop runs, next to FORMULAS.md's ``(p−1)/(v·m+p−1)``;
+  the loop runs, next to docs/formulas.md's ``(p−1)/(v·m+p−1)``;
 * ``permute_bytes``: collective-permute wire bytes per device per step over ``stage``, next to
-  FORMULAS.md's ``2·v·m·b·s·h·bytes`` and to the same counted over every tick of the loop;
+  docs/formulas.md's ``2·v·m·b·s·h·bytes`` and to the same counted over every tick of the loop;
 * ``stage_all_reduce_bytes``: the all-reduces over ``stage`` outside the loop (the input's gradient
   and the outputs' broadcast, 2·(p−1)/p·m·b·s·h·bytes each, and a few scalars);
 * ``stage_reshuffle_bytes``: the other collectives over ``stage`` outside the loop: the circular
