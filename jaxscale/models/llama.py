@@ -38,19 +38,54 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config import ConfigError, ModelConfig, PrecisionConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
 from jaxscale.parallel import pipeline, sequence
-from jaxscale.sharding import constrain
+from jaxscale.sharding import active, constrain, spec_axes
 
 RESIDUAL = ("batch", "norm_length", "act_embed")
 Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "length", "mlp")
 LOGITS = ("batch", "length", "vocab")
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Rows of ``table`` [vocab, embed] for ``tokens`` [batch, length] in ``dtype``, laid out as the residual stream.
+
+    The rows are looked up on the table's shards, so they come out split over the mesh axes of the
+    table's ``embed``, for every token of the batch dimensions those axes will split (the token ids
+    are gathered there: 4 bytes a token). Each such mesh axis then moves on its own, from the hidden
+    dimension to the batch or sequence dimension the rules give it (one all-to-all per axis, forward
+    and backward). Left to find the path in one step, XLA finds none when the tokens and the table
+    are split over different sets of axes (``ep_fsdp``: batch over fsdp x expert, embed over fsdp;
+    ``fsdp_cp``: embed over fsdp x context, the sequence over context) and replicates the whole
+    activation ("involuntary full rematerialization").
+    """
+    current = active()
+    if current is None:
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    mesh, rules = current
+    target = [spec_axes(part) for part in rules.spec(RESIDUAL)]
+    hidden = [a for a in spec_axes(rules.spec(("embed",))[0]) if mesh.shape[a] > 1]
+    moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
+    dims = [[] if d in moves.values() else list(target[d]) for d in (0, 1)] + [hidden]
+
+    def layout(x: jax.Array) -> jax.Array:
+        spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    x = layout(jnp.take(table, layout(tokens), axis=0).astype(dtype))
+    for axis, dest in moves.items():
+        if dest is not None:
+            dims[2].remove(axis)
+            dims[dest] = [a for a in target[dest] if a in (*dims[dest], axis)]
+            x = layout(x)
+    return constrain(x, RESIDUAL)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype) -> nnx.Param:
@@ -255,8 +290,7 @@ class Llama(nnx.Module):
         """The final-normed hidden states [batch, length, embed] (``RESIDUAL`` axes) and the MoE metrics."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dt)
-        x = constrain(x, RESIDUAL)
+        x = embed_tokens(self.embedding[...], tokens, dt)
 
         def body(x: jax.Array, block: Block | Group) -> tuple[jax.Array, dict[str, jax.Array]]:
             return block(x, positions)
