@@ -113,7 +113,8 @@ def verify(candidates: list[Any], model: dict[str, Any], seq_len: int) -> list[d
     next to the analytic model's for the same step. Compute is float32 (XLA:CPU runs bf16 matmuls in
     f32, so only fp32 compares like with like); a layout wider than the devices is scaled down on its
     data-parallel axes; one that needs a module this build lacks is skipped, and model keys this build
-    does not know (``--attention``) are left out, on both sides of the comparison."""
+    does not know (``--attention``) are left out, on both sides of the comparison. cuDNN attention
+    compiles as ``blockwise`` (it keeps no s x s scores either)."""
     import jax
 
     from jaxscale import analytic, inspect, plan
@@ -121,6 +122,8 @@ def verify(candidates: list[Any], model: dict[str, Any], seq_len: int) -> list[d
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     fp32 = {**{k: v for k, v in model.items() if k in known}, "dtype": "float32"}
+    if fp32.get("attention") == "cudnn":  # GPU only, and not in float32: the same flash-style memory on CPU
+        fp32["attention"] = "blockwise"
     rows = []
     for cand in candidates:
         layout = cand.layout

@@ -321,6 +321,12 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read an experiment file (or the defaults), apply ``KEY=VALUE`` overrides, validate."""
     raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    for key in ("rules", "model"):  # a relative path in an experiment file is relative to that file
+        value = raw.get(key)
+        if isinstance(value, str) and Path(value).suffix in (".yaml", ".yml") and not Path(value).is_absolute():
+            beside = Path(path).parent / value
+            if beside.exists():
+                raw[key] = str(beside)
     model = raw.get("model")
     if isinstance(model, str):
         raw["model"] = _read_yaml(resolve_named(model, "models"))

@@ -390,7 +390,7 @@ def write_experiment(layout: Layout, model: dict[str, Any], seq_len: int, path: 
     rules_path = path.with_name(path.stem + ".rules.yaml")
     header = f"# {layout.family}: {layout.describe()}, remat {layout.remat}; written by jaxscale plan\n"
     rules_path.write_text(header + yaml.safe_dump(rules_for(layout), sort_keys=False))
-    exp = experiment(layout, model, seq_len, str(rules_path.resolve()))
+    exp = experiment(layout, model, seq_len, rules_path.name)  # relative to the experiment file
     path.write_text(header + yaml.safe_dump(exp, sort_keys=False))
     return path, rules_path
 
