@@ -10,6 +10,9 @@ layers of the base model's width (the scanned layer stack should keep it nearly 
 attention) on top of the baseline. A run whose config this build rejects (a key another branch
 adds, a value it refuses) is a ``skipped`` row with the one-line :class:`ConfigError`; any other
 failure (out of memory, a backend that cannot compile it) an ``error`` row; neither ends the suite.
+XLA reads its flags once, when the backend starts, so a row whose ``xla.preset`` or ``xla.flags``
+this process started without (the ``xla_preset`` variant) is measured by a child process started
+with them.
 
 How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
 
@@ -57,7 +60,10 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +71,7 @@ from typing import Any
 
 import jax
 
-from jaxscale import inspect, metrics
+from jaxscale import inspect, metrics, xla_flags
 from jaxscale.config import CONFIG_DIR, ConfigError, _read_yaml, load_config, requested_devices
 from jaxscale.train import Trainer
 
@@ -273,6 +279,9 @@ def run_one(
     }
     try:
         cfg = load_config(config, run.overrides)
+        fresh = xla_flags.environment(cfg.xla, os.environ)
+        if any(os.environ.get(var) != value for var, value in fresh.items()):
+            return _in_fresh_process(row, suite, run, config, steps, warmup, rounds, fresh)
         trainer = Trainer.build(cfg, jax.devices()[: requested_devices(cfg.mesh) or None])
         row.update(_describe(trainer))
         if run.compile_only:
@@ -287,6 +296,24 @@ def run_one(
         row.update(status="error", error=f"{type(e).__name__}: {message[0] if message else ''}")
     gc.collect()
     return row
+
+
+def _in_fresh_process(
+    row: dict[str, Any], suite: str, run: Run, config: str | Path | None, steps: int, warmup: int, rounds: int,
+    flags: dict[str, str],
+) -> dict[str, Any]:
+    """``run`` measured by a child process started with ``flags`` in its environment: XLA reads its flags
+    once, when the backend starts, so a row with other flags (``xla.preset``, ``xla.flags``) than this
+    process's cannot run here."""
+    request = json.dumps({"suite": suite, "name": run.name, "overrides": run.overrides, "compile_only":
+                          run.compile_only, "config": None if config is None else str(config), "steps": steps,
+                          "warmup": warmup, "rounds": rounds})
+    done = subprocess.run([sys.executable, "-m", "jaxscale.bench", request], env={**os.environ, **flags},
+                          capture_output=True, text=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return {**row, "status": "error", "error": f"child process: {last}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_suite(
@@ -384,3 +411,10 @@ def write(report: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     return path
+
+
+if __name__ == "__main__":  # one row, for _in_fresh_process: the request as JSON in, the row as JSON out
+    _request = json.loads(sys.argv[1])
+    _run = Run(_request["name"], _request["overrides"], _request["compile_only"])
+    print(json.dumps(run_one(_request["suite"], _run, _request["config"], _request["steps"], _request["warmup"],
+                             _request["rounds"])))

@@ -140,7 +140,7 @@ class MetricsLogger:
         if self.tensorboard is not None:
             self.tensorboard.write(record)
         if self.bar is not None and "loss" in record:
-            self.bar.n = record["step"]
+            self.bar.n = record["step"] + 1  # the record of step s comes with its update: s + 1 done
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_sec', 0):.0f}")
             self.bar.refresh()
 

@@ -24,7 +24,7 @@ MEMORY_PARTS = {
     "peak transient": ("transient", "mask"),
     "batch": ("batch",),
 }
-RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory (GB)"))
+RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory"))
 
 
 def _pyplot() -> Any:
@@ -84,8 +84,14 @@ def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
     fig, axes = plt.subplots(len(RUN_CURVES), 1, figsize=(8, 2.4 * len(RUN_CURVES)), sharex=True)
     for ax, (key, label) in zip(axes, RUN_CURVES, strict=True):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
-        scale = 1e9 if key == "memory_bytes" else 1.0
+        scale = 1.0
+        if key == "memory_bytes":
+            scale, unit = (1e9, "GB") if max((v for _, v in points), default=0) >= 1e9 else (1e6, "MB")
+            label = f"{label} ({unit})"
         ax.plot([s for s, _ in points], [v / scale for _, v in points], marker=".")
+        ax.ticklabel_format(axis="y", style="plain", useOffset=False)  # values as they are, no "+1.2e-3" offset
+        if key == "memory_bytes" and points:  # from zero: a few bytes of jitter are not a curve
+            ax.set_ylim(0, 1.1 * max(v for _, v in points) / scale)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
