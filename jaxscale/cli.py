@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model")
     train.add_argument("--config", default=str(CONFIG_DIR / "experiments" / "tiny.yaml"), help="experiment YAML file")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.steps=20 (repeatable)")
+    train.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="override config keys, e.g. --set train.steps=20 model.dtype=bfloat16 (repeatable)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--coordinator", help="host:port of process 0 (multi-process; or JAXSCALE_COORDINATOR)")
     train.add_argument("--num-processes", type=int, help="processes in the job (or JAXSCALE_NUM_PROCESSES)")
@@ -86,15 +86,15 @@ def _inspection_commands(commands: argparse._SubParsersAction) -> None:
     """``inspect``, ``plan`` and ``report``: read a layout, choose one, look at a run (jaxscale/commands.py)."""
     inspect = commands.add_parser("inspect", help="compile the train step without running it and report its layout")
     inspect.add_argument("--config", default=str(CONFIG_DIR / "experiments" / "tiny.yaml"), help="experiment YAML")
-    inspect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a config key (repeatable)")
+    inspect.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                         help="override config keys (several after one --set, or repeated)")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
     plan = commands.add_parser("plan", help="search layouts: fit in memory, reach the batch, rank by step time")
     plan.add_argument("--model", required=True, help="a model YAML (path, or a name in configs/models/)")
     plan.add_argument("--cluster", required=True, help="a cluster YAML (path, or a name in configs/clusters/)")
-    plan.add_argument("--set", dest="cluster_overrides", action="append", default=[], metavar="KEY=VALUE",
-                      help="override a cluster key, e.g. --set nodes=8 (repeatable)")
+    plan.add_argument("--set", dest="cluster_overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                      help="override cluster keys, e.g. --set nodes=8 (several after one --set, or repeated)")
     plan.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
     plan.add_argument("--seq-len", type=int, required=True, help="sequence length")
     plan.add_argument("--attention", choices=("dot", "blockwise", "ring", "cudnn", "auto"),
@@ -119,8 +119,8 @@ def _bench_command(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmark the train step: time, throughput, MFU, compile, overhead")
     bench.add_argument("--suite", default="quick", help="quick | full | compile | options (configs/bench/suites.yaml)")
     bench.add_argument("--config", default=str(CONFIG_DIR / "experiments" / "bench.yaml"), help="base experiment")
-    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key of every run (repeatable)")
+    bench.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="override config keys of every run (several after one --set, or repeated)")
     bench.add_argument("--models", help="comma-separated runs of the suite to keep (quick, full)")
     bench.add_argument("--variants", help="comma-separated variants of the suite to keep (options)")
     bench.add_argument("--layers", help="comma-separated layer counts to compile (compile; default 2,8,32)")

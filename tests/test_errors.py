@@ -524,3 +524,11 @@ def test_cli_main_in_process(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == "jaxscale: error: model.tie_embeddings: expected true or false, got 3\n"
+
+
+def test_cli_takes_several_overrides_after_one_set(capsys):
+    # MaxText's habit: --set a=1 b=2. The second pair is read (and refused by name), not rejected by argparse.
+    args = ["train", "--config", str(TINY_EXPERIMENT), "--set", "train.steps=1", "model.tie_embeddings=3"]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == "jaxscale: error: model.tie_embeddings: expected true or false, got 3\n"
+
