@@ -120,7 +120,8 @@ def environment(xla: XlaConfig, environ: Mapping[str, str]) -> dict[str, str]:
     return {var: merge(environ.get(var), new)}
 
 
-def _backend_started() -> bool:
+def backend_started() -> bool:
+    """Whether jax has started a backend (after which XLA reads no more flags)."""
     if "jax" not in sys.modules:
         return False
     from jax._src import xla_bridge  # no public query; jax.distributed uses the same one
@@ -131,7 +132,7 @@ def _backend_started() -> bool:
 def apply(xla: XlaConfig, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Put the flags into the environment (``os.environ`` by default) before jax starts its backend."""
     updates = environment(xla, os.environ if environ is None else environ)
-    if updates and environ is None and _backend_started():
+    if updates and environ is None and backend_started():
         raise ConfigError(
             f"xla.preset={xla.preset}: the jax backend has already started and reads its flags only once; "
             f"call jaxscale.xla_flags.apply before the first jax computation, or set {', '.join(updates)} "

@@ -67,13 +67,14 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
     activation ("involuntary full rematerialization").
     """
     current = active()
-    if current is None:
-        return jnp.take(table, tokens, axis=0).astype(dtype)
-    mesh, rules = current
+    mesh, rules = current if current is not None else (None, None)
+    hidden = [a for a in spec_axes(rules.spec(("embed",))[0]) if mesh.shape[a] > 1] if rules is not None else []
+    if not hidden:
+        return constrain(jnp.take(table, tokens, axis=0).astype(dtype), RESIDUAL)
     target = [spec_axes(part) for part in rules.spec(RESIDUAL)]
-    hidden = [a for a in spec_axes(rules.spec(("embed",))[0]) if mesh.shape[a] > 1]
     moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
-    dims = [[] if d in moves.values() else list(target[d]) for d in (0, 1)] + [hidden]
+    given = [spec_axes(part) for part in rules.spec(("batch", "length"))]  # how the token ids arrive
+    dims = [[] if d in moves.values() else [a for a in given[d] if a not in hidden] for d in (0, 1)] + [hidden]
 
     def layout(x: jax.Array) -> jax.Array:
         spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
