@@ -313,6 +313,9 @@ def _in_fresh_process(
     if done.returncode:
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         return {**row, "status": "error", "error": f"child process: {last}"}
+    for line in done.stderr.splitlines():  # its warnings (a preset with no effect on this backend), not its logs
+        if "Warning: " in line:
+            print(line, file=sys.stderr)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -143,6 +143,18 @@ def test_options_suite_skips_what_this_build_lacks(tmp_path):
     assert "skipped  unknown config key 'nosuch'" in bench.table(report)
 
 
+def test_a_row_with_other_xla_flags_runs_in_a_child_process_started_with_them(tmp_path, recwarn):
+    # In this process jax started without the preset's flags: measured here, the row would warn that
+    # they are not in XLA_FLAGS. A child process started with them measures it instead.
+    suites = tmp_path / "suites.yaml"
+    suites.write_text("options:\n  steps: 1\n  warmup: 0\n  rounds: 1\n  variants:\n    preset: [xla.preset=gpu]\n")
+    report = bench.run_suite("options", overrides=[*TINY, "mesh.fsdp=1"], suites=suites)
+    (row,) = report["results"]
+    assert row["status"] == "ok", row["error"]
+    assert row["overrides"][-1] == "xla.preset=gpu" and row["step_time_s"] > 0 and row["mesh"]["fsdp"] == 1
+    assert not [w for w in recwarn if "XLA_FLAGS" in str(w.message)]
+
+
 def test_a_failing_run_is_an_error_row(monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nallocation details")
