@@ -532,3 +532,19 @@ def test_cli_takes_several_overrides_after_one_set(capsys):
     assert cli.main(args) == 2
     assert capsys.readouterr().err == "jaxscale: error: model.tie_embeddings: expected true or false, got 3\n"
 
+
+@pytest.mark.parametrize(
+    "script, args",
+    [
+        ("local.sh", ["--devices", "abc"]),
+        ("local.sh", ["--devices"]),
+        ("multiprocess.sh", ["--processes", "two"]),
+        ("multiprocess.sh", ["--devices", "0"]),
+    ],
+)
+def test_launchers_refuse_a_bad_count_in_one_line(script, args):
+    launcher = CONFIG_DIR.parent / "launch" / script
+    result = subprocess.run([str(launcher), *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.splitlines()) == 1 and "positive integer" in result.stderr, result.stderr
+
