@@ -387,6 +387,7 @@ def experiment(layout: Layout, model: dict[str, Any], seq_len: int, rules_path: 
 def write_experiment(layout: Layout, model: dict[str, Any], seq_len: int, path: str | Path) -> tuple[Path, Path]:
     """Write ``path`` (the experiment) and ``<stem>.rules.yaml`` next to it; returns both paths."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     rules_path = path.with_name(path.stem + ".rules.yaml")
     header = f"# {layout.family}: {layout.describe()}, remat {layout.remat}; written by jaxscale plan\n"
     rules_path.write_text(header + yaml.safe_dump(rules_for(layout), sort_keys=False))

@@ -47,7 +47,7 @@ def tiny_model() -> dict:
 )
 def test_a_layout_is_a_rules_file_the_trainer_runs(layout, tmp_path):
     # The rules the planner reasons with are the rules the written experiment loads.
-    path, rules_path = plan.write_experiment(layout, tiny_model(), 32, tmp_path / "exp.yaml")
+    path, rules_path = plan.write_experiment(layout, tiny_model(), 32, tmp_path / "new" / "exp.yaml")
     assert yaml.safe_load(path.read_text())["rules"] == "exp.rules.yaml"  # beside the experiment, wherever it moves
     config = load_config(path, [f"run_dir={tmp_path / 'run'}"])
     trainer = Trainer.build(config)
