@@ -58,8 +58,8 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
     """Rows of ``table`` [vocab, embed] for ``tokens`` [batch, length] in ``dtype``, laid out as the residual stream.
 
     The rows are looked up on the table's shards, so they come out split over the mesh axes of the
-    table's ``embed``, for every token of the batch dimensions those axes will split (the token ids
-    are gathered there: 4 bytes a token). Each such mesh axis then moves on its own, from the hidden
+    table's ``embed``, for every token that those axes will split the batch or sequence over (the
+    token ids are gathered there: 4 bytes a token). Each such mesh axis then moves on its own, from the hidden
     dimension to the batch or sequence dimension the rules give it (one all-to-all per axis, forward
     and backward). Left to find the path in one step, XLA finds none when the tokens and the table
     are split over different sets of axes (``ep_fsdp``: batch over fsdp x expert, embed over fsdp;
@@ -74,7 +74,13 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
     target = [spec_axes(part) for part in rules.spec(RESIDUAL)]
     moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
     given = [spec_axes(part) for part in rules.spec(("batch", "length"))]  # how the token ids arrive
-    dims = [[] if d in moves.values() else [a for a in given[d] if a not in hidden] for d in (0, 1)] + [hidden]
+    dims: list[list[str]] = [[], [], list(hidden)]
+    for d in (0, 1):  # the token ids stay split over the axes that come before any moving one
+        for a in given[d]:
+            if a in hidden and d in moves.values():
+                break
+            if a not in hidden:
+                dims[d].append(a)
 
     def layout(x: jax.Array) -> jax.Array:
         spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
