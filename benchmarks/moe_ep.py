@@ -4,7 +4,7 @@
   (``shard_map``: jaxscale/parallel/expert.py; ``partitioner``: GShard einsum
   dispatch with the rules table alone), the wire bytes per device of the
   collectives over the ``expert`` axis per MoE layer per step, forward and
-  backward, parsed from the compiled HLO (:mod:`jaxscale.inspect`), next to
+  backward, parsed from the compiled HLO (:mod:`jaxscale.analysis.hlo`), next to
   FORMULAS.md's ``2·k·b·s·h·bytes·(ep−1)/ep`` each way and to that formula
   times ``E·C / (k·s)``, the padding of fixed-size capacity buffers. Dropless
   dispatch (all-gather + reduce-scatter on XLA:CPU) is listed too, next to
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax
 import numpy as np
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, load_config
 from jaxscale.models import moe
 from jaxscale.train import Trainer
@@ -53,11 +53,11 @@ def ep_mesh(ep: int) -> list[str]:
 
 def expert_collectives(trainer: Trainer) -> dict[str, dict[str, float]]:
     """Wire bytes per device per MoE layer per step of the collectives over ``expert``, by kind and phase."""
-    compiled = inspect.compile_step(trainer)
+    compiled = xla.compile_step(trainer)
     c = trainer.config.model
     moe_layers = c.layers // c.moe.every_n_layers * trainer.config.train.microbatches
     out: dict[str, dict[str, float]] = {}
-    for x in inspect.collectives(compiled.as_text(), trainer.mesh):
+    for x in hlo.collectives(compiled.as_text(), trainer.mesh):
         if x.axes is None or "expert" not in x.axes:
             continue
         row = out.setdefault(x.kind, {"forward": 0.0, "backward": 0.0, "other": 0.0})
@@ -101,8 +101,8 @@ def memory_table() -> list[dict]:
     rows = []
     for ep in (1, 2, 4, 8):
         trainer = Trainer.build(config(*ep_mesh(ep)))
-        compiled = inspect.compile_step(trainer)
-        rows.append({"ep": ep, "compiled": inspect.memory(compiled), "state": inspect.state_bytes(trainer)})
+        compiled = xla.compile_step(trainer)
+        rows.append({"ep": ep, "compiled": xla.memory(compiled), "state": xla.state_bytes(trainer)})
         print(f"memory: ep={ep} done", file=sys.stderr)
     return rows
 

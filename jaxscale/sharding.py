@@ -121,6 +121,20 @@ def is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
 
 
+def param_name(path: Any) -> str:
+    """The dotted name of a parameter's tree path: ``blocks.attn.wq``."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def named_params(params: Any, axes: Any) -> list[tuple[str, Any, Axes]]:
+    """Every parameter leaf with its dotted name and its logical axes, in tree order."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [
+        (param_name(path), leaf, tuple(a))
+        for (path, leaf), a in zip(flat, jax.tree.leaves(axes, is_leaf=is_axes), strict=True)
+    ]
+
+
 def spec_axes(part: str | tuple[str, ...] | PartitionSpec | None) -> tuple[str, ...]:
     """The mesh axes of one PartitionSpec entry (None, a name or a tuple), or of a whole PartitionSpec."""
     if isinstance(part, PartitionSpec):

@@ -37,7 +37,7 @@ from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel.pipeline import use_pipeline
-from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, use_rules
+from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, named_params, use_rules
 
 BATCH_AXES = ("batch", "length")
 
@@ -92,10 +92,8 @@ class Trainer:
 
     def validate(self) -> None:
         """Check every parameter and activation layout by tracing the step abstractly."""
-        paths = jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]
-        flat_axes = jax.tree.leaves(self.axes, is_leaf=is_axes)
-        for (path, leaf), axes in zip(paths, flat_axes, strict=True):
-            name = "param " + jax.tree_util.keystr(path, simple=True, separator=".")
+        for path, leaf, axes in named_params(self.abstract_params, self.axes):
+            name = "param " + path
             for kind in ("params", "optimizer", "gradients"):
                 where = name if kind == "params" else f"{name} ({kind} layout)"
                 check_divisible(where, leaf.shape, axes, self.rules.spec(axes, kind), self.mesh)

@@ -9,10 +9,10 @@ from flax import nnx
 from test_errors import fails_early
 from test_layouts import RTOL, assert_trees_close, rel_err
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
+from jaxscale.flops import param_count
 from jaxscale.mesh import make_mesh
-from jaxscale.metrics import param_count
 from jaxscale.models import moe
 from jaxscale.parallel import expert
 from jaxscale.sharding import Rules, use_rules
@@ -242,9 +242,9 @@ def test_ep_fsdp_train_step_matches_single_device(ep_fsdp_step, single_device_st
 
 
 def test_ep_fsdp_all_to_all_bytes_match_the_formula(ep_fsdp_step):
-    trainer, *_, hlo = ep_fsdp_step
+    trainer, *_, text = ep_fsdp_step
     c, t, mesh = trainer.config.model, trainer.config.train, trainer.mesh
-    found = [x for x in inspect.collectives(hlo, mesh) if "shard_map" in x.op_name]  # the MoE layers' own
+    found = [x for x in hlo.collectives(text, mesh) if "shard_map" in x.op_name]  # the MoE layers' own
     all_to_all = [x for x in found if x.kind == "all-to-all"]
     assert all_to_all and all(x.axes == ("expert",) for x in all_to_all)
     # Per MoE layer and microbatch: dispatch and combine forward, their transposes backward, each moving

@@ -1,4 +1,4 @@
-"""The playbook's three steps to a layout, on the analytic model (:mod:`jaxscale.analytic`).
+"""The playbook's three steps to a layout, on the analytic model (:mod:`jaxscale.analysis`).
 
 1. **Fit in memory.** Enumerate layouts of the cluster's devices over the mesh axes
    (``data``, ZeRO-1/2 on it, ``fsdp`` = ZeRO-3 with ``data`` as replicas (HSDP), ``tensor`` with or without sequence
@@ -12,12 +12,12 @@
    that fits is taken (the playbook's recipe, FORMULAS.md "Batch size").
 3. **Maximise throughput.** Rank by predicted step time: compute at the cluster's stated
    efficiency, the pipeline bubble, and the communication that cannot hide
-   (:func:`jaxscale.analytic.step_time`); within 0.1% the simpler layout (fewer strategies),
+   (:func:`jaxscale.analysis.timing.step_time`); within 0.1% the simpler layout (fewer strategies),
    then the smaller memory, comes first.
 
 Every layout is data: :func:`rules_for` writes its rules table (starting from
 ``configs/rules/dp.yaml``, so every logical name the model uses is present) and
-:func:`experiment` the experiment file ``jaxscale train`` runs. :func:`verify` compiles
+:func:`experiment` the experiment file ``jaxscale train`` runs. :mod:`jaxscale.analysis.verify` compiles
 candidates on simulated devices and puts the compiled memory and collective bytes next to
 the prediction.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -35,15 +34,14 @@ from typing import Any
 
 import yaml
 
-from jaxscale import analytic
-from jaxscale.analytic import Cluster, Param, Placement, Step
+from jaxscale.analysis.communication import communication, summarize_flows
+from jaxscale.analysis.memory import memory
+from jaxscale.analysis.params import Param, Placement, Step
+from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
-# The shard_map module each strategy runs on: a layout using one that is not installed is planned, not run.
-NEEDS = {"context": "jaxscale.parallel.ring_attention", "stage": "jaxscale.parallel.pipeline",
-         "expert": "jaxscale.parallel.expert"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,10 +86,6 @@ class Layout:
     @property
     def mesh_text(self) -> str:
         return " ".join(f"{a}={s}" for a, s in self.mesh().items() if s > 1) or "one device"
-
-    def missing(self) -> list[str]:
-        """The modules this layout needs that this installation lacks."""
-        return [NEEDS[a] for a in NEEDS if getattr(self, a) > 1 and importlib.util.find_spec(NEEDS[a]) is None]
 
     def describe(self) -> str:
         text = self.mesh_text + ("" if not self.sequence else " +sp")
@@ -222,7 +216,7 @@ def _pipelines(m: ModelConfig, devices: int, max_stages: int) -> Iterator[tuple[
 def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16) -> Iterator[Layout]:
     """Every combination of mesh sizes, ZeRO stage and remat policy for the cluster (micro-batch 1)."""
     devices = cluster.devices
-    moe = getattr(m, "moe", None)
+    moe = m.moe
     tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if m.kv_heads % t == 0]
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
@@ -278,11 +272,11 @@ def search(
         for b in sorted(_divisors(per_rank), reverse=True):
             sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b)
             step = step_for(sized, seq_len)
-            mem = analytic.memory(model, params, place, step)
+            mem = memory(model, params, place, step)
             if mem["total"] <= cluster.budget:
-                flows = analytic.communication(model, params, place, step)
-                time = analytic.step_time(model, flows, place, step, cluster)
-                found.append(Candidate(sized, mem, analytic.summarize_flows(flows), time))
+                flows = communication(model, params, place, step)
+                time = step_time(model, flows, place, step, cluster)
+                found.append(Candidate(sized, mem, summarize_flows(flows), time))
                 break
             if b == 1:
                 reject(layout, mem["total"], f"needs {mem['total'] / 1e9:.1f} GB per device at micro-batch 1 "
@@ -313,22 +307,18 @@ def table(plan: Plan) -> str:
         f"{'state':>6} {'act':>6} {'peak':>6} {'total':>6} GB  {'comp':>6} {'comm':>6} {'expo':>6} {'bubl':>6} "
         f"{'step':>7} s  {'MFU':>5}",
     ]
-    missing = set()
     for i, cand in enumerate(plan.candidates, 1):
         lay, mem, t = cand.layout, cand.memory, cand.time
-        missing.update(lay.missing())
         state = mem["params"] + mem["optimizer"] + mem["gradients"] + mem["accumulator"]
         peak = mem["transient"] + mem.get("mask", 0.0)
         lines.append(
             f"{i:>2}  {lay.describe():<40} {lay.zero_stage:>4} {lay.remat:<9} {lay.micro_batch:>3} "
             f"{lay.accumulation:>4}  {_gb(state):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
             f"{_gb(mem['total']):>6}     {t['compute']:>6.2f} {t['communication']:>6.2f} {t['exposed']:>6.2f} "
-            f"{t['bubble']:>6.2f} {t['total']:>7.2f}    {100 * t['mfu']:>4.1f}%" + (" *" if lay.missing() else "")
+            f"{t['bubble']:>6.2f} {t['total']:>7.2f}    {100 * t['mfu']:>4.1f}%"
         )
     if not plan.candidates:
         lines.append("   (no layout fits)")
-    if missing:
-        lines += ["", f"* planned, but this installation lacks {', '.join(sorted(missing))} to run it"]
     if plan.rejected:
         lines += ["", "families that never fit (the closest attempt):"]
         lines += [f"  {fam:<22} {why}" for fam, why in plan.rejected.items()]
@@ -351,7 +341,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "searched": plan.searched,
         "candidates": [
             {"layout": dataclasses.asdict(c.layout), "family": c.layout.family, "memory": c.memory, "time": c.time,
-             "comm": c.comm, "missing": c.layout.missing()}
+             "comm": c.comm}
             for c in plan.candidates
         ],
         "rejected": plan.rejected,
