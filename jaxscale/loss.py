@@ -43,14 +43,13 @@ head's gradient reduction.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxscale.sharding import active, constrain, spec_axes
+from jaxscale.sharding import active, constrain
 
 HIDDEN = ("batch", "length", "act_embed")
 TARGETS = ("batch", "length")
@@ -97,10 +96,7 @@ def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) ->
 def _batch_shards() -> int:
     """How many ways the active rules split the batch (1 outside :func:`jaxscale.sharding.use_rules`)."""
     current = active()
-    if current is None:
-        return 1
-    mesh, rules = current
-    return math.prod(mesh.shape[a] for a in spec_axes(rules.spec(("batch",))))
+    return current[1].batch_shards if current is not None else 1
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))

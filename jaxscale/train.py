@@ -37,7 +37,7 @@ from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel.pipeline import use_pipeline
-from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, named_params, use_rules
+from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, layout_of, named_params, use_rules
 
 BATCH_AXES = ("batch", "length")
 
@@ -102,7 +102,7 @@ class Trainer:
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
-        fp8.check_layout(self.config.precision, self.mesh, self.rules)
+        layout_of(self.mesh, self.rules).validate(self.config)
         jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
 
     # -- shardings -----------------------------------------------------------------

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.config import ConfigError, ModelConfig, PrecisionConfig
+from jaxscale.config import ModelConfig, PrecisionConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
@@ -267,9 +267,7 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        if pipeline.stages() > 1:
-            if c.moe is not None:
-                raise ConfigError("pipeline parallelism (layers on stage) cannot carry model.moe's aux losses yet")
+        if pipeline.stages() > 1:  # a dense model: Layout.validate refuses the MoE aux losses in a pipeline
             x, aux = pipeline.apply(self.blocks, x, positions, RESIDUAL, policy), {}
         else:
             x, aux = scan(x, self.blocks)

@@ -40,58 +40,30 @@ all-gathered on entry: Megatron's pattern). Weight shards on other axes (FSDP on
 Routing (router, top-k, capacity slots and the auxiliary losses) runs before,
 under the partitioner, with whole-batch statistics, so every layout routes
 and drops exactly as one device does.
+
+The layouts this needs (the EP axes among the batch's, ``act_embed``
+unsharded, the sequence split over all or none of ``expert_mlp``'s axes) are
+checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`).
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax import lax
 
-from jaxscale.config import ConfigError, MoEConfig
+from jaxscale.config import MoEConfig
 from jaxscale.models import moe as moe_lib
-from jaxscale.sharding import active, constrain, gather_shards, spec_axes
-
-
-def _live(logical: str) -> tuple[str, ...]:
-    """Mesh axes of size > 1 that shard the logical axis ``logical`` under the active rules."""
-    mesh, rules = active()
-    return tuple(a for a in spec_axes(rules.spec((logical,))[0]) if mesh.shape[a] > 1)
-
-
-def ep_axes() -> tuple[str, ...]:
-    """The EP axes: mesh axes of size > 1 the rules shard the experts over (none outside ``use_rules``)."""
-    return _live("expert") if active() is not None else ()
-
-
-def _check(ep: tuple[str, ...], seq: tuple[str, ...], mlp: tuple[str, ...]) -> None:
-    _, rules = active()
-    batch = set(_live("batch"))
-    if not set(ep) <= batch:
-        raise ConfigError(
-            f"rules '{rules.name}': expert parallelism over {ep} needs 'batch' sharded over the same mesh axes "
-            "(outside the MoE blocks they act as data parallelism)"
-        )
-    if set(mlp) & batch:
-        raise ConfigError(f"rules '{rules.name}': 'expert_mlp' and 'batch' share mesh axes {sorted(set(mlp) & batch)}")
-    if _live("act_embed"):
-        raise ConfigError(f"rules '{rules.name}': expert parallelism needs 'act_embed' unsharded")
-    if set(seq) & set(mlp) and not set(seq) <= set(mlp):
-        raise ConfigError(
-            f"rules '{rules.name}': the sequence ('norm_length' on {seq}) must be sharded over all or none "
-            f"of the axes of 'expert_mlp' ({mlp})"
-        )
+from jaxscale.sharding import active, constrain, gather_shards, spec
 
 
 def experts(
     x: jax.Array, routing: moe_lib.Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
 ) -> jax.Array:
     """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map."""
-    mesh, rules = active()
-    ep, seq, mlp = ep_axes(), _live(moe_lib.RESIDUAL[1]), _live("expert_mlp")
-    _check(ep, seq, mlp)
-    w_specs = tuple(rules.spec(a) for a in (moe_lib.W_IN, moe_lib.W_IN, moe_lib.W_OUT))
+    mesh, place = active()
+    ep, mlp = place.expert_axes, place.mesh_axes(("expert_mlp",))
+    seq = place.mesh_axes((moe_lib.RESIDUAL[1],))
+    w_specs = tuple(spec(place, a) for a in (moe_lib.W_IN, moe_lib.W_IN, moe_lib.W_OUT))
     keep = ep + mlp
     partial = tuple(a for a in mlp if a not in seq)  # the tokens are whole there: partial sums of the experts
 
@@ -125,11 +97,11 @@ def experts(
         if seq and set(seq) <= set(mlp):
             y = lax.psum_scatter(y, seq, scatter_dimension=1, tiled=True)
         elif seq:
-            n = y.shape[1] // math.prod(mesh.shape[a] for a in seq)
+            n = y.shape[1] // place.size(seq)
             y = lax.dynamic_slice_in_dim(y, lax.axis_index(seq) * n, n, axis=1)
         return y
 
-    x_spec, r_spec = rules.spec(moe_lib.RESIDUAL), rules.spec(moe_lib.ROUTING)
+    x_spec, r_spec = spec(place, moe_lib.RESIDUAL), spec(place, moe_lib.ROUTING)
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(x_spec, r_spec, r_spec, r_spec, *w_specs), out_specs=x_spec
     )
