@@ -27,10 +27,10 @@ from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.communication import flow
 from jaxscale.analysis.formulas import state_formula
 from jaxscale.analysis.memory import layer_residuals
-from jaxscale.analysis.params import Placement
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.timing import crosses_nodes, load_cluster
 from jaxscale.config import CONFIG_DIR, ConfigError
+from jaxscale.layout import Layout, Rules
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
@@ -134,7 +134,7 @@ def test_layer_residuals_are_what_autodiff_saves(remat, dtype):
 
 
 def test_flows_count_wire_bytes_like_inspect():
-    place = Placement({"params": {}, "optimizer": {}, "gradients": {}}, {"data": 8, "tensor": 1})
+    place = Layout(Rules("none", {}), {"data": 8, "tensor": 1})
     (ar,) = flow("x", "all-reduce", ["data"], 800.0, 3, place, "backward", True)
     (ag,) = flow("x", "all-gather", ["data"], 800.0, 1, place, "forward", True)
     (cp,) = flow("x", "collective-permute", ["data"], 800.0, 2, place, "forward", True)

@@ -47,8 +47,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxscale.analysis.hlo import wire_bytes
-from jaxscale.analysis.params import Param, Placement, Split, Step, dtype_bytes, pipeline_ticks, split
+from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split
 from jaxscale.config import ModelConfig
+from jaxscale.layout import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,30 +70,30 @@ class Flow:
         return wire_bytes(self.kind, self.n, self.size, self.runs)
 
 
-def flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, place: Placement, phase: str,
+def flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, layout: Layout, phase: str,
           overlap: bool) -> list[Flow]:
     axes = tuple(axes)
-    n = place.size(axes)
+    n = layout.size(axes)
     if n <= 1 or size <= 0 or runs <= 0:
         return []
     return [Flow(what, kind, axes, size, runs, n, phase, overlap)]
 
 
 
-def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, place: Placement) -> list[Flow]:
+def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, layout: Layout) -> list[Flow]:
     """A gradient summed over ``axes``: XLA reduces over the context axes first, then over the rest.
 
     The partial sums over the sequence (context parallelism) and over the batch are two
     all-reduces of the whole gradient, not one over their product (seen in the compiled step).
     """
-    context = [a for a in axes if a in place.context_axes]
+    context = [a for a in axes if a in layout.context_axes]
     rest = [a for a in axes if a not in context]
-    flows = flow(what, "all-reduce", context, size, runs, place, "backward", True)
-    return flows + flow(what, "all-reduce", rest, size, runs, place, "backward", True)
+    flows = flow(what, "all-reduce", context, size, runs, layout, "backward", True)
+    return flows + flow(what, "all-reduce", rest, size, runs, layout, "backward", True)
 
 
 
-def _embedding_flows(sp: Split, place: Placement, step: Step, bsh: float, pbytes: int,
+def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: int,
                      sp_axes: Sequence[str], vocab_axes: Sequence[str]) -> list[Flow]:
     """The lookup table: rows are looked up where they live, the activations move (see the module docstring)."""
     micro = step.microbatches
@@ -100,98 +101,100 @@ def _embedding_flows(sp: Split, place: Placement, step: Step, bsh: float, pbytes
     lookup = "embedding lookup: activations"
     out: list[Flow] = []
     if sp_axes:  # the table is gathered whole, its gradient reduced whole
-        full = table * place.size(vocab_axes)
-        out += flow("embedding table", "all-gather", sp.gathered, table, 1, place, "forward", False)
-        out += flow("embedding table", "all-gather", vocab_axes, full, 1, place, "forward", False)
-        out += flow("embedding gradient", "all-reduce", vocab_axes, full / place.size(sp.scattered), 1, place,
+        full = table * layout.size(vocab_axes)
+        out += flow("embedding table", "all-gather", sp.gathered, table, 1, layout, "forward", False)
+        out += flow("embedding table", "all-gather", vocab_axes, full, 1, layout, "forward", False)
+        out += flow("embedding gradient", "all-reduce", vocab_axes, full / layout.size(sp.scattered), 1, layout,
                      "backward", True)
         if sp.scattered:
-            out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, place, "backward",
+            out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward",
                          True)
         kind = "reduce-scatter" if sp.gathered else "all-reduce"
-        return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full, 1, place, "backward", True)
+        return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full, 1, layout, "backward", True)
     if sp.gathered:
-        out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, place, "forward", False)
-        out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, place, "backward", False)
+        out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "forward", False)
+        out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "backward", False)
         if sp.reduced:  # with replicas too (HSDP) the whole table's gradient is all-reduced
-            out += flow("embedding gradient", "all-reduce", sp.gathered + sp.reduced, table, 1, place, "backward",
+            out += flow("embedding gradient", "all-reduce", sp.gathered + sp.reduced, table, 1, layout, "backward",
                          True)
         return out
     if sp.scattered:
-        out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, place, "backward", True)
-    return out + _gradient_all_reduce("embedding gradient", sp.reduced, table / place.size(sp.scattered), micro, place)
+        out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward", True)
+    shard = table / layout.size(sp.scattered)
+    return out + _gradient_all_reduce("embedding gradient", sp.reduced, shard, micro, layout)
 
 
 
-def _param_flows(p: Param, m: ModelConfig, place: Placement, step: Step, bsh: float) -> list[Flow]:
+def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter."""
     pbytes = dtype_bytes(m.param_dtype)
-    sp = split(p, place, step, m.layers)
-    sp_axes = place.sequence_axes
+    sp = split(p, layout, step, m.layers)
+    sp_axes = layout.sequence_axes
     out: list[Flow] = []
     if p.is_embedding:
-        out += _embedding_flows(sp, place, step, bsh, pbytes, sp_axes, place.mesh_axes(("vocab",)))
+        out += _embedding_flows(sp, layout, step, bsh, pbytes, sp_axes, layout.mesh_axes(("vocab",)))
     else:
         unit = sp.unit * pbytes
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and p.in_sp_region
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
-        if p.in_layers and place.pipelined:
+        if p.in_layers and layout.pipelined:
             # In the pipeline loop every tick runs 1/v of the stage's layers, gathering and scattering as
             # it goes, and its backward gathers again for the recomputed stage forward (pipeline.remat).
             # Over the other data axes the loop sums the gradient and reduces it once, after the loop.
-            fsdp_runs = runs * pipeline_ticks(place, step) / step.repeats
+            fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
             regather += step.pipeline_remat
         if sp.gathered:
-            out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, place, "forward",
+            out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          True)
             if p.in_layers and (not in_sp or m.remat != "none"):  # SP's shard_map keeps it, unless recomputed
-                out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, place, "backward", True)
+                out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
         if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
-            out += flow(p.path + " gradient", "all-reduce", sp.reduced, unit, runs, place, "backward", True)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, unit, runs, place,
+            out += flow(p.path + " gradient", "all-reduce", sp.reduced, unit, runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, unit, runs, layout,
                          "backward", True)
         else:
-            shard = unit / place.size(sp.gathered)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, fsdp_runs, place, "backward", True)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, place, "backward", True)
-            out += _gradient_all_reduce(p.path + " gradient", sp.reduced, shard / place.size(sp.scattered), runs, place)
-    updated = [a for a in place.mesh_axes(p.axes, "optimizer") if a in place.token_axes and a not in sp.held]
-    shard_all = sp.whole / place.size(sp.gathered) * pbytes
+            shard = unit / layout.size(sp.gathered)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, fsdp_runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, layout, "backward", True)
+            held = shard / layout.size(sp.scattered)
+            out += _gradient_all_reduce(p.path + " gradient", sp.reduced, held, runs, layout)
+    updated = [a for a in layout.mesh_axes(p.axes, "optimizer") if a in layout.token_axes and a not in sp.held]
+    shard_all = sp.whole / layout.size(sp.gathered) * pbytes
     if step.microbatches > 1 and not sp.scattered:  # ZeRO-1: each microbatch's sum is re-gathered to accumulate
-        out += flow(p.path + " gradient", "all-gather", updated, shard_all, step.microbatches, place, "update", False)
-    return out + flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, place, "update", False)
+        out += flow(p.path + " gradient", "all-gather", updated, shard_all, step.microbatches, layout, "update", False)
+    return out + flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, layout, "update", False)
 
 
 
-def communication(m: ModelConfig, params: Sequence[Param], place: Placement, step: Step) -> list[Flow]:
+def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> list[Flow]:
     """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted)."""
     cbytes = dtype_bytes(m.dtype)
-    rows = step.global_batch / place.ways(("batch",)) / step.microbatches
-    s_local = step.seq_len / place.ways(("length",))
+    rows = step.global_batch / layout.ways(("batch",)) / step.microbatches
+    s_local = step.seq_len / layout.ways(("length",))
     bsh = rows * s_local * m.embed * cbytes  # one microbatch's hidden states on a device
     micro = step.microbatches
-    layers = m.layers / place.ways(("layers",))
+    layers = m.layers / layout.ways(("layers",))
     flows: list[Flow] = []
     for p in params:
-        flows += _param_flows(p, m, place, step, bsh)
+        flows += _param_flows(p, m, layout, step, bsh)
 
-    tensor = [a for a in place.mesh_axes(("heads",)) if a not in place.token_axes]
-    sp = place.sequence_axes
+    tensor = [a for a in layout.mesh_axes(("heads",)) if a not in layout.token_axes]
+    sp = layout.sequence_axes
     runs = micro * layers  # a layer's activation collectives, in units of bsh
     recompute = m.remat != "none"  # the backward recomputes the layer up to its last collective
     stage_remat = False  # the backward recomputes the whole stage forward (pipeline.remat)
-    if place.pipelined:
+    if layout.pipelined:
         # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers, bubble ticks included.
-        runs *= pipeline_ticks(place, step) / (step.pipeline_microbatches * step.repeats)
+        runs *= pipeline_ticks(layout, step) / (step.pipeline_microbatches * step.repeats)
         stage_remat = step.pipeline_remat
     if sp:
         def sp_flow(what: str, kind: str, count: float, phase: str) -> list[Flow]:
             if not m.tp_overlap:
-                return flow(what, kind, sp, bsh, count, place, phase, False)
+                return flow(what, kind, sp, bsh, count, layout, phase, False)
             # Collective matmul: t − 1 permutes of one chunk per all-gather / reduce-scatter, hidden by its matmuls.
-            t = place.size(tuple(sp))
-            return flow(what, "collective-permute", sp, bsh / t, (t - 1) * count, place, phase, True)
+            t = layout.size(tuple(sp))
+            return flow(what, "collective-permute", sp, bsh / t, (t - 1) * count, layout, phase, True)
 
         for phase in ("forward", "backward"):
             flows += sp_flow("SP: norm output", "all-gather", 2 * runs, phase)
@@ -202,45 +205,45 @@ def communication(m: ModelConfig, params: Sequence[Param], place: Placement, ste
         flows += sp_flow("SP: final norm output", "all-gather", micro, "forward")
         flows += sp_flow("SP: final norm output", "reduce-scatter", micro, "backward")
     elif tensor:
-        flows += flow("TP: attention and MLP out", "all-reduce", tensor, bsh, 2 * runs, place, "forward", False)
-        flows += flow("TP: q, k, v, gate, up input gradients", "all-reduce", tensor, bsh, 5 * runs, place,
+        flows += flow("TP: attention and MLP out", "all-reduce", tensor, bsh, 2 * runs, layout, "forward", False)
+        flows += flow("TP: q, k, v, gate, up input gradients", "all-reduce", tensor, bsh, 5 * runs, layout,
                        "backward", False)
         # The recomputed stage forward all-reduces twice a layer; a recomputed layer, up to its attention output.
         flows += flow("TP: recomputed forward", "all-reduce", tensor, bsh, (2 * stage_remat + recompute) * runs,
-                       place, "backward", False)
-        flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, bsh, micro, place, "forward", False)
-        flows += flow("TP: head input gradient", "all-reduce", tensor, bsh, micro, place, "backward", False)
+                       layout, "backward", False)
+        flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, bsh, micro, layout, "forward", False)
+        flows += flow("TP: head input gradient", "all-reduce", tensor, bsh, micro, layout, "backward", False)
 
-    context = place.context_axes
+    context = layout.context_axes
     if context:
-        c = place.size(context)
+        c = layout.size(context)
         kv = rows * s_local * m.kv_heads * m.head_dim
         for phase in ("forward", "backward"):
             flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
-                           place, phase, True)
+                           layout, phase, True)
         flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
-                       2 * kv * 4, c * runs, place, "backward", True)
+                       2 * kv * 4, c * runs, layout, "backward", True)
 
-    stages = place.mesh_axes(("layers",))
+    stages = layout.mesh_axes(("layers",))
     if stages:
-        ticks = pipeline_ticks(place, step)
+        ticks = pipeline_ticks(layout, step)
         size = bsh / step.pipeline_microbatches
         for phase in ("forward", "backward"):
-            flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, place, phase,
+            flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase,
                            False)
-        flows += flow("PP: last stage's outputs to every stage", "all-reduce", stages, bsh, micro, place, "forward",
+        flows += flow("PP: last stage's outputs to every stage", "all-reduce", stages, bsh, micro, layout, "forward",
                        False)
-        flows += flow("PP: their gradient, summed over stages", "all-reduce", stages, bsh, micro, place, "backward",
+        flows += flow("PP: their gradient, summed over stages", "all-reduce", stages, bsh, micro, layout, "backward",
                        False)
 
     moe = m.moe
-    experts = place.mesh_axes(("expert",)) if moe is not None else ()
+    experts = layout.mesh_axes(("expert",)) if moe is not None else ()
     if experts:
         moe_layers = layers / moe.every_n_layers
         cf = moe.capacity_factor if moe.dispatch == "capacity" else 1.0
         routed = moe.top_k * bsh * cf
         for phase in ("forward", "backward"):
-            flows += flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * micro * moe_layers, place,
+            flows += flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * micro * moe_layers, layout,
                            phase, False)
     return flows
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxscale.analysis.params import Param, Placement, Step, dtype_bytes
+from jaxscale.analysis.params import Param, Step, dtype_bytes
 from jaxscale.config import ModelConfig
+from jaxscale.layout import Layout
 
 DATA_AXES = ("data", "fsdp")
 
@@ -44,24 +45,24 @@ def korthikanti(m: ModelConfig, tokens: float, seq_len: int, t: int = 1, sp: boo
     return sbh * (10 + 24 / t + attn / t)
 
 
-def data_ways(params: Sequence[Param], place: Placement) -> dict[str, int]:
+def data_ways(params: Sequence[Param], layout: Layout) -> dict[str, int]:
     """Per kind (params, gradients, optimizer): the most ways the data-parallel axes split a parameter."""
     return {
-        kind: max(place.size(a for a in place.mesh_axes(p.axes, kind) if a in DATA_AXES) for p in params)
+        kind: max(layout.size(a for a in layout.mesh_axes(p.axes, kind) if a in DATA_AXES) for p in params)
         for kind in ("params", "gradients", "optimizer")
     }
 
 
-def formulas(m: ModelConfig, params: Sequence[Param], place: Placement, step: Step) -> dict[str, Any]:
+def formulas(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, Any]:
     """FORMULAS.md's figures for this layout, in bytes per device (see the module docstring)."""
-    mesh = place.mesh
+    mesh = layout.mesh
     pbytes, cbytes = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
     psi = sum(p.size for p in params)
     t = mesh["tensor"]
-    psi_t = sum(p.size for p in params if "tensor" in place.mesh_axes(p.axes))
+    psi_t = sum(p.size for p in params if "tensor" in layout.mesh_axes(p.axes))
     local = psi - psi_t + psi_t / t
     nd = mesh["data"] * mesh["fsdp"]
-    ways = data_ways(params, place)
+    ways = data_ways(params, layout)
     stage = 3 if ways["params"] > 1 else 2 if ways["gradients"] > 1 else 1 if ways["optimizer"] > 1 else 0
     out: dict[str, Any] = {
         "convention": "fp32 master params 4Ψ + Adam moments 8Ψ + fp32 gradients 4Ψ (transient), each / its dp ways",
@@ -87,9 +88,9 @@ def formulas(m: ModelConfig, params: Sequence[Param], place: Placement, step: St
         "optimizer": 12 * stage_local / (nd if stage >= 1 else 1),
     }
 
-    context, stages = place.ways(("length",)), place.ways(("layers",))
-    sp = "tensor" in place.mesh_axes(("norm_length",))
-    rows = step.global_batch / micro / place.ways(("batch",))
+    context, stages = layout.ways(("length",)), layout.ways(("layers",))
+    sp = "tensor" in layout.mesh_axes(("norm_length",))
+    rows = step.global_batch / micro / layout.ways(("batch",))
     s = step.seq_len // context
     tokens = rows * s
     full_remat = 2 * tokens * m.embed / (t if sp else 1)  # only the layer input, in bf16
@@ -101,8 +102,8 @@ def formulas(m: ModelConfig, params: Sequence[Param], place: Placement, step: St
     if stages > 1:
         out["pp_comm_bytes"] = 2 * rows * s * m.embed * cbytes * micro  # 2·m·(b/m)·s·h per boundary
         out["pp_bubble"] = (stages - 1) / (step.pipeline_microbatches * step.repeats + stages - 1)
-    if m.moe is not None and place.ways(("expert",)) > 1:
-        ep = place.ways(("expert",))
+    if m.moe is not None and layout.ways(("expert",)) > 1:
+        ep = layout.ways(("expert",))
         per_layer_ep = 2 * m.moe.top_k * rows * s * m.embed * cbytes * (ep - 1) / ep
         out["ep_comm_bytes"] = 2 * per_layer_ep * m.layers / m.moe.every_n_layers * micro
     return out

@@ -36,17 +36,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.params import (
-    TOKEN_NAMES,
-    Param,
-    Placement,
-    Step,
-    dtype_bytes,
-    layer_elems,
-    pipeline_ticks,
-    split,
-)
+from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_ticks, split
 from jaxscale.config import ModelConfig
+from jaxscale.layout import TOKENS, Layout
 
 RESIDUAL = ("batch", "norm_length", "act_embed")
 MATMUL_IN = ("batch", "length", "act_embed")
@@ -138,66 +130,66 @@ def _bytes_of(act: Activation, m: ModelConfig) -> int:
     return 4 if act.dtype == "fp32" else dtype_bytes(m.dtype)
 
 
-def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, place: Placement) -> float:
+def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout: Layout) -> float:
     """Bytes on one device of an activation of ``rows`` sequences (of the whole mesh) kept once."""
-    return rows * step.seq_len * act.per_token * _bytes_of(act, m) / place.ways(act.axes)
+    return rows * step.seq_len * act.per_token * _bytes_of(act, m) / layout.ways(act.axes)
 
 
-def _layers_here(m: ModelConfig, place: Placement) -> float:
-    return m.layers / place.ways(("layers",))
+def _layers_here(m: ModelConfig, layout: Layout) -> float:
+    return m.layers / layout.ways(("layers",))
 
 
-def memory(m: ModelConfig, params: Sequence[Param], place: Placement, step: Step) -> dict[str, float]:
+def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, float]:
     """Predicted bytes per device of the compiled step, by part; ``total`` is their sum."""
     pbytes = dtype_bytes(m.param_dtype)
     cbytes = dtype_bytes(m.dtype)
     grad_kind = "optimizer" if step.microbatches == 1 else "gradients"
 
     def state(kind: str) -> float:
-        return sum(p.size / place.ways(p.axes, kind) for p in params) * pbytes
+        return sum(p.size / layout.ways(p.axes, kind) for p in params) * pbytes
 
     micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
-    pipelined = place.pipelined
+    pipelined = layout.pipelined
     rows = micro_rows / step.pipeline_microbatches if pipelined else micro_rows  # through a layer at once
-    layers = _layers_here(m, place)
+    layers = _layers_here(m, layout)
     residuals = layer_residuals(m, m.remat, step.seq_len)
-    per_layer = sum(_per_device(r, rows, step, m, place) for r in residuals)
+    per_layer = sum(_per_device(r, rows, step, m, layout) for r in residuals)
     kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
-    if m.remat == "none" and place.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
-        kept_weights = sum(split(p, place, step, m.layers).unit for p in params if p.in_layers and p.in_sp_region)
+    if m.remat == "none" and layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
+        kept_weights = sum(split(p, layout, step, m.layers).unit for p in params if p.in_layers and p.in_sp_region)
     elif m.remat == "none" and m.dtype != m.param_dtype:  # the weights cast to the compute dtype
-        kept_weights = layer_elems(params, place, reduced=True)
+        kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
-    everything = sum(_per_device(r, rows, step, m, place) for r in layer_residuals(m, "none", step.seq_len))
+    everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
     layer_backward = everything * RECOMPUTE.get(m.remat, 1.0) + kept_weights * cbytes
-    layer_backward += layer_elems(params, place, reduced=False) * pbytes
+    layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
-    loss = _per_device(vocab, micro_rows, step, m, place) * (cbytes + 12) / cbytes
+    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
     activations = layers * per_layer
     if pipelined:
-        activations, layer_backward = _pipeline_activations(m, place, step, rows, layers * per_layer, layer_backward)
+        activations, layer_backward = _pipeline_activations(m, layout, step, rows, layers * per_layer, layer_backward)
     out = {
         "params": state("params"),
         "optimizer": 2 * state("optimizer"),
         "gradients": state(grad_kind),
         "accumulator": state("gradients") if step.microbatches > 1 else 0.0,
         # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
-        "pipeline accumulator": sum(p.size / place.ways(p.axes) for p in params if p.in_layers) * pbytes
+        "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
         if pipelined else 0.0,
         "activations": activations,
         "transient": max(layer_backward, loss),
-        "batch": 3 * 4 * step.global_batch * step.seq_len / place.ways(TOKEN_NAMES),
+        "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
     if m.attention not in FLASH_ATTENTION:
         mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
-        out["mask"] = _per_device(mask, rows, step, m, place) * 5 / 4  # fp32 where + bool
+        out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4  # fp32 where + bool
     out["total"] = sum(out.values())
     return out
 
 
-def _pipeline_activations(m: ModelConfig, place: Placement, step: Step, rows: float, stage_residuals: float,
+def _pipeline_activations(m: ModelConfig, layout: Layout, step: Step, rows: float, stage_residuals: float,
                           layer_backward: float) -> tuple[float, float]:
     """Kept activations and the backward's transient of a pipelined stage (:mod:`jaxscale.parallel.pipeline`).
 
@@ -207,8 +199,8 @@ def _pipeline_activations(m: ModelConfig, place: Placement, step: Step, rows: fl
     microbatch through all the layers this device holds; a tick runs 1/v of them.
     """
     pm, v = step.pipeline_microbatches, step.repeats
-    ticks = pipeline_ticks(place, step)
-    x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, place)
+    ticks = pipeline_ticks(layout, step)
+    x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, layout)
     buffers = 2 * pm * x
     if step.pipeline_remat:
         return buffers + ticks * x, layer_backward + stage_residuals / v

@@ -36,16 +36,17 @@ import yaml
 
 from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
-from jaxscale.analysis.params import Param, Placement, Step
+from jaxscale.analysis.params import Param, Step
 from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml
+from jaxscale.layout import Layout, Rules
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Strategy:
     """One way to run the step: mesh sizes, ZeRO stage on ``data``, remat and the batch split."""
 
     data: int = 1
@@ -101,7 +102,7 @@ def base_rules() -> dict[str, Any]:
     return _read_yaml(CONFIG_DIR / "rules" / "dp.yaml")["rules"]
 
 
-def rules_for(layout: Layout, base: dict[str, Any] | None = None) -> dict[str, Any]:
+def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The rules file (``rules``, ``optimizer``, ``gradients`` sections) that runs ``layout``."""
     rules = dict(base_rules() if base is None else base)
     batch = ["data", "fsdp"] + (["expert"] if layout.expert > 1 else [])
@@ -128,22 +129,12 @@ def rules_for(layout: Layout, base: dict[str, Any] | None = None) -> dict[str, A
     return out
 
 
-def placement(layout: Layout, base: dict[str, Any] | None = None) -> Placement:
-    sections = rules_for(layout, base)
-
-    def table(mapping: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-        return {k: (() if v is None else (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()}
-
-    params = table(sections["rules"])
-    tables = {
-        "params": params,
-        "optimizer": {**params, **table(sections.get("optimizer", {}))},
-        "gradients": {**params, **table(sections.get("gradients", {}))},
-    }
-    return Placement(tables, layout.mesh())
+def placement(layout: Strategy, base: dict[str, Any] | None = None) -> Layout:
+    """The rules table of ``layout`` on its mesh sizes: what the analytic model and the runtime both ask."""
+    return Layout(Rules.from_dict(layout.family, rules_for(layout, base)), layout.mesh())
 
 
-def model_for(m: ModelConfig, layout: Layout) -> ModelConfig:
+def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
     """The model config the layout runs: its remat policy; ring attention under context parallelism."""
     out = copy.copy(m)
     out.remat = layout.remat
@@ -152,13 +143,13 @@ def model_for(m: ModelConfig, layout: Layout) -> ModelConfig:
     return out
 
 
-def step_for(layout: Layout, seq_len: int) -> Step:
+def step_for(layout: Strategy, seq_len: int) -> Step:
     rows = layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
     return Step(rows * layout.data * layout.fsdp * layout.expert, seq_len, layout.accumulation,
                 layout.pipeline_microbatches, layout.repeats)
 
 
-def shape_problem(params: Sequence[Param], place: Placement, m: ModelConfig, seq_len: int) -> str | None:
+def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_len: int) -> str | None:
     """Why the model's shapes cannot take this layout (a dimension not divisible by its mesh axes), or None."""
     for p in params:
         for kind in ("params", "optimizer", "gradients"):
@@ -179,7 +170,7 @@ def shape_problem(params: Sequence[Param], place: Placement, m: ModelConfig, seq
 class Candidate:
     """A layout that fits, with its prediction."""
 
-    layout: Layout
+    layout: Strategy
     memory: dict[str, float]
     comm: dict[str, Any]
     time: dict[str, float]
@@ -213,7 +204,7 @@ def _pipelines(m: ModelConfig, devices: int, max_stages: int) -> Iterator[tuple[
                 yield p, mult * p, 2
 
 
-def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16) -> Iterator[Layout]:
+def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16) -> Iterator[Strategy]:
     """Every combination of mesh sizes, ZeRO stage and remat policy for the cluster (micro-batch 1)."""
     devices = cluster.devices
     moe = m.moe
@@ -231,7 +222,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
         for f in _divisors(rest):
             d = rest // f
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), REMATS):
-                yield Layout(d, f, t, sp, c, p, e, zero, remat, 1, 1, mb, v)
+                yield Strategy(d, f, t, sp, c, p, e, zero, remat, 1, 1, mb, v)
 
 
 def search(
@@ -251,7 +242,7 @@ def search(
     closest: dict[str, tuple[float, str]] = {}
     searched = 0
 
-    def reject(layout: Layout, need: float, why: str) -> None:
+    def reject(layout: Strategy, need: float, why: str) -> None:
         if layout.family not in closest or need < closest[layout.family][0]:
             closest[layout.family] = (need, why)
 
@@ -348,7 +339,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     }
 
 
-def experiment(layout: Layout, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
+def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
     """The experiment ``jaxscale train`` runs for ``layout``: the model inline, the rules file by path."""
     overrides: dict[str, Any] = {"remat": layout.remat}
     if layout.context > 1:
@@ -374,7 +365,7 @@ def experiment(layout: Layout, model: dict[str, Any], seq_len: int, rules_path: 
     return out
 
 
-def write_experiment(layout: Layout, model: dict[str, Any], seq_len: int, path: str | Path) -> tuple[Path, Path]:
+def write_experiment(layout: Strategy, model: dict[str, Any], seq_len: int, path: str | Path) -> tuple[Path, Path]:
     """Write ``path`` (the experiment) and ``<stem>.rules.yaml`` next to it; returns both paths."""
     path = Path(path)
     rules_path = path.with_name(path.stem + ".rules.yaml")
@@ -385,7 +376,7 @@ def write_experiment(layout: Layout, model: dict[str, Any], seq_len: int, path: 
     return path, rules_path
 
 
-def config_for(layout: Layout, model: dict[str, Any], seq_len: int, overrides: Sequence[str] = ()) -> Config:
+def config_for(layout: Strategy, model: dict[str, Any], seq_len: int, overrides: Sequence[str] = ()) -> Config:
     """The experiment of ``layout`` as a :class:`Config` (its rules written to a temporary file)."""
     import tempfile
 

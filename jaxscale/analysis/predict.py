@@ -16,9 +16,10 @@ from typing import Any
 
 from jaxscale.analysis.communication import Flow, communication, summarize_flows
 from jaxscale.analysis.memory import memory
-from jaxscale.analysis.params import Param, Placement, Step, trainer_inputs
+from jaxscale.analysis.params import Param, Step, trainer_inputs
 from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import ModelConfig
+from jaxscale.layout import Layout
 
 
 @dataclasses.dataclass
@@ -35,11 +36,11 @@ class Prediction:
 
 
 def predict(
-    m: ModelConfig, params: Sequence[Param], place: Placement, step: Step, cluster: Cluster | None = None
+    m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, cluster: Cluster | None = None
 ) -> Prediction:
-    flows = communication(m, params, place, step)
-    time = step_time(m, flows, place, step, cluster) if cluster is not None else None
-    return Prediction(memory(m, params, place, step), flows, time)
+    flows = communication(m, params, layout, step)
+    time = step_time(m, flows, layout, step, cluster) if cluster is not None else None
+    return Prediction(memory(m, params, layout, step), flows, time)
 
 
 def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:

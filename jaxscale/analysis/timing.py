@@ -20,9 +20,10 @@ from pathlib import Path
 import yaml
 
 from jaxscale.analysis.communication import Flow
-from jaxscale.analysis.params import Placement, Step
+from jaxscale.analysis.params import Step
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
+from jaxscale.layout import Layout
 
 
 @dataclasses.dataclass
@@ -96,14 +97,14 @@ def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node
 
 
 def step_time(
-    m: ModelConfig, flows: Sequence[Flow], place: Placement, step: Step, cluster: Cluster
+    m: ModelConfig, flows: Sequence[Flow], layout: Layout, step: Step, cluster: Cluster
 ) -> dict[str, float]:
     """Predicted seconds per step: compute, pipeline bubble, exposed communication; and the MFU."""
-    devices = math.prod(place.mesh.values())
+    devices = math.prod(layout.mesh.values())
     tokens = step.global_batch * step.seq_len
     model_flops = flops_per_token(m, step.seq_len) * tokens
     extra = {"none": 0.0, "save_dots": 0.05, "save_named": 0.15, "full": 1 / 3}[m.remat]
-    p = place.ways(("layers",))
+    p = layout.ways(("layers",))
     if p > 1 and step.pipeline_remat:  # the backward recomputes each stage's forward
         extra += 1 / 3
     compute = model_flops * (1 + extra) / devices / (cluster.peak_flops * cluster.compute_efficiency)
@@ -112,7 +113,7 @@ def step_time(
         bubble = compute * (p - 1) / (step.repeats * step.pipeline_microbatches)
     hidden = exposed = 0.0
     for f in flows:
-        inter = crosses_nodes(f.axes, place.mesh, cluster.devices_per_node)
+        inter = crosses_nodes(f.axes, layout.mesh, cluster.devices_per_node)
         seconds = f.wire_bytes / (cluster.inter_bandwidth if inter else cluster.intra_bandwidth)
         if f.overlap:
             hidden += seconds

@@ -14,14 +14,14 @@ from typing import Any
 import jax
 
 from jaxscale.analysis.hlo import collectives, summarize
-from jaxscale.analysis.plan import Candidate, Layout, config_for
+from jaxscale.analysis.plan import Candidate, Strategy, config_for
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.xla import compile_step, memory
 from jaxscale.config import ConfigError
 from jaxscale.train import Trainer
 
 
-def scaled(layout: Layout, devices: int) -> Layout:
+def scaled(layout: Strategy, devices: int) -> Strategy:
     """The layout with its data-parallel axes shrunk to ``devices`` (data first, then fsdp)."""
     data, fsdp = layout.data, layout.fsdp
     while data * fsdp * layout.devices // (layout.data * layout.fsdp) > devices:
