@@ -269,6 +269,11 @@ class Collective:
         return (self.n - 1) / self.n * (2 * self.size - self.sliced_bytes) * self.runs
 
     @property
+    def axes_text(self) -> str:
+        """The mesh axes as ``a,b``; ``-`` for none, ``?`` where no subset of the mesh axes forms the groups."""
+        return "?" if self.axes is None else ",".join(self.axes) or "-"
+
+    @property
     def reading(self) -> str:
         """The kind, or :data:`SLICED` for an all-reduce that is only ever sliced to 1/n."""
         return SLICED if self.kind == "all-reduce" and self.sliced_bytes == self.size > 0 else self.kind
@@ -512,21 +517,36 @@ def in_loop(found: list[Collective], trips: int | None = None) -> list[Collectiv
     return [c for c in found if c.loops and (trips is None or c.loops[-1].trips == trips)]
 
 
+def _zero() -> dict[str, float]:
+    return {"count": 0, "runs": 0, "wire_bytes": 0.0, "rs_wire_bytes": 0.0}
+
+
+def _add(row: dict[str, Any], c: Collective) -> None:
+    row["count"] += 1
+    row["runs"] += c.runs
+    row["wire_bytes"] += c.wire_bytes
+    row["rs_wire_bytes"] += c.rs_wire_bytes
+
+
 def summarize(found: list[Collective]) -> dict[str, Any]:
     """Count, runs per step and wire bytes per device per step, in total, by kind and by mesh axes.
 
-    Kinds are keyed by :attr:`Collective.reading`; ``rs_wire_bytes`` is the reduce-scatter reading.
+    Kinds are keyed by :attr:`Collective.reading`, mesh axes by :attr:`Collective.axes_text`;
+    ``rs_wire_bytes`` is the reduce-scatter reading.
     """
-
-    def row() -> dict[str, float]:
-        return {"count": 0, "runs": 0, "wire_bytes": 0.0, "rs_wire_bytes": 0.0}
-
-    total, by_kind, by_axes = row(), defaultdict(row), defaultdict(row)
+    total, by_kind, by_axes = _zero(), defaultdict(_zero), defaultdict(_zero)
     for c in found:
-        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
-        for r in (total, by_kind[c.reading], by_axes[axes]):
-            r["count"] += 1
-            r["runs"] += c.runs
-            r["wire_bytes"] += c.wire_bytes
-            r["rs_wire_bytes"] += c.rs_wire_bytes
+        for row in (total, by_kind[c.reading], by_axes[c.axes_text]):
+            _add(row, c)
     return {"total": total, "by_kind": dict(by_kind), "by_axes": dict(by_axes)}
+
+
+def grouped(found: list[Collective]) -> list[dict[str, Any]]:
+    """Collectives grouped by (reading, mesh axes, phase): instructions, runs per step, wire bytes per device."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for c in found:
+        key = (c.reading, c.axes_text, c.phase)
+        if key not in rows:
+            rows[key] = {"kind": c.reading, "axes": c.axes_text, "phase": c.phase, **_zero()}
+        _add(rows[key], c)
+    return sorted(rows.values(), key=lambda r: -r["wire_bytes"])

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from jaxscale.analysis.formulas import formulas
-from jaxscale.analysis.hlo import Collective, collectives, summarize
+from jaxscale.analysis.hlo import collectives, grouped, summarize
 from jaxscale.analysis.params import trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
@@ -62,22 +62,6 @@ def param_rows(trainer: Any) -> list[dict[str, Any]]:
             "bytes_per_device": math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize,
         })
     return rows
-
-
-def grouped(found: list[Collective]) -> list[dict[str, Any]]:
-    """Collectives grouped by (reading, mesh axes, phase): instructions, runs per step, wire bytes per device."""
-    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for c in found:
-        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
-        row = rows.setdefault((c.reading, axes, c.phase), {
-            "kind": c.reading, "axes": axes, "phase": c.phase, "count": 0, "runs": 0, "wire_bytes": 0.0,
-            "rs_wire_bytes": 0.0,
-        })
-        row["count"] += 1
-        row["runs"] += c.runs
-        row["wire_bytes"] += c.wire_bytes
-        row["rs_wire_bytes"] += c.rs_wire_bytes
-    return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
 
 
 def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
