@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, load_config
-from jaxscale.models import moe
+from jaxscale.models import routing as kernels
 from jaxscale.train import Trainer
 
 EXPERIMENT = CONFIG_DIR / "experiments" / "moe-tiny.yaml"
@@ -76,7 +76,7 @@ def all_to_all_table() -> list[dict]:
             b = t.global_batch // (t.microbatches * mesh.shape["data"] * mesh.shape["fsdp"] * ep)
             nbytes = np.dtype(m.dtype).itemsize
             formula = 2 * m.moe.top_k * b * t.seq_len * m.embed * nbytes * (ep - 1) / ep
-            padding = m.moe.experts * moe.capacity(m.moe, t.seq_len) / (m.moe.top_k * t.seq_len)
+            padding = m.moe.experts * kernels.capacity(m.moe, t.seq_len) / (m.moe.top_k * t.seq_len)
             measured = expert_collectives(trainer)
             row = {
                 "ep": ep,
@@ -117,7 +117,7 @@ def dropped_table(steps: int) -> list[dict]:
         first, last = history[0], history[-1]
         rows.append({
             "capacity_factor": factor,
-            "capacity_per_sequence": moe.capacity(cfg.model.moe, cfg.train.seq_len),
+            "capacity_per_sequence": kernels.capacity(cfg.model.moe, cfg.train.seq_len),
             "dropped_step_0": first["moe_dropped"],
             f"dropped_step_{last['step']}": last["moe_dropped"],
             "loss_step_0": first["loss"],

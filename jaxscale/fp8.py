@@ -150,11 +150,11 @@ quantize_grad.defvjp(_quantize_grad_fwd, _quantize_grad_bwd)
 class Fp8(nnx.Module):
     """The fp8 state of one module's matmuls: an amax history per named operand and per output gradient.
 
-    With ``precision`` None or ``fp8: off`` it holds nothing and both methods return their input.
+    With ``fp8: off`` it holds nothing and both methods return their input.
     """
 
-    def __init__(self, precision: PrecisionConfig | None, operands: Sequence[str], outputs: Sequence[str]):
-        on = precision is not None and precision.fp8 != "off"
+    def __init__(self, precision: PrecisionConfig, operands: Sequence[str], outputs: Sequence[str]):
+        on = precision.fp8 != "off"
         self.recipe = Recipe(precision.fp8 == "delayed", precision.margin) if on else None
         for name in (*operands, *outputs) if on else ():
             setattr(self, name, Fp8Meta(jnp.zeros((precision.amax_history,), jnp.float32), out_sharding=(None,)))

@@ -49,11 +49,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale.layout import TOKENS
+from jaxscale.models.axes import HIDDEN, LOGITS
 from jaxscale.sharding import active, constrain
 
-HIDDEN = ("batch", "length", "act_embed")
-TARGETS = ("batch", "length")
-LOGITS = ("batch", "length", "vocab")
 HEAD = (None, "vocab")  # the head weight [embed, vocab], gathered on embed for the loop
 SHARD_HEAD = ("batch", None, "vocab")  # partial head gradients, one per batch shard
 
@@ -148,7 +147,7 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
     if chunk <= 0 or s % chunk:
         raise ValueError(f"chunk {chunk} does not divide the sequence length {s}")
     hidden = constrain(hidden, HIDDEN)
-    return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TARGETS), chunk)
+    return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TOKENS), chunk)
 
 
 def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:

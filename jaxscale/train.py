@@ -52,7 +52,7 @@ class TrainState(NamedTuple):
 def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
     """The model's graph, its parameters as ShapeDtypeStructs, and their logical axes."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Llama(config.model, nnx.Rngs(config.train.seed), config.precision))
+        model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(config.train.seed)))
     graphdef, state, _ = nnx.split(model, nnx.Param, fp8.Fp8Meta)
     axes = jax.tree.map(
         lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
@@ -152,7 +152,7 @@ class Trainer:
 
     def _init(self) -> TrainState:
         with nnx.use_eager_sharding(False):
-            model = Llama(self.config.model, nnx.Rngs(self.config.train.seed), self.config.precision)
+            model = Llama(self.config, nnx.Rngs(self.config.train.seed))
         _, params, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
         params = nnx.to_pure_dict(params)
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), nnx.to_pure_dict(fp8_state))

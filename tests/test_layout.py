@@ -30,8 +30,8 @@ def edited(preset: str, **changes: str | list[str] | None) -> Rules:
     return Rules(f"{preset}_edited", params, base.optimizer, base.gradients)
 
 
-def test_layout_module_does_not_import_jax():
-    code = "import sys, jaxscale.layout; print('jax' in sys.modules)"
+def test_layout_and_axis_names_do_not_import_jax():
+    code = "import sys, jaxscale.layout, jaxscale.models.axes; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

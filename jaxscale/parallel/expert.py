@@ -12,7 +12,7 @@ and out specs from the rules, so XLA gathers no auto-axis shard around the
 collectives):
 
 * capacity dispatch: the device scatters its ``b`` sequences into fixed-size
-  buffers ``[b, E, C, h]`` (:func:`jaxscale.models.moe.dispatch`), an
+  buffers ``[b, E, C, h]`` (:func:`jaxscale.models.routing.dispatch`), an
   **all-to-all** over the EP axes sends each expert's slice to the device
   holding it (``[ep·b, E/ep, C, h]``), the experts run, and a second
   all-to-all brings the outputs back to be combined. Each all-to-all moves
@@ -52,18 +52,19 @@ import jax
 from jax import lax
 
 from jaxscale.config import MoEConfig
-from jaxscale.models import moe as moe_lib
+from jaxscale.models import routing as kernels
+from jaxscale.models.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.sharding import active, constrain, gather_shards, spec
 
 
 def experts(
-    x: jax.Array, routing: moe_lib.Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
+    x: jax.Array, routing: kernels.Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
 ) -> jax.Array:
     """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map."""
     mesh, place = active()
     ep, mlp = place.expert_axes, place.mesh_axes(("expert_mlp",))
-    seq = place.mesh_axes((moe_lib.RESIDUAL[1],))
-    w_specs = tuple(spec(place, a) for a in (moe_lib.W_IN, moe_lib.W_IN, moe_lib.W_OUT))
+    seq = place.mesh_axes((RESIDUAL[1],))
+    w_specs = tuple(spec(place, a) for a in (W_IN, W_IN, W_OUT))
     keep = ep + mlp
     partial = tuple(a for a in mlp if a not in seq)  # the tokens are whole there: partial sums of the experts
 
@@ -76,22 +77,22 @@ def experts(
             # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
             # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.
             x = lax.pcast(x, partial, to="varying")
-        local = moe_lib.Routing(index, gate, slot)
+        local = kernels.Routing(index, gate, slot)
         if moe.dispatch == "capacity":
-            buf = moe_lib.dispatch(x, local, moe.experts, seq_capacity)
+            buf = kernels.dispatch(x, local, moe.experts, seq_capacity)
             if ep:
                 buf = lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
-            out = moe_lib.swiglu(buf, w_gate, w_up, w_down)
+            out = kernels.swiglu(buf, w_gate, w_up, w_down)
             if ep:
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
-            y = moe_lib.combine(out, local)
+            y = kernels.combine(out, local)
         elif ep:
             x, local = (lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, local))
             first = lax.axis_index(ep) * w_gate.shape[0]
-            y = moe_lib.dropless(x, local, w_gate, w_up, w_down, first)
+            y = kernels.dropless(x, local, w_gate, w_up, w_down, first)
             y = lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
         else:
-            y = moe_lib.dropless(x, local, w_gate, w_up, w_down)
+            y = kernels.dropless(x, local, w_gate, w_up, w_down)
         if partial:
             y = lax.psum(y, partial)
         if seq and set(seq) <= set(mlp):
@@ -101,10 +102,10 @@ def experts(
             y = lax.dynamic_slice_in_dim(y, lax.axis_index(seq) * n, n, axis=1)
         return y
 
-    x_spec, r_spec = spec(place, moe_lib.RESIDUAL), spec(place, moe_lib.ROUTING)
+    x_spec, r_spec = spec(place, RESIDUAL), spec(place, ROUTING)
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(x_spec, r_spec, r_spec, r_spec, *w_specs), out_specs=x_spec
     )
-    x = constrain(x, moe_lib.RESIDUAL)
-    index, gate, slot = (constrain(a, moe_lib.ROUTING) for a in routing)
+    x = constrain(x, RESIDUAL)
+    index, gate, slot = (constrain(a, ROUTING) for a in routing)
     return fn(x, index, gate, slot, *weights)
