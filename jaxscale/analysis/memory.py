@@ -39,14 +39,9 @@ from collections.abc import Sequence
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_ticks, split
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
+from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 
-RESIDUAL = ("batch", "norm_length", "act_embed")
-MATMUL_IN = ("batch", "length", "act_embed")
-Q_AXES = ("batch", "length", "heads", "head_dim")
-KV_AXES = ("batch", "length", "kv_heads", "head_dim")
-SCORES = ("batch", "length", "heads")
-MLP_AXES = ("batch", "length", "mlp")
-LOGITS = ("batch", "length", "vocab")
+SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
 REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, logical axes)
     "query": ("ad", Q_AXES),
     "key": ("gd", KV_AXES),
@@ -99,7 +94,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
         return [
             x,
             Activation("query, key, value", a * d + 2 * g * d, Q_AXES),
-            Activation("attention projection", h, MATMUL_IN),  # under SP: the partial sums, before the scatter
+            Activation("attention projection", h, HIDDEN),  # under SP: the partial sums, before the scatter
             Activation("gate, up", 2 * fe, MLP_AXES),
         ]
     if policy == "save_named":
@@ -108,7 +103,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     kept = [
         Activation("norms (fp32)", 4 * h, RESIDUAL, "fp32"),
         Activation("norm statistics", 4, RESIDUAL[:2], "fp32"),
-        Activation("normed inputs", 2 * h, MATMUL_IN),
+        Activation("normed inputs", 2 * h, HIDDEN),
         Activation("query, attention out", 2 * a * d, Q_AXES),
         Activation("key, value", 2 * g * d, KV_AXES),
         Activation("SwiGLU", 6 * fe, MLP_AXES),
