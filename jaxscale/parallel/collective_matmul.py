@@ -22,7 +22,7 @@ holds at that step:
 
 **What it communicates**: the same bytes as the collective it replaces:
 ``t−1`` collective-permutes of one chunk, ``(t−1)/t·b·s·h·bytes`` per device
-for each all-gather or reduce-scatter (FORMULAS.md, "TP + SP"). The backward
+for each all-gather or reduce-scatter (docs/formulas.md, "TP + SP"). The backward
 is autodiff's: the transpose of a ``ppermute`` is the reverse ``ppermute``,
 so the gradient of the all-gather-matmul is a decomposed matmul-reduce-scatter
 and vice versa, ``t−1`` collective-permutes each too (the compiled step
@@ -35,7 +35,7 @@ chunk's transfer is exposed. That needs a backend that runs
 collective-permutes asynchronously and a scheduler that overlaps them (the
 latency-hiding scheduler on GPU, ``xla.preset: gpu``; TPU by default), and a
 chunk matmul long enough to cover a transfer: ``b·(s/t)·h·f/t`` FLOPs per
-``b·(s/t)·h`` bytes, the TP condition ``(t−1)/(2h)·F/W ≤ 1`` of FORMULAS.md
+``b·(s/t)·h`` bytes, the TP condition ``(t−1)/(2h)·F/W ≤ 1`` of docs/formulas.md
 per step. On XLA:CPU the permutes run synchronously: the CPU tests only
 prove the result (forward and gradients) equals the plain collectives'.
 

@@ -9,19 +9,19 @@ an online (log-sum-exp) softmax, so no device ever holds the full key/value
 sequence or any ``s x s`` score matrix. The transfer of the next block is
 issued before the current one is computed, so the two can overlap.
 
-**What moves, per layer, per device** (FORMULAS.md, "CP (ring)"): forward,
+**What moves, per layer, per device** (docs/formulas.md, "CP (ring)"): forward,
 the K and V blocks ``c−1`` times: ``2·(c−1)·b·(s/c)·g·d_h·bytes`` (``g`` the
 kv heads on this device; kv heads are never repeated before the transfer,
 grouped-query attention maps ``a/g`` query heads to each kv head in the
 einsum). Backward (a custom VJP, not autodiff through the loop): K and V
 travel again ``c−1`` times, and their gradient accumulators (fp32) ``c`` times
 (the last hop brings them home): ``2·(c−1)·b·(s/c)·g·d_h·bytes +
-2·c·b·(s/c)·g·d_h·4``: "about twice" the forward, as FORMULAS.md says, when
+2·c·b·(s/c)·g·d_h·4``: "about twice" the forward, as docs/formulas.md says, when
 K and V are fp32 (2.1x at c=8); with bf16 K and V the fp32 accumulators make
 it 3.3x (they are kept fp32 for the sum over c devices).
 
 **What is saved**: activation memory per device is that of ``s/c`` tokens
-(FORMULAS.md: "CP divides s by c"), and attention itself keeps only
+(docs/formulas.md: "Context parallelism divides s by c"), and attention itself keeps only
 ``q, k, v, out`` and the log-sum-exp of the local block (O(s/c)); scores
 exist one ``block x block`` tile at a time (flash-style), so no
 ``5·a·s/h`` term either.
@@ -51,8 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxscale.config import ConfigError
-from jaxscale.sharding import Axes, active, spec_axes
+from jaxscale.sharding import Axes, active, spec, spec_axes
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
 LAYOUTS = ("zigzag", "contiguous")
@@ -298,19 +297,16 @@ def _plan(
     seq_len: int, cp: int, axes: tuple[str, ...], varying: tuple[str, ...], head_dim: int, causal: bool, block: int,
     layout: str,
 ) -> _Ring:
-    """Check the sizes; the tile is ``block`` tokens, or a whole chunk when that is shorter."""
+    """The tile is ``block`` tokens, or a whole chunk when that is shorter.
+
+    The sizes are checked at build (:meth:`jaxscale.layout.Layout.validate`, in config terms); here,
+    for a direct call, in array terms.
+    """
     chunks = 2 * cp if causal and cp > 1 else cp
-    if seq_len % chunks:
-        raise ConfigError(
-            f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
-            f"{' x '.join(axes)} cuts it into 2 x {cp} chunks"
-        )
     chunk = seq_len // chunks
     tile = min(block, chunk)
-    if chunk % tile:
-        raise ConfigError(
-            f"model.attention_block ({block}) does not divide the {chunk}-token chunks of train.seq_len ({seq_len})"
-        )
+    if seq_len % chunks or chunk % tile:
+        raise ValueError(f"a sequence of {seq_len} tokens does not cut into {chunks} chunks of {tile}-token tiles")
     ids = block_ids(cp, seq_len, tile, causal, layout)
     return _Ring(axes, cp, ids, causal, tile, 1.0 / math.sqrt(head_dim), varying)
 
@@ -339,19 +335,12 @@ def attention(
     current = active()
     if current is None:
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
-    mesh, rules = current
-    q_spec, kv_spec = rules.spec(q_axes), rules.spec(kv_axes)
-    if spec_axes(q_spec[3]) or spec_axes(kv_spec[3]):
-        raise ConfigError(f"rules '{rules.name}': '{q_axes[3]}' must not be sharded for ring/blockwise attention")
-    if q_spec[2] != kv_spec[2]:
-        raise ConfigError(
-            f"rules '{rules.name}': '{q_axes[2]}' and '{kv_axes[2]}' must be sharded over the same mesh axes "
-            f"for ring/blockwise attention (got {q_spec[2]} and {kv_spec[2]})"
-        )
+    mesh, place = current
+    q_spec, kv_spec = spec(place, q_axes), spec(place, kv_axes)
     axes = spec_axes(q_spec[1]) if ring else ()
     if not ring:
         q_spec, kv_spec = (PartitionSpec(s[0], None, *s[2:]) for s in (q_spec, kv_spec))
-    cp = math.prod(mesh.shape[a] for a in axes)
+    cp = place.size(axes)
     varying = tuple(a for part in q_spec for a in spec_axes(part))
     plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
     fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
