@@ -54,15 +54,18 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
     axis, forward and backward). Left to find the path in one step, XLA finds none when the tokens
     and the table are split over different sets of axes (``ep_fsdp``: batch over fsdp x expert,
     embed over fsdp; ``fsdp_cp``: embed over fsdp x context, the sequence over context) and
-    replicates the whole activation ("involuntary full rematerialization").
+    replicates the whole activation ("involuntary full rematerialization"). Where the table's axes
+    are the minor end of one dimension's (``zero3``, ``fsdp_tp``: embed over fsdp, batch over data x
+    fsdp), one all-to-all does it and XLA finds it: the lookup is left to the partitioner.
     """
     current = active()
     hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
-    if not hidden:
+    target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
+    moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
+    if not hidden or any(target[d][-len(hidden):] == hidden for d in (0, 1)):
+        # XLA's own path: one all-to-all moves the table's axes to the minor end of one dimension.
         return constrain(jnp.take(table, tokens, axis=0).astype(dtype), RESIDUAL)
     mesh, place = current
-    target = [place.mesh_axes((name,)) for name in RESIDUAL]
-    moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
     given = [place.mesh_axes((name,)) for name in TOKENS]  # how the token ids arrive
     dims: list[list[str]] = [[], [], list(hidden)]
     for d in (0, 1):  # the token ids stay split over the axes that come before any moving one
