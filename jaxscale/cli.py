@@ -182,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
         import jax
 
-        from jaxscale.loop import NonFiniteError
+        from jaxscale.loop import NonFiniteError, fit
         from jaxscale.train import Trainer
 
         trainer = Trainer.build(config)
         with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
-            _, history = trainer.fit(progress=not args.no_progress)
+            _, history = fit(trainer, progress=not args.no_progress)
             distributed.finish(config.distributed.init_timeout_s)
     except ConfigError as e:
         print(f"jaxscale: error: {e}", file=sys.stderr)

@@ -8,9 +8,9 @@ from conftest import tiny_config
 from test_layouts import assert_trees_close, rel_err
 
 from jaxscale.config import ConfigError
-from jaxscale.loss import chunked_cross_entropy
+from jaxscale.loss import chunked_cross_entropy, cross_entropy
 from jaxscale.models.attention import resolve_attention
-from jaxscale.train import Trainer, cross_entropy
+from jaxscale.train import Trainer
 
 B, S, E, V = 4, 24, 16, 300
 

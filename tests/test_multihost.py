@@ -13,6 +13,7 @@ from conftest import ROOT, subprocess_env
 
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
 from jaxscale.distributed import Cluster, detect
+from jaxscale.loop import fit
 from jaxscale.train import Trainer
 
 RUN = ["--set", "rules=fsdp_tp", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2", "--set", "model.layers=2",
@@ -68,7 +69,7 @@ def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
     overrides = [a for a in RUN if a != "--set"]
     default = CONFIG_DIR / "experiments" / "tiny.yaml"  # what the command line trains without --config
     config = load_config(default, [*overrides, f"train.steps={steps}", f"run_dir={tmp_path / 'one'}"])
-    _, history = Trainer.build(config).fit(progress=False)
+    _, history = fit(Trainer.build(config), progress=False)
     one = {r["step"]: r["loss"] for r in history if "loss" in r}
     assert sorted(one) == list(range(steps))
     assert losses(run_dir) == pytest.approx(one, rel=1e-5)

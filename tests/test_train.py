@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import subprocess_env, tiny_config
 
+from jaxscale.loop import fit
 from jaxscale.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +20,7 @@ METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s
 
 def test_loss_falls_and_metrics_are_logged(run_dir):
     config = tiny_config("train.steps=40", "train.log_every=10", f"run_dir={run_dir}", rules="zero3", mesh={"fsdp": 8})
-    _, history = Trainer.build(config).fit(progress=False)
+    _, history = fit(Trainer.build(config), progress=False)
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 10, 20, 30, 39]
     assert records == history
