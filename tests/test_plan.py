@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import TINY
 
-from jaxscale import analytic, commands, plan
+from jaxscale import analytic, cli, plan
 from jaxscale.cli import main
 from jaxscale.config import load_config
 from jaxscale.sharding import Rules
@@ -117,11 +117,11 @@ def test_written_plan_compiles_as_predicted(tmp_path):
     params = analytic.param_table(config)
     result = plan.search(config.model, params, analytic.load_cluster(str(cluster_file)), 16 * 32, 32, top=2)
     assert result.candidates
-    rows = commands.verify(result.candidates, tiny_model(), 32)
+    rows = cli.verify(result.candidates, tiny_model(), 32)
     for row in rows:
         assert row["memory_predicted"] == pytest.approx(row["memory_compiled"], rel=0.10), row
         assert row["comm_predicted"] == pytest.approx(row["comm_compiled"], rel=0.05), row
-    assert "verify: compiled on 8 simulated" in commands.format_verify(rows, 8, "cpu")
+    assert "verify: compiled on 8 simulated" in cli.format_verify(rows, 8, "cpu")
 
 
 def test_cli_plan_writes_an_experiment_jaxscale_train_accepts(tmp_path, capsys):
