@@ -20,7 +20,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import analytic, inspect

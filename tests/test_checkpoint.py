@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, tiny_config
+from helpers import TINY, tiny_config
 
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError, load_config

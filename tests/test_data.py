@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 from jax.sharding import NamedSharding
 
 from jaxscale import cli

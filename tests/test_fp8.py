@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxscale import fp8
 from jaxscale.config import ConfigError

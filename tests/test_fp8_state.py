@@ -2,8 +2,7 @@
 
 import jax
 import numpy as np
-from conftest import tiny_config
-from test_layouts import assert_trees_close
+from helpers import assert_trees_close, tiny_config
 
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.loop import fit

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxscale import inspect
 from jaxscale.config import MESH_AXES

@@ -1,9 +1,8 @@
 """The gold test of every layout: the same loss, gradients and parameters as one device (fp32)."""
 
 import jax
-import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import RTOL, assert_trees_close, tiny_config
 
 from jaxscale.config import Config
 from jaxscale.train import Trainer
@@ -18,20 +17,6 @@ LAYOUTS = {
     "fsdp_tp": {"fsdp": 2, "tensor": 4},
     "fsdp_tp_sp": {"data": 2, "fsdp": 2, "tensor": 2},
 }
-RTOL = 1e-5
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def assert_trees_close(tree, ref, rtol: float = RTOL) -> None:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    for (path, x), r in zip(flat, jax.tree.leaves(ref), strict=True):
-        err = rel_err(jax.device_get(x), jax.device_get(r))
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol:.0e}"
-
 
 def run(config: Config, devices=None, steps: int = 2):
     """Loss and gradients at the initial parameters, then the parameters after ``steps`` steps."""

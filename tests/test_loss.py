@@ -4,8 +4,7 @@ layout; ``model.attention: auto`` resolves to a concrete kernel."""
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import tiny_config
-from test_layouts import assert_trees_close, rel_err
+from helpers import assert_trees_close, rel_err, tiny_config
 
 from jaxscale.config import ConfigError
 from jaxscale.loss import chunked_cross_entropy, cross_entropy

@@ -4,10 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
 from flax import nnx
-from test_errors import fails_early
-from test_layouts import RTOL, assert_trees_close, rel_err
+from helpers import RTOL, assert_trees_close, fails_early, rel_err, tiny_config
 
 from jaxscale import inspect
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, subprocess_env
+from helpers import ROOT, subprocess_env
 
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
 from jaxscale.distributed import Cluster, detect

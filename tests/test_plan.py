@@ -9,7 +9,7 @@ import json
 import jax
 import pytest
 import yaml
-from conftest import TINY
+from helpers import TINY
 
 from jaxscale import analytic, cli, plan
 from jaxscale.cli import main

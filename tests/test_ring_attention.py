@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_layouts import RTOL, assert_trees_close, rel_err
+from helpers import RTOL, assert_trees_close, rel_err, tiny_config
 
 from jaxscale.config import CONFIG_DIR, ConfigError, MeshConfig
 from jaxscale.mesh import make_mesh

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import subprocess_env, tiny_config
+from helpers import subprocess_env, tiny_config
 
 from jaxscale.loop import fit
 from jaxscale.train import Trainer

@@ -8,7 +8,7 @@ import sys
 
 import jax
 import pytest
-from conftest import subprocess_env, tiny_config
+from helpers import subprocess_env, tiny_config
 
 from jaxscale import xla_flags
 from jaxscale.config import ConfigError, XlaConfig, load_config
