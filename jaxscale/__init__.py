@@ -3,5 +3,6 @@
 The programmatic API (importing it imports jax)::
 
     from jaxscale.config import load_config
+    from jaxscale.loop import fit
     from jaxscale.train import Trainer
 """

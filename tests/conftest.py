@@ -13,7 +13,7 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from helpers import Trainers  # noqa: E402  (after the devices are set up)
+from helpers import Run, Trainers, run_steps  # noqa: E402  (after the devices are set up)
 
 
 @pytest.fixture
@@ -23,5 +23,11 @@ def run_dir(tmp_path):
 
 @pytest.fixture(scope="session")
 def trainers() -> Trainers:
-    """Built trainers shared by the whole session (``trainers.get(*overrides, rules=, mesh=, devices=)``)."""
+    """Built trainers and compiled steps shared by the whole session (:class:`helpers.Trainers`)."""
     return Trainers()
+
+
+@pytest.fixture(scope="session")
+def one_device(trainers) -> Run:
+    """The test model (rules dp) on one device, two steps: the run every layout must reproduce."""
+    return run_steps(*trainers.step(devices=1))

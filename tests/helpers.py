@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -49,23 +49,39 @@ def tiny_config(*overrides: str, rules: str = "dp", mesh: dict[str, int] | None 
 
 
 class Trainers:
-    """Trainers built once per test session, keyed by their :func:`tiny_config` arguments and device count.
+    """Trainers and compiled train steps made once per test session, keyed by their :func:`tiny_config`
+    arguments and device count (the ``trainers`` fixture).
 
-    For tests that only read a trainer or run steps on states of their own: a cached trainer keeps its
-    jitted functions, so a step compiled by one test is not compiled again by the next.
+    For tests that only read a trainer, or run steps from states of their own: a step compiled for
+    one test module is not compiled again for the next.
     """
 
     def __init__(self) -> None:
         self._built: dict[tuple[Any, ...], Trainer] = {}
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+
+    @staticmethod
+    def _key(overrides: tuple[str, ...], rules: str, mesh: dict[str, int] | None, devices: int | None) -> tuple:
+        return overrides, rules, tuple(sorted((mesh or {}).items())), devices
 
     def get(
         self, *overrides: str, rules: str = "dp", mesh: dict[str, int] | None = None, devices: int | None = None
     ) -> Trainer:
-        key = (overrides, rules, tuple(sorted((mesh or {}).items())), devices)
+        key = self._key(overrides, rules, mesh, devices)
         if key not in self._built:
             chosen = None if devices is None else jax.devices()[:devices]
             self._built[key] = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh), chosen)
         return self._built[key]
+
+    def step(
+        self, *overrides: str, rules: str = "dp", mesh: dict[str, int] | None = None, devices: int | None = None
+    ) -> tuple[Trainer, Any]:
+        """The trainer and its train step compiled from the abstract state and batch."""
+        trainer = self.get(*overrides, rules=rules, mesh=mesh, devices=devices)
+        key = self._key(overrides, rules, mesh, devices)
+        if key not in self._compiled:
+            self._compiled[key] = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+        return trainer, self._compiled[key]
 
 
 def rel_err(a: Any, b: Any) -> float:
@@ -127,3 +143,28 @@ def fails_early(match: str) -> Iterator[pytest.ExceptionInfo[ConfigError]]:
     assert elapsed < MAX_SECONDS, f"took {elapsed:.1f}s to raise: {info.value}"
     assert "\n" not in str(info.value), f"message is not one line: {info.value!r}"
 
+
+
+class Run(NamedTuple):
+    """A few steps of a trainer from its initial state."""
+
+    trainer: Trainer
+    loss: float  # at the initial parameters, on batch 0
+    grads: Any  # likewise
+    params: Any  # after the steps
+    metrics: list[dict[str, Any]]  # of each step, on the host
+    hlo: str  # the compiled step's optimised HLO
+
+
+def run_steps(trainer: Trainer, compiled: Any = None, steps: int = 2) -> Run:
+    """Loss and gradients at the initial parameters, then ``steps`` steps of the compiled train step
+    (``compiled``, or compiled here)."""
+    state = trainer.init_state()
+    loss, grads = trainer.loss_and_grads(state.params, trainer.batch(0))
+    if compiled is None:
+        compiled = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    metrics = []
+    for step in range(steps):
+        state, out = compiled(state, trainer.batch(step))
+        metrics.append(jax.device_get(out))
+    return Run(trainer, float(loss), grads, state.params, metrics, compiled.as_text())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from helpers import TINY, tiny_config
+from helpers import TINY
 
 from jaxscale import inspect
 from jaxscale.cli import main
@@ -34,7 +34,7 @@ def no_data(monkeypatch):
         monkeypatch.setattr(Trainer, name, property(touched))  # raises if Trainer no longer has the name
 
 
-def test_inspect_reports_every_parameter_memory_and_collective(no_data, tmp_path, capsys):
+def test_inspect_reports_every_parameter_memory_and_collective(no_data, trainers, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png = tmp_path / "memory.png"
     overrides = [f"--set={o}" for o in [*TINY, "rules=fsdp_tp_sp", *MESH]]
@@ -42,7 +42,7 @@ def test_inspect_reports_every_parameter_memory_and_collective(no_data, tmp_path
     assert main(["inspect", "--config", config, *overrides, "--json", "--png", str(png)]) == 0
     report = json.loads(capsys.readouterr().out)
     assert png.read_bytes()[:4] == b"\x89PNG"
-    trainer = Trainer.build(tiny_config(rules="fsdp_tp_sp", mesh={"data": 2, "fsdp": 2, "tensor": 2}))
+    trainer = trainers.get(rules="fsdp_tp_sp", mesh={"data": 2, "fsdp": 2, "tensor": 2})
     assert len(report["params"]) == len(jax.tree.leaves(trainer.abstract_params))
     wq = next(p for p in report["params"] if p["path"] == "blocks.attn.wq")
     assert wq["axes"] == ["layers", "embed", "heads", "head_dim"]
@@ -128,8 +128,7 @@ def test_metrics_logger_writes_tensorboard_when_asked(tmp_path):
 def test_inspect_report_is_json_and_measures_the_step(no_data, trainers):
     """The report's figures against what they measure: the executable's own memory analysis, and the
     state and collective bytes of ZeRO-2 on 8 devices worked out from the parameter count."""
-    trainer = trainers.get(rules="zero2", mesh={"data": 8})
-    compiled = inspect.compile_step(trainer)
+    trainer, compiled = trainers.step(rules="zero2", mesh={"data": 8})
     report = inspect.inspect_report(trainer, compiled)
     assert json.loads(json.dumps(report)) == report
     analysis = compiled.memory_analysis()

@@ -31,16 +31,13 @@ def test_loss_falls_and_metrics_are_logged(run_dir):
 
 
 @pytest.mark.parametrize("remat", ["full", "save_dots", "save_named"])
-def test_remat_policies_keep_gradients(remat):
-    one = jax.devices()[:1]
-    base = Trainer.build(tiny_config(), one)
-    params = base.init_state().params
-    batch = base.batch(0)
-    ref_loss, ref_grads = base.loss_and_grads(params, batch)
+def test_remat_policies_keep_gradients(remat, one_device):
+    params, batch = one_device.trainer.init_state().params, one_device.trainer.batch(0)
     names = ["model.remat_names=[query,key,value,mlp_hidden]"] if remat == "save_named" else []
-    trainer = Trainer.build(tiny_config(f"model.remat={remat}", *names), one)
+    trainer = Trainer.build(tiny_config(f"model.remat={remat}", *names), jax.devices()[:1])
     loss, grads = trainer.loss_and_grads(params, batch)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    ref_loss, ref_grads = one_device.loss, one_device.grads
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
