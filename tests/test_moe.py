@@ -211,6 +211,7 @@ def ep_fsdp_step():
     return run_steps(Trainer.build(tiny_config(*STEP, rules="ep_fsdp", mesh={"expert": 4, "fsdp": 2})))
 
 
+@pytest.mark.slow
 def test_ep_fsdp_train_step_matches_single_device(ep_fsdp_step, single_device_step):
     _, ref_loss, ref_grads, ref_params, ref_metrics, _ = single_device_step
     _, loss, grads, params, metrics, _ = ep_fsdp_step
@@ -226,6 +227,7 @@ def test_ep_fsdp_train_step_matches_single_device(ep_fsdp_step, single_device_st
     assert w_up.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", None)
 
 
+@pytest.mark.slow
 def test_ep_fsdp_all_to_all_bytes_match_the_formula(ep_fsdp_step):
     trainer, *_, hlo = ep_fsdp_step
     c, t, mesh = trainer.config.model, trainer.config.train, trainer.mesh

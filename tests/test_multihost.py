@@ -50,6 +50,7 @@ def finish(procs: list[subprocess.Popen]) -> None:
         assert p.returncode == 0, err[-2000:]
 
 
+@pytest.mark.slow
 def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
     # 2 processes x 4 devices train with fsdp_tp and checkpoint every 2 steps; both are killed once
     # a checkpoint is committed, restarted with --resume, and finish. Every step's loss equals the
@@ -75,6 +76,7 @@ def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
     assert losses(run_dir) == pytest.approx(one, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path):
     run_dir = tmp_path / "mh"
     survivor, victim = start(run_dir, steps=10_000, port=free_port())

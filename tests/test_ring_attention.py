@@ -201,6 +201,7 @@ CP_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", list(CP_LAYOUTS))
 def test_cp_step_matches_single_device(rules, one_device):
     _, ref_loss, ref_grads, ref_params, *_ = one_device

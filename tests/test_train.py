@@ -42,6 +42,7 @@ def test_remat_policies_keep_gradients(remat, one_device):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_fp32_master_weights():
     trainer = Trainer.build(tiny_config("model.dtype=bfloat16", rules="fsdp_tp_sp", mesh={"fsdp": 2, "tensor": 4}))
     state = trainer.init_state()
@@ -50,6 +51,7 @@ def test_bfloat16_compute_keeps_fp32_master_weights():
     assert np.isfinite(float(out["loss"])) and abs(float(out["loss"]) - np.log(256)) < 0.5
 
 
+@pytest.mark.slow
 def test_readme_python_example_runs(monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Python API", 1)[1]
@@ -60,6 +62,7 @@ def test_readme_python_example_runs(monkeypatch, capsys):
     assert [line.split()[0] for line in lines[:3]] == ["0", "1", "2"]
 
 
+@pytest.mark.slow
 def test_cli_trains_and_writes_metrics(tmp_path):
     cmd = [sys.executable, "-m", "jaxscale", "train", "--no-progress", "--set", "train.steps=2",
            "--set", f"run_dir={tmp_path}", "--set", "data.max_bytes=100000"]
