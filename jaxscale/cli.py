@@ -66,7 +66,7 @@ def _train(args: argparse.Namespace) -> int:
     _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
     xla_flags.apply(config.xla)
     distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
-    # jax starts here, after the device count and XLA flags are in the environment.
+    # Imports jax: after the device count and XLA flags are in the environment.
     import jax
 
     from jaxscale.loop import NonFiniteError, fit
@@ -121,7 +121,7 @@ def _inspect(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     xla_flags.apply(config.xla)
-    # jax starts here, after the device count and XLA flags are in the environment.
+    # Imports jax: after the device count and XLA flags are in the environment.
     from jaxscale import inspect
     from jaxscale.train import Trainer
 
@@ -172,7 +172,7 @@ def _plan(args: argparse.Namespace) -> int:
         path, rules = plan.write_experiment(layout, model_dict, args.seq_len, args.write)
         print(f"wrote layout {pick} to {path} and {rules}: jaxscale train --config {path}", file=sys.stderr)
     if args.verify:
-        # jax starts here, after the simulated device count is in the environment.
+        # Imports jax: after the simulated device count is in the environment.
         import jax
 
         rows = verify(result.candidates[: args.verify], model_dict, args.seq_len)
@@ -200,7 +200,7 @@ def verify(candidates: list[Any], model: dict[str, Any], seq_len: int) -> list[d
     next to the analytic model's for the same step. Compute is float32 (XLA:CPU runs bf16 matmuls in
     f32, so only fp32 compares like with like); a layout wider than the devices is scaled down on its
     data-parallel axes; one that needs a module this build lacks is skipped."""
-    # jax starts here (plan --verify has set the simulated device count).
+    # Imports jax: after plan --verify has put the simulated device count in the environment.
     import jax
 
     from jaxscale import inspect
@@ -269,7 +269,7 @@ def _bench(args: argparse.Namespace) -> int:
     if layers is not None and not all(n.isdigit() and int(n) > 0 for n in layers):
         raise ConfigError(f"--layers {args.layers}: expected positive integers separated by commas")
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
-    # jax starts here, after the device count is in the environment.
+    # Imports jax: after the device count is in the environment.
     from jaxscale import bench
 
     result = bench.run_suite(
