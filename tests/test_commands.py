@@ -13,7 +13,7 @@ import jax
 import pytest
 from helpers import TINY
 
-from jaxscale import inspect
+from jaxscale.analysis.inspect import inspect_report
 from jaxscale.cli import main
 from jaxscale.config import CONFIG_DIR
 from jaxscale.metrics import MetricsLogger
@@ -55,7 +55,7 @@ def test_inspect_reports_every_parameter_memory_and_collective(no_data, trainers
     assert sum(r["wire_bytes"] for r in report["collective_rows"]) == pytest.approx(
         report["collectives"]["total"]["wire_bytes"])
     assert report["analytic"]["memory"]["total"] == pytest.approx(report["memory"]["total"], rel=0.10)
-    assert report["reference"]["zero_stage"] == 3 and report["reference"]["tp_comm_bytes"] > 0
+    assert report["formulas"]["zero_stage"] == 3 and report["formulas"]["tp_comm_bytes"] > 0
 
 
 def test_inspect_text_names_the_figures(no_data, capsys):
@@ -129,7 +129,7 @@ def test_inspect_report_is_json_and_measures_the_step(no_data, trainers):
     """The report's figures against what they measure: the executable's own memory analysis, and the
     state and collective bytes of ZeRO-2 on 8 devices worked out from the parameter count."""
     trainer, compiled = trainers.step(rules="zero2", mesh={"data": 8})
-    report = inspect.inspect_report(trainer, compiled)
+    report = inspect_report(trainer, compiled)
     assert json.loads(json.dumps(report)) == report
     analysis = compiled.memory_analysis()
     assert report["memory"]["argument"] == analysis.argument_size_in_bytes
@@ -144,4 +144,4 @@ def test_inspect_report_is_json_and_measures_the_step(no_data, trainers):
     wire = 7 / 8 * 4 * n
     assert wire <= report["collectives"]["by_kind"]["all-gather"]["wire_bytes"] <= wire + 16 * 32 * 4
     assert wire < report["collectives"]["total"]["rs_wire_bytes"] <= 2 * wire
-    assert report["reference"]["zero_stage"] == 2
+    assert report["formulas"]["zero_stage"] == 2
