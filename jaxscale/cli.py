@@ -238,7 +238,11 @@ def _experiment_args(parser: argparse.ArgumentParser, default: str, help_set: st
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxscale", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="jaxscale", description=__doc__.split("\n")[0],
+        epilog="'jaxscale COMMAND --help' for a command's arguments; every config key --set can change is in "
+        "docs/config.md.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = _command(commands, "train", _train, "train a model")
