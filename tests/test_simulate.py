@@ -5,7 +5,7 @@ import sys
 
 import jax
 import pytest
-from conftest import subprocess_env
+from helpers import subprocess_env
 
 import jaxscale
 from jaxscale.config import ConfigError
