@@ -15,15 +15,18 @@ Every other block runs in the suite, so a block that fails fails the test.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+import typing
 from pathlib import Path
 
 import pytest
+
+from jaxscale.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -35,7 +38,7 @@ CITED = re.compile(r"(?<![\w./<-])((?:configs|jaxscale|launch|benchmarks|docs|te
 INSTALL = re.compile(r"^\s*python3? -m pip install ")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Block:
     index: int
     line: int
@@ -122,3 +125,29 @@ def test_block_runs_as_written(block: Block, scratch: Path):
                           timeout=TIMEOUT_S)
     tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
     assert done.returncode == 0, f"README block at line {block.line} exited {done.returncode}:\n{tail}"
+
+
+def _keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass (``mesh.dcn`` counted as one)."""
+    out = []
+    for field in dataclasses.fields(cls):
+        key = f"{prefix}{field.name}"
+        nested = [t for t in typing.get_args(typing.get_type_hints(cls)[field.name]) or
+                  (typing.get_type_hints(cls)[field.name],) if dataclasses.is_dataclass(t)]
+        if nested and key != "mesh.dcn":
+            out += _keys(nested[0], key + ".")
+        else:
+            out.append(key)
+    return out
+
+
+def test_docs_config_names_every_key():
+    text = (ROOT / "docs" / "config.md").read_text()
+    sections = re.split(r"(?m)^#{2,3} ", text)
+    missing = []
+    for key in _keys(Config):
+        prefix, _, leaf = key.rpartition(".")
+        where = [s for s in sections if f"`{prefix}.*`" in s.split("\n", 1)[0]] if prefix else sections[1:2]
+        if not any(f"`{leaf}`" in s or f"`{key}`" in s or f"`{key}.*`" in s for s in where):
+            missing.append(key)
+    assert not missing, "docs/config.md lacks: " + ", ".join(missing)
