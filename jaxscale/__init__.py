@@ -7,8 +7,7 @@ The programmatic API (importing it imports jax; ``simulate_devices`` does not)::
     jaxscale.simulate_devices(8)  # CPU devices for the mesh, before jax starts (no accelerator needed)
 
     from jaxscale.config import load_config
-    from jaxscale.loop import fit
-    from jaxscale.train import Trainer
+    from jaxscale.train import Trainer   # Trainer.build(config), .init_state(), .step(), .fit()
 """
 
 from jaxscale.simulate import simulate_devices

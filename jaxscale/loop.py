@@ -30,7 +30,7 @@ new run (step 0, fresh optimizer) from other parameters.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -38,9 +38,29 @@ import numpy as np
 from jaxscale import flops
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible, init_state_from
-from jaxscale.config import ConfigError
+from jaxscale.config import Config, ConfigError
+from jaxscale.data import Loader
 from jaxscale.models import moe
-from jaxscale.train import Trainer, TrainState
+
+TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
+
+
+class Trainer(Protocol):
+    """What the loop needs of a trainer: :class:`jaxscale.train.Trainer`, which calls :func:`fit` from ``fit``."""
+
+    config: Config
+    mesh: jax.sharding.Mesh
+    batches: Loader
+    eval_batches: Loader
+    batch_sharding: jax.sharding.NamedSharding
+    compiled_guarded_step: tuple[Any, float]
+    jit_eval_loss: Any
+
+    def abstract_state(self) -> TrainState: ...
+
+    def init_state(self, params: Any = None) -> TrainState: ...
+
+    def batch(self, step: int) -> dict[str, jax.Array]: ...
 
 
 class NonFiniteError(RuntimeError):

@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import fp8, xla_flags
+from jaxscale import fp8, loop, xla_flags
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import model_cross_entropy
@@ -336,3 +336,15 @@ class Trainer:
     def batch(self, step: int) -> dict[str, jax.Array]:
         """The global batch of ``step``, sharded by the rules' ``batch`` and ``length``."""
         return self.batches.global_batch_arrays(step, self.batch_sharding)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def fit(
+        self, state: TrainState | None = None, progress: bool = True, stop_at: int | None = None
+    ) -> tuple[TrainState, list[dict[str, Any]]]:
+        """Train to ``train.steps`` (or until ``stop_at`` updates): :func:`jaxscale.loop.fit` on this trainer."""
+        return loop.fit(self, state, progress, stop_at)
+
+    def evaluate(self, params: Any, fp8_state: Any = None) -> float:
+        """Mean held-out loss of ``params``: :func:`jaxscale.loop.evaluate` on this trainer."""
+        return loop.evaluate(self, params, fp8_state)
