@@ -91,12 +91,14 @@ def _inspection_commands(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
     plan = commands.add_parser("plan", help="search layouts: fit in memory, reach the batch, rank by step time")
-    plan.add_argument("--model", required=True, help="a model YAML (path, or a name in configs/models/)")
-    plan.add_argument("--cluster", required=True, help="a cluster YAML (path, or a name in configs/clusters/)")
+    plan.add_argument("--model", help="a model YAML (path, or a name in configs/models/)")
+    plan.add_argument("--cluster", help="a cluster YAML (path, or a name in configs/clusters/)")
+    plan.add_argument("--calibrate", metavar="FILE", help="measure the devices present (matmuls, attention, memory, "
+                      "collectives), write them as a cluster file and plan with it (jaxscale/analysis/calibrate.py)")
     plan.add_argument("--set", dest="cluster_overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a cluster key, e.g. --set nodes=8 (repeatable)")
-    plan.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
-    plan.add_argument("--seq-len", type=int, required=True, help="sequence length")
+    plan.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    plan.add_argument("--seq-len", type=int, help="sequence length")
     plan.add_argument("--attention", choices=("dot", "blockwise", "ring", "cudnn", "auto"),
                       help="attention to assume (dot keeps s x s scores, the others do not; auto: what the "
                       "cluster's devices would run); default: the model's")

@@ -50,6 +50,19 @@ def _inspect(args: argparse.Namespace, simulate: Callable[[int], None]) -> int:
 def _plan(args: argparse.Namespace, simulate: Callable[[int], None]) -> int:
     from jaxscale.analysis.timing import load_cluster
 
+    if args.calibrate:
+        simulate(8)  # on a CPU-only host: 8 simulated devices (unless XLA_FLAGS says otherwise)
+        from jaxscale.analysis import calibrate
+
+        written = calibrate.write(calibrate.calibrate(), args.calibrate)
+        print(f"wrote {written}", file=sys.stderr)
+        args.cluster = args.cluster or str(written)
+        if not args.model:
+            return 0
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "cluster", "global_batch_tokens", "seq_len")
+               if not getattr(args, k)]
+    if missing:
+        raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
     model_dict = _read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])

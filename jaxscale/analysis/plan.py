@@ -295,6 +295,16 @@ def merge_identical(found: list[Candidate]) -> list[Candidate]:
     return out
 
 
+def evaluate(m: ModelConfig, params: Sequence[Param], layout: Strategy, seq_len: int, cluster: Cluster,
+             place: Layout | None = None, mem: dict[str, float] | None = None) -> Candidate:
+    """The prediction for one sized layout: its memory, collectives and step time on ``cluster``."""
+    place = place or placement(layout)
+    model, step = model_for(m, layout), step_for(layout, seq_len)
+    mem = mem or memory(model, params, place, step)
+    flows = communication(model, params, place, step)
+    return Candidate(layout, mem, summarize_flows(flows), step_time(model, flows, place, step, cluster, params))
+
+
 def search(
     m: ModelConfig,
     params: Sequence[Param],
@@ -341,9 +351,7 @@ def search(
                 model, step = model_for(m, sized), step_for(sized, seq_len)
                 mem = memory(model, params, place, step)
                 if mem["total"] <= cluster.budget:
-                    flows = communication(model, params, place, step)
-                    time = step_time(model, flows, place, step, cluster, params)
-                    found.append(Candidate(sized, mem, summarize_flows(flows), time))
+                    found.append(evaluate(m, params, sized, seq_len, cluster, place, mem))
                     fitted = True
                     break
                 tried.append((sized, mem))

@@ -6,8 +6,8 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
 * **matmuls** (:func:`matmul_seconds`): each of a layer's projections and the output head at
   the shape one device runs (tokens of one microbatch x the weight's dimensions divided by
   the axes that shard it), forward once and backward twice, at ``peak_flops`` times the
-  efficiency the cluster's ``matmul_efficiency`` table gives for the smallest of the three
-  dimensions (interpolated in log2, clamped at the ends);
+  efficiency the cluster's ``matmul_efficiency`` table gives for a cube of as many FLOPs
+  (side (M·N·K)^(1/3); interpolated in log2, clamped at the ends);
 * **attention** (causal scores and values) at the ``attention_efficiency`` of the sequence
   block a device holds (``s / context``); dot-product attention also writes and reads its
   s x s scores at the memory bandwidth;
@@ -76,7 +76,7 @@ class Cluster:
     latency_intra: float = 3.0e-6  # seconds per step of a collective within a node
     latency_inter: float = 8.0e-6  # ... across nodes
     overlap_cost: float = 0.0  # fraction of hidden communication time that still slows compute (GPU: SMs)
-    matmul_efficiency: Table | None = None  # [[smallest dimension, fraction of peak], ...]
+    matmul_efficiency: Table | None = None  # [[side of a cube (M·N·K)^(1/3), fraction of peak], ...]
     attention_efficiency: Table | None = None  # [[sequence block, fraction of peak], ...]
     collectives: dict[str, dict[str, list[float]]] | None = None  # level -> kind -> [latency/step, bytes/s]
     source: str = ""  # how the figures were obtained
@@ -162,7 +162,7 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
                 number = float(value)  # YAML 1.1 reads 80.0e9 as a string
             except (TypeError, ValueError):
                 number = -1.0
-            if isinstance(value, bool) or not number > 0:
+            if isinstance(value, bool) or not (number > 0 or (key == "overlap_cost" and number == 0)):
                 raise ConfigError(f"cluster {name}: '{key}' must be a positive number, got {value!r}")
             data[key] = number
     missing = [k for k, f in fields.items() if f.default is dataclasses.MISSING and k not in data]
@@ -214,8 +214,8 @@ def _matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float,
 
 
 def matmul_seconds(cluster: Cluster, count: float, mm: float, n: float, k: float) -> float:
-    """Forward of ``count`` (M, N, K) matmuls: 2·M·N·K FLOPs each at the efficiency of the smallest dimension."""
-    return count * 2 * mm * n * k / (cluster.peak_flops * cluster.matmul_eff(min(mm, n, k)))
+    """Forward of ``count`` (M, N, K) matmuls: 2·M·N·K FLOPs each at the efficiency of a cube of their size."""
+    return count * 2 * mm * n * k / (cluster.peak_flops * cluster.matmul_eff((mm * n * k) ** (1 / 3)))
 
 
 def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, step: Step,
