@@ -363,9 +363,4 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
     source = params_source(path)
     abstract = trainer.abstract_state()
     check_params(source, "checkpoint.init_from", trainer.config, abstract.params)
-    params = restore_params(source, abstract.params)
-
-    def fresh(params: Any) -> Any:
-        return trainer._init()._replace(params=params, opt_state=trainer.optimizer.init(params))
-
-    return jax.jit(fresh, out_shardings=trainer.state_shardings, donate_argnums=0)(params)
+    return trainer.init_state(restore_params(source, abstract.params))
