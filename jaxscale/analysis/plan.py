@@ -201,6 +201,7 @@ class Plan:
     seq_len: int
     cluster: Cluster
     reasons: list[str] = dataclasses.field(default_factory=list)
+    dtype: str = "float32"  # the compute dtype of the activations in the table
 
 
 def _divisors(n: int) -> list[int]:
@@ -367,7 +368,7 @@ def search(
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     ranked = found[:top] if top else found
-    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, reasons(found))
+    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, reasons(found), m.dtype)
 
 
 # -- output --------------------------------------------------------------------------------
@@ -464,8 +465,9 @@ def table(plan: Plan) -> str:
         lines += [f"  {' = '.join(fams):<22} {why}" for why, fams in merged.items()]
     lines += [
         "",
-        "state = parameters + Adam + gradients (+ accumulator), fp32; act = the layers' saved activations; "
-        "peak = one layer's backward or the loss, whichever is larger; zero 1/2: identical rows merged.",
+        "state = parameters + Adam + gradients (+ accumulator), fp32; act = the layers' saved activations and "
+        f"peak = one layer's backward or the loss, whichever is larger, in {plan.dtype} "
+        "(--verify compiles in float32 and says so); zero 1/2: identical rows merged.",
         f"time ({unit}): comp = matmuls and attention at the efficiency their shapes reach on "
         f"{c.peak_flops / 1e12:.0f} TFLOP/s, memory-bound ops at {c.memory_bandwidth / 1e9:.0f} GB/s, recompute; "
         f"comm = all collectives ({c.intra_bandwidth / 1e9:.0f} GB/s within a node, {c.inter_bandwidth / 1e9:.1f} "

@@ -62,7 +62,8 @@ def verify(candidates: list[Candidate], model: dict[str, Any], seq_len: int) -> 
 
 def format_verify(rows: list[dict[str, Any]], devices: int, backend: str) -> str:
     lines = [
-        f"verify: compiled on {devices} simulated {backend} devices, float32 compute; GB per device; "
+        f"verify: compiled on {devices} simulated {backend} devices, float32 compute (predicted in float32 too, "
+        "not the plan table's dtype); GB per device; "
         "collectives in the reduce-scatter reading",
         f"  {'layout':<48} {'remat':<9} {'memory':>9} {'compiled':>9} {'err':>7}   {'wire':>9} {'compiled':>9} "
         f"{'err':>7}",
