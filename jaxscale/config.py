@@ -178,8 +178,16 @@ class XlaConfig:
 
 @dataclasses.dataclass
 class PrecisionConfig:
-    """Low-precision matmuls (``jaxscale/fp8.py``): ``fp8: off | delayed | current`` scaling."""
+    """Mixed precision (``jaxscale/precision.py``) and low-precision matmuls (``jaxscale/fp8.py``).
 
+    ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
+    updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype gradients are summed in across
+    devices and microbatches. ``fp8: off | delayed | current`` scaling.
+    """
+
+    params: str = "auto"
+    master: str = "auto"
+    grads_reduce: str = "float32"
     fp8: str = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
@@ -423,6 +431,7 @@ def validate(config: Config) -> None:
     validate_pipeline(config.pipeline)
     validate_xla(config.xla)
     validate_precision(config.precision)
+    _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -493,6 +502,20 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
+    for key in ("params", "master"):
+        if getattr(p, key) not in ("auto", *DTYPES):
+            raise ConfigError(f"precision.{key}: '{getattr(p, key)}' is not one of auto, {', '.join(DTYPES)}")
+    if p.grads_reduce not in ("float32", "bfloat16"):
+        raise ConfigError(f"precision.grads_reduce: '{p.grads_reduce}' is not one of float32, bfloat16")
+
+
+def _validate_copies(config: Config) -> None:
+    """The master may not be narrower than the compute copy (its update would be lost in the cast)."""
+    p, m = config.precision, config.model
+    params = m.dtype if p.params == "auto" else p.params
+    master = m.param_dtype if p.master == "auto" else p.master
+    if DTYPES.index(master) > DTYPES.index(params):
+        raise ConfigError(f"precision.master ({master}) is narrower than the compute copy precision.params ({params})")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import subprocess_env, tiny_config
@@ -48,7 +49,8 @@ def test_bfloat16_compute_keeps_fp32_master_weights():
     trainer = Trainer.build(tiny_config("model.dtype=bfloat16", rules="fsdp_tp_sp", mesh={"fsdp": 2, "tensor": 4}))
     state = trainer.init_state()
     state, out = trainer.step(state, trainer.batch(0))
-    assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.params))
+    assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(state.params))  # the compute copy
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.master))
     assert np.isfinite(float(out["loss"])) and abs(float(out["loss"]) - np.log(256)) < 0.5
 
 
