@@ -26,10 +26,11 @@ are *the* parameters; FORMULAS.md "Model state"):
   its unreduced weight gradient) and the loss (logits in the compute dtype and fp32, their
   exponentials and gradient; of ``model.loss_chunk`` tokens per sequence when chunked).
 
-jaxscale keeps more than Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer
-(:func:`korthikanti`): autodiff saves both the fp32 and the compute-dtype copies around
-each RMSNorm, the query/key/value, both the scores and the probabilities, and SwiGLU's
-gate, up, silu and product; without remat the weights cast to the compute dtype too. Under
+Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`korthikanti`) count what
+jaxscale keeps around norms and the MLP (:mod:`jaxscale.models.lean`: a norm's input and
+statistics, SwiGLU's gate and up); jaxscale keeps in addition both the scores and the
+probabilities of ``dot`` attention, or the kernel's output next to the output projection's
+input under flash-style attention; without remat the weights cast to the compute dtype too. Under
 SP the all-gathered norm output is saved whole (Megatron re-gathers it in the backward),
 save_dots keeps the attention projection's partial sums whole (before the reduce-scatter),
 and without remat the shard_map keeps its weight operands (gathered, under FSDP).
@@ -234,9 +235,10 @@ def _mlp_per_token(m: ModelConfig) -> int:
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
     """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
 
-    ``none``: everything below; ``full``: the layer input; ``save_dots``: the input and the
-    outputs of the weight matmuls that the recomputation needs (q, k, v, attention out, gate,
-    up); ``save_named``: the input and ``model.remat_names``.
+    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.models.lean` keeps them);
+    ``selective``: ``none`` less the attention core's own residuals; ``full``: the layer input;
+    ``save_dots``: the input and the outputs of the weight matmuls that the recomputation needs
+    (q, k, v, attention out, gate, up); ``save_named``: the input and ``model.remat_names``.
     """
     h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
     fe = _mlp_per_token(m)
@@ -256,15 +258,17 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
         return [x] + [Activation(n, sizes[REMAT_NAMES[n][0]], REMAT_NAMES[n][1]) for n in names if n in REMAT_NAMES]
     attention = getattr(m, "attention", "dot")
     kept = [
-        Activation("norms (fp32)", 4 * h, RESIDUAL, "fp32"),
-        Activation("norm statistics", 4, RESIDUAL[:2], "fp32"),
+        Activation("norm inputs", 2 * h, RESIDUAL),
+        Activation("norm statistics", 2, RESIDUAL[:2], "fp32"),
         Activation("normed inputs", 2 * h, MATMUL_IN),
         Activation("query, attention out", 2 * a * d, Q_AXES),
         Activation("key, value", 2 * g * d, KV_AXES),
-        Activation("SwiGLU", 6 * fe, MLP_AXES),
+        Activation("gate, up, hidden", 3 * fe, MLP_AXES),
     ]
-    if attention in FLASH_ATTENTION:
-        kept.append(Activation("softmax statistics", 2 * a, SCORES, "fp32"))
+    if policy == "selective":
+        pass
+    elif attention in FLASH_ATTENTION:
+        kept += [Activation("kernel output", a * d, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
     else:
         kept += [
             Activation("scores", a * seq_len, SCORES, "fp32"),

@@ -342,7 +342,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
+REMAT_POLICIES = ("none", "selective", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "tokens")
 NONFINITE_POLICIES = ("stop", "skip")

@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import math
 import re
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import tiny_config
+from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import precision
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError
 from jaxscale.inspect import per_device_bytes
+from jaxscale.models import lean
 from jaxscale.train import Trainer
 
 N = 8
@@ -141,3 +146,61 @@ def test_two_copies_follow_the_one_copy_bf16_curve():
     assert curves["auto"][0] - two[-1] > 2.0  # it learns
     assert not np.array_equal(curves["auto"], curves["float32"])
     assert gap.max() <= SMOOTHED_TOL, f"smoothed loss {gap.max():.3f} apart at step {gap.argmax()}"
+
+
+def saved_bytes_per_layer(config) -> float:
+    """Bytes one layer keeps for its backward, from jax's saved-residuals listing of the loss (the stacked
+    outputs of the layer scan), on one device."""
+    trainer = Trainer.build(config, jax.devices()[:1])
+    batch = {k: jnp.zeros(v.shape, v.dtype) for k, v in trainer.abstract_batch().items()}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(lambda params: trainer.loss(params, batch), trainer.abstract_state().params)
+    layers, total = config.model.layers, 0
+    for dtype, shape, where in re.findall(r"^(\w+)\[([\d,]*)\] (.*)$", printed.getvalue(), re.M):
+        dims = [int(d) for d in shape.split(",") if d]
+        if "output of scan" in where and dims and dims[0] == layers:
+            total += math.prod(dims[1:]) * {"f32": 4, "bf16": 2}[dtype]
+    return total
+
+
+def test_a_layer_keeps_korthikantis_activations():
+    """fp32, one device, blockwise attention, no remat, Llama 3's MLP ratio (f = 3.5h): the residuals a layer
+    keeps are at most 1.25 x 68·s·b·h bytes (Korthikanti's 34·s·b·h in 4-byte units). Before the lean norm and
+    SwiGLU (an fp32 copy around each norm, six SwiGLU tensors) this layer kept 125·s·b·h."""
+    config = tiny_config("model.attention=blockwise", "model.attention_block=16", "model.mlp=224", "model.layers=3",
+                         "train.global_batch=4", "train.seq_len=64")
+    m, t = config.model, config.train
+    sbh = t.global_batch * t.seq_len * m.embed
+    kept = saved_bytes_per_layer(config)
+    print(f"a layer keeps {kept / sbh:.1f}·s·b·h bytes (fp32; Korthikanti 68·s·b·h)")
+    assert kept <= 1.25 * 68 * sbh
+    # The lean layer's count, in elements per token: norm inputs and outputs, q, k, v, the output twice
+    # (the kernel's, the projection's input), gate, up, hidden; fp32 norm statistics and log-sum-exps.
+    a_d, g_d = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    assert kept == 4 * t.global_batch * t.seq_len * (4 * m.embed + 3 * a_d + 2 * g_d + 3 * m.mlp + 2 + m.heads)
+
+
+def test_lean_norm_and_swiglu_have_autodiffs_gradients():
+    """The hand-written backward passes against jax's autodiff of the plain formulas (fp32)."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (3, 5, 16)) * 2.0
+    scale = 1.0 + 0.1 * jax.random.normal(keys[1], (16,))
+    cot = jax.random.normal(keys[2], (3, 5, 16))
+
+    def plain_norm(x, scale):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * scale
+
+    for f in (plain_norm, lambda x, s: lean.rms_norm(x, s, 1e-5)):
+        out, vjp = jax.vjp(f, x, scale)
+        if f is plain_norm:
+            ref = (out, *vjp(cot))
+        else:
+            for a, b in zip((out, *vjp(cot)), ref, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    gate, up = jax.random.normal(keys[3], (4, 32)) * 3.0, jax.random.normal(keys[4], (4, 32))
+    ref_out, ref_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, gate, up)
+    out, vjp = jax.vjp(lean.swiglu, gate, up)
+    for a, b in zip((out, *vjp(cot[0, :4, :].repeat(2, -1))), (ref_out, *ref_vjp(cot[0, :4, :].repeat(2, -1))),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

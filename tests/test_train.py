@@ -30,7 +30,7 @@ def test_loss_falls_and_metrics_are_logged(run_dir):
     assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in records)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots", "save_named"])
+@pytest.mark.parametrize("remat", ["full", "selective", "save_dots", "save_named"])
 def test_remat_policies_keep_gradients(remat):
     one = jax.devices()[:1]
     base = Trainer.build(tiny_config(), one)

@@ -60,6 +60,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import ModelConfig, MoEConfig
+from jaxscale.models import lean
 from jaxscale.sharding import active, constrain
 
 RESIDUAL = ("batch", "norm_length", "act_embed")
@@ -132,7 +133,7 @@ def aux_objective(aux: dict[str, jax.Array], config: ModelConfig) -> jax.Array |
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...]."""
-    hidden = jax.nn.silu(jnp.einsum("...ecd,edf->...ecf", x, w_gate)) * jnp.einsum("...ecd,edf->...ecf", x, w_up)
+    hidden = lean.swiglu(jnp.einsum("...ecd,edf->...ecf", x, w_gate), jnp.einsum("...ecd,edf->...ecf", x, w_up))
     return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
 
 
@@ -174,7 +175,7 @@ def grouped_swiglu(
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((groups,), jnp.int32).at[key].add(1, mode="drop")
     xs = x[order]
-    hidden = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)
+    hidden = lean.swiglu(lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes))
     out = lax.ragged_dot(hidden, w_down, sizes)[jnp.argsort(order)]
     return jnp.where(local[:, None], out, 0)
 
@@ -214,7 +215,7 @@ def partitioner_experts(
     gates = jnp.einsum("bskn,bsk->bsn", slots, routing.gate.astype(x.dtype)).reshape(mask.shape)
     buf = constrain(jnp.einsum("bsec,bsd->becd", mask, x), BUFFER)
     w_gate, w_up, w_down = weights
-    hidden = jax.nn.silu(jnp.einsum("becd,edf->becf", buf, w_gate)) * jnp.einsum("becd,edf->becf", buf, w_up)
+    hidden = lean.swiglu(jnp.einsum("becd,edf->becf", buf, w_gate), jnp.einsum("becd,edf->becf", buf, w_up))
     out = constrain(jnp.einsum("becf,efd->becd", constrain(hidden, BUFFER_HIDDEN), w_down), BUFFER)
     return constrain(jnp.einsum("bsec,becd->bsd", gates, out), RESIDUAL)
 
