@@ -17,9 +17,9 @@ from conftest import tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import precision
+from jaxscale.analysis.xla import per_device_bytes
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError
-from jaxscale.inspect import per_device_bytes
 from jaxscale.models import lean
 from jaxscale.train import Trainer
 
