@@ -1,12 +1,15 @@
 """The analytic model's memory: bytes per device of a train step, by part, without compiling.
 
-Memory (bytes per device, :func:`memory`), jaxscale's convention (fp32 master weights
-are *the* parameters; FORMULAS.md "Model state"):
+Memory (bytes per device, :func:`memory`), by the mixed-precision policy
+(:mod:`jaxscale.precision`; FORMULAS.md "Model state"), each part divided by the mesh axes
+its layout shards it over (TP, PP and EP split; ZeRO-1/2/3 add the data-parallel axes to the
+optimizer state, gradients and parameters in turn):
 
-* parameters 4Ψ/ways, Adam moments 8Ψ/ways, gradients 4Ψ/ways (each divided by the mesh
-  axes its layout shards it over: TP, PP and EP split; ZeRO-1/2/3 add the data-parallel
-  axes to the optimizer state, gradients and parameters in turn); one more gradient-sized
-  accumulator with gradient accumulation;
+* the compute copy (``params``) in its dtype, laid out by the parameter rules; the master
+  (``master``, fp32) and Adam's moments (``optimizer``, 8Ψ in fp32) by the optimizer's; with
+  one copy (fp32 training) the parameters are the master and ``master`` is 0; the gradients
+  in the compute copy's dtype; with gradient accumulation one more gradient-sized
+  accumulator (``precision.grads_reduce``, fp32) in the gradients' layout;
 * activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
@@ -140,12 +143,13 @@ def _layers_here(m: ModelConfig, layout: Layout) -> float:
 
 def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, float]:
     """Predicted bytes per device of the compiled step, by part; ``total`` is their sum."""
-    pbytes = dtype_bytes(m.param_dtype)
+    compute, master = step.copies(m)
+    pbytes, mbytes = dtype_bytes(compute), dtype_bytes(master)  # the compute copy (and gradients), the master
     cbytes = dtype_bytes(m.dtype)
     grad_kind = "optimizer" if step.microbatches == 1 else "gradients"
 
-    def state(kind: str) -> float:
-        return sum(p.size / layout.ways(p.axes, kind) for p in params) * pbytes
+    def state(kind: str, nbytes: int) -> float:
+        return sum(p.size / layout.ways(p.axes, kind) for p in params) * nbytes
 
     micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
     pipelined = layout.pipelined
@@ -156,7 +160,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
     if m.remat == "none" and layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
         kept_weights = sum(split(p, layout, step, m.layers).unit for p in params if p.in_layers and p.in_sp_region)
-    elif m.remat == "none" and m.dtype != m.param_dtype:  # the weights cast to the compute dtype
+    elif m.remat == "none" and m.dtype != compute:  # the weights cast to the compute dtype
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
@@ -170,10 +174,11 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     if pipelined:
         activations, layer_backward = _pipeline_activations(m, layout, step, rows, layers * per_layer, layer_backward)
     out = {
-        "params": state("params"),
-        "optimizer": 2 * state("optimizer"),
-        "gradients": state(grad_kind),
-        "accumulator": state("gradients") if step.microbatches > 1 else 0.0,
+        "params": state("params", pbytes),
+        "master": state("optimizer", mbytes) if compute != master else 0.0,
+        "optimizer": 2 * state("optimizer", mbytes),
+        "gradients": state(grad_kind, pbytes),
+        "accumulator": state("gradients", dtype_bytes(step.reduce_dtype)) if step.microbatches > 1 else 0.0,
         # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
         "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
         if pipelined else 0.0,

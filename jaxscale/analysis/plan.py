@@ -295,16 +295,18 @@ def table(plan: Plan) -> str:
         f"global batch {plan.global_batch} x {plan.seq_len} tokens; {plan.searched} layouts searched",
         "",
         f"{'#':>2}  {'layout':<40} {'zero':>4} {'remat':<9} {'b':>3} {'acc':>4}  "
-        f"{'state':>6} {'act':>6} {'peak':>6} {'total':>6} GB  {'comp':>6} {'comm':>6} {'expo':>6} {'bubl':>6} "
+        f"{'copy':>6} {'master':>6} {'adam':>6} {'grads':>6} {'act':>6} {'peak':>6} {'total':>6} GB  "
+        f"{'comp':>6} {'comm':>6} {'expo':>6} {'bubl':>6} "
         f"{'step':>7} s  {'MFU':>5}",
     ]
     for i, cand in enumerate(plan.candidates, 1):
         lay, mem, t = cand.layout, cand.memory, cand.time
-        state = mem["params"] + mem["optimizer"] + mem["gradients"] + mem["accumulator"]
+        grads = mem["gradients"] + mem["accumulator"]
         peak = mem["transient"] + mem.get("mask", 0.0)
         lines.append(
             f"{i:>2}  {lay.describe():<40} {lay.zero_stage:>4} {lay.remat:<9} {lay.micro_batch:>3} "
-            f"{lay.accumulation:>4}  {_gb(state):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
+            f"{lay.accumulation:>4}  {_gb(mem['params']):>6} {_gb(mem['master']):>6} {_gb(mem['optimizer']):>6} "
+            f"{_gb(grads):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
             f"{_gb(mem['total']):>6}     {t['compute']:>6.2f} {t['communication']:>6.2f} {t['exposed']:>6.2f} "
             f"{t['bubble']:>6.2f} {t['total']:>7.2f}    {100 * t['mfu']:>4.1f}%"
         )
@@ -315,8 +317,10 @@ def table(plan: Plan) -> str:
         lines += [f"  {fam:<22} {why}" for fam, why in plan.rejected.items()]
     lines += [
         "",
-        "state = parameters + Adam + gradients (+ accumulator), fp32; act = the layers' saved activations; "
-        "peak = one layer's backward or the loss, whichever is larger.",
+        "copy = the compute copy (model.dtype), master = the fp32 master apart from it, adam = the moments, "
+        "grads = gradients (+ fp32 accumulator); playbook: ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, "
+        "ZeRO-3 16Ψ/N;",
+        "act = the layers' saved activations; peak = one layer's backward or the loss, whichever is larger.",
         f"time: compute at {100 * c.compute_efficiency:.0f}% of {c.peak_flops / 1e12:.0f} TFLOP/s; comm = all "
         f"collectives at {c.intra_bandwidth / 1e9:.0f} GB/s within a node, {c.inter_bandwidth / 1e9:.1f} GB/s "
         "across; expo = the part not hidden behind compute; bubl = pipeline bubble.",
