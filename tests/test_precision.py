@@ -69,13 +69,17 @@ def test_fp32_training_keeps_one_copy():
     assert {x.dtype.name for x in jax.tree.leaves(state.params)} == {"float32"}
 
 
-def partitioned_collectives(trainer: Trainer, tmp_path) -> list[tuple[str, str, int]]:
-    """(dtype, collective, elements) of every all-gather / all-reduce / reduce-scatter of the compiled step, read
-    from XLA's dump of the module right after SPMD partitioning (before XLA:CPU widens bf16 to f32)."""
+def partitioned(trainer: Trainer, tmp_path) -> str:
+    """The compiled step's HLO right after SPMD partitioning (XLA's dump; before XLA:CPU widens bf16 to f32)."""
     options = {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "spmd-partitioning"}
     trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile(compiler_options=options)
     (path,) = glob.glob(f"{tmp_path}/*train_step*after_spmd-partitioning*.txt")
-    text = Path(path).read_text()
+    return Path(path).read_text()
+
+
+def partitioned_collectives(trainer: Trainer, tmp_path) -> list[tuple[str, str, int]]:
+    """(dtype, collective, elements) of every all-gather / all-reduce / reduce-scatter of the partitioned step."""
+    text = partitioned(trainer, tmp_path)
     found = re.findall(r"= (\w+)\[([\d,]*)\][^\n]*? (all-gather|all-reduce|reduce-scatter)\(", text)
     return [(dtype, op, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims, op in found]
 
@@ -91,6 +95,26 @@ def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, mesh, tmp_path):
     weights = [(dtype, size) for dtype, size in gathers if size >= smallest]
     assert len(weights) >= 7, gathers  # wq, wk, wv, wo, w_gate, w_up, w_down at least
     assert {dtype for dtype, _ in weights} == {"bf16"}, weights
+
+
+def test_zero2_accumulates_fp32_gradients_on_the_shard(tmp_path):
+    """ZeRO-2, bf16, two microbatches: the microbatch loop (a while loop of the partitioned HLO) carries each
+    block weight's fp32 accumulator as this device's shard, and no fp32 copy of a whole block weight."""
+    trainer = Trainer.build(tiny_config(BF16, "train.global_batch=32", "train.microbatches=2", rules="zero2",
+                                        mesh={"data": N}))
+    carried = [set(re.findall(r"(\w+)\[([\d,]*)\]", c)) for c in re.findall(r"= \(([^\n]*?)\) while\(",
+                                                                           partitioned(trainer, tmp_path))]
+    blocks = trainer.abstract_params["blocks"]
+    grads = trainer.param_shardings("gradients")["blocks"]
+    def dims(shape: tuple[int, ...]) -> str:
+        return ",".join(map(str, shape))
+
+    shards = {("f32", dims(s.shard_shape(x.shape))) for x, s in zip(jax.tree.leaves(blocks), jax.tree.leaves(grads),
+                                                                      strict=True) if x.ndim >= 3}
+    whole = {("f32", dims(x.shape)) for x in jax.tree.leaves(blocks) if x.ndim >= 3}
+    assert shards and not shards & whole
+    assert any(shards <= c for c in carried), carried
+    assert not any(whole & c for c in carried), carried
 
 
 def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
