@@ -21,7 +21,7 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 def main() -> None:
     sys.path.insert(0, str(TESTS))
-    from conftest import tiny_config
+    from helpers import tiny_config
     from test_analytic import LAYOUTS, layout_id
 
     from jaxscale.analysis import hlo, xla

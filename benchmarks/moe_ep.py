@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, load_config
+from jaxscale.loop import fit
 from jaxscale.models import routing as kernels
 from jaxscale.train import Trainer
 
@@ -113,7 +114,7 @@ def dropped_table(steps: int) -> list[dict]:
         with tempfile.TemporaryDirectory() as run_dir:
             cfg = config(f"model.moe.capacity_factor={factor}", f"train.steps={steps}", "train.log_every=10",
                          f"run_dir={run_dir}")
-            _, history = Trainer.build(cfg).fit(progress=False)
+            _, history = fit(Trainer.build(cfg), progress=False)
         first, last = history[0], history[-1]
         rows.append({
             "capacity_factor": factor,

@@ -3,5 +3,5 @@
 The programmatic API (importing it imports jax)::
 
     from jaxscale.config import load_config
-    from jaxscale.train import Trainer
+    from jaxscale.train import Trainer   # Trainer.build(config), .init_state(), .step(), .fit()
 """

@@ -371,9 +371,4 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
     # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.
     target = precision.updated(abstract.params, abstract.master)
     check_params(source, "checkpoint.init_from", trainer.config, target)
-    weights = restore_params(source, target)
-
-    def fresh(weights: Any) -> Any:
-        return trainer.fresh_state(weights, trainer.fresh_fp8())
-
-    return jax.jit(fresh, out_shardings=trainer.state_shardings, donate_argnums=0)(weights)
+    return trainer.init_state(restore_params(source, target))

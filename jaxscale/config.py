@@ -5,8 +5,10 @@ inline mapping), a mesh, a rules table (a name from ``configs/rules/`` or a
 path) and training settings. ``--set train.steps=10`` style overrides are
 applied on top. Every key is checked against the dataclasses below: an
 unknown key or a value of the wrong type raises :class:`ConfigError` naming
-the key, before anything is compiled. This module never imports jax, so the
-command line can read a config before the backend starts.
+the key, before anything is compiled. Every choice among names is a ``Literal``
+type below, checked from the type (the command line's choices are read from the
+same types). This module never imports jax, so the command line can read a
+config before the backend starts.
 """
 
 from __future__ import annotations
@@ -17,12 +19,29 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+
+DType = Literal["float32", "bfloat16", "float16"]
+Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
+# resolved at build (models/attention.py): auto -> the kernel the devices run
+Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
+MoEDispatch = Literal["capacity", "dropless"]
+MoERouter = Literal["softmax", "sigmoid"]
+# shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
+MoEImpl = Literal["shard_map", "partitioner"]
+DataSource = Literal["stdlib", "tokens"]
+NonFinite = Literal["stop", "skip"]
+Resume = Literal["off", "auto"]
+Schedule = Literal["gpipe", "circular"]
+XlaPreset = Literal["none", "gpu", "tpu"]
+Fp8Mode = Literal["off", "delayed", "current"]
+CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
+ReduceDType = Literal["float32", "bfloat16"]
 
 
 class ConfigError(ValueError):
@@ -39,12 +58,12 @@ class MoEConfig:
     every_n_layers: int = 1  # layer i is MoE when (i + 1) % every_n_layers == 0
     shared_experts: int = 0  # always-on experts: one dense SwiGLU of shared_experts x mlp
     capacity_factor: float = 1.25
-    dispatch: str = "capacity"  # capacity | dropless
-    router: str = "softmax"  # softmax | sigmoid
+    dispatch: MoEDispatch = "capacity"
+    router: MoERouter = "softmax"
     normalize_gates: bool = True  # the top-k gates of a token sum to 1
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
-    impl: str = "shard_map"  # shard_map (explicit all-to-all) | partitioner (einsum dispatch, rules only)
+    impl: MoEImpl = "shard_map"
 
 
 @dataclasses.dataclass
@@ -62,12 +81,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
-    dtype: str = "float32"
-    param_dtype: str = "float32"
-    remat: str = "none"
+    dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    remat: Remat = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
     moe: MoEConfig | None = None
-    attention: str = "dot"  # dot | blockwise | ring | cudnn | auto (resolved at build: models/attention.py)
+    attention: Attention = "dot"
     attention_block: int = 512
     loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
     tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
@@ -123,7 +142,7 @@ class TrainConfig:
     peak_flops: float | None = None
     eval_every: int = 0
     eval_steps: int = 4
-    nonfinite: str = "stop"
+    nonfinite: NonFinite = "stop"
 
 
 @dataclasses.dataclass
@@ -131,7 +150,7 @@ class DataConfig:
     """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
     (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
 
-    source: str = "stdlib"
+    source: DataSource = "stdlib"
     path: str | None = None
     max_bytes: int = 8_000_000
     eval_bytes: int = 400_000
@@ -145,7 +164,7 @@ class CheckpointConfig:
     keep: int = 3
     keep_every: int = 0
     dir: str | None = None
-    resume: str = "off"
+    resume: Resume = "off"
     async_save: bool = True
     init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
 
@@ -164,7 +183,7 @@ class PipelineConfig:
 
     microbatches: int | None = None  # None: as many as there are stages
     repeats: int = 1
-    schedule: str = "gpipe"
+    schedule: Schedule = "gpipe"
     remat: bool = True  # recompute each stage body in the backward: keep only its input per tick
 
 
@@ -172,7 +191,7 @@ class PipelineConfig:
 class XlaConfig:
     """XLA flags set before the backend starts (``jaxscale/xla_flags.py``): a preset plus flags of one's own."""
 
-    preset: str = "none"  # none | gpu | tpu
+    preset: XlaPreset = "none"
     flags: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -181,14 +200,14 @@ class PrecisionConfig:
     """Mixed precision (``jaxscale/precision.py``) and low-precision matmuls (``jaxscale/fp8.py``).
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
-    updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype gradients are summed in across
-    devices and microbatches. ``fp8: off | delayed | current`` scaling.
+    updates (auto: ``model.param_dtype``); ``grads_reduce``: the gradient accumulator's dtype under
+    ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
     """
 
-    params: str = "auto"
-    master: str = "auto"
-    grads_reduce: str = "float32"
-    fp8: str = "off"
+    params: CopyDType = "auto"
+    master: CopyDType = "auto"
+    grads_reduce: ReduceDType = "float32"
+    fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
 
@@ -220,6 +239,13 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it, converted where lossless."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value is False and "off" in choices:
+            return "off"  # YAML reads the word off as false (precision.fp8: off, checkpoint.resume: off)
+        if not isinstance(value, str) or value not in choices:
+            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(choices)}")
+        return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -249,8 +275,6 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
-    if tp is str and value is False:
-        return "off"  # YAML reads the word off as false (precision.fp8: off, checkpoint.resume: off)
     if tp is bool and not isinstance(value, bool):
         raise ConfigError(f"{key}: expected true or false, got {value!r}")
     if tp is int and isinstance(value, bool):
@@ -342,26 +366,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-REMAT_POLICIES = ("none", "selective", "full", "save_dots", "save_named")
-DTYPES = ("float32", "bfloat16", "float16")
-DATA_SOURCES = ("stdlib", "tokens")
-NONFINITE_POLICIES = ("stop", "skip")
-RESUME_MODES = ("off", "auto")
-MOE_CHOICES = {
-    "dispatch": ("capacity", "dropless"),
-    "router": ("softmax", "sigmoid"),
-    "impl": ("shard_map", "partitioner"),
-}
-
-
 def validate_moe(m: ModelConfig) -> None:
     """Checks of ``model.moe`` that need no devices."""
     moe = m.moe
     if moe is None:
         return
-    for key, choices in MOE_CHOICES.items():
-        if getattr(moe, key) not in choices:
-            raise ConfigError(f"model.moe.{key}: '{getattr(moe, key)}' is not one of {', '.join(choices)}")
     for key in ("experts", "top_k", "every_n_layers"):
         if getattr(moe, key) < 1:
             raise ConfigError(f"model.moe.{key} must be at least 1, got {getattr(moe, key)}")
@@ -380,24 +389,14 @@ def validate_moe(m: ModelConfig) -> None:
     for key in ("aux_loss_weight", "z_loss_weight"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
-ATTENTIONS = ("dot", "blockwise", "ring", "cudnn", "auto")
-PIPELINE_SCHEDULES = ("gpipe", "circular")
-XLA_PRESETS = ("none", "gpu", "tpu")
 
 
 def validate(config: Config) -> None:
     """Checks that need no devices: value ranges and divisibility within the config."""
     m, t = config.model, config.train
-    if m.remat not in REMAT_POLICIES:
-        raise ConfigError(f"model.remat: '{m.remat}' is not one of {', '.join(REMAT_POLICIES)}")
-    for key in ("dtype", "param_dtype"):
-        if getattr(m, key) not in DTYPES:
-            raise ConfigError(f"model.{key}: '{getattr(m, key)}' is not one of {', '.join(DTYPES)}")
     for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive")
-    if m.attention not in ATTENTIONS:
-        raise ConfigError(f"model.attention: '{m.attention}' is not one of {', '.join(ATTENTIONS)}")
     if m.attention_block <= 0:
         raise ConfigError("model.attention_block must be positive")
     if m.attention == "cudnn" and m.dtype == "float32":
@@ -411,8 +410,6 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
-    if config.data.source not in DATA_SOURCES:
-        raise ConfigError(f"data.source: '{config.data.source}' is not one of {', '.join(DATA_SOURCES)}")
     if config.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
     if config.data.source == "tokens" and not config.data.path:
@@ -447,10 +444,6 @@ def validate(config: Config) -> None:
 def _validate_loop(config: Config) -> None:
     """Evaluation, non-finite policy and checkpoint settings."""
     t, ck = config.train, config.checkpoint
-    if t.nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"train.nonfinite: '{t.nonfinite}' is not one of {', '.join(NONFINITE_POLICIES)}")
-    if ck.resume not in RESUME_MODES:
-        raise ConfigError(f"checkpoint.resume: '{ck.resume}' is not one of {', '.join(RESUME_MODES)}")
     for key, value, low in (
         ("train.eval_every", t.eval_every, 0),
         ("train.eval_steps", t.eval_steps, 1),
@@ -470,8 +463,6 @@ def checkpoint_dir(config: Config) -> Path:
 
 def validate_pipeline(p: PipelineConfig) -> None:
     """The pipeline section on its own; what needs the mesh is checked when the pipeline is traced."""
-    if p.schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"pipeline.schedule: '{p.schedule}' is not one of {', '.join(PIPELINE_SCHEDULES)}")
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches must be at least 1, got {p.microbatches}")
     if p.repeats < 1:
@@ -483,30 +474,18 @@ def validate_pipeline(p: PipelineConfig) -> None:
 
 
 def validate_xla(xla: XlaConfig) -> None:
-    """A known preset, and flags of the form ``--name`` or ``--name=value`` (XLA checks the names)."""
-    if xla.preset not in XLA_PRESETS:
-        raise ConfigError(f"xla.preset: '{xla.preset}' is not one of {', '.join(XLA_PRESETS)}")
+    """Flags of the form ``--name`` or ``--name=value`` (XLA checks the names)."""
     for i, flag in enumerate(xla.flags):
         if not flag.startswith("--") or len(flag) < 3 or any(c.isspace() for c in flag):
             raise ConfigError(f"xla.flags[{i}]: '{flag}' is not one flag of the form --name or --name=value")
 
 
-FP8_MODES = ("off", "delayed", "current")
-
-
 def validate_precision(p: PrecisionConfig) -> None:
     """The precision section on its own."""
-    if p.fp8 not in FP8_MODES:
-        raise ConfigError(f"precision.fp8: '{p.fp8}' is not one of {', '.join(FP8_MODES)}")
     if p.amax_history < 1:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
-    for key in ("params", "master"):
-        if getattr(p, key) not in ("auto", *DTYPES):
-            raise ConfigError(f"precision.{key}: '{getattr(p, key)}' is not one of auto, {', '.join(DTYPES)}")
-    if p.grads_reduce not in ("float32", "bfloat16"):
-        raise ConfigError(f"precision.grads_reduce: '{p.grads_reduce}' is not one of float32, bfloat16")
 
 
 def _validate_copies(config: Config) -> None:
@@ -514,7 +493,8 @@ def _validate_copies(config: Config) -> None:
     p, m = config.precision, config.model
     params = m.dtype if p.params == "auto" else p.params
     master = m.param_dtype if p.master == "auto" else p.master
-    if DTYPES.index(master) > DTYPES.index(params):
+    widths = ("float32", "bfloat16", "float16")  # widest first
+    if widths.index(master) > widths.index(params):
         raise ConfigError(f"precision.master ({master}) is narrower than the compute copy precision.params ({params})")
 
 

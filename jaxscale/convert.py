@@ -66,7 +66,6 @@ import numpy as np
 
 from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
 from jaxscale.config import (
-    DTYPES,
     Config,
     ConfigError,
     ModelConfig,
@@ -284,8 +283,6 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
 
 
 def _check_model(model: ModelConfig) -> None:
-    if model.param_dtype not in DTYPES:
-        raise ConfigError(f"model.param_dtype: '{model.param_dtype}' is not one of {', '.join(DTYPES)}")
     if model.heads % model.kv_heads:
         raise ConfigError(f"model.heads ({model.heads}) is not divisible by model.kv_heads ({model.kv_heads})")
     validate_moe(model)

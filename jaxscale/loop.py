@@ -1,7 +1,7 @@
 """The training loop: resume, train, log, evaluate, checkpoint; stop cleanly on SIGTERM or a non-finite value.
 
-Each pass dispatches the guarded step (:meth:`Trainer._guarded_step`: the
-update is not applied where the loss or gradient norm is not finite) and, while
+Each pass dispatches the guarded step (:attr:`Trainer.compiled_guarded_step`:
+the update is not applied where the loss or gradient norm is not finite) and, while
 it runs, reads the metrics of the step before, so the host never holds the
 devices up. At a boundary (checkpoint, evaluation, SIGTERM, the end) the step
 just dispatched is read too, then:
@@ -30,18 +30,37 @@ new run (step 0, fresh optimizer) from other parameters.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
+import numpy as np
 
 from jaxscale import flops
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible, init_state_from
-from jaxscale.config import ConfigError
+from jaxscale.config import Config, ConfigError
+from jaxscale.data import Loader
 from jaxscale.models import moe
 
-if TYPE_CHECKING:
-    from jaxscale.train import Trainer, TrainState
+TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
+
+
+class Trainer(Protocol):
+    """What the loop needs of a trainer: :class:`jaxscale.train.Trainer`, which calls :func:`fit` from ``fit``."""
+
+    config: Config
+    mesh: jax.sharding.Mesh
+    batches: Loader
+    eval_batches: Loader
+    batch_sharding: jax.sharding.NamedSharding
+    compiled_guarded_step: tuple[Any, float]
+    jit_eval_loss: Any
+
+    def abstract_state(self) -> TrainState: ...
+
+    def init_state(self, params: Any = None) -> TrainState: ...
+
+    def batch(self, step: int) -> dict[str, jax.Array]: ...
 
 
 class NonFiniteError(RuntimeError):
@@ -54,7 +73,8 @@ def fit(
     """Train ``trainer`` to ``train.steps`` (or until ``stop_at`` updates); returns the state and the log.
 
     With ``state`` None the run resumes from the latest checkpoint when
-    ``checkpoint.resume`` is ``auto`` and one exists, else starts fresh.
+    ``checkpoint.resume`` is ``auto`` and one exists, else starts fresh
+    (from ``checkpoint.init_from``'s parameters if set).
     """
     c, ck = trainer.config, trainer.config.checkpoint
     checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume == "auto" else None
@@ -69,6 +89,16 @@ def fit(
         finally:
             if checkpointer is not None:
                 checkpointer.close()
+
+
+def evaluate(trainer: Trainer, params: Any, fp8_state: Any = None) -> float:
+    """Mean loss over the first ``train.eval_steps`` batches of the held-out data (fp8 scaled by
+    ``fp8_state``'s histories; None: a fresh start's)."""
+    losses = [
+        trainer.jit_eval_loss(params, trainer.eval_batches.global_batch_arrays(k, trainer.batch_sharding), fp8_state)
+        for k in range(trainer.config.train.eval_steps)
+    ]
+    return float(np.mean(jax.device_get(losses)))
 
 
 def _start(
@@ -190,7 +220,7 @@ class _Run:
 
     def evaluate(self, done: int, state: TrainState) -> None:
         start = time.perf_counter()
-        loss = self.trainer.evaluate(state.params, state.fp8)
+        loss = evaluate(self.trainer, state.params, state.fp8)
         self.logger.log({"step": done, "eval_loss": loss, "eval_s": time.perf_counter() - start})
         self.mark(done)
 

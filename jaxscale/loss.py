@@ -1,6 +1,6 @@
 """Chunked ("fused linear") cross-entropy: the loss from the final hidden states and the head weight.
 
-The plain loss (:func:`jaxscale.train.cross_entropy`) takes logits
+The plain loss (:func:`cross_entropy`) takes logits
 ``[batch, length, vocab]``: the head matmul's output in the compute dtype,
 its fp32 copy, the softmax and the gradient of the logits, up to
 ``b·s·V·(dtype + 12)`` bytes at the loss's peak (XLA fuses some of them: 1.6
@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxscale.layout import TOKENS
 from jaxscale.models.axes import HIDDEN, LOGITS
@@ -150,7 +151,17 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
     return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TOKENS), chunk)
 
 
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of ``logits`` [batch, length, vocab] against ``targets``, in fp32."""
+    logits = logits.astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
 def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The chunked loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics."""
+    """The loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics: chunked
+    (:func:`chunked_cross_entropy`) when ``chunk`` > 0 (``model.loss_chunk``), else from the logits."""
+    if not chunk:
+        logits, aux = model.forward(batch["inputs"], batch["positions"])
+        return cross_entropy(logits, batch["targets"]), aux
     hidden, aux = model.hidden(batch["inputs"], batch["positions"])
     return chunked_cross_entropy(hidden, model.head_weight(), batch["targets"], chunk), aux

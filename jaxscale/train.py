@@ -1,12 +1,15 @@
-"""The train state, the jitted train step, and the loop.
+"""The train state and the jitted train step.
 
 config -> mesh + rules -> abstract model (``nnx.eval_shape``) -> shardings from
 the logical axes -> jitted init straight into those shardings -> per-process
-global batch -> jitted, donated ``train_step`` -> metrics -> async checkpoint
-(the loop itself, with resume, evaluation and fault handling, is :mod:`jaxscale.loop`).
+global batch -> jitted, donated train step -> metrics (the loop around it, with
+resume, evaluation, checkpoints and fault handling, is :mod:`jaxscale.loop`).
 
 :class:`Trainer` is the programmatic API: build it from a config, then call
-:meth:`Trainer.init_state`, :meth:`Trainer.batch` and :meth:`Trainer.step`.
+:meth:`Trainer.init_state`, :meth:`Trainer.batch` and :meth:`Trainer.step`
+(or :func:`jaxscale.loop.fit`). Every jitted function of the trainer is traced
+inside :meth:`Trainer.scope`, which puts the rules table and the pipeline
+settings in effect for the model's activation constraints.
 Every check of the layout (unknown logical axes, a dimension not divisible
 by its mesh axes, a mesh that does not match the devices) runs in
 :meth:`Trainer.build`, by tracing the step abstractly, before anything compiles.
@@ -14,9 +17,11 @@ by its mesh axes, a mesh that does not match the devices) runs in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -40,6 +45,7 @@ from jaxscale.parallel.pipeline import use_pipeline
 from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, layout_of, named_params, use_rules
 
 BATCH_AXES = ("batch", "length")
+BATCH_KEYS = ("inputs", "targets", "positions")
 
 
 class TrainState(NamedTuple):
@@ -59,12 +65,6 @@ def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
         lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
     )
     return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes)
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy, in fp32."""
-    logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
 @dataclasses.dataclass
@@ -104,7 +104,7 @@ class Trainer:
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
         layout_of(self.mesh, self.rules).validate(self.config)
-        jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
+        jax.eval_shape(self.jit_step, self.abstract_state(), self.abstract_batch())
 
     # -- shardings -----------------------------------------------------------------
 
@@ -117,7 +117,6 @@ class Trainer:
     @cached_property
     def state_shardings(self) -> TrainState:
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        opt_abstract = jax.eval_shape(self.optimizer.init, self.abstract_params)
         found = {}
 
         def map_state() -> None:
@@ -125,13 +124,13 @@ class Trainer:
             found["opt"] = optax.tree_map_params(
                 self.optimizer,
                 lambda _, s: s,
-                opt_abstract,
+                self._shapes.opt_state,
                 self.param_shardings("optimizer"),
                 transform_non_params=lambda _: replicated,
             )
 
         jax.eval_shape(map_state)
-        fp8_state = jax.tree.map(lambda _: replicated, self.abstract_fp8)
+        fp8_state = jax.tree.map(lambda _: replicated, self._shapes.fp8)
         master = self.param_shardings("optimizer") if self.policy.two_copies else {}
         return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master)
 
@@ -140,15 +139,41 @@ class Trainer:
         return self.sharding(BATCH_AXES)
 
     def abstract_state(self) -> TrainState:
-        abstract = jax.eval_shape(self._init)
         return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, self.state_shardings
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self._shapes, self.state_shardings
         )
 
     def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
         t = self.config.train
         spec = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), jnp.int32, sharding=self.batch_sharding)
-        return {"inputs": spec, "targets": spec, "positions": spec}
+        return dict.fromkeys(BATCH_KEYS, spec)
+
+    # -- jit -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        """The rules table on this mesh and the pipeline settings, in effect for the model's code traced here."""
+        with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
+            yield
+
+    def _jit(self, fn: Callable[..., Any], step: bool = False, **jit_kwargs: Any) -> Any:
+        """``jax.jit`` of ``fn`` traced inside :meth:`scope`; ``step``: a train step's shardings (state and
+        batch in, state and replicated metrics out), the state donated."""
+        if step:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            batch = dict.fromkeys(BATCH_KEYS, self.batch_sharding)
+            jit_kwargs = dict(
+                in_shardings=(self.state_shardings, batch),
+                out_shardings=(self.state_shardings, replicated),
+                donate_argnums=0,
+            )
+
+        @functools.wraps(fn)
+        def scoped(*args: Any) -> Any:
+            with self.scope():
+                return fn(*args)
+
+        return jax.jit(scoped, **jit_kwargs)
 
     # -- state -----------------------------------------------------------------------
 
@@ -157,47 +182,45 @@ class Trainer:
         """The mixed-precision policy: compute copy, master, gradient reduction (:mod:`jaxscale.precision`)."""
         return precision.policy(self.config)
 
-    def _init(self) -> TrainState:
+    def _init(self, weights: Any = None) -> TrainState:
+        """A fresh state; with ``weights`` (the master's, or the parameters' with one copy), around those
+        weights: the compute copy cast from them, a fresh optimizer, step 0."""
         with nnx.use_eager_sharding(False):
             model = Llama(self.config, nnx.Rngs(self.config.train.seed))
-        _, params, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
-        return self.fresh_state(nnx.to_pure_dict(params), nnx.to_pure_dict(fp8_state))
-
-    def fresh_state(self, weights: Any, fp8_state: Any) -> TrainState:
-        """Step 0 from ``weights``: the compute copy, the master (if apart) and a fresh optimizer state."""
-        params, master = precision.split(self.policy, weights)
+        _, fresh, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
+        params, master = precision.split(self.policy, nnx.to_pure_dict(fresh) if weights is None else weights)
         opt_state = self.optimizer.init(precision.updated(params, master))
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, fp8_state, master)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, nnx.to_pure_dict(fp8_state), master)
+
+    @cached_property
+    def _shapes(self) -> TrainState:
+        """The state's shapes and dtypes, without shardings."""
+        return jax.eval_shape(self._init)
 
     @cached_property
     def jit_init(self) -> Any:
-        return jax.jit(self._init, out_shardings=self.state_shardings)
+        return self._jit(self._init, out_shardings=self.state_shardings)
 
-    def init_state(self) -> TrainState:
-        """A fresh state, created on the devices directly in its shardings."""
-        return self.jit_init()
-
-    # -- the step --------------------------------------------------------------------
-
-    @cached_property
-    def abstract_fp8(self) -> Any:
-        """The fp8 state's shapes (an empty dict with ``precision.fp8=off``)."""
-        return jax.eval_shape(self._init).fp8
+    def init_state(self, weights: Any = None) -> TrainState:
+        """A fresh state, created on the devices directly in its shardings; with ``weights`` (laid out and typed
+        as the master of :attr:`state_shardings`, or its params with one copy; donated), a new run's state
+        around them: step 0, a fresh optimizer."""
+        if weights is None:
+            return self.jit_init()
+        return self._jit(self._init, out_shardings=self.state_shardings, donate_argnums=0)(weights)
 
     def fresh_fp8(self) -> Any:
         """The fp8 state of a fresh start (empty histories): what ``fp8_state=None`` stands for below."""
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.abstract_fp8)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._shapes.fp8)
+
+    # -- the step --------------------------------------------------------------------
 
     def loss_and_metrics(
         self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one batch (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics."""
         model = nnx.merge(self.graphdef, params, self.fresh_fp8() if fp8_state is None else fp8_state)
-        if self.config.model.loss_chunk:
-            ce, aux = model_cross_entropy(model, batch, self.config.model.loss_chunk)
-        else:
-            logits, aux = model.forward(batch["inputs"], batch["positions"])
-            ce = cross_entropy(logits, batch["targets"])
+        ce, aux = model_cross_entropy(model, batch, self.config.model.loss_chunk)
         return ce + moe.aux_objective(aux, self.config.model), aux
 
     def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
@@ -243,48 +266,68 @@ class Trainer:
         return loss_sum / m, grads, aux, fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
-            loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
-            # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
-            params, master, opt_state, grads_o = precision.update(
-                self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
-                self.param_shardings("optimizer"),
-            )
+        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
+        # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
+        params, master, opt_state, grads_o = precision.update(
+            self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
+            self.param_shardings("optimizer"),
+        )
         lr = schedule(self.config.train)(state.step)
         out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": lr, **aux}
         return TrainState(state.step + 1, params, opt_state, fp8_state, master), out
 
+    def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+        """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
+        new, out = self._train_step(state, batch)
+        finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
+
+        def keep(n: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.where(finite, n, o)
+
+        params = jax.tree.map(keep, new.params, state.params)
+        opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
+        fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
+        master = jax.tree.map(keep, new.master, state.master)
+        return TrainState(new.step, params, opt_state, fp8_state, master), {**out, "finite": finite}
+
     @cached_property
     def jit_step(self) -> Any:
         """The jitted train step: explicit shardings, the state donated."""
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
-        return jax.jit(
-            self._train_step,
-            in_shardings=(self.state_shardings, batch),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=0,
-        )
+        return self._jit(self._train_step, step=True)
 
     def step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """One optimizer step; the metrics' loss is that of the parameters before the update."""
         return self.jit_step(state, batch)
 
     @cached_property
+    def compiled_guarded_step(self) -> tuple[Any, float]:
+        """The step :func:`jaxscale.loop.fit` runs: an update is applied only where the loss and gradient
+        norm are finite (``finite`` in its metrics). Jitted like :attr:`jit_step`, compiled once; with its
+        compile time in seconds."""
+        jitted = self._jit(self._guarded_step, step=True)
+        start = time.perf_counter()
+        compiled = jitted.lower(self.abstract_state(), self.abstract_batch()).compile()
+        return compiled, time.perf_counter() - start
+
+    @cached_property
     def jit_loss_and_grads(self) -> Any:
         """Jitted loss and (accumulated) gradients under this layout, built once per trainer."""
 
-        def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
-            with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
-                return self._grads(params, batch, fp8_state)[:2]
+        def loss_and_grads(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
+            return self._grads(params, batch, fp8_state)[:2]
 
-        return jax.jit(f, out_shardings=(None, self.param_shardings("gradients")))
+        return self._jit(loss_and_grads, out_shardings=(None, self.param_shardings("gradients")))
 
     def loss_and_grads(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
         """Loss and (accumulated) gradients under this layout, for tests and research code.
 
         ``fp8_state``: the fp8 histories to scale with (None: a fresh start's)."""
         return self.jit_loss_and_grads(params, batch, fp8_state)
+
+    @cached_property
+    def jit_eval_loss(self) -> Any:
+        """Jitted loss of a batch under this layout, the parameters not donated; ``(params, batch, fp8_state=None)``."""
+        return self._jit(self.loss)
 
     # -- data ------------------------------------------------------------------------
 
@@ -305,69 +348,14 @@ class Trainer:
         """The global batch of ``step``, sharded by the rules' ``batch`` and ``length``."""
         return self.batches.global_batch_arrays(step, self.batch_sharding)
 
-    # -- the loop --------------------------------------------------------------------
-
-    def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
-        new, out = self._train_step(state, batch)
-        finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
-
-        def keep(n: jax.Array, o: jax.Array) -> jax.Array:
-            return jnp.where(finite, n, o)
-
-        params = jax.tree.map(keep, new.params, state.params)
-        opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
-        fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
-        master = jax.tree.map(keep, new.master, state.master)
-        return TrainState(new.step, params, opt_state, fp8_state, master), {**out, "finite": finite}
-
-    @cached_property
-    def compiled_guarded_step(self) -> tuple[Any, float]:
-        """The guarded step, jitted like :attr:`jit_step` and compiled once; with its compile time in seconds."""
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
-        jitted = jax.jit(
-            self._guarded_step,
-            in_shardings=(self.state_shardings, batch),
-            out_shardings=(self.state_shardings, replicated),
-            donate_argnums=0,
-        )
-        start = time.perf_counter()
-        compiled = jitted.lower(self.abstract_state(), self.abstract_batch()).compile()
-        return compiled, time.perf_counter() - start
-
-    @cached_property
-    def jit_eval_loss(self) -> Any:
-        """Jitted loss of a batch under this layout, the parameters not donated; ``(params, batch, fp8_state=None)``."""
-
-        def f(params: Any, batch: dict[str, jax.Array], fp8_state: Any) -> jax.Array:
-            with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
-                return self.loss(params, batch, fp8_state)
-
-        batch = dict.fromkeys(("inputs", "targets", "positions"), self.batch_sharding)
-        jitted = jax.jit(f, in_shardings=(self.state_shardings.params, batch, self.state_shardings.fp8))
-
-        def call(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
-            return jitted(params, batch, self.fresh_fp8() if fp8_state is None else fp8_state)
-
-        return call
-
-    def evaluate(self, params: Any, fp8_state: Any = None) -> float:
-        """Mean loss over the first ``train.eval_steps`` batches of the held-out data (fp8 scaled by
-        ``fp8_state``'s histories; None: a fresh start's)."""
-        losses = [
-            self.jit_eval_loss(params, self.eval_batches.global_batch_arrays(k, self.batch_sharding), fp8_state)
-            for k in range(self.config.train.eval_steps)
-        ]
-        return float(np.mean(jax.device_get(losses)))
+    # -- the loop ----------------------------------------------------------------------
 
     def fit(
         self, state: TrainState | None = None, progress: bool = True, stop_at: int | None = None
     ) -> tuple[TrainState, list[dict[str, Any]]]:
-        """Train to ``train.steps`` (or until ``stop_at`` updates); see :func:`jaxscale.loop.fit`."""
+        """Train to ``train.steps`` (or until ``stop_at`` updates): :func:`jaxscale.loop.fit` on this trainer."""
         return loop.fit(self, state, progress, stop_at)
 
-
-def train(config: Config, progress: bool = True) -> tuple[TrainState, list[dict[str, Any]]]:
-    """Build the trainer for ``config`` and run it; the CLI's ``train`` command."""
-    return Trainer.build(config).fit(progress=progress)
+    def evaluate(self, params: Any, fp8_state: Any = None) -> float:
+        """Mean held-out loss of ``params``: :func:`jaxscale.loop.evaluate` on this trainer."""
+        return loop.evaluate(self, params, fp8_state)

@@ -20,7 +20,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import Trainers, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, xla
@@ -64,23 +64,15 @@ def layout_id(layout: tuple) -> str:
     return "-".join([rules, sizes, *(o.split("=")[1] for o in overrides)])
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    """Each layout's trainer and compiled step, compiled on first use."""
-    return {}
-
-
-def compile_layout(cache: dict, layout: tuple) -> tuple[Trainer, object]:
-    if layout_id(layout) not in cache:
-        rules, mesh, *overrides = layout
-        trainer = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))
-        cache[layout_id(layout)] = trainer, xla.compile_step(trainer)
-    return cache[layout_id(layout)]
+def compile_layout(trainers: Trainers, layout: tuple) -> tuple[Trainer, object]:
+    """The layout's trainer and compiled step, from the session's cache."""
+    rules, mesh, *overrides = layout
+    return trainers.step(*overrides, rules=rules, mesh=mesh)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_analytic_matches_compiled(layout, compiled):
-    trainer, step = compile_layout(compiled, layout)
+def test_analytic_matches_compiled(layout, trainers):
+    trainer, step = compile_layout(trainers, layout)
     prediction = predict_trainer(trainer)
     memory = xla.memory(step)["total"]
     assert prediction.memory["total"] == pytest.approx(memory, rel=MEMORY_RTOL)
@@ -88,10 +80,10 @@ def test_analytic_matches_compiled(layout, compiled):
     assert prediction.comm["total"] == pytest.approx(wire, rel=COMM_RTOL)
 
 
-def test_state_is_exact_and_follows_the_zero_stages(compiled):
+def test_state_is_exact_and_follows_the_zero_stages(trainers):
     # Parameters, Adam and gradients are not estimates: the shardings say them to the byte.
     for layout in LAYOUTS[:5]:
-        trainer, _ = compile_layout(compiled, layout)
+        trainer = trainers.get(*layout[2:], rules=layout[0], mesh=layout[1])
         held = xla.state_bytes(trainer)
         mem = predict_trainer(trainer).memory
         adam_scalars = 8  # two int32 step counts (Adam's and the schedule's), replicated

@@ -11,7 +11,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from conftest import TINY
+from helpers import TINY
 
 from jaxscale import bench, flops
 from jaxscale.cli import main

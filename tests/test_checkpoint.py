@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, tiny_config
+from helpers import TINY, tiny_config
 
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError, load_config
-from jaxscale.loop import NonFiniteError
+from jaxscale.loop import NonFiniteError, fit
 from jaxscale.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +72,7 @@ def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
     trainer = Trainer.build(tiny_config(*BASE, f"run_dir={run_dir}", *LAYOUT))
     batches = record_batches(trainer)
-    state, history = trainer.fit(progress=False)
+    state, history = fit(trainer, progress=False)
     return SimpleNamespace(trainer=trainer, dir=run_dir, state=jax.device_get(state), history=history, batches=batches)
 
 
@@ -82,8 +82,8 @@ def resumed(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resumed")
     trainer = Trainer.build(tiny_config(*BASE, f"run_dir={run_dir}", "checkpoint.resume=auto", *LAYOUT))
     batches = record_batches(trainer)
-    _, first = trainer.fit(progress=False, stop_at=5)
-    state, second = trainer.fit(progress=False)
+    _, first = fit(trainer, progress=False, stop_at=5)
+    state, second = fit(trainer, progress=False)
     return SimpleNamespace(
         trainer=trainer, dir=run_dir, state=jax.device_get(state), first=first, second=second, batches=batches
     )
@@ -125,6 +125,7 @@ KILL_DURING_SAVE = """
 import asyncio, json, pathlib, sys
 from orbax.checkpoint._src.serialization import serialization
 from jaxscale.config import load_config
+from jaxscale.loop import fit
 from jaxscale.train import Trainer
 
 overrides, hang_step, marker = json.loads(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3])
@@ -137,7 +138,7 @@ async def write_then_hang(rslices, tensorstore_spec, **kwargs):
         await asyncio.sleep(3600)
 
 serialization.async_serialize_from_host = write_then_hang
-Trainer.build(load_config(None, overrides)).fit(progress=False)
+fit(Trainer.build(load_config(None, overrides)), progress=False)
 """
 
 
@@ -165,7 +166,7 @@ def test_sigkill_during_async_save_loses_nothing_else(straight, resumed, tmp_pat
     assert checkpoints.all_steps() == [5]
     checkpoints.close()
     trainer = retarget(resumed.trainer, run_dir)
-    state, history = trainer.fit(progress=False)
+    state, history = fit(trainer, progress=False)
     expected = train_losses(straight.history)
     assert train_losses(history) == {s: expected[s] for s in range(5, 10)}
     assert history[0]["event"] == "removed_uncommitted" and history[0]["paths"][0].startswith("10.orbax-checkpoint-tmp")
@@ -231,7 +232,7 @@ def guarded(tmp_path_factory):
 
 def test_nonfinite_update_is_skipped_and_counted(guarded, tmp_path):
     trainer = retarget(guarded, tmp_path, nonfinite="skip")
-    _, history = trainer.fit(progress=False)
+    _, history = fit(trainer, progress=False)
     records = {r["step"]: r for r in history if "loss" in r}
     assert np.isnan(records[4]["loss"]) and records[4]["skipped_updates"] == 1
     assert all(np.isfinite(records[s]["loss"]) for s in (0, 1, 2, 3, 5)) and records[5]["skipped_updates"] == 1
@@ -246,7 +247,7 @@ def test_nonfinite_update_is_skipped_and_counted(guarded, tmp_path):
 def test_nonfinite_update_stops_the_run(guarded, tmp_path):
     trainer = retarget(guarded, tmp_path, nonfinite="stop")
     with pytest.raises(NonFiniteError, match=r"^step 4: loss nan"):
-        trainer.fit(progress=False)
+        fit(trainer, progress=False)
     checkpoints = Checkpointer(tmp_path / "checkpoints")
     assert checkpoints.all_steps() == [2, 3, 4]
     checkpoints.close()
@@ -257,14 +258,14 @@ def test_nonfinite_state_is_never_saved(guarded, tmp_path):
     state = trainer.init_state()
     params = {**state.params, "final_norm": {"scale": state.params["final_norm"]["scale"] * np.nan}}
     with pytest.raises(NonFiniteError, match="state after 1 updates is not finite: not saved"):
-        trainer.fit(state._replace(params=params), progress=False)
+        fit(trainer, state._replace(params=params), progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == []
 
 
 def test_fresh_run_never_overwrites_checkpoints(straight):
     trainer = Trainer.build(tiny_config(*BASE, f"run_dir={straight.dir}", *LAYOUT))
     with pytest.raises(ConfigError, match=r"holds checkpoints \(latest step 10\): continue with --resume"):
-        trainer.fit(progress=False)
+        fit(trainer, progress=False)
 
 
 @pytest.mark.parametrize(
@@ -278,7 +279,7 @@ def test_fresh_run_never_overwrites_checkpoints(straight):
 def test_resume_refuses_another_model_or_data(straight, override, match):
     config = tiny_config(*BASE, f"run_dir={straight.dir}", "checkpoint.resume=auto", override, *LAYOUT)
     with pytest.raises(ConfigError, match=match):
-        Trainer.build(config).fit(progress=False)
+        fit(Trainer.build(config), progress=False)
 
 
 def test_resume_flag_and_checkpoint_keys_are_validated():

@@ -17,11 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import RTOL, assert_trees_close, tiny_config
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from test_layouts import RTOL, assert_trees_close
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.predict import predict_trainer

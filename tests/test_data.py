@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 from jax.sharding import NamedSharding
 
 from jaxscale import cli
 from jaxscale.config import ConfigError
 from jaxscale.data import Batches, PackedBatches, make_loader, process_rows, stdlib_bytes
+from jaxscale.loop import evaluate, fit
 from jaxscale.mesh import make_mesh
 from jaxscale.prepare import TokenDir, is_held_out, prepare_data
 from jaxscale.train import BATCH_AXES, Trainer
@@ -188,10 +189,10 @@ def test_eval_loss_is_logged_on_the_held_out_split(token_dir, tmp_path):
     overrides = ["data.source=tokens", f"data.path={token_dir}", "model.vocab_size=264", "train.steps=4",
                  "train.eval_every=2", "train.eval_steps=2", f"run_dir={tmp_path}"]
     trainer = Trainer.build(tiny_config(*overrides, mesh={"data": 8}))
-    state, history = trainer.fit(progress=False)
+    state, history = fit(trainer, progress=False)
     evals = [r for r in history if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2, 4]
-    assert evals[-1]["eval_loss"] == trainer.evaluate(state.params)
+    assert evals[-1]["eval_loss"] == evaluate(trainer, state.params)
     held_out = np.asarray(TokenDir.open(token_dir).tokens("val"))
     first = trainer.eval_batches.rows(0)["inputs"]
     np.testing.assert_array_equal(first[0], held_out[:32])  # the val split, read in order

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,50 +12,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 import yaml
-from conftest import subprocess_env, tiny_config
+from helpers import MAX_SECONDS, compilations, fails_early, subprocess_env, tiny_config
 
 from jaxscale import cli
-from jaxscale.config import CONFIG_DIR, ConfigError, load_config
+from jaxscale.config import CONFIG_DIR, load_config
 from jaxscale.sharding import Rules
 from jaxscale.train import Trainer
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 TINY_EXPERIMENT = CONFIG_DIR / "experiments" / "tiny.yaml"
-# Generous: a failing build takes well under a second; compiling the train step takes several.
-MAX_SECONDS = 10.0
-
-
-@contextlib.contextmanager
-def compilations() -> Iterator[list[str]]:
-    """The names of the functions XLA compiles inside the block."""
-    compiled: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs: Any) -> None:
-        if event == BACKEND_COMPILE:
-            compiled.append(str(kwargs.get("fun_name", "?")))
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-
-
-@contextlib.contextmanager
-def fails_early(match: str) -> Iterator[pytest.ExceptionInfo[ConfigError]]:
-    """Expect a one-line ConfigError matching ``match``, raised quickly and with nothing compiled.
-
-    Errors raised while jax traces the step carry a note about filtered frames, which
-    ``pytest.raises`` matches too: patterns for those do not end in ``$``. The CLI prints
-    ``str(error)`` alone, which must be one line.
-    """
-    start = time.perf_counter()
-    with compilations() as compiled, pytest.raises(ConfigError, match=match) as info:
-        yield info
-    elapsed = time.perf_counter() - start
-    assert compiled == [], f"compiled {compiled} before raising: {info.value}"
-    assert elapsed < MAX_SECONDS, f"took {elapsed:.1f}s to raise: {info.value}"
-    assert "\n" not in str(info.value), f"message is not one line: {info.value!r}"
 
 
 @pytest.fixture(scope="module", autouse=True)

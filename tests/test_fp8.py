@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxscale import fp8
 from jaxscale.config import ConfigError
@@ -82,8 +82,8 @@ def test_precision_config_errors():
         fp8.check_resume({}, tiny_config("precision.fp8=delayed").precision, 5)
 
 
-def test_fp8_state_is_replicated_and_not_optimized():
-    off = Trainer.build(tiny_config(), jax.devices()[:1]).abstract_state()
+def test_fp8_state_is_replicated_and_not_optimized(trainers):
+    off = trainers.get(devices=1).abstract_state()
     trainer = Trainer.build(tiny_config("precision.fp8=delayed", "precision.amax_history=8"), jax.devices()[:1])
     state = trainer.abstract_state()
     assert off.fp8 == {}

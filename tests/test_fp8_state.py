@@ -2,10 +2,10 @@
 
 import jax
 import numpy as np
-from conftest import tiny_config
-from test_layouts import assert_trees_close
+from helpers import assert_trees_close, tiny_config
 
 from jaxscale.checkpoint import Checkpointer
+from jaxscale.loop import fit
 from jaxscale.train import Trainer
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
@@ -52,7 +52,7 @@ def test_fp8_state_survives_checkpoint_round_trip(tmp_path):
         mesh=MESH,
     )
     trainer = Trainer.build(config)
-    at4, _ = trainer.fit(progress=False, stop_at=4)
+    at4, _ = fit(trainer, progress=False, stop_at=4)
     saved = jax.device_get(at4)
     assert all(np.all(h[:, :4] > 0) and np.all(h[:, 4:] == 0) for h in jax.tree.leaves(saved.fp8))
 
@@ -63,7 +63,7 @@ def test_fp8_state_survives_checkpoint_round_trip(tmp_path):
         np.testing.assert_array_equal(got, want)
 
     # Resume from the checkpoint (the loop) vs going on from the state in memory: bit for bit.
-    resumed, history = trainer.fit(progress=False)
+    resumed, history = fit(trainer, progress=False)
     step_fn, _ = trainer.compiled_guarded_step
     state, losses = at4, {}
     for step in range(4, 8):

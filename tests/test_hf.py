@@ -17,6 +17,7 @@ from flax import nnx
 from jaxscale import checkpoint, convert
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, ModelConfig, load_config
+from jaxscale.loop import fit
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer, abstract_model
 
@@ -157,7 +158,7 @@ def test_finetune_from_converted_checkpoint_starts_at_the_hf_loss(llama_ckpt, tm
                  "data.max_bytes=200000", "checkpoint.every=1", f"checkpoint.init_from={ckpt}",
                  f"run_dir={tmp_path / 'run'}"]
     trainer = Trainer.build(load_config(None, overrides))
-    state, history = trainer.fit(progress=False)
+    state, history = fit(trainer, progress=False)
     batch = jax.device_get(trainer.batch(0))
     with torch.no_grad():
         logits = model(torch.tensor(batch["inputs"]).long()).logits
@@ -169,7 +170,7 @@ def test_finetune_from_converted_checkpoint_starts_at_the_hf_loss(llama_ckpt, tm
 
     # Resume wins over init_from: the run goes on from its own checkpoint of step 1.
     trainer.config.train.steps, trainer.config.checkpoint.resume = 2, "auto"
-    state, history = trainer.fit(progress=False)
+    state, history = fit(trainer, progress=False)
     assert [r["step"] for r in history if "loss" in r] == [1] and int(state.step) == 2
 
     # The run's checkpoint (step 2) exports to HF and back to exactly its parameters.
@@ -190,7 +191,7 @@ def test_init_from_a_mismatched_model_is_a_config_error(llama_ckpt, tmp_path):
             f"checkpoint.init_from={ckpt}", f"run_dir={tmp_path / 'run'}"]
     trainer = Trainer.build(load_config(None, [*base, "model.mlp=96"]))
     with pytest.raises(ConfigError, match=r"^checkpoint\.init_from: .* has model\.mlp=128, the config has 96$"):
-        trainer.fit(progress=False)
+        fit(trainer, progress=False)
     assert "compiled_guarded_step" not in trainer.__dict__ and "jit_init" not in trainer.__dict__
 
     # A saved array whose shape the model file does not explain (the shape check behind the key check).

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import Trainers
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.formulas import formulas
@@ -239,40 +239,39 @@ class Step(NamedTuple):
     found: list[hlo.Collective]
 
 
-def compile_step(rules: str, mesh: dict[str, int], *overrides: str) -> Step:
-    trainer = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))
-    compiled = xla.compile_step(trainer)
+def compile_step(trainers: Trainers, rules: str, mesh: dict[str, int], *overrides: str) -> Step:
+    trainer, compiled = trainers.step(*overrides, rules=rules, mesh=mesh)
     return Step(trainer, compiled, hlo.collectives(compiled.as_text(), trainer.mesh))
 
 
 @pytest.fixture(scope="module")
-def dp() -> Step:
-    return compile_step("dp", {"data": 8})
+def dp(trainers) -> Step:
+    return compile_step(trainers, "dp", {"data": 8})
 
 
 @pytest.fixture(scope="module")
-def zero1() -> Step:
-    return compile_step("zero1", {"data": 8})
+def zero1(trainers) -> Step:
+    return compile_step(trainers, "zero1", {"data": 8})
 
 
 @pytest.fixture(scope="module")
-def zero2() -> Step:
-    return compile_step("zero2", {"data": 8})
+def zero2(trainers) -> Step:
+    return compile_step(trainers, "zero2", {"data": 8})
 
 
 @pytest.fixture(scope="module")
-def zero3() -> Step:
-    return compile_step("zero3", {"fsdp": 8})
+def zero3(trainers) -> Step:
+    return compile_step(trainers, "zero3", {"fsdp": 8})
 
 
 @pytest.fixture(scope="module")
-def zero3_remat() -> Step:
-    return compile_step("zero3", {"fsdp": 8}, "model.remat=full")
+def zero3_remat(trainers) -> Step:
+    return compile_step(trainers, "zero3", {"fsdp": 8}, "model.remat=full")
 
 
 @pytest.fixture(scope="module")
-def tp() -> Step:
-    return compile_step("tp", {"data": 2, "tensor": 4})
+def tp(trainers) -> Step:
+    return compile_step(trainers, "tp", {"data": 2, "tensor": 4})
 
 
 def formulas_of(trainer: Trainer) -> dict:
@@ -438,10 +437,10 @@ def test_step_report_is_json(zero3):
     assert report["formulas"]["zero_stage"] == 3
 
 
-def test_tp_sp_layer_moves_activations_by_gather_and_scatter_only():
+def test_tp_sp_layer_moves_activations_by_gather_and_scatter_only(trainers):
     # Megatron SP: inside the layer scan, activations move by all-gather and reduce-scatter over
     # 'tensor' (b·s·h each, 2 of each per layer and pass); no all-reduce of activation size is left.
-    step = compile_step("tp_sp", {"data": 2, "tensor": 4})
+    step = compile_step(trainers, "tp_sp", {"data": 2, "tensor": 4})
     config, mesh = step.trainer.config, step.trainer.mesh
     b = config.train.global_batch // mesh.shape["data"]
     bsh = b * config.train.seq_len * config.model.embed * 4

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxscale.config import MESH_AXES, ConfigError
 from jaxscale.layout import Layout, Rules, part_axes

@@ -1,11 +1,9 @@
 """The gold test of every layout: the same loss, gradients and parameters as one device (fp32)."""
 
 import jax
-import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import RTOL, assert_trees_close, run_steps, tiny_config
 
-from jaxscale.config import Config
 from jaxscale.train import Trainer
 
 LAYOUTS = {
@@ -18,41 +16,11 @@ LAYOUTS = {
     "fsdp_tp": {"fsdp": 2, "tensor": 4},
     "fsdp_tp_sp": {"data": 2, "fsdp": 2, "tensor": 2},
 }
-RTOL = 1e-5
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def assert_trees_close(tree, ref, rtol: float = RTOL) -> None:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    for (path, x), r in zip(flat, jax.tree.leaves(ref), strict=True):
-        err = rel_err(jax.device_get(x), jax.device_get(r))
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol:.0e}"
-
-
-def run(config: Config, devices=None, steps: int = 2):
-    """Loss and gradients at the initial parameters, then the parameters after ``steps`` steps."""
-    trainer = Trainer.build(config, devices)
-    state = trainer.init_state()
-    loss, grads = trainer.loss_and_grads(state.params, trainer.batch(0))
-    for step in range(steps):
-        state, _ = trainer.step(state, trainer.batch(step))
-    return trainer, float(loss), grads, state.params
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The single-device run every layout must reproduce."""
-    return run(tiny_config(rules="dp"), devices=jax.devices()[:1])
-
 
 @pytest.mark.parametrize("rules", list(LAYOUTS))
-def test_layout_matches_single_device(rules, reference):
-    _, ref_loss, ref_grads, ref_params = reference
-    trainer, loss, grads, params = run(tiny_config(rules=rules, mesh=LAYOUTS[rules]))
+def test_layout_matches_single_device(rules, one_device, trainers):
+    _, ref_loss, ref_grads, ref_params, *_ = one_device
+    trainer, loss, grads, params, *_ = run_steps(*trainers.step(rules=rules, mesh=LAYOUTS[rules]))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
     assert_trees_close(grads, ref_grads)
     assert_trees_close(params, ref_params)
@@ -66,14 +34,14 @@ def test_layout_matches_single_device(rules, reference):
 @pytest.fixture(scope="module")
 def reference_batch32():
     """One step on the whole batch of 32 sequences, on one device."""
-    return run(tiny_config("train.global_batch=32", rules="dp"), devices=jax.devices()[:1])
+    return run_steps(Trainer.build(tiny_config("train.global_batch=32", rules="dp"), jax.devices()[:1]))
 
 
 @pytest.mark.parametrize("rules", ["zero2", "fsdp_tp_sp"])
 def test_gradient_accumulation_equals_whole_batch(rules, reference_batch32):
-    _, ref_loss, ref_grads, ref_params = reference_batch32
+    _, ref_loss, ref_grads, ref_params, *_ = reference_batch32
     config = tiny_config("train.global_batch=32", "train.microbatches=4", rules=rules, mesh=LAYOUTS[rules])
-    _, loss, grads, params = run(config)
+    _, loss, grads, params, *_ = run_steps(Trainer.build(config))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
     assert_trees_close(grads, ref_grads)
     assert_trees_close(params, ref_params)

@@ -4,13 +4,12 @@ layout; ``model.attention: auto`` resolves to a concrete kernel."""
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import tiny_config
-from test_layouts import assert_trees_close, rel_err
+from helpers import assert_trees_close, rel_err, tiny_config
 
 from jaxscale.config import ConfigError
-from jaxscale.loss import chunked_cross_entropy
+from jaxscale.loss import chunked_cross_entropy, cross_entropy
 from jaxscale.models.attention import resolve_attention
-from jaxscale.train import Trainer, cross_entropy
+from jaxscale.train import Trainer
 
 B, S, E, V = 4, 24, 16, 300
 

@@ -2,7 +2,7 @@
 
 import jax
 import numpy as np
-from conftest import tiny_config
+from helpers import tiny_config
 
 from jaxscale.config import MESH_AXES
 from jaxscale.mesh import make_mesh

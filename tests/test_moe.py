@@ -4,10 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
 from flax import nnx
-from test_errors import fails_early
-from test_layouts import RTOL, assert_trees_close, rel_err
+from helpers import RTOL, assert_trees_close, fails_early, rel_err, run_steps, tiny_config
 
 from jaxscale.analysis import hlo
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
@@ -204,29 +202,17 @@ STEP = [*MOE, "train.microbatches=2", "model.layers=4", "model.moe.every_n_layer
         "model.moe.capacity_factor=1.0", "model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01"]
 
 
-def run_steps(config, devices=None, steps: int = 2):
-    """Loss and gradients at the initial parameters, the metrics and parameters after ``steps`` steps, the HLO."""
-    trainer = Trainer.build(config, devices)
-    state = trainer.init_state()
-    loss, grads = trainer.loss_and_grads(state.params, trainer.batch(0))
-    compiled = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    metrics = []
-    for step in range(steps):
-        state, out = compiled(state, trainer.batch(step))
-        metrics.append(jax.device_get(out))
-    return trainer, float(loss), grads, state.params, metrics, compiled.as_text()
-
-
 @pytest.fixture(scope="module")
 def single_device_step():
-    return run_steps(tiny_config(*STEP, rules="dp"), devices=jax.devices()[:1])
+    return run_steps(Trainer.build(tiny_config(*STEP, rules="dp"), jax.devices()[:1]))
 
 
 @pytest.fixture(scope="module")
 def ep_fsdp_step():
-    return run_steps(tiny_config(*STEP, rules="ep_fsdp", mesh={"expert": 4, "fsdp": 2}))
+    return run_steps(Trainer.build(tiny_config(*STEP, rules="ep_fsdp", mesh={"expert": 4, "fsdp": 2})))
 
 
+@pytest.mark.slow
 def test_ep_fsdp_train_step_matches_single_device(ep_fsdp_step, single_device_step):
     _, ref_loss, ref_grads, ref_params, ref_metrics, _ = single_device_step
     _, loss, grads, params, metrics, _ = ep_fsdp_step
@@ -242,6 +228,7 @@ def test_ep_fsdp_train_step_matches_single_device(ep_fsdp_step, single_device_st
     assert w_up.sharding.spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", None)
 
 
+@pytest.mark.slow
 def test_ep_fsdp_all_to_all_bytes_match_the_formula(ep_fsdp_step):
     trainer, *_, text = ep_fsdp_step
     c, t, mesh = trainer.config.model, trainer.config.train, trainer.mesh

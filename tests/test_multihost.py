@@ -9,10 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, subprocess_env
+from helpers import ROOT, subprocess_env
 
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
 from jaxscale.distributed import Cluster, detect
+from jaxscale.loop import fit
 from jaxscale.train import Trainer
 
 RUN = ["--set", "rules=fsdp_tp", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2", "--set", "model.layers=2",
@@ -49,6 +50,7 @@ def finish(procs: list[subprocess.Popen]) -> None:
         assert p.returncode == 0, err[-2000:]
 
 
+@pytest.mark.slow
 def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
     # 2 processes x 4 devices train with fsdp_tp and checkpoint every 2 steps; both are killed once
     # a checkpoint is committed, restarted with --resume, and finish. Every step's loss equals the
@@ -68,12 +70,13 @@ def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
     overrides = [a for a in RUN if a != "--set"]
     default = CONFIG_DIR / "experiments" / "tiny.yaml"  # what the command line trains without --config
     config = load_config(default, [*overrides, f"train.steps={steps}", f"run_dir={tmp_path / 'one'}"])
-    _, history = Trainer.build(config).fit(progress=False)
+    _, history = fit(Trainer.build(config), progress=False)
     one = {r["step"]: r["loss"] for r in history if "loss" in r}
     assert sorted(one) == list(range(steps))
     assert losses(run_dir) == pytest.approx(one, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path):
     run_dir = tmp_path / "mh"
     survivor, victim = start(run_dir, steps=10_000, port=free_port())

@@ -7,9 +7,7 @@ import itertools
 import jax
 import pytest
 import yaml
-from conftest import tiny_config
-from test_errors import fails_early
-from test_layouts import RTOL, assert_trees_close
+from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR

@@ -9,7 +9,7 @@ import json
 import jax
 import pytest
 import yaml
-from conftest import TINY
+from helpers import TINY
 
 from jaxscale.analysis import plan
 from jaxscale.analysis.params import param_table
@@ -108,6 +108,7 @@ def test_plan_70b_on_64_gpus_keeps_tensor_parallelism_in_a_node():
         assert not crosses_nodes(["tensor"], c.layout.mesh(), cluster.devices_per_node)
 
 
+@pytest.mark.slow
 def test_written_plan_compiles_as_predicted(tmp_path):
     # Step 1-3 on the test model for a made-up small device, then the compiled check of the best two.
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
-from test_layouts import RTOL, assert_trees_close, rel_err
+from helpers import RTOL, assert_trees_close, rel_err, run_steps, tiny_config
 
 from jaxscale.config import CONFIG_DIR, ConfigError, MeshConfig
 from jaxscale.mesh import make_mesh
@@ -195,22 +194,6 @@ def full_kv_gathers(hlo: str, seq_len: int, kv_heads: int) -> list:
     ]
 
 
-def run_compiled(config, devices=None, steps: int = 2):
-    """Loss and gradients at the initial parameters, the parameters after ``steps``, the step's HLO."""
-    trainer = Trainer.build(config, devices)
-    state = trainer.init_state()
-    loss, grads = trainer.loss_and_grads(state.params, trainer.batch(0))
-    compiled = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-    for step in range(steps):
-        state, _ = compiled(state, trainer.batch(step))
-    return trainer, float(loss), grads, state.params, compiled.as_text()
-
-
-@pytest.fixture(scope="module")
-def one_device():
-    return run_compiled(tiny_config(rules="dp"), devices=jax.devices()[:1])
-
-
 CP_LAYOUTS = {
     "cp": {"fsdp": 2, "context": 4},
     "fsdp_cp": {"data": 2, "context": 4},
@@ -218,12 +201,13 @@ CP_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", list(CP_LAYOUTS))
 def test_cp_step_matches_single_device(rules, one_device):
-    _, ref_loss, ref_grads, ref_params, _ = one_device
+    _, ref_loss, ref_grads, ref_params, *_ = one_device
     mesh = CP_LAYOUTS[rules]
     config = tiny_config("model.attention=ring", "model.attention_block=2", rules=rules, mesh=mesh)
-    _, loss, grads, params, hlo = run_compiled(config)
+    _, loss, grads, params, _, hlo = run_steps(Trainer.build(config))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
     assert_trees_close(grads, ref_grads)
     assert_trees_close(params, ref_params)

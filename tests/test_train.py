@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import subprocess_env, tiny_config
+from helpers import subprocess_env, tiny_config
 
+from jaxscale.loop import fit
 from jaxscale.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +21,7 @@ METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s
 
 def test_loss_falls_and_metrics_are_logged(run_dir):
     config = tiny_config("train.steps=40", "train.log_every=10", f"run_dir={run_dir}", rules="zero3", mesh={"fsdp": 8})
-    _, history = Trainer.build(config).fit(progress=False)
+    _, history = fit(Trainer.build(config), progress=False)
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 10, 20, 30, 39]
     assert records == history
@@ -31,20 +32,18 @@ def test_loss_falls_and_metrics_are_logged(run_dir):
 
 
 @pytest.mark.parametrize("remat", ["full", "selective", "save_dots", "save_named"])
-def test_remat_policies_keep_gradients(remat):
-    one = jax.devices()[:1]
-    base = Trainer.build(tiny_config(), one)
-    params = base.init_state().params
-    batch = base.batch(0)
-    ref_loss, ref_grads = base.loss_and_grads(params, batch)
+def test_remat_policies_keep_gradients(remat, one_device):
+    params, batch = one_device.trainer.init_state().params, one_device.trainer.batch(0)
     names = ["model.remat_names=[query,key,value,mlp_hidden]"] if remat == "save_named" else []
-    trainer = Trainer.build(tiny_config(f"model.remat={remat}", *names), one)
+    trainer = Trainer.build(tiny_config(f"model.remat={remat}", *names), jax.devices()[:1])
     loss, grads = trainer.loss_and_grads(params, batch)
-    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
+    ref_loss, ref_grads = one_device.loss, one_device.grads
+    assert float(loss) == pytest.approx(ref_loss, rel=1e-6)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_fp32_master_weights():
     trainer = Trainer.build(tiny_config("model.dtype=bfloat16", rules="fsdp_tp_sp", mesh={"fsdp": 2, "tensor": 4}))
     state = trainer.init_state()
@@ -54,6 +53,7 @@ def test_bfloat16_compute_keeps_fp32_master_weights():
     assert np.isfinite(float(out["loss"])) and abs(float(out["loss"]) - np.log(256)) < 0.5
 
 
+@pytest.mark.slow
 def test_readme_python_example_runs(monkeypatch, capsys):
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Python API", 1)[1]
@@ -64,6 +64,7 @@ def test_readme_python_example_runs(monkeypatch, capsys):
     assert [line.split()[0] for line in lines[:3]] == ["0", "1", "2"]
 
 
+@pytest.mark.slow
 def test_cli_trains_and_writes_metrics(tmp_path):
     cmd = [sys.executable, "-m", "jaxscale", "train", "--no-progress", "--set", "train.steps=2",
            "--set", f"run_dir={tmp_path}", "--set", "data.max_bytes=100000"]

@@ -8,7 +8,7 @@ import sys
 
 import jax
 import pytest
-from conftest import subprocess_env, tiny_config
+from helpers import subprocess_env, tiny_config
 
 from jaxscale import xla_flags
 from jaxscale.config import ConfigError, XlaConfig, load_config
@@ -76,6 +76,7 @@ def _train(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=subprocess_env(None))
 
 
+@pytest.mark.slow
 def test_cli_applies_the_gpu_preset_before_the_backend_starts(tmp_path):
     # jaxlib's CPU wheel parses the GPU flags too (one set of XLA debug options): the run goes on, the
     # preset in XLA_FLAGS next to the simulated devices, with a note that it does nothing on CPU.
