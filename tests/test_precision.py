@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import precision
@@ -84,6 +84,7 @@ def partitioned_collectives(trainer: Trainer, tmp_path) -> list[tuple[str, str, 
     return [(dtype, op, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims, op in found]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rules", "mesh"), [("zero3", {"fsdp": N}), ("zero1", {"data": N})])
 def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, mesh, tmp_path):
     """Every all-gather of a parameter-sized array moves bf16: ZeRO-3's gathers in forward and backward
@@ -97,6 +98,7 @@ def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, mesh, tmp_path):
     assert {dtype for dtype, _ in weights} == {"bf16"}, weights
 
 
+@pytest.mark.slow
 def test_zero2_accumulates_fp32_gradients_on_the_shard(tmp_path):
     """ZeRO-2, bf16, two microbatches: the microbatch loop (a while loop of the partitioned HLO) carries each
     block weight's fp32 accumulator as this device's shard, and no fp32 copy of a whole block weight."""
@@ -117,6 +119,7 @@ def test_zero2_accumulates_fp32_gradients_on_the_shard(tmp_path):
     assert not any(whole & c for c in carried), carried
 
 
+@pytest.mark.slow
 def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
     """The master is saved with the state: stop at 2, resume to 4, equal to 4 straight; restored onto
     another layout (zero1 -> zero3); a resume with one copy is refused."""
@@ -148,6 +151,7 @@ def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
 STEPS, WINDOW, SMOOTHED_TOL = 200, 20, 0.05
 
 
+@pytest.mark.slow
 def test_two_copies_follow_the_one_copy_bf16_curve():
     """200 steps of the tiny model in bf16: the bf16 compute copy with an fp32 master stays within 0.05 nats
     (20-step means) of one fp32 copy cast to bf16 in the model (how jaxscale kept bf16 training before the
