@@ -141,6 +141,20 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        _simulate_cpu_devices(DEFAULT_CPU_DEVICES)  # on a CPU-only host (unless XLA_FLAGS says otherwise)
+        # Imports jax: after the simulated device count is in the environment.
+        from jaxscale.analysis import calibrate
+
+        written = calibrate.write(calibrate.calibrate(), args.calibrate)
+        print(f"wrote {written}", file=sys.stderr)
+        args.cluster = args.cluster or str(written)
+        if not args.model:
+            return 0
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "cluster", "global_batch_tokens", "seq_len")
+               if not getattr(args, k)]
+    if missing:
+        raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
     model_dict = _read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])
@@ -263,12 +277,14 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
 
     plan_ = _command(commands, "plan", _plan, "search layouts: fit in memory, reach the batch, rank by step time")
-    plan_.add_argument("--model", required=True, help="a model YAML (path, or a name in configs/models/)")
-    plan_.add_argument("--cluster", required=True, help="a cluster YAML (path, or a name in configs/clusters/)")
+    plan_.add_argument("--model", help="a model YAML (path, or a name in configs/models/)")
+    plan_.add_argument("--cluster", help="a cluster YAML (path, or a name in configs/clusters/)")
+    plan_.add_argument("--calibrate", metavar="FILE", help="measure the devices present (matmuls, attention, memory, "
+                       "collectives), write them as a cluster file and plan with it (jaxscale/analysis/calibrate.py)")
     plan_.add_argument("--set", dest="cluster_overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a cluster key, e.g. --set nodes=8 (repeatable)")
-    plan_.add_argument("--global-batch-tokens", type=int, required=True, help="tokens per optimizer step")
-    plan_.add_argument("--seq-len", type=int, required=True, help="sequence length")
+    plan_.add_argument("--global-batch-tokens", type=int, help="tokens per optimizer step")
+    plan_.add_argument("--seq-len", type=int, help="sequence length")
     plan_.add_argument("--attention", choices=_choices(Attention),
                        help="attention to assume (dot keeps s x s scores, the others do not; auto: what the "
                        "cluster's devices would run); default: the model's")

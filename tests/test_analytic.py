@@ -162,7 +162,9 @@ def test_step_time_hides_gradient_traffic_but_not_tensor_traffic():
     time = predict_trainer(trainer, cluster).time
     tp = [f for f in predict_trainer(trainer).flows if not f.overlap]
     assert tp and all(f.axes == ("tensor",) for f in tp)
-    assert time["exposed"] == pytest.approx(sum(f.wire_bytes for f in tp) / cluster.intra_bandwidth)
-    assert time["total"] == pytest.approx(time["compute"] + time["exposed"])
-    slow = dataclasses.replace(cluster, compute_efficiency=cluster.compute_efficiency / 2)
-    assert predict_trainer(trainer, slow).time["compute"] == pytest.approx(2 * time["compute"])
+    latency = sum(f.runs * cluster.latency_intra * 2 * math.ceil(math.log2(f.n)) for f in tp)
+    assert time["exposed.TP"] == pytest.approx(sum(f.wire_bytes for f in tp) / cluster.intra_bandwidth + latency)
+    assert time["total"] == pytest.approx(time["compute"] + time["exposed"] + time["contention"])
+    table = [[x, e / 2] for x, e in cluster.matmul_efficiency]
+    slow = dataclasses.replace(cluster, matmul_efficiency=table, attention_efficiency=None, compute_efficiency=0.25)
+    assert predict_trainer(trainer, slow).time["matmul"] == pytest.approx(2 * time["matmul"])

@@ -53,6 +53,7 @@ class Strategy:
     fsdp: int = 1  # ZeRO-3 when > 1
     tensor: int = 1
     sequence: bool = False  # Megatron SP on the tensor axis
+    tp_overlap: bool = False  # SP's collectives as collective matmuls (model.tp_overlap)
     context: int = 1
     stage: int = 1
     expert: int = 1
@@ -62,6 +63,7 @@ class Strategy:
     accumulation: int = 1
     pipeline_microbatches: int = 1
     repeats: int = 1
+    loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
 
     def mesh(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
@@ -88,12 +90,20 @@ class Strategy:
     def mesh_text(self) -> str:
         return " ".join(f"{a}={s}" for a, s in self.mesh().items() if s > 1) or "one device"
 
+    @property
+    def strategies(self) -> int:
+        """How many parallelisms and options it combines: the simpler layout wins a tie."""
+        return (self.family.count("+") + self.tp_overlap + bool(self.loss_chunk)
+                + (self.data > 1 and self.fsdp > 1))
+
     def describe(self) -> str:
-        text = self.mesh_text + ("" if not self.sequence else " +sp")
+        text = self.mesh_text + ("" if not self.sequence else " +sp") + (" +overlap" if self.tp_overlap else "")
         if self.zero and self.data > 1:
             text += f" zero{self.zero}"
         if self.stage > 1:
             text += f" m={self.pipeline_microbatches}" + (f" v={self.repeats}" if self.repeats > 1 else "")
+        if self.loss_chunk:
+            text += f" loss_chunk={self.loss_chunk}"
         return text
 
 
@@ -138,6 +148,9 @@ def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
     """The model config the layout runs: its remat policy; ring attention under context parallelism."""
     out = copy.copy(m)
     out.remat = layout.remat
+    out.tp_overlap = layout.tp_overlap
+    if layout.loss_chunk:
+        out.loss_chunk = layout.loss_chunk
     if layout.context > 1:
         out.attention = "ring"
     return out
@@ -168,17 +181,18 @@ def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_le
 
 @dataclasses.dataclass
 class Candidate:
-    """A layout that fits, with its prediction."""
+    """A layout that fits, with its prediction; ``same`` names the layouts it stands for (identical figures)."""
 
     layout: Strategy
     memory: dict[str, float]
     comm: dict[str, Any]
     time: dict[str, float]
+    same: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class Plan:
-    """The ranked layouts, and for each family that never fit, why."""
+    """The ranked layouts, why the first two win, and for each family that never fit, why."""
 
     candidates: list[Candidate]
     rejected: dict[str, str]
@@ -186,6 +200,8 @@ class Plan:
     global_batch: int
     seq_len: int
     cluster: Cluster
+    reasons: list[str] = dataclasses.field(default_factory=list)
+    dtype: str = "float32"  # the compute dtype of the activations in the table
 
 
 def _divisors(n: int) -> list[int]:
@@ -211,10 +227,13 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if m.kv_heads % t == 0]
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
-    for t, sp, c, e, (p, mb, v) in itertools.product(
-        tensors, (False, True), contexts, experts, _pipelines(m, devices, max_stages)
+    sp_options = ((False, False), (True, False), (True, True))  # (sequence parallelism, collective matmuls)
+    for t, (sp, ov), c, e, (p, mb, v) in itertools.product(
+        tensors, sp_options, contexts, experts, _pipelines(m, devices, max_stages)
     ):
         if (sp and t == 1) or (p > 1 and (sp or c > 1)):  # the pipeline runs neither SP nor CP in a stage
+            continue
+        if ov and (m.moe is not None or c > 1):  # collective matmuls: dense layers, no ring attention
             continue
         rest, left = divmod(devices, t * c * e * p)
         if left:
@@ -222,7 +241,72 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
         for f in _divisors(rest):
             d = rest // f
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), REMATS):
-                yield Strategy(d, f, t, sp, c, p, e, zero, remat, 1, 1, mb, v)
+                yield Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v)
+
+
+def loss_chunk_for(seq_len: int) -> int:
+    """The chunk the planner tries for the cross-entropy: the largest divisor of the sequence up to 1/8 of it."""
+    return max(d for d in _divisors(seq_len) if d <= max(1, seq_len // 8))
+
+
+STATE_PARTS = ("params", "master", "optimizer", "gradients", "accumulator", "pipeline accumulator")
+
+
+def state_bytes(mem: dict[str, float]) -> float:
+    """The compute copy, the master, optimizer state, gradients and accumulators."""
+    return sum(mem.get(k, 0.0) for k in STATE_PARTS)
+
+
+def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_peak: bool) -> str:
+    """Why a layout does not fit at micro-batch 1: its largest term and the setting that would shrink it."""
+    peak = "the loss" if loss_peak else "one layer's backward"
+    terms = {"model state": state_bytes(mem), "activations": mem["activations"], peak: mem["transient"],
+             "the scores mask": mem.get("mask", 0.0)}
+    largest = max(terms, key=lambda k: terms[k])
+    if largest == "model state":
+        fix = "shard it: ZeRO-3 (fsdp)" if layout.zero_stage < 3 else "more tensor or pipeline ways"
+    elif largest == "activations":
+        fix = "more recompute (remat full)" if layout.remat != "full" else "more stages or context parallelism"
+    elif largest == "the loss":
+        fix = (f"a smaller loss chunk than {layout.loss_chunk}" if layout.loss_chunk
+               else "chunked loss (model.loss_chunk)") + ", or more tensor ways (the vocabulary splits)"
+    elif largest == "the scores mask":
+        fix = "flash attention (--attention cudnn or blockwise)"
+    else:
+        fix = "more tensor ways or recompute"
+    return (f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB at micro-batch 1 ({layout.describe()}, "
+            f"remat {layout.remat}); largest: {largest} {terms[largest] / 1e9:.1f} GB; would fit with: {fix}")
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Fastest first; within 0.1% the smaller memory, then the simpler layout, then by name (deterministic)."""
+    return (round(math.log(c.time["total"]) / math.log(1.001)), round(c.memory["total"] / 1e6), c.layout.strategies,
+            c.layout.describe(), c.layout.remat)
+
+
+def merge_identical(found: list[Candidate]) -> list[Candidate]:
+    """One row for layouts whose figures agree (ZeRO-1 and ZeRO-2 without accumulation hold the same bytes)."""
+    out: list[Candidate] = []
+    seen: dict[tuple, Candidate] = {}
+    for c in found:
+        lay = dataclasses.replace(c.layout, zero=0)
+        key = (lay, round(c.time["total"], 12), round(c.memory["total"]))
+        if key in seen:
+            seen[key].same.append(c.layout.describe())
+            continue
+        seen[key] = c
+        out.append(c)
+    return out
+
+
+def evaluate(m: ModelConfig, params: Sequence[Param], layout: Strategy, seq_len: int, cluster: Cluster,
+             place: Layout | None = None, mem: dict[str, float] | None = None) -> Candidate:
+    """The prediction for one sized layout: its memory, collectives and step time on ``cluster``."""
+    place = place or placement(layout)
+    model, step = model_for(m, layout), step_for(layout, seq_len)
+    mem = mem or memory(model, params, place, step)
+    flows = communication(model, params, place, step)
+    return Candidate(layout, mem, summarize_flows(flows), step_time(model, flows, place, step, cluster, params))
 
 
 def search(
@@ -233,7 +317,10 @@ def search(
     seq_len: int,
     top: int = 10,
 ) -> Plan:
-    """Steps 1-3: the layouts that fit and reach the batch, fastest first; why the other families fail."""
+    """Steps 1-3: the layouts that fit and reach the batch, fastest first; why the other families fail.
+
+    A layout that does not fit with the plain loss is tried with a chunked one (:func:`loss_chunk_for`).
+    """
     if global_batch_tokens % seq_len:
         raise ConfigError(f"--global-batch-tokens ({global_batch_tokens}) is not a multiple of --seq-len ({seq_len})")
     sequences = global_batch_tokens // seq_len
@@ -241,6 +328,7 @@ def search(
     found: list[Candidate] = []
     closest: dict[str, tuple[float, str]] = {}
     searched = 0
+    chunks = (0,) if m.loss_chunk else (0, loss_chunk_for(seq_len))
 
     def reject(layout: Strategy, need: float, why: str) -> None:
         if layout.family not in closest or need < closest[layout.family][0]:
@@ -249,8 +337,7 @@ def search(
     for layout in layouts(m, cluster, seq_len):
         searched += 1
         place = placement(layout, base)
-        model = model_for(m, layout)
-        problem = shape_problem(params, place, model, seq_len)
+        problem = shape_problem(params, place, model_for(m, layout), seq_len)
         if problem:
             reject(layout, math.inf, problem)
             continue
@@ -260,70 +347,140 @@ def search(
             reject(layout, math.inf, f"{sequences} sequences do not split over {ranks} data-parallel ranks"
                    + (f" x {layout.pipeline_microbatches} pipeline microbatches" if layout.stage > 1 else ""))
             continue
+        fitted = False
         for b in sorted(_divisors(per_rank), reverse=True):
-            sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b)
-            step = step_for(sized, seq_len)
-            mem = memory(model, params, place, step)
-            if mem["total"] <= cluster.budget:
-                flows = communication(model, params, place, step)
-                time = step_time(model, flows, place, step, cluster)
-                found.append(Candidate(sized, mem, summarize_flows(flows), time))
+            tried: list[tuple[Strategy, dict[str, float]]] = []
+            for chunk in chunks:
+                sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b, loss_chunk=chunk)
+                model, step = model_for(m, sized), step_for(sized, seq_len)
+                mem = memory(model, params, place, step)
+                if mem["total"] <= cluster.budget:
+                    found.append(evaluate(m, params, sized, seq_len, cluster, place, mem))
+                    fitted = True
+                    break
+                tried.append((sized, mem))
+                if chunk == 0 and not mem["transient"] > max(mem["activations"], state_bytes(mem)) / 4:
+                    break  # the loss is too small a part for a chunk to make it fit
+            if fitted:
                 break
             if b == 1:
-                reject(layout, mem["total"], f"needs {mem['total'] / 1e9:.1f} GB per device at micro-batch 1 "
-                       f"({layout.describe()}, remat {layout.remat}) > {cluster.budget / 1e9:.1f} GB")
-    # Fastest first; within 0.1% the layout with fewer strategies, then the smaller memory.
-    found.sort(key=lambda c: (round(math.log(c.time["total"]) / math.log(1.001)), c.layout.family.count("+"),
-                              c.memory["total"]))
+                sized, mem = min(tried, key=lambda t: t[1]["total"])
+                loss_peak = len(tried) > 1 and tried[-1][1]["transient"] < tried[0][1]["transient"]
+                reject(layout, mem["total"], does_not_fit(sized, mem, cluster.budget, loss_peak))
+    found = merge_identical(sorted(found, key=rank_key))
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
-    return Plan(found[:top] if top else found, rejected, searched, sequences, seq_len, cluster)
+    ranked = found[:top] if top else found
+    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, reasons(found), m.dtype)
 
 
 # -- output --------------------------------------------------------------------------------
 
 
+PARTS = {"matmul": "matmuls", "attention": "attention", "memory_bound": "memory-bound ops", "recompute": "recompute",
+         "optimizer": "optimizer update", "bubble": "pipeline bubble",
+         "contention": "compute slowed by overlapped comm"}
+
+
+def _parts(t: dict[str, float]) -> dict[str, float]:
+    """The step's seconds by what they are spent on: compute parts, bubble, exposed communication by kind."""
+    out = {name: t.get(key, 0.0) for key, name in PARTS.items()}
+    out.update({f"exposed {k.split('.', 1)[1]} comm": v for k, v in t.items() if k.startswith("exposed.")})
+    return out
+
+
+def unit_for(seconds: float) -> tuple[str, float]:
+    """The unit a time column prints in (s, ms or us) and its scale."""
+    if seconds >= 1:
+        return "s", 1.0
+    return ("ms", 1e3) if seconds >= 1e-3 else ("us", 1e6)
+
+
+def _time(x: float) -> str:
+    unit, scale = unit_for(x)
+    return f"{x * scale:.3g} {unit}"
+
+
+def reasons(ranked: Sequence[Candidate]) -> list[str]:
+    """One line each for the winner and the runner-up: what dominates its step, and why it beats the next."""
+    lines = []
+    for i, c in enumerate(ranked[:2]):
+        total = c.time["total"]
+        parts = sorted(_parts(c.time).items(), key=lambda kv: -kv[1])
+        top = ", ".join(f"{name} {100 * v / total:.0f}%" for name, v in parts[:3] if v > 0)
+        line = f"#{i + 1} {c.layout.describe()} ({c.layout.remat}): {_time(total)}: {top}"
+        if i + 1 < len(ranked):
+            nxt = ranked[i + 1]
+            gap = nxt.time["total"] - total
+            mine, theirs = _parts(c.time), _parts(nxt.time)
+            diffs = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in set(mine) | set(theirs)}
+            why = max(diffs, key=lambda k: diffs[k])
+            if gap > 1e-3 * total and diffs[why] > 0:
+                line += f"; beats #{i + 2} by {100 * gap / total:.1f}% ({_time(gap)}): {_time(diffs[why])} less {why}"
+            elif c.memory["total"] < nxt.memory["total"] - 1e6:
+                line += (f"; ties #{i + 2} on time (within 0.1%), needs less memory "
+                         f"({_gb(c.memory['total'])} vs {_gb(nxt.memory['total'])} GB)")
+            else:
+                line += f"; ties #{i + 2} on time and memory, the simpler layout"
+        lines.append(line)
+    return lines
+
+
 def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f}"
+    return f"{x / 1e9:.1f}" if x >= 1e8 else f"{x / 1e9:.3f}"
 
 
 def table(plan: Plan) -> str:
-    """The ranked layouts with their memory and time breakdowns, and the families that do not fit."""
+    """The ranked layouts with their memory and time breakdowns, why the first two win, what does not fit."""
     c = plan.cluster
+    unit, scale = unit_for(max((x.time["total"] for x in plan.candidates), default=1.0))
     lines = [
         f"{c.nodes} x {c.devices_per_node} {c.device} ({c.devices} devices, {_gb(c.budget)} GB usable each); "
         f"global batch {plan.global_batch} x {plan.seq_len} tokens; {plan.searched} layouts searched",
         "",
-        f"{'#':>2}  {'layout':<40} {'zero':>4} {'remat':<9} {'b':>3} {'acc':>4}  "
+        f"{'#':>2}  {'layout':<52} {'zero':>4} {'remat':<9} {'b':>3} {'acc':>4}  "
         f"{'copy':>6} {'master':>6} {'adam':>6} {'grads':>6} {'act':>6} {'peak':>6} {'total':>6} GB  "
-        f"{'comp':>6} {'comm':>6} {'expo':>6} {'bubl':>6} "
-        f"{'step':>7} s  {'MFU':>5}",
+        f"{'comp':>7} {'comm':>7} {'expo':>7} {'bubl':>7} "
+        f"{'step':>7} {unit:<2}  {'MFU':>5}",
     ]
+
+    def num(x: float) -> str:
+        return f"{x * scale:>7.{3 if x * scale < 10 else 2}f}"
+
     for i, cand in enumerate(plan.candidates, 1):
         lay, mem, t = cand.layout, cand.memory, cand.time
-        grads = mem["gradients"] + mem["accumulator"]
         peak = mem["transient"] + mem.get("mask", 0.0)
+        grads = mem["gradients"] + mem["accumulator"] + mem.get("pipeline accumulator", 0.0)
+        zero = "/".join([str(lay.zero_stage)] + [s.rsplit("zero", 1)[1] for s in cand.same if "zero" in s])
         lines.append(
-            f"{i:>2}  {lay.describe():<40} {lay.zero_stage:>4} {lay.remat:<9} {lay.micro_batch:>3} "
-            f"{lay.accumulation:>4}  {_gb(mem['params']):>6} {_gb(mem['master']):>6} {_gb(mem['optimizer']):>6} "
-            f"{_gb(grads):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
-            f"{_gb(mem['total']):>6}     {t['compute']:>6.2f} {t['communication']:>6.2f} {t['exposed']:>6.2f} "
-            f"{t['bubble']:>6.2f} {t['total']:>7.2f}    {100 * t['mfu']:>4.1f}%"
+            f"{i:>2}  {lay.describe():<52} {zero:>4} {lay.remat:<9} {lay.micro_batch:>3} "
+            f"{lay.accumulation:>4}  {_gb(mem['params']):>6} {_gb(mem.get('master', 0.0)):>6} "
+            f"{_gb(mem['optimizer']):>6} {_gb(grads):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
+            f"{_gb(mem['total']):>6}     {num(t['compute'])} {num(t['communication'])} {num(t['exposed'])} "
+            f"{num(t['bubble'])} {num(t['total'])}     {100 * t['mfu']:>4.1f}%"
         )
     if not plan.candidates:
         lines.append("   (no layout fits)")
+    if plan.reasons:
+        lines += ["", "why:"] + [f"  {r}" for r in plan.reasons]
     if plan.rejected:
         lines += ["", "families that never fit (the closest attempt):"]
-        lines += [f"  {fam:<22} {why}" for fam, why in plan.rejected.items()]
+        merged: dict[str, list[str]] = {}
+        for fam, why in plan.rejected.items():
+            merged.setdefault(why, []).append(fam)
+        lines += [f"  {' = '.join(fams):<22} {why}" for why, fams in merged.items()]
     lines += [
         "",
-        "copy = the compute copy (model.dtype), master = the fp32 master apart from it, adam = the moments, "
-        "grads = gradients (+ fp32 accumulator); playbook: ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, "
-        "ZeRO-3 16Ψ/N;",
-        "act = the layers' saved activations; peak = one layer's backward or the loss, whichever is larger.",
-        f"time: compute at {100 * c.compute_efficiency:.0f}% of {c.peak_flops / 1e12:.0f} TFLOP/s; comm = all "
-        f"collectives at {c.intra_bandwidth / 1e9:.0f} GB/s within a node, {c.inter_bandwidth / 1e9:.1f} GB/s "
-        "across; expo = the part not hidden behind compute; bubl = pipeline bubble.",
+        "copy = the compute copy, master = the fp32 master apart from it (jaxscale/precision.py), adam = the "
+        "moments, grads = gradients (+ fp32 accumulator); playbook: ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, "
+        "ZeRO-3 16Ψ/N; act = the layers' saved activations and "
+        f"peak = one layer's backward or the loss, whichever is larger, in {plan.dtype} "
+        "(--verify compiles in float32 and says so); zero 1/2: identical rows merged.",
+        f"time ({unit}): comp = matmuls and attention at the efficiency their shapes reach on "
+        f"{c.peak_flops / 1e12:.0f} TFLOP/s, memory-bound ops at {c.memory_bandwidth / 1e9:.0f} GB/s, recompute; "
+        f"comm = all collectives ({c.intra_bandwidth / 1e9:.0f} GB/s within a node, {c.inter_bandwidth / 1e9:.1f} "
+        "GB/s across, plus latency); expo = the part not hidden behind compute; bubl = pipeline bubble. "
+        f"Cluster figures: {c.source or 'as given'}.",
     ]
     return "\n".join(lines)
 
@@ -336,16 +493,21 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "searched": plan.searched,
         "candidates": [
             {"layout": dataclasses.asdict(c.layout), "family": c.layout.family, "memory": c.memory, "time": c.time,
-             "comm": c.comm}
+             "comm": c.comm, "same": c.same}
             for c in plan.candidates
         ],
         "rejected": plan.rejected,
+        "reasons": plan.reasons,
     }
 
 
 def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
     """The experiment ``jaxscale train`` runs for ``layout``: the model inline, the rules file by path."""
     overrides: dict[str, Any] = {"remat": layout.remat}
+    if layout.tp_overlap:
+        overrides["tp_overlap"] = True
+    if layout.loss_chunk:
+        overrides["loss_chunk"] = layout.loss_chunk
     if layout.context > 1:
         overrides["attention"] = "ring"
     out: dict[str, Any] = {

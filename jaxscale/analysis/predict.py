@@ -39,7 +39,7 @@ def predict(
     m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, cluster: Cluster | None = None
 ) -> Prediction:
     flows = communication(m, params, layout, step)
-    time = step_time(m, flows, layout, step, cluster) if cluster is not None else None
+    time = step_time(m, flows, layout, step, cluster, params) if cluster is not None else None
     return Prediction(memory(m, params, layout, step), flows, time)
 
 

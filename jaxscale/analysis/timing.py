@@ -1,34 +1,67 @@
 """The analytic model's time: a cluster's devices and networks, and the seconds of a step on them.
 
-Time (:func:`step_time`): model FLOPs (6Ψ + causal attention, :mod:`jaxscale.flops`),
-plus recomputation, at the cluster's stated efficiency, stretched by the pipeline bubble
-(p−1)/(v·m+p−1); plus the communication that cannot hide: TP/SP, EP and ZeRO-1/2's
-parameter gather are exposed, gradient reduction, ZeRO-3 gathers and the CP ring overlap
-with compute up to the compute time. Each collective runs at the bandwidth of the slowest
-link its group crosses (within a node or across nodes: the mesh puts ``tensor``
-innermost).
-:func:`load_cluster` reads a cluster file (``configs/clusters/``).
+Every term is a measured rate (a cluster file of ``configs/clusters/``, written by hand from
+published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.calibrate`):
+
+* **matmuls** (:func:`matmul_seconds`): each of a layer's projections and the output head at
+  the shape one device runs (tokens of one microbatch x the weight's dimensions divided by
+  the axes that shard it), forward once and backward twice, at ``peak_flops`` times the
+  efficiency the cluster's ``matmul_efficiency`` table gives for a cube of as many FLOPs
+  (side (M·N·K)^(1/3); interpolated in log2, clamped at the ends);
+* **attention** (causal scores and values) at the ``attention_efficiency`` of the sequence
+  block a device holds (``s / context``); dot-product attention also writes and reads its
+  s x s scores at the memory bandwidth;
+* **memory-bound work** at ``memory_bandwidth``: norms, residual adds, RoPE and SwiGLU's
+  elementwise product (forward, backward twice), the cross-entropy's logits, the weights'
+  cast to the compute dtype, the gradient accumulator and the optimizer update;
+* **recomputation**: ``save_dots`` redoes the memory-bound forward, ``full`` the whole layer
+  forward, the pipeline's stage recompute the whole stage forward, the chunked loss
+  (``model.loss_chunk``) the head's forward;
+* **collectives** (:func:`collective_seconds`): per run a latency (``latency_intra`` /
+  ``latency_inter`` per step of a log2 tree, twice for an all-reduce; one step for a
+  permute) plus wire bytes over the bandwidth of the slowest link the group crosses (within
+  a node / ICI, across nodes / DCN); measured per collective kind where the cluster file
+  has a ``collectives`` table. Weight all-gathers are costed in the compute dtype (the
+  master shard is cast before it is gathered);
+* **overlap**, as XLA's latency-hiding scheduler places it: a flow marked ``overlap``
+  (ZeRO-3 gathers of the next layer, gradient reductions, the CP ring, TP collective
+  matmuls under ``model.tp_overlap``) hides behind the compute of its phase (forward or
+  backward), per link level, except its first run in each microbatch, which has nothing
+  to hide behind; TP/SP, EP, PP and the post-update gathers are on the critical path.
+  Hidden is not free on a GPU: NCCL's kernels take SMs from the matmuls they overlap, so
+  ``overlap_cost`` of the hidden time is added (``contention``; 0 on TPUs, whose DMA
+  engines move the data);
+* the pipeline bubble: (p − 1)/(v·m) of the compute.
+
+:func:`step_time` returns the parts, the exposed seconds by kind (``exposed.<kind>``) and
+the MFU; :func:`load_cluster` reads and checks a cluster file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from jaxscale.analysis.communication import Flow
-from jaxscale.analysis.params import Step
+from jaxscale.analysis.params import Param, Step, dtype_bytes
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
 from jaxscale.layout import Layout
 
+Table = list[list[float]]
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+LEVELS = ("intra", "inter")
+
 
 @dataclasses.dataclass
 class Cluster:
-    """Devices, their memory and speed, and the two networks (within a node, across nodes); per device."""
+    """Devices, their memory and measured speeds, and the two networks (within a node, across nodes)."""
 
     device: str
     memory_bytes: float
@@ -38,7 +71,15 @@ class Cluster:
     devices_per_node: int = 8
     nodes: int = 1
     usable_memory: float = 0.9
-    compute_efficiency: float = 0.5
+    compute_efficiency: float = 0.5  # the matmul and attention efficiency where no table is given
+    memory_bandwidth: float = 2.0e12  # bytes/s of device memory (HBM)
+    latency_intra: float = 3.0e-6  # seconds per step of a collective within a node
+    latency_inter: float = 8.0e-6  # ... across nodes
+    overlap_cost: float = 0.0  # fraction of hidden communication time that still slows compute (GPU: SMs)
+    matmul_efficiency: Table | None = None  # [[side of a cube (M·N·K)^(1/3), fraction of peak], ...]
+    attention_efficiency: Table | None = None  # [[sequence block, fraction of peak], ...]
+    collectives: dict[str, dict[str, list[float]]] | None = None  # level -> kind -> [latency/step, bytes/s]
+    source: str = ""  # how the figures were obtained
 
     @property
     def devices(self) -> int:
@@ -49,11 +90,59 @@ class Cluster:
         """Bytes per device a layout may use."""
         return self.memory_bytes * self.usable_memory
 
+    def matmul_eff(self, smallest: float) -> float:
+        return interpolate(self.matmul_efficiency, smallest, self.compute_efficiency)
+
+    def attention_eff(self, block: float) -> float:
+        return interpolate(self.attention_efficiency, block, self.compute_efficiency)
+
+
+def interpolate(table: Table | None, x: float, default: float) -> float:
+    """The table's value at ``x``, linear in log2(x) between rows, clamped at the ends."""
+    if not table:
+        return default
+    rows = sorted(table)
+    if x <= rows[0][0]:
+        return rows[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(rows):
+        if x <= x1:
+            w = math.log2(x / x0) / math.log2(x1 / x0)
+            return y0 + w * (y1 - y0)
+    return rows[-1][1]
+
+
+TABLES = ("matmul_efficiency", "attention_efficiency")
+INTS = ("devices_per_node", "nodes")
+
+
+def _check_table(name: str, key: str, value: Any) -> Table:
+    ok = isinstance(value, list) and value and all(
+        isinstance(r, list) and len(r) == 2 and all(isinstance(v, int | float) and not isinstance(v, bool) for v in r)
+        and r[0] > 0 and 0 < r[1] <= 1 for r in value)
+    if not ok:
+        raise ConfigError(f"cluster {name}: '{key}' must be a list of [size, fraction of peak (0-1]] pairs")
+    return [[float(a), float(b)] for a, b in value]
+
+
+def _check_collectives(name: str, value: Any) -> dict[str, dict[str, list[float]]]:
+    if not isinstance(value, dict) or not set(value) <= set(LEVELS):
+        raise ConfigError(f"cluster {name}: 'collectives' maps {' / '.join(LEVELS)} to collective kinds")
+    out: dict[str, dict[str, list[float]]] = {}
+    for level, kinds in value.items():
+        if not isinstance(kinds, dict) or not set(kinds) <= set(KINDS):
+            raise ConfigError(f"cluster {name}: collectives.{level} maps kinds ({', '.join(KINDS)}) to "
+                              "[latency per step (s), bandwidth (bytes/s)]")
+        for kind, pair in kinds.items():
+            if not (isinstance(pair, list) and len(pair) == 2 and pair[0] >= 0 and pair[1] > 0):
+                raise ConfigError(f"cluster {name}: collectives.{level}.{kind} must be [latency >= 0, bandwidth > 0]")
+        out[level] = {k: [float(a), float(b)] for k, (a, b) in kinds.items()}
+    return out
 
 
 def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
     """A preset from ``configs/clusters/`` (or a YAML path), with ``KEY=VALUE`` overrides; checked."""
     path = resolve_named(name_or_path, "clusters")
+    name = Path(path).stem
     data = yaml.safe_load(Path(path).read_text()) or {}
     for item in overrides:
         keys, value = parse_override(item)
@@ -61,28 +150,32 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
     fields = {f.name: f for f in dataclasses.fields(Cluster)}
     for key, value in data.items():
         if key not in fields:
-            raise ConfigError(f"cluster {Path(path).stem}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
-        if key == "device":
-            continue
-        try:
-            number = float(value)  # YAML 1.1 reads 80.0e9 as a string
-        except (TypeError, ValueError):
-            number = -1.0
-        if isinstance(value, bool) or not number > 0:
-            raise ConfigError(f"cluster {Path(path).stem}: '{key}' must be a positive number, got {value!r}")
-        data[key] = number
+            raise ConfigError(f"cluster {name}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
+        if key in ("device", "source"):
+            data[key] = str(value)
+        elif key in TABLES:
+            data[key] = _check_table(name, key, value)
+        elif key == "collectives":
+            data[key] = _check_collectives(name, value)
+        else:
+            try:
+                number = float(value)  # YAML 1.1 reads 80.0e9 as a string
+            except (TypeError, ValueError):
+                number = -1.0
+            if isinstance(value, bool) or not (number > 0 or (key == "overlap_cost" and number == 0)):
+                raise ConfigError(f"cluster {name}: '{key}' must be a positive number, got {value!r}")
+            data[key] = number
     missing = [k for k, f in fields.items() if f.default is dataclasses.MISSING and k not in data]
     if missing:
-        raise ConfigError(f"cluster {Path(path).stem}: missing '{missing[0]}'")
+        raise ConfigError(f"cluster {name}: missing '{missing[0]}'")
     cluster = Cluster(**data)
-    for key in ("devices_per_node", "nodes"):
+    for key in INTS:
         if getattr(cluster, key) != int(getattr(cluster, key)):
-            raise ConfigError(f"cluster {Path(path).stem}: '{key}' must be an integer")
+            raise ConfigError(f"cluster {name}: '{key}' must be an integer")
         setattr(cluster, key, int(getattr(cluster, key)))
     if cluster.usable_memory > 1 or cluster.compute_efficiency > 1:
-        raise ConfigError(f"cluster {Path(path).stem}: usable_memory and compute_efficiency are fractions (<= 1)")
+        raise ConfigError(f"cluster {name}: usable_memory and compute_efficiency are fractions (<= 1)")
     return cluster
-
 
 
 def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> bool:
@@ -95,38 +188,170 @@ def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node
     return any(stride_of[a] * mesh[a] > devices_per_node for a in axes if mesh[a] > 1)
 
 
+# -- compute -------------------------------------------------------------------------------
+
+
+def _matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch."""
+    t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
+    h, ad, gd = m.embed, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    out = [(1, tokens, ad / t_q, h), (2, tokens, gd / t_kv, h), (1, tokens, h, ad / t_q)]
+    moe = m.moe
+    if moe is None:
+        return [*out, (2, tokens, m.mlp / t_f, h), (1, tokens, h, m.mlp / t_f)]
+    # Routed experts: the device's E/ep experts see ep·M·k/E tokens each; averaged over the MoE layers.
+    ep = layout.ways(("expert",))
+    f = moe.mlp or m.mlp
+    t_e = layout.ways(("expert_mlp",)) if layout.axes_of("expert_mlp") else t_f
+    frac = 1 / moe.every_n_layers
+    routed = tokens * moe.top_k * ep / moe.experts * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
+    local = moe.experts / ep
+    out += [(2 * local * frac, routed, f / t_e, h), (local * frac, routed, h, f / t_e)]
+    if moe.shared_experts:
+        out += [(2 * moe.shared_experts * frac, tokens, f / t_f, h), (moe.shared_experts * frac, tokens, h, f / t_f)]
+    dense = 1 - frac
+    return [*out, (2 * dense, tokens, m.mlp / t_f, h), (dense, tokens, h, m.mlp / t_f)]
+
+
+def matmul_seconds(cluster: Cluster, count: float, mm: float, n: float, k: float) -> float:
+    """Forward of ``count`` (M, N, K) matmuls: 2·M·N·K FLOPs each at the efficiency of a cube of their size."""
+    return count * 2 * mm * n * k / (cluster.peak_flops * cluster.matmul_eff((mm * n * k) ** (1 / 3)))
+
+
+def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, step: Step,
+             cluster: Cluster) -> dict[str, float]:
+    """Seconds of the step's compute on one device: forward, backward and recomputation, by part."""
+    cbytes = dtype_bytes(m.dtype)
+    ways_tokens = layout.ways(("batch",)) * layout.ways(("length",))
+    tokens = step.global_batch * step.seq_len / ways_tokens  # through this device's layers in a step
+    passes = step.microbatches * (step.pipeline_microbatches if layout.pipelined else 1)
+    micro = tokens / passes
+    layers = m.layers / layout.ways(("layers",))
+    s_block = step.seq_len / layout.ways(("length",))
+    t_q, t_v = layout.ways(("heads",)), layout.ways(("vocab",))
+    sp = layout.size(layout.sequence_axes)
+
+    fwd_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _matmuls(m, layout, micro))
+    head = passes * matmul_seconds(cluster, 1, micro, m.vocab_size / t_v, m.embed)
+    attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * m.head_dim * layers  # causal: half of QK and PV
+    fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
+    # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
+    # write), RoPE on q and k (read, write), SwiGLU's silu·product (2 reads, 1 write).
+    elems = (10 * m.embed) / sp + 2 * (m.heads / t_q + m.kv_heads / layout.ways(("kv_heads",))) * m.head_dim
+    elems += 3 * (m.moe.mlp or m.mlp if m.moe else m.mlp) / layout.ways(("mlp",))
+    fwd_mem = tokens * layers * elems * cbytes
+    if m.attention not in ("blockwise", "ring", "cudnn"):  # s x s fp32 scores written and read 4 times
+        fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
+    logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
+    update = weights = 0.0
+    if params is not None:
+        pbytes = dtype_bytes(m.param_dtype)
+        opt = sum(p.size / layout.ways(p.axes, "optimizer") for p in params)
+        grads = sum(p.size / layout.ways(p.axes, "gradients") for p in params)
+        held = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)  # cast before any gather
+        update = opt * (2 * pbytes + 4 * 4 + pbytes + cbytes)  # master and moments read+write, gradient read
+        update += grads * 2 * pbytes * max(0, step.microbatches - 1)  # the accumulator
+        if m.dtype != m.param_dtype:
+            weights = passes * held * (pbytes + cbytes)
+    bw = cluster.memory_bandwidth
+    forward = fwd_mm + head + fwd_attn + (fwd_mem + logits / 4 + weights) / bw
+    backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + 3 * logits / 4 + weights) / bw
+    recompute = {"none": 0.0, "save_dots": fwd_mem / bw, "save_named": fwd_mem / bw,
+                 "full": fwd_mm + fwd_attn + fwd_mem / bw}[m.remat]
+    if m.loss_chunk:  # the chunked loss recomputes each chunk's logits in its backward
+        recompute += head
+    if layout.pipelined and step.pipeline_remat:  # the stage forward again in the backward
+        recompute += fwd_mm + fwd_attn + fwd_mem / bw
+    return {
+        "forward": forward,
+        "backward": backward + recompute,
+        "recompute": recompute,
+        "matmul": 3 * (fwd_mm + head),
+        "attention": 3.5 * fwd_attn,
+        "memory_bound": (3 * fwd_mem + logits + 2 * weights) / bw,
+        "optimizer": update / bw,
+    }
+
+
+# -- communication -------------------------------------------------------------------------
+
+
+def flow_kind(f: Flow) -> str:
+    """What a collective is for, as the reasons name it: TP, CP, PP, EP, FSDP gather, gradients, ZeRO gather."""
+    for prefix, name in (("TP", "TP"), ("SP", "TP"), ("CP", "CP"), ("PP", "PP"), ("EP", "EP")):
+        if f.what.startswith(prefix):
+            return name
+    if f.what.startswith("embedding lookup"):
+        return "embedding"
+    if f.phase == "update":
+        return "ZeRO gather"
+    if "gradient" in f.what:
+        return "gradients"
+    return "FSDP gather"
+
+
+def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.0) -> tuple[float, float]:
+    """(seconds of all its runs, seconds of one run) of a flow at its link level; ``scale`` rescales its bytes."""
+    level = "inter" if inter else "intra"
+    latency = cluster.latency_inter if inter else cluster.latency_intra
+    bandwidth = cluster.inter_bandwidth if inter else cluster.intra_bandwidth
+    measured = (cluster.collectives or {}).get(level, {}).get(f.kind)
+    if measured:
+        latency, bandwidth = measured
+    steps = 1 if f.kind == "collective-permute" else math.ceil(math.log2(f.n)) * (2 if f.kind == "all-reduce" else 1)
+    one = latency * steps + f.wire_bytes / f.runs * scale / bandwidth
+    return one * f.runs, one
+
 
 def step_time(
-    m: ModelConfig, flows: Sequence[Flow], layout: Layout, step: Step, cluster: Cluster
+    m: ModelConfig, flows: Sequence[Flow], layout: Layout, step: Step, cluster: Cluster,
+    params: Sequence[Param] | None = None,
 ) -> dict[str, float]:
-    """Predicted seconds per step: compute, pipeline bubble, exposed communication; and the MFU."""
+    """Predicted seconds per step: compute by part, bubble, communication and what of it is exposed, by kind."""
     devices = math.prod(layout.mesh.values())
     tokens = step.global_batch * step.seq_len
     model_flops = flops_per_token(m, step.seq_len) * tokens
-    extra = {"none": 0.0, "save_dots": 0.05, "save_named": 0.15, "full": 1 / 3}[m.remat]
+    comp = _compute(m, params, layout, step, cluster)
+    compute = comp["forward"] + comp["backward"] + comp["optimizer"]
     p = layout.ways(("layers",))
-    if p > 1 and step.pipeline_remat:  # the backward recomputes each stage's forward
-        extra += 1 / 3
-    compute = model_flops * (1 + extra) / devices / (cluster.peak_flops * cluster.compute_efficiency)
-    bubble = 0.0
-    if p > 1:
-        bubble = compute * (p - 1) / (step.repeats * step.pipeline_microbatches)
-    hidden = exposed = 0.0
+    bubble = compute * (p - 1) / (step.repeats * step.pipeline_microbatches) if p > 1 else 0.0
+    gather_scale = dtype_bytes(m.dtype) / dtype_bytes(m.param_dtype)
+    exposed: dict[str, float] = {}
+    hidden: dict[tuple[str, bool], list[tuple[str, float]]] = {}
+    total_comm = 0.0
     for f in flows:
         inter = crosses_nodes(f.axes, layout.mesh, cluster.devices_per_node)
-        seconds = f.wire_bytes / (cluster.inter_bandwidth if inter else cluster.intra_bandwidth)
-        if f.overlap:
-            hidden += seconds
-        else:
-            exposed += seconds
-    exposed += max(0.0, hidden - compute)
-    total = compute + bubble + exposed
-    return {
+        kind = flow_kind(f)
+        scale = gather_scale if kind == "FSDP gather" else 1.0
+        seconds, one = collective_seconds(f, cluster, inter, scale)
+        total_comm += seconds
+        if not f.overlap:
+            exposed[kind] = exposed.get(kind, 0.0) + seconds
+            continue
+        first = min(seconds, one * step.microbatches)  # the first of each microbatch has nothing to hide behind
+        exposed[kind] = exposed.get(kind, 0.0) + first
+        hidden.setdefault((f.phase, inter), []).append((kind, seconds - first))
+    contention = 0.0
+    for (phase, _), items in hidden.items():
+        budget = comp["backward"] if phase == "backward" else comp["forward"]
+        overlapped = sum(s for _, s in items)
+        spill = overlapped - budget
+        contention += cluster.overlap_cost * min(overlapped, budget)
+        if spill > 0:  # shared out over the kinds in proportion to their time
+            for kind, s in items:
+                exposed[kind] = exposed.get(kind, 0.0) + spill * s / overlapped
+    exposed_total = sum(exposed.values())
+    total = compute + bubble + exposed_total + contention
+    out = {
         "compute": compute,
+        **{k: comp[k] for k in ("matmul", "attention", "memory_bound", "optimizer", "recompute")},
         "bubble": bubble,
-        "communication": hidden + exposed - max(0.0, hidden - compute),
-        "exposed": exposed,
+        "contention": contention,
+        "communication": total_comm,
+        "exposed": exposed_total,
+        **{f"exposed.{k}": v for k, v in sorted(exposed.items()) if v > 0},
         "total": total,
         "mfu": model_flops / devices / cluster.peak_flops / total,
         "tokens_per_sec": tokens / total,
     }
+    return out

@@ -39,6 +39,8 @@ def verify(candidates: list[Candidate], model: dict[str, Any], seq_len: int) -> 
     """Compile each candidate (float32, scaled to the devices) and put its compiled memory and collective
     bytes next to the analytic model's for the same step."""
     fp32 = {**model, "dtype": "float32"}
+    if fp32.get("attention") == "cudnn":  # a GPU kernel in bf16: on CPU the blockwise kernel keeps as little
+        fp32["attention"] = "blockwise"
     rows = []
     for cand in candidates:
         layout = cand.layout
@@ -60,7 +62,8 @@ def verify(candidates: list[Candidate], model: dict[str, Any], seq_len: int) -> 
 
 def format_verify(rows: list[dict[str, Any]], devices: int, backend: str) -> str:
     lines = [
-        f"verify: compiled on {devices} simulated {backend} devices, float32 compute; GB per device; "
+        f"verify: compiled on {devices} simulated {backend} devices, float32 compute (predicted in float32 too, "
+        "not the plan table's dtype); GB per device; "
         "collectives in the reduce-scatter reading",
         f"  {'layout':<48} {'remat':<9} {'memory':>9} {'compiled':>9} {'err':>7}   {'wire':>9} {'compiled':>9} "
         f"{'err':>7}",
