@@ -2,11 +2,13 @@
 
 A checkpoint is one orbax step directory ``<checkpoint.dir>/<step>`` with four items:
 
-- ``state``: the train state (step, fp32 parameters, Adam state, fp8 amax histories) as sharded arrays
-  (tensorstore, OCDBT). Bytes on disk: 4Ψ parameters + 8Ψ Adam moments + a few
-  scalars, at most about 12Ψ whatever the layout (chunks are compressed, so
-  zeros such as the moments of embedding rows never seen take less); each array
-  is written once, each process writing only the shards it holds (one replica).
+- ``state``: the train state (step, parameters, Adam state, fp8 amax histories, and the master
+  weights where the compute copy is apart from them: :mod:`jaxscale.precision`) as sharded arrays
+  (tensorstore, OCDBT). Bytes on disk: 4Ψ fp32 parameters + 8Ψ Adam moments + a few
+  scalars, at most about 12Ψ whatever the layout, or with a bf16 compute copy 2Ψ + 4Ψ
+  master + 8Ψ, about 14Ψ (chunks are compressed, so zeros such as the moments of
+  embedding rows never seen take less); each array is written once, each process
+  writing only the shards it holds (one replica).
 - ``data``: the loader's state (next step, sequences read, epoch, identity of the data).
 - ``loop``: the loop's counters (updates skipped for a non-finite loss or gradient).
 - ``config``: the resolved config.
@@ -57,7 +59,7 @@ import yaml
 from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
-from jaxscale import fp8
+from jaxscale import fp8, precision
 from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
 from jaxscale.sharding import param_name
 
@@ -174,8 +176,8 @@ class Checkpointer:
 
 
 def _stored(state: Any) -> dict[str, Any]:
-    """The state's fields as saved: an empty one (``fp8`` with precision.fp8=off) is left out, so such
-    checkpoints are those of a train state without it, and restore on either side of it."""
+    """The state's fields as saved: an empty one (``fp8`` with precision.fp8=off, ``master`` with one copy)
+    is left out, so such checkpoints are those of a train state without it, and restore on either side of it."""
     return {k: v for k, v in state._asdict().items() if not (isinstance(v, dict) and not v)}
 
 
@@ -189,6 +191,7 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
                 f"the config has {current[key]!r}"
             )
     fp8.check_resume(saved, config.precision, step)
+    precision.check_resume(saved, config, step)
 
 
 @jax.jit
@@ -257,14 +260,17 @@ def params_source(path: str | Path) -> ParamsSource:
         checkpointer = Checkpointer(root, async_save=False)
         try:
             step = checkpointer.latest_step()
-            model = checkpointer.read_json(step).config["model"] if step is not None else None
+            saved = checkpointer.read_json(step).config if step is not None else None
         finally:
             checkpointer.close()
     if step is None:
         raise ConfigError(
             f"{root}: not a parameters checkpoint ({PARAMS_DIR}/ and {MODEL_FILE}) nor a run's checkpoint directory"
         )
-    return ParamsSource(root / str(step) / "state", ("params",), model)
+    # The full-precision weights: the master where the run kept one apart from its compute copy.
+    kept = saved.get("precision", {})
+    field = "master" if "params" in kept and precision.resolve(saved["model"], kept).two_copies else "params"
+    return ParamsSource(root / str(step) / "state", (field,), saved["model"])
 
 
 def save_params(directory: str | Path, params: Any, model: dict[str, Any]) -> None:
@@ -362,5 +368,7 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
     """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``)."""
     source = params_source(path)
     abstract = trainer.abstract_state()
-    check_params(source, "checkpoint.init_from", trainer.config, abstract.params)
-    return trainer.init_state(restore_params(source, abstract.params))
+    # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.
+    target = precision.updated(abstract.params, abstract.master)
+    check_params(source, "checkpoint.init_from", trainer.config, target)
+    return trainer.init_state(restore_params(source, target))

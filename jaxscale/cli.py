@@ -132,8 +132,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(json.dumps(out, indent=1) if args.json else format_inspect(out))
     if args.png:
         state, mem = out["state"], out["memory"]
-        compiled = {"parameters": state["params"], "optimizer": state["opt_state"], "batch": state["batch"],
-                    "temporaries": mem["temp"]}
+        compiled = {"parameters": state["params"], "master": state["master"], "optimizer": state["opt_state"],
+                    "batch": state["batch"], "temporaries": mem["temp"]}
         bars = [("compiled", compiled), ("analytic", report.analytic_parts(out["analytic"]["memory"]))]
         report.memory_png(bars, args.png, title=f"{config.rules} on {trainer.mesh.size} devices")
         print(f"wrote {args.png}", file=sys.stderr)

@@ -27,7 +27,7 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "full", "save_dots", "save_named"]
+Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
 # resolved at build (models/attention.py): auto -> the kernel the devices run
 Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
 MoEDispatch = Literal["capacity", "dropless"]
@@ -40,6 +40,8 @@ Resume = Literal["off", "auto"]
 Schedule = Literal["gpipe", "circular"]
 XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current"]
+CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
+ReduceDType = Literal["float32", "bfloat16"]
 
 
 class ConfigError(ValueError):
@@ -195,8 +197,16 @@ class XlaConfig:
 
 @dataclasses.dataclass
 class PrecisionConfig:
-    """Low-precision matmuls (``jaxscale/fp8.py``): ``fp8: off | delayed | current`` scaling."""
+    """Mixed precision (``jaxscale/precision.py``) and low-precision matmuls (``jaxscale/fp8.py``).
 
+    ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
+    updates (auto: ``model.param_dtype``); ``grads_reduce``: the gradient accumulator's dtype under
+    ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    """
+
+    params: CopyDType = "auto"
+    master: CopyDType = "auto"
+    grads_reduce: ReduceDType = "float32"
     fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
@@ -424,6 +434,7 @@ def validate(config: Config) -> None:
     validate_pipeline(config.pipeline)
     validate_xla(config.xla)
     validate_precision(config.precision)
+    _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -481,6 +492,16 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
+
+
+def _validate_copies(config: Config) -> None:
+    """The master may not be narrower than the compute copy (its update would be lost in the cast)."""
+    p, m = config.precision, config.model
+    params = m.dtype if p.params == "auto" else p.params
+    master = m.param_dtype if p.master == "auto" else p.master
+    widths = ("float32", "bfloat16", "float16")  # widest first
+    if widths.index(master) > widths.index(params):
+        raise ConfigError(f"precision.master ({master}) is narrower than the compute copy precision.params ({params})")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

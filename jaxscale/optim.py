@@ -1,9 +1,8 @@
 """The optimizer: optax AdamW with warmup + cosine decay and global-norm clipping.
 
-Mixed precision policy: the parameters are the fp32 master weights (the
-model casts them to ``model.dtype`` for compute), and Adam's moments are fp32,
-so the model state per device is 4Ψ (parameters) + 8Ψ (moments) + 4Ψ
-(gradients, fp32) divided as the rules table says. Weight decay applies to
+The optimizer updates the master weights (:mod:`jaxscale.precision`: the fp32
+parameters themselves in fp32 training, else a master apart from the bf16
+compute copy), and Adam's moments take the master's dtype. Weight decay applies to
 matrices only: a parameter with fewer than two dimensions other than
 ``layers`` (norm scales, biases) is not decayed.
 

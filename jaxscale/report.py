@@ -18,6 +18,7 @@ from jaxscale.config import ConfigError
 # Parts of a memory breakdown, in stacking order, with the keys of jaxscale.analysis.memory.memory they sum.
 MEMORY_PARTS = {
     "parameters": ("params",),
+    "master": ("master",),
     "optimizer": ("optimizer",),
     "gradients": ("gradients", "accumulator"),
     "activations": ("activations",),

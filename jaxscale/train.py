@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import fp8, loop, xla_flags
+from jaxscale import fp8, loop, precision, xla_flags
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import model_cross_entropy
@@ -53,6 +53,7 @@ class TrainState(NamedTuple):
     params: Any
     opt_state: Any
     fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/fp8.py); empty with precision.fp8=off
+    master: Any = {}  # noqa: RUF012  the master weights (jaxscale/precision.py); empty when params are the only copy
 
 
 def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
@@ -130,7 +131,8 @@ class Trainer:
 
         jax.eval_shape(map_state)
         fp8_state = jax.tree.map(lambda _: replicated, self._shapes.fp8)
-        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state)
+        master = self.param_shardings("optimizer") if self.policy.two_copies else {}
+        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -175,13 +177,20 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------
 
-    def _init(self, params: Any = None) -> TrainState:
-        """A fresh state; with ``params``, around those parameters (a fresh optimizer, step 0)."""
+    @cached_property
+    def policy(self) -> precision.Policy:
+        """The mixed-precision policy: compute copy, master, gradient reduction (:mod:`jaxscale.precision`)."""
+        return precision.policy(self.config)
+
+    def _init(self, weights: Any = None) -> TrainState:
+        """A fresh state; with ``weights`` (the master's, or the parameters' with one copy), around those
+        weights: the compute copy cast from them, a fresh optimizer, step 0."""
         with nnx.use_eager_sharding(False):
             model = Llama(self.config, nnx.Rngs(self.config.train.seed))
         _, fresh, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
-        params = nnx.to_pure_dict(fresh) if params is None else params
-        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), nnx.to_pure_dict(fp8_state))
+        params, master = precision.split(self.policy, nnx.to_pure_dict(fresh) if weights is None else weights)
+        opt_state = self.optimizer.init(precision.updated(params, master))
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, nnx.to_pure_dict(fp8_state), master)
 
     @cached_property
     def _shapes(self) -> TrainState:
@@ -192,12 +201,13 @@ class Trainer:
     def jit_init(self) -> Any:
         return self._jit(self._init, out_shardings=self.state_shardings)
 
-    def init_state(self, params: Any = None) -> TrainState:
-        """A fresh state, created on the devices directly in its shardings; with ``params`` (laid out as
-        :attr:`state_shardings`, donated), a new run's state around them: step 0, a fresh optimizer."""
-        if params is None:
+    def init_state(self, weights: Any = None) -> TrainState:
+        """A fresh state, created on the devices directly in its shardings; with ``weights`` (laid out and typed
+        as the master of :attr:`state_shardings`, or its params with one copy; donated), a new run's state
+        around them: step 0, a fresh optimizer."""
+        if weights is None:
             return self.jit_init()
-        return self._jit(self._init, out_shardings=self.state_shardings, donate_argnums=0)(params)
+        return self._jit(self._init, out_shardings=self.state_shardings, donate_argnums=0)(weights)
 
     def fresh_fp8(self) -> Any:
         """The fp8 state of a fresh start (empty histories): what ``fp8_state=None`` stands for below."""
@@ -240,13 +250,14 @@ class Trainer:
         def body(carry: tuple[Any, ...], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
             loss_sum, grad_sum, aux_sum, fp8_max = carry
             (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state)
-            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)
             return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings), aux_sum, fp8_max), None
 
+        # The accumulator: precision.grads_reduce, in the gradients' layout (a shard per device under ZeRO-2/3).
         zeros = jax.lax.with_sharding_constraint(
-            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), grad_shardings
+            jax.tree.map(lambda p: jnp.zeros(p.shape, self.policy.reduce), params), grad_shardings
         )
         aux_zeros = {k: jnp.zeros((), jnp.float32) for k in moe.METRICS} if self.config.model.moe else {}
         init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
@@ -256,15 +267,14 @@ class Trainer:
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
-        opt_layout = self.param_shardings("optimizer")
-        # Compute the update where the optimizer state lives (ZeRO-1/2: a shard per device).
-        grads_o = jax.lax.with_sharding_constraint(grads, opt_layout)
-        params_o = jax.lax.with_sharding_constraint(state.params, opt_layout)
-        updates, opt_state = self.optimizer.update(grads_o, state.opt_state, params_o)
-        params = optax.apply_updates(params_o, updates)
+        # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
+        params, master, opt_state, grads_o = precision.update(
+            self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
+            self.param_shardings("optimizer"),
+        )
         lr = schedule(self.config.train)(state.step)
         out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": lr, **aux}
-        return TrainState(state.step + 1, params, opt_state, fp8_state), out
+        return TrainState(state.step + 1, params, opt_state, fp8_state, master), out
 
     def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
@@ -277,7 +287,8 @@ class Trainer:
         params = jax.tree.map(keep, new.params, state.params)
         opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
         fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
-        return TrainState(new.step, params, opt_state, fp8_state), {**out, "finite": finite}
+        master = jax.tree.map(keep, new.master, state.master)
+        return TrainState(new.step, params, opt_state, fp8_state, master), {**out, "finite": finite}
 
     @cached_property
     def jit_step(self) -> Any:

@@ -98,7 +98,7 @@ def test_state_is_exact_and_follows_the_zero_stages(trainers):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("remat", ["none", "full", "save_dots"])
+@pytest.mark.parametrize("remat", ["none", "selective", "full", "save_dots"])
 def test_layer_residuals_are_what_autodiff_saves(remat, dtype):
     """The per-layer activation table against jax's own list of saved residuals (no compile)."""
     config = tiny_config(f"model.remat={remat}", f"model.dtype={dtype}", "model.layers=2", rules="dp",

@@ -142,7 +142,7 @@ def test_lossless_conversions_are_accepted():
 @pytest.mark.parametrize(
     "override, match",
     [
-        ("model.remat=sometimes", r"model\.remat: 'sometimes' is not one of none, full"),
+        ("model.remat=sometimes", r"model\.remat: 'sometimes' is not one of none, selective, full"),
         ("model.dtype=fp8", r"model\.dtype: 'fp8' is not one of"),
         ("model.param_dtype=int8", r"model\.param_dtype: 'int8'"),
         ("model.mlp=0", r"model\.mlp must be positive"),

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import subprocess_env, tiny_config
@@ -29,7 +30,7 @@ def test_loss_falls_and_metrics_are_logged(run_dir):
     assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in records)
 
 
-@pytest.mark.parametrize("remat", ["full", "save_dots", "save_named"])
+@pytest.mark.parametrize("remat", ["full", "selective", "save_dots", "save_named"])
 def test_remat_policies_keep_gradients(remat, one_device):
     params, batch = one_device.trainer.init_state().params, one_device.trainer.batch(0)
     names = ["model.remat_names=[query,key,value,mlp_hidden]"] if remat == "save_named" else []
@@ -46,7 +47,8 @@ def test_bfloat16_compute_keeps_fp32_master_weights():
     trainer = Trainer.build(tiny_config("model.dtype=bfloat16", rules="fsdp_tp_sp", mesh={"fsdp": 2, "tensor": 4}))
     state = trainer.init_state()
     state, out = trainer.step(state, trainer.batch(0))
-    assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.params))
+    assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(state.params))  # the compute copy
+    assert all(p.dtype == np.float32 for p in jax.tree.leaves(state.master))
     assert np.isfinite(float(out["loss"])) and abs(float(out["loss"]) - np.log(256)) < 0.5
 
 

@@ -4,8 +4,10 @@ The analytic model (:mod:`jaxscale.analysis.predict`) counts what jaxscale's ste
 this module puts the playbook's closed forms next to it, for the same parameters, placement and
 step (:mod:`jaxscale.analysis.params`), so the two can only differ where the formulas do:
 
-* model state per device in jaxscale's fp32 convention (4Ψ params, 8Ψ Adam, 4Ψ gradients) and in
-  the playbook's (bf16 parameters and gradients, 12Ψ fp32 master copy and Adam), by ZeRO stage;
+* model state per device as jaxscale's precision policy keeps it (:mod:`jaxscale.precision`: fp32
+  training 4Ψ params, 8Ψ Adam, 4Ψ gradients; bf16 compute 2Ψ compute copy, 4Ψ fp32 master, 8Ψ Adam,
+  2Ψ gradients) and in the playbook's convention (bf16 parameters and gradients, fp32 master copy
+  and Adam moments), by ZeRO stage;
   the stage is read from the layout: 3 if the data-parallel axes split the parameters, 2 if the
   gradients, 1 if the optimizer state. TP divides the tensor-sharded parameters Ψ_t by t (the
   rest, norms, stays whole);
@@ -26,14 +28,21 @@ from jaxscale.layout import Layout
 DATA_AXES = ("data", "fsdp")
 
 
-def state_formula(psi: float, n_d: int, stage: int, param_bytes: int = 4) -> dict[str, float]:
-    """docs/formulas.md "Model state per device" in jaxscale's fp32 convention: 4Ψ params, 8Ψ Adam, 4Ψ gradients."""
-    p, g, o = param_bytes * psi, param_bytes * psi, 2 * param_bytes * psi
-    return {
+def state_formula(psi: float, n_d: int, stage: int, param_bytes: int = 4, master_bytes: int | None = None
+                  ) -> dict[str, float]:
+    """docs/formulas.md "Model state per device" at ZeRO ``stage``: parameters and gradients of ``param_bytes``,
+    Adam's moments of the master's dtype; ``master_bytes``: a master apart from the parameters (sharded with
+    the moments), None: the parameters are the master (fp32 training: 4Ψ params, 8Ψ Adam, 4Ψ gradients)."""
+    mb = master_bytes or param_bytes
+    p, g, o = param_bytes * psi, param_bytes * psi, 2 * mb * psi
+    out = {
         "params": p / n_d if stage >= 3 else p,
         "gradients": g / n_d if stage >= 2 else g,
         "optimizer": o / n_d if stage >= 1 else o,
     }
+    if master_bytes is not None:
+        out["master"] = mb * psi / n_d if stage >= 1 else mb * psi
+    return out
 
 
 def korthikanti(m: ModelConfig, tokens: float, seq_len: int, t: int = 1, sp: bool = False) -> float:
@@ -56,7 +65,9 @@ def data_ways(params: Sequence[Param], layout: Layout) -> dict[str, int]:
 def formulas(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, Any]:
     """docs/formulas.md's figures for this layout, in bytes per device (see the module docstring)."""
     mesh = layout.mesh
-    pbytes, cbytes = dtype_bytes(m.param_dtype), dtype_bytes(m.dtype)
+    compute, master = step.copies(m)
+    pbytes, mbytes, cbytes = dtype_bytes(compute), dtype_bytes(master), dtype_bytes(m.dtype)
+    apart = mbytes if compute != master else None
     psi = sum(p.size for p in params)
     t = mesh["tensor"]
     psi_t = sum(p.size for p in params if "tensor" in layout.mesh_axes(p.axes))
@@ -65,14 +76,16 @@ def formulas(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step
     ways = data_ways(params, layout)
     stage = 3 if ways["params"] > 1 else 2 if ways["gradients"] > 1 else 1 if ways["optimizer"] > 1 else 0
     out: dict[str, Any] = {
-        "convention": "fp32 master params 4Ψ + Adam moments 8Ψ + fp32 gradients 4Ψ (transient), each / its dp ways",
+        "convention": f"compute copy {pbytes}Ψ" + (f" + master {mbytes}Ψ" if apart else " (the master)")
+        + f" + Adam moments {2 * mbytes}Ψ + gradients {pbytes}Ψ (transient), each / its dp ways",
         "psi": psi,
         "psi_tensor_sharded": psi_t,
         "n_d": nd,
         "zero_stage": stage,
         "params_bytes": pbytes * local / ways["params"],
         "grads_bytes": pbytes * local / ways["gradients"],
-        "adam_bytes": 2 * pbytes * local / ways["optimizer"],
+        "master_bytes": mbytes * local / ways["optimizer"] if apart else 0.0,
+        "adam_bytes": 2 * mbytes * local / ways["optimizer"],
         "dp_comm_bytes": (3 if stage == 3 else 2) * (nd - 1) / nd * local * pbytes,
     }
     micro = step.microbatches
@@ -81,12 +94,8 @@ def formulas(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step
         bsh = b * (step.seq_len // mesh["context"]) * m.embed * cbytes
         out["tp_comm_bytes"] = 4 * m.layers * micro * 2 * (t - 1) / t * bsh  # 2 all-reduces fwd, 2 bwd
     stage_local = local / mesh["stage"]
-    out["state_jaxscale"] = state_formula(stage_local, nd, stage, pbytes)
-    out["state_playbook"] = {  # bf16 parameters and gradients, fp32 master copy + Adam (12Ψ)
-        "params": 2 * stage_local / (nd if stage >= 3 else 1),
-        "gradients": 2 * stage_local / (nd if stage >= 2 else 1),
-        "optimizer": 12 * stage_local / (nd if stage >= 1 else 1),
-    }
+    out["state_jaxscale"] = state_formula(stage_local, nd, stage, pbytes, apart)
+    out["state_playbook"] = state_formula(stage_local, nd, stage, 2, 4)  # bf16 params and grads, fp32 master + Adam
 
     context, stages = layout.ways(("length",)), layout.ways(("layers",))
     sp = "tensor" in layout.mesh_axes(("norm_length",))

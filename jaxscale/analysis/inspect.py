@@ -116,8 +116,8 @@ def format_inspect(report: dict[str, Any]) -> str:
     err = pred["total"] / mem["total"] - 1 if mem["total"] else 0.0
     lines.append(f"  analytic  {parts}  total {_mb(pred['total'])} ({100 * err:+.1f}%)")
     state = report["state"]
-    lines.append(f"  state     compiled shardings: params {_mb(state['params'])}  optimizer {_mb(state['opt_state'])};"
-                 f"  docs/formulas.md ZeRO-{ref['zero_stage']}, jaxscale fp32: "
+    lines.append(f"  state     compiled shardings: params {_mb(state['params'])}  master {_mb(state['master'])}  "
+                 f"optimizer {_mb(state['opt_state'])};  docs/formulas.md ZeRO-{ref['zero_stage']}, jaxscale's policy: "
                  + "  ".join(f"{k} {_mb(v)}" for k, v in ref["state_jaxscale"].items())
                  + ";  playbook (bf16 + fp32 master): "
                  + "  ".join(f"{k} {_mb(v)}" for k, v in ref["state_playbook"].items()))

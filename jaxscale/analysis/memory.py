@@ -1,12 +1,15 @@
 """The analytic model's memory: bytes per device of a train step, by part, without compiling.
 
-Memory (bytes per device, :func:`memory`), jaxscale's convention (fp32 master weights
-are *the* parameters; docs/formulas.md "Model state"):
+Memory (bytes per device, :func:`memory`), by the mixed-precision policy
+(:mod:`jaxscale.precision`; docs/formulas.md "Model state"), each part divided by the mesh axes
+its layout shards it over (TP, PP and EP split; ZeRO-1/2/3 add the data-parallel axes to the
+optimizer state, gradients and parameters in turn):
 
-* parameters 4Ψ/ways, Adam moments 8Ψ/ways, gradients 4Ψ/ways (each divided by the mesh
-  axes its layout shards it over: TP, PP and EP split; ZeRO-1/2/3 add the data-parallel
-  axes to the optimizer state, gradients and parameters in turn); one more gradient-sized
-  accumulator with gradient accumulation;
+* the compute copy (``params``) in its dtype, laid out by the parameter rules; the master
+  (``master``, fp32) and Adam's moments (``optimizer``, 8Ψ in fp32) by the optimizer's; with
+  one copy (fp32 training) the parameters are the master and ``master`` is 0; the gradients
+  in the compute copy's dtype; with gradient accumulation one more gradient-sized
+  accumulator (``precision.grads_reduce``, fp32) in the gradients' layout;
 * activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
@@ -19,10 +22,11 @@ are *the* parameters; docs/formulas.md "Model state"):
   its unreduced weight gradient) and the loss (logits in the compute dtype and fp32, their
   exponentials and gradient; of ``model.loss_chunk`` tokens per sequence when chunked).
 
-jaxscale keeps more than Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer
-(:func:`jaxscale.analysis.formulas.korthikanti`): autodiff saves both the fp32 and the compute-dtype copies around
-each RMSNorm, the query/key/value, both the scores and the probabilities, and SwiGLU's
-gate, up, silu and product; without remat the weights cast to the compute dtype too. Under
+Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`jaxscale.analysis.formulas.korthikanti`)
+count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.models.lean`: a norm's input
+and statistics, SwiGLU's gate and up); jaxscale keeps in addition both the scores and the
+probabilities of ``dot`` attention, or the kernel's output next to the output projection's
+input under flash-style attention; without remat the weights cast to the compute dtype too. Under
 SP the all-gathered norm output is saved whole (Megatron re-gathers it in the backward),
 save_dots keeps the attention projection's partial sums whole (before the reduce-scatter),
 and without remat the shard_map keeps its weight operands (gathered, under FSDP).
@@ -52,9 +56,11 @@ REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, lo
     "mlp_out": ("h", RESIDUAL),
 }
 FLASH_ATTENTION = ("blockwise", "ring", "cudnn")  # no s x s scores kept
-# A layer's backward under full recomputation holds its recomputed residuals and their cotangents:
-# 1.15x the residuals of a layer without remat, measured on XLA:CPU (1.0 without recomputation).
-RECOMPUTE = {"full": 1.15}
+# A layer's backward under full recomputation holds its recomputed residuals, their cotangents and the
+# fp32 temporaries of the lean norms' and SwiGLU's backward (models/lean.py), measured on XLA:CPU against
+# the residuals of a layer without remat: 1.56-1.70x for the tiny test layouts, 1.18x for Llama-3-8B
+# (fsdp x tp, fp32); 1.42 keeps both within 8% (1.0 without recomputation). The factor is a fit, not a count.
+RECOMPUTE = {"full": 1.42}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +86,10 @@ def _mlp_per_token(m: ModelConfig) -> int:
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
     """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
 
-    ``none``: everything below; ``full``: the layer input; ``save_dots``: the input and the
-    outputs of the weight matmuls that the recomputation needs (q, k, v, attention out, gate,
-    up); ``save_named``: the input and ``model.remat_names``.
+    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.models.lean` keeps them);
+    ``selective``: ``none`` less the attention core's own residuals; ``full``: the layer input;
+    ``save_dots``: the input and the outputs of the weight matmuls that the recomputation needs
+    (q, k, v, attention out, gate, up); ``save_named``: the input and ``model.remat_names``.
     """
     h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
     fe = _mlp_per_token(m)
@@ -101,15 +108,17 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
         names = m.remat_names
         return [x] + [Activation(n, sizes[REMAT_NAMES[n][0]], REMAT_NAMES[n][1]) for n in names if n in REMAT_NAMES]
     kept = [
-        Activation("norms (fp32)", 4 * h, RESIDUAL, "fp32"),
-        Activation("norm statistics", 4, RESIDUAL[:2], "fp32"),
+        Activation("norm inputs", 2 * h, RESIDUAL),
+        Activation("norm statistics", 2, RESIDUAL[:2], "fp32"),
         Activation("normed inputs", 2 * h, HIDDEN),
         Activation("query, attention out", 2 * a * d, Q_AXES),
         Activation("key, value", 2 * g * d, KV_AXES),
-        Activation("SwiGLU", 6 * fe, MLP_AXES),
+        Activation("gate, up, hidden", 3 * fe, MLP_AXES),
     ]
-    if m.attention in FLASH_ATTENTION:
-        kept.append(Activation("softmax statistics", 2 * a, SCORES, "fp32"))
+    if policy == "selective":
+        pass
+    elif m.attention in FLASH_ATTENTION:
+        kept += [Activation("kernel output", a * d, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
     else:
         kept += [
             Activation("scores", a * seq_len, SCORES, "fp32"),
@@ -136,12 +145,13 @@ def _layers_here(m: ModelConfig, layout: Layout) -> float:
 
 def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, float]:
     """Predicted bytes per device of the compiled step, by part; ``total`` is their sum."""
-    pbytes = dtype_bytes(m.param_dtype)
+    compute, master = step.copies(m)
+    pbytes, mbytes = dtype_bytes(compute), dtype_bytes(master)  # the compute copy (and gradients), the master
     cbytes = dtype_bytes(m.dtype)
     grad_kind = "optimizer" if step.microbatches == 1 else "gradients"
 
-    def state(kind: str) -> float:
-        return sum(p.size / layout.ways(p.axes, kind) for p in params) * pbytes
+    def state(kind: str, nbytes: int) -> float:
+        return sum(p.size / layout.ways(p.axes, kind) for p in params) * nbytes
 
     micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
     pipelined = layout.pipelined
@@ -152,7 +162,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
     if m.remat == "none" and layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
         kept_weights = sum(split(p, layout, step, m.layers).unit for p in params if p.in_layers and p.in_sp_region)
-    elif m.remat == "none" and m.dtype != m.param_dtype:  # the weights cast to the compute dtype
+    elif m.remat == "none" and m.dtype != compute:  # the weights cast to the compute dtype
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
@@ -166,10 +176,11 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     if pipelined:
         activations, layer_backward = _pipeline_activations(m, layout, step, rows, layers * per_layer, layer_backward)
     out = {
-        "params": state("params"),
-        "optimizer": 2 * state("optimizer"),
-        "gradients": state(grad_kind),
-        "accumulator": state("gradients") if step.microbatches > 1 else 0.0,
+        "params": state("params", pbytes),
+        "master": state("optimizer", mbytes) if compute != master else 0.0,
+        "optimizer": 2 * state("optimizer", mbytes),
+        "gradients": state(grad_kind, pbytes),
+        "accumulator": state("gradients", dtype_bytes(step.reduce_dtype)) if step.microbatches > 1 else 0.0,
         # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
         "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
         if pipelined else 0.0,

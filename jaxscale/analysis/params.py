@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.config import Config
+from jaxscale.config import Config, ModelConfig
 from jaxscale.layout import Layout
 
 
@@ -78,13 +78,21 @@ class Step:
     pipeline_microbatches: int = 1
     repeats: int = 1
     pipeline_remat: bool = True
+    params_dtype: str = "auto"  # precision.params: the compute copy (auto: model.dtype)
+    master_dtype: str = "auto"  # precision.master: the weights the optimizer updates (auto: model.param_dtype)
+    reduce_dtype: str = "float32"  # precision.grads_reduce: the accumulator's
 
     @classmethod
     def from_config(cls, config: Config, stages: int = 1) -> Step:
         """The step of an experiment; ``stages`` is the resolved size of the ``stage`` mesh axis."""
-        pipeline, t = config.pipeline, config.train
+        pipeline, t, p = config.pipeline, config.train, config.precision
         return cls(t.global_batch, t.seq_len, t.microbatches, pipeline.microbatches or stages, pipeline.repeats,
-                   pipeline.remat)
+                   pipeline.remat, p.params, p.master, p.grads_reduce)
+
+    def copies(self, m: ModelConfig) -> tuple[str, str]:
+        """The dtypes of the compute copy and of the master (:mod:`jaxscale.precision`; equal: one copy)."""
+        return (m.dtype if self.params_dtype == "auto" else self.params_dtype,
+                m.param_dtype if self.master_dtype == "auto" else self.master_dtype)
 
 
 def trainer_inputs(trainer: Any) -> tuple[list[Param], Layout, Step]:

@@ -249,9 +249,12 @@ def loss_chunk_for(seq_len: int) -> int:
     return max(d for d in _divisors(seq_len) if d <= max(1, seq_len // 8))
 
 
+STATE_PARTS = ("params", "master", "optimizer", "gradients", "accumulator", "pipeline accumulator")
+
+
 def state_bytes(mem: dict[str, float]) -> float:
-    """Parameters, optimizer state, gradients and accumulators."""
-    return sum(mem.get(k, 0.0) for k in ("params", "optimizer", "gradients", "accumulator", "pipeline accumulator"))
+    """The compute copy, the master, optimizer state, gradients and accumulators."""
+    return sum(mem.get(k, 0.0) for k in STATE_PARTS)
 
 
 def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_peak: bool) -> str:
@@ -436,7 +439,8 @@ def table(plan: Plan) -> str:
         f"global batch {plan.global_batch} x {plan.seq_len} tokens; {plan.searched} layouts searched",
         "",
         f"{'#':>2}  {'layout':<52} {'zero':>4} {'remat':<9} {'b':>3} {'acc':>4}  "
-        f"{'state':>6} {'act':>6} {'peak':>6} {'total':>6} GB  {'comp':>7} {'comm':>7} {'expo':>7} {'bubl':>7} "
+        f"{'copy':>6} {'master':>6} {'adam':>6} {'grads':>6} {'act':>6} {'peak':>6} {'total':>6} GB  "
+        f"{'comp':>7} {'comm':>7} {'expo':>7} {'bubl':>7} "
         f"{'step':>7} {unit:<2}  {'MFU':>5}",
     ]
 
@@ -446,10 +450,12 @@ def table(plan: Plan) -> str:
     for i, cand in enumerate(plan.candidates, 1):
         lay, mem, t = cand.layout, cand.memory, cand.time
         peak = mem["transient"] + mem.get("mask", 0.0)
+        grads = mem["gradients"] + mem["accumulator"] + mem.get("pipeline accumulator", 0.0)
         zero = "/".join([str(lay.zero_stage)] + [s.rsplit("zero", 1)[1] for s in cand.same if "zero" in s])
         lines.append(
             f"{i:>2}  {lay.describe():<52} {zero:>4} {lay.remat:<9} {lay.micro_batch:>3} "
-            f"{lay.accumulation:>4}  {_gb(state_bytes(mem)):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
+            f"{lay.accumulation:>4}  {_gb(mem['params']):>6} {_gb(mem.get('master', 0.0)):>6} "
+            f"{_gb(mem['optimizer']):>6} {_gb(grads):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
             f"{_gb(mem['total']):>6}     {num(t['compute'])} {num(t['communication'])} {num(t['exposed'])} "
             f"{num(t['bubble'])} {num(t['total'])}     {100 * t['mfu']:>4.1f}%"
         )
@@ -465,7 +471,9 @@ def table(plan: Plan) -> str:
         lines += [f"  {' = '.join(fams):<22} {why}" for why, fams in merged.items()]
     lines += [
         "",
-        "state = parameters + Adam + gradients (+ accumulator), fp32; act = the layers' saved activations and "
+        "copy = the compute copy, master = the fp32 master apart from it (jaxscale/precision.py), adam = the "
+        "moments, grads = gradients (+ fp32 accumulator); playbook: ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, "
+        "ZeRO-3 16Ψ/N; act = the layers' saved activations and "
         f"peak = one layer's backward or the loss, whichever is larger, in {plan.dtype} "
         "(--verify compiles in float32 and says so); zero 1/2: identical rows merged.",
         f"time ({unit}): comp = matmuls and attention at the efficiency their shapes reach on "

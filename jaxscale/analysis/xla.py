@@ -44,6 +44,7 @@ def state_bytes(trainer: Any) -> dict[str, int]:
     state = trainer.abstract_state()
     return {
         "params": per_device_bytes(state.params),
+        "master": per_device_bytes(state.master),
         "opt_state": per_device_bytes(state.opt_state),
         "step": per_device_bytes(state.step),
         "batch": per_device_bytes(trainer.abstract_batch()),

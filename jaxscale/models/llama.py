@@ -25,6 +25,7 @@ their mean over the MoE layers next to the logits.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -39,6 +40,7 @@ from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import pipeline, sequence
 from jaxscale.sharding import active, constrain
@@ -89,10 +91,33 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:
-    """The activation-checkpointing policy, or None for no recomputation."""
+    """The layer's activation-checkpointing policy, or None for no recomputation of the layer.
+
+    What one layer keeps per token for its backward, h hidden, a·d_h query and g·d_h key/value
+    widths, f the MLP width, B the compute dtype's bytes (bf16: 2), s the sequence length
+    (Llama 3 8B in bf16 with flash-style attention, per token and layer: none 144 KiB, 36·h bytes
+    next to Korthikanti's 34·h; selective 136 KiB; save_dots 84 KiB; full 8 KiB):
+
+    - ``none``: B·(4h + 3·a·d_h + 2·g·d_h + 3f) + 4·(2 + a): two norm inputs and normed
+      inputs, q, the attention output twice (the kernel's and the output projection's
+      layout), k, v, gate, up, hidden; fp32 norm statistics and, with flash-style
+      attention, the softmax's log-sum-exp per head (``dot`` keeps the a·s scores, fp32,
+      and probabilities in their place: about 6·a·s bytes more).
+    - ``selective``: the playbook's selective recomputation: the attention core is
+      recomputed from q, k, v in the backward (:class:`Attention`), the rest kept as
+      ``none``: the a·s scores and probabilities of ``dot`` attention (or the kernel's
+      output and statistics, B·a·d_h + 4·a, of a flash-style one) are not kept.
+    - ``save_dots``: the layer input and the outputs of the weight matmuls (jax's
+      ``dots_with_no_batch_dims_saveable``) that the backward reads: B·(2h + a·d_h + 2·g·d_h + 2f),
+      namely input, q, k, v, output projection, gate, up; norms, attention and SwiGLU are
+      recomputed.
+    - ``full``: the layer input, B·h; the whole layer is recomputed.
+    - ``save_named``: the layer input and the ``checkpoint_name``s in ``model.remat_names``.
+    """
     policies = jax.checkpoint_policies
     return {
         "none": None,
+        "selective": None,
         "full": policies.nothing_saveable,
         "save_dots": policies.dots_with_no_batch_dims_saveable,
         "save_named": policies.save_only_these_names(*config.remat_names),
@@ -107,9 +132,8 @@ class RMSNorm(nnx.Module):
         self.scale = ones((c.embed,), ("embed",), c.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        """Keeps for the backward ``x`` in the compute dtype and one fp32 statistic per token (:mod:`.lean`)."""
+        return rms_norm(x.astype(self.dtype), self.scale[...], self.eps)
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -157,7 +181,10 @@ class Attention(nnx.Module):
         q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-        out = attention(q, k, v, Q_AXES, KV_AXES, c)
+        core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
+        if c.remat == "selective":  # keep q, k, v; recompute the core in the backward
+            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        out = core(q, k, v)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         wo = f8("wo", self.wo[...]).astype(dt)
         y = sequence.row_parallel(
@@ -194,7 +221,7 @@ class MLP(nnx.Module):
             overlap=self.overlap,
         )
         gate, up = f8.grad("gate", gate), f8.grad("up", up)
-        hidden = checkpoint_name(constrain(jax.nn.silu(gate) * up, MLP_AXES), "mlp_hidden")
+        hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
         wd = f8("w_down", self.w_down[...]).astype(dt)
         y = sequence.row_parallel(
             "bsf,fe->bse", f8("hidden", hidden), MLP_AXES, wd, ("mlp", "embed"), RESIDUAL, overlap=self.overlap

@@ -59,6 +59,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import Config, ModelConfig, MoEConfig
+from jaxscale.models import lean
 from jaxscale.models.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.models.params import param
 from jaxscale.models.routing import Routing, capacity, dropless, flat_slot, route
@@ -99,7 +100,7 @@ def partitioner_experts(
     gates = jnp.einsum("bskn,bsk->bsn", slots, routing.gate.astype(x.dtype)).reshape(mask.shape)
     buf = constrain(jnp.einsum("bsec,bsd->becd", mask, x), BUFFER)
     w_gate, w_up, w_down = weights
-    hidden = jax.nn.silu(jnp.einsum("becd,edf->becf", buf, w_gate)) * jnp.einsum("becd,edf->becf", buf, w_up)
+    hidden = lean.swiglu(jnp.einsum("becd,edf->becf", buf, w_gate), jnp.einsum("becd,edf->becf", buf, w_up))
     out = constrain(jnp.einsum("becf,efd->becd", constrain(hidden, BUFFER_HIDDEN), w_down), BUFFER)
     return constrain(jnp.einsum("bsec,becd->bsd", gates, out), RESIDUAL)
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.config import MoEConfig
+from jaxscale.models import lean
 from jaxscale.sharding import constrain
 
 
@@ -69,7 +70,7 @@ def route(logits: jax.Array, moe: MoEConfig, seq_capacity: int) -> tuple[Routing
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...]."""
-    hidden = jax.nn.silu(jnp.einsum("...ecd,edf->...ecf", x, w_gate)) * jnp.einsum("...ecd,edf->...ecf", x, w_up)
+    hidden = lean.swiglu(jnp.einsum("...ecd,edf->...ecf", x, w_gate), jnp.einsum("...ecd,edf->...ecf", x, w_up))
     return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
 
 
@@ -111,7 +112,7 @@ def grouped_swiglu(
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((groups,), jnp.int32).at[key].add(1, mode="drop")
     xs = x[order]
-    hidden = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)
+    hidden = lean.swiglu(lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes))
     out = lax.ragged_dot(hidden, w_down, sizes)[jnp.argsort(order)]
     return jnp.where(local[:, None], out, 0)
 

@@ -1,0 +1,134 @@
+"""Mixed precision as the playbook keeps it: a compute copy, a master copy, and the optimizer's moments.
+
+The policy (config ``precision``) names three dtypes:
+
+- ``params``: the **compute copy** the model runs with (auto: ``model.dtype``), laid out by
+  the rules table's parameter rules: whole under DP and ZeRO-1/2, sharded under ZeRO-3.
+- ``master``: the weights the optimizer updates (auto: ``model.param_dtype``), laid out
+  with Adam's moments by the table's ``optimizer`` rules: a shard per device from ZeRO-1 on.
+- ``grads_reduce``: the dtype in which gradients are summed over microbatches and summed
+  onto the optimizer's layout. XLA's partitioner places each cross-device sum of a
+  weight gradient right after the matmul that produces it, in that matmul's output
+  dtype, which is the compute copy's: with bf16 compute the cross-device sum of one
+  microbatch is a bf16 reduce-scatter (all-reduce under DP, ZeRO-1), as it was before
+  this policy; float32 makes the microbatch accumulator and everything after it fp32,
+  bfloat16 keeps the accumulator in bf16 too.
+
+When the compute copy and the master have one dtype (fp32 training, or pure bf16) there
+is one copy, the parameters, and ``TrainState.master`` is empty: the step is the plain
+optimizer step. Otherwise a step (:func:`update`) is, per device:
+
+1. forward and backward with the compute copy (ZeRO-3 all-gathers it layer by layer, in
+   its own dtype);
+2. the gradients, cast to the master's dtype, constrained to the optimizer's layout
+   (ZeRO-1/2/3: a shard per device);
+3. Adam on the shard: master and moments updated where they live;
+4. the new compute copy cast from the master shard, then laid out by the parameter
+   rules: ZeRO-1/2 all-gather it in the compute dtype (2Ψ·(N−1)/N bytes, not 4Ψ·(N−1)/N),
+   ZeRO-3 keep the cast shard.
+
+State per device, Ψ parameters over N data-parallel devices, bf16 compute and fp32 master:
+ZeRO-1/2 2Ψ (compute copy) + 4Ψ/N (master) + 8Ψ/N (moments); ZeRO-3 (2Ψ + 4Ψ + 8Ψ)/N;
+gradients come and go within the step (2Ψ in bf16, or 2Ψ/N reduce-scattered; an fp32
+accumulator of 4Ψ, or 4Ψ/N under ZeRO-2/3, with ``train.microbatches`` > 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxscale.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The resolved dtypes: compute copy, master, gradient reduction."""
+
+    compute: jnp.dtype
+    master: jnp.dtype
+    reduce: jnp.dtype
+
+    @property
+    def two_copies(self) -> bool:
+        """Whether the state holds a master apart from the compute copy."""
+        return self.compute != self.master
+
+
+def resolve(model: Mapping[str, Any], precision: Mapping[str, Any]) -> Policy:
+    """The policy of a config's ``model`` and ``precision`` sections (as mappings: a saved config too)."""
+    params, master = precision.get("params", "auto"), precision.get("master", "auto")
+    return Policy(
+        jnp.dtype(model["dtype"] if params == "auto" else params),
+        jnp.dtype(model["param_dtype"] if master == "auto" else master),
+        jnp.dtype(precision.get("grads_reduce", "float32")),
+    )
+
+
+def policy(config: Config) -> Policy:
+    """The policy of ``config``."""
+    return resolve(dataclasses.asdict(config.model), dataclasses.asdict(config.precision))
+
+
+def cast(tree: Any, dtype: jnp.dtype) -> Any:
+    """Every floating-point leaf of ``tree`` in ``dtype``."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def split(p: Policy, weights: Any) -> tuple[Any, Any]:
+    """The compute copy and the master (empty with one copy) of freshly made or loaded ``weights``."""
+    if not p.two_copies:
+        return cast(weights, p.master), {}
+    return cast(weights, p.compute), cast(weights, p.master)
+
+
+def updated(params: Any, master: Any) -> Any:
+    """The weights the optimizer updates: the master, or the parameters when they are the only copy."""
+    return master if master else params
+
+
+def update(
+    p: Policy,
+    optimizer: optax.GradientTransformation,
+    grads: Any,
+    params: Any,
+    master: Any,
+    opt_state: Any,
+    opt_layout: Any,
+) -> tuple[Any, Any, Any, Any]:
+    """One optimizer step on the optimizer's layout; the new (compute copy, master, optimizer state) and the
+    gradients as the optimizer saw them (master dtype, optimizer layout).
+
+    The new compute copy is returned cast on the master's shard and is laid out by the caller's
+    output shardings (the parameter rules): the all-gather, where there is one, moves the compute dtype.
+    """
+    grads = jax.lax.with_sharding_constraint(cast(grads, p.master), opt_layout)
+    weights = jax.lax.with_sharding_constraint(updated(params, master), opt_layout)
+    updates, opt_state = optimizer.update(grads, opt_state, weights)
+    weights = optax.apply_updates(weights, updates)
+    if not p.two_copies:
+        return weights, {}, opt_state, grads
+    return cast(weights, p.compute), weights, opt_state, grads
+
+
+def check_resume(saved: Mapping[str, Any], config: Config, step: int) -> None:
+    """Raise if the checkpoint's copies (compute copy, master) would not restore into ``config``'s."""
+    saved_precision = saved.get("precision", {})
+    if "params" not in saved_precision:  # written before this policy: one copy, in model.param_dtype
+        was = Policy(*(jnp.dtype(saved["model"]["param_dtype"]),) * 2, jnp.dtype("float32"))
+    else:
+        was = resolve(saved["model"], saved_precision)
+    now = policy(config)
+    if (was.compute, was.master if was.two_copies else None) != (now.compute, now.master if now.two_copies else None):
+        def describe(q: Policy) -> str:
+            return f"compute copy {q.compute.name}" + (f" + master {q.master.name}" if q.two_copies else " (one copy)")
+
+        raise ConfigError(
+            f"resume: checkpoint step {step} keeps {describe(was)}, the config {describe(now)} "
+            f"(set precision.params and precision.master to match)"
+        )
