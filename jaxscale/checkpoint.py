@@ -41,10 +41,15 @@ Preemption: SIGTERM sets a flag that the loop reads at the next step boundary
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
 import shutil
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -59,6 +64,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxscale import fp8
 from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
+from jaxscale.optim import schedule_length
 
 ITEMS = ("state", "data", "loop", "config")
 PARAMS_DIR = "params"
@@ -79,8 +85,55 @@ class Restored:
     config: dict[str, Any]
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (full disk, lost storage): the run stops, naming the step."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class _QuietOrbax(logging.Filter):
+    """Drop orbax's own error logs (tracebacks from its threads): :class:`Checkpointer` reports each
+    failure once, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or "orbax" not in record.pathname
+
+
+class _LateWrites:
+    """An excepthook that drops the "Event loop is closed" errors tensorstore prints when the writes
+    still in flight of a failed save complete after orbax closed their event loop."""
+
+    def __init__(self, hook: Callable[..., Any]):
+        self.hook = hook
+
+    def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            self.hook(kind, value, tb)
+
+
+def check_writable(directory: str | Path) -> None:
+    """Raise a :class:`ConfigError` unless files can be created in ``directory`` (made if missing)."""
+    path = Path(directory).absolute()
+    probe = path / f".jaxscale-write-test-{jax.process_index()}-{os.getpid()}"
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.dir {path} is a file, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"checkpoint.dir {path} is not writable: {e.strerror or e}") from e
+
+
 class Checkpointer:
-    """An orbax ``CheckpointManager`` for one run's directory."""
+    """An orbax ``CheckpointManager`` for one run's directory.
+
+    Errors are one line: a directory orbax cannot open is a :class:`ConfigError`, a save that fails
+    (in the background thread of an async save, or at once) a :class:`CheckpointError` naming the step.
+    """
 
     def __init__(
         self,
@@ -97,7 +150,15 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             preservation_policy=policies.AnyPreservationPolicy(keep_policies),
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        for name in ("absl", "orbax"):
+            if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger(name).filters):
+                logging.getLogger(name).addFilter(_QuietOrbax())
+        self.failed: CheckpointError | None = None
+        self.unconfirmed: list[int] = []
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.dir {self.directory}: cannot open it: {_first_line(e)}") from e
 
     @classmethod
     def from_config(cls, config: Config) -> Checkpointer:
@@ -119,7 +180,37 @@ class Checkpointer:
             loop=ocp.args.JsonSave(loop),
             config=ocp.args.JsonSave(config),
         )
-        self.manager.save(step, args=args, force=True)
+        try:
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:
+            self._fail(self.unconfirmed[-1] if self.unconfirmed else step, e)
+        self.unconfirmed.append(step)
+
+    def _fail(self, step: int, error: BaseException) -> None:
+        if not isinstance(sys.excepthook, _LateWrites):
+            sys.excepthook = _LateWrites(sys.excepthook)
+        self.failed = CheckpointError(
+            f"checkpoint step {step} was not saved in {self.directory}: {_first_line(error)} "
+            f"(the latest complete checkpoint is {self._complete_before(step)})"
+        )
+        raise self.failed from error
+
+    def _complete_before(self, step: int) -> str:
+        done = [s for s in self.all_steps() if s < step and s not in self.unconfirmed]
+        return f"step {done[-1]}" if done else "none"
+
+    def committed(self, block: bool = False) -> list[int]:
+        """The steps whose saves were committed since the last call (all started ones with ``block``;
+        else only if no save is in progress); raises :class:`CheckpointError` if one failed."""
+        if not self.unconfirmed or (not block and self.manager.is_saving_in_progress()):
+            return []
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:
+            self._fail(self.unconfirmed[-1], e)
+        done, self.unconfirmed = self.unconfirmed, []
+        return done
 
     def read_json(self, step: int) -> Restored:
         """The JSON items of ``step`` (no arrays read)."""
@@ -146,6 +237,48 @@ class Checkpointer:
         restored.state = self.restore_state(abstract_state, step)
         return restored
 
+    def restore_latest(
+        self, abstract_state: Any, check: Callable[[Restored], None]
+    ) -> tuple[Restored, list[str]]:
+        """The newest checkpoint that reads back whole, and a line for each newer one that did not.
+
+        ``check`` vets a step's JSON items before its arrays are read (its :class:`ConfigError`, a
+        checkpoint of another run, stops the search). A damaged step (unreadable JSON or arrays) is
+        renamed ``<step>.damaged`` (kept, but no longer a step, so new saves can take its number)
+        and the step before it is tried; if none reads, a :class:`ConfigError` lists why.
+        """
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            try:
+                restored = self.read_json(step)
+            except Exception as e:
+                damaged.append((step, _first_line(e)))
+                continue
+            check(restored)
+            try:
+                restored.state = self.restore_state(abstract_state, step)
+            except Exception as e:
+                damaged.append((step, _first_line(e)))
+                continue
+            return restored, self._set_aside(damaged, step)
+        reasons = "; ".join(f"step {s}: {why}" for s, why in damaged)
+        raise ConfigError(f"no readable checkpoint in {self.directory} ({reasons})")
+
+    def _set_aside(self, damaged: list[tuple[int, str]], restored: int) -> list[str]:
+        """Rename the damaged steps ``<step>.damaged`` (process 0) and say so, one line each."""
+        if jax.process_index() == 0:
+            for step, _ in damaged:
+                path = self.directory / str(step)
+                path.rename(path.with_name(f"{step}.damaged"))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxscale: damaged checkpoints set aside")
+        if damaged:
+            self.manager.reload()
+        return [
+            f"checkpoint step {step} is damaged ({why}): kept as {step}.damaged; resuming from step {restored}"
+            for step, why in damaged
+        ]
+
     def remove_uncommitted(self) -> list[str]:
         """Delete the step directories a killed process left uncommitted (orbax never lists them as steps).
 
@@ -166,10 +299,18 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is finalized."""
-        self.manager.wait_until_finished()
+        self.committed(block=True)
 
     def close(self) -> None:
-        self.manager.close()
+        """Finish the saves in flight and let go of the directory (after a failure: at once, quietly)."""
+        if self.failed is not None:
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            return
+        try:
+            self.committed(block=True)
+        finally:
+            self.manager.close()
 
 
 def _stored(state: Any) -> dict[str, Any]:
@@ -179,7 +320,8 @@ def _stored(state: Any) -> dict[str, Any]:
 
 
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
-    """Raise if the checkpoint's model would not restore into ``config``'s shapes."""
+    """Raise if the checkpoint's model would not restore into ``config``'s shapes, or if its learning-rate
+    schedule would change length without ``train.schedule_steps`` saying so."""
     current = config.to_dict()["model"]
     for key in SHAPE_KEYS:
         if saved["model"].get(key) != current[key]:
@@ -188,6 +330,15 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
                 f"the config has {current[key]!r}"
             )
     fp8.check_resume(saved, config.precision, step)
+    t = saved["train"]
+    was = t["steps"] if t.get("schedule_steps") is None else t["schedule_steps"]
+    now = schedule_length(config.train)
+    if was != now and config.train.schedule_steps is None:
+        raise ConfigError(
+            f"resume: checkpoint step {step} follows a learning-rate schedule of {was} steps, this config's "
+            f"would be {now} (train.steps): set train.schedule_steps={was} to keep it (past its end the rate "
+            f"stays at its final value), or train.schedule_steps={now} to stretch it from step {step} on"
+        )
 
 
 @jax.jit

@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--num-processes", type=int, help="processes in the job (or JAXSCALE_NUM_PROCESSES)")
     train.add_argument("--process-id", type=int, help="this process's index (or JAXSCALE_PROCESS_ID)")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the latest complete checkpoint (checkpoint.resume=auto)")
+                       help="continue from the latest complete checkpoint; an error if there is none "
+                       "(checkpoint.resume=required)")
     prep = commands.add_parser("prepare-data", help="tokenize text files into a memory-mapped token directory")
     prep.add_argument("inputs", nargs="+", help="plain text files (one document each) or .jsonl files")
     prep.add_argument("--out", required=True, help="output directory")
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return commands.run(args, _simulate_cpu_devices)
     try:
-        config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])])
+        config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=required"] if args.resume else [])])
         cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
         processes = cluster.num_processes or 1
         _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
         import jax
 
+        from jaxscale.checkpoint import CheckpointError
         from jaxscale.loop import NonFiniteError
         from jaxscale.train import Trainer
 
@@ -195,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as e:
         print(f"jaxscale: stopped: {e}", file=sys.stderr)
         return 1
+    except CheckpointError as e:
+        print(f"jaxscale: error: {e}", file=sys.stderr)
+        return 1
     steps = [r for r in history if "loss" in r]
     if steps and jax.process_index() == 0:
         first, last = steps[0], steps[-1]
         print(
             f"step {first['step']} loss {first['loss']:.4f} -> step {last['step']} loss {last['loss']:.4f}; "
             f"{last['tokens_per_sec']:.0f} tokens/s, metrics in {config.run_dir}/metrics.jsonl"
+            + (f"; {last['skipped_updates']} updates skipped (non-finite)" if last["skipped_updates"] else "")
         )
     if history and history[-1].get("event") == "preempted":
         saved = "checkpoint saved" if history[-1]["saved"] else "checkpointing is off, nothing saved"

@@ -106,6 +106,7 @@ class TrainConfig:
     """Optimisation and loop settings."""
 
     steps: int = 200
+    schedule_steps: int | None = None  # length of warmup + cosine (None: steps); kept in the checkpoint
     seed: int = 0
     global_batch: int = 16
     seq_len: int = 128
@@ -124,6 +125,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_steps: int = 4
     nonfinite: str = "stop"
+    max_consecutive_skips: int = 10  # nonfinite=skip: the run stops after this many skipped updates in a row
 
 
 @dataclasses.dataclass
@@ -145,7 +147,7 @@ class CheckpointConfig:
     keep: int = 3
     keep_every: int = 0
     dir: str | None = None
-    resume: str = "off"
+    resume: str = "off"  # off | auto (the latest checkpoint if any) | required (--resume: fail without one)
     async_save: bool = True
     init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
 
@@ -338,7 +340,7 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_named")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("stdlib", "tokens")
 NONFINITE_POLICIES = ("stop", "skip")
-RESUME_MODES = ("off", "auto")
+RESUME_MODES = ("off", "auto", "required")
 MOE_CHOICES = {
     "dispatch": ("capacity", "dropless"),
     "router": ("softmax", "sigmoid"),
@@ -411,9 +413,10 @@ def validate(config: Config) -> None:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
-        low = 0 if key == "steps" else 1
-        if getattr(t, key) < low:
-            raise ConfigError(f"train.{key} must be at least {low}, got {getattr(t, key)}")
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)}")
+    if t.schedule_steps is not None and t.schedule_steps < 1:
+        raise ConfigError(f"train.schedule_steps must be at least 1 (or null: train.steps), got {t.schedule_steps}")
     if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("train.tensorboard: needs tensorboardX (pip install 'jaxscale[plot]')")
     if t.global_batch % t.microbatches:
@@ -445,6 +448,7 @@ def _validate_loop(config: Config) -> None:
     for key, value, low in (
         ("train.eval_every", t.eval_every, 0),
         ("train.eval_steps", t.eval_steps, 1),
+        ("train.max_consecutive_skips", t.max_consecutive_skips, 1),
         ("checkpoint.every", ck.every, 0),
         ("checkpoint.keep", ck.keep, 1),
         ("checkpoint.keep_every", ck.keep_every, 0),

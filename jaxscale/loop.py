@@ -29,14 +29,23 @@ new run (step 0, fresh optimizer) from other parameters.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jaxscale import metrics as metrics_lib
-from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible, init_state_from
-from jaxscale.config import ConfigError
+from jaxscale.checkpoint import (
+    Checkpointer,
+    Preemption,
+    Restored,
+    all_finite,
+    check_compatible,
+    check_writable,
+    init_state_from,
+)
+from jaxscale.config import ConfigError, checkpoint_dir
 from jaxscale.models import moe
 
 if TYPE_CHECKING:
@@ -56,12 +65,18 @@ def fit(
     ``checkpoint.resume`` is ``auto`` and one exists, else starts fresh.
     """
     c, ck = trainer.config, trainer.config.checkpoint
-    checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume == "auto" else None
+    if ck.every:
+        check_writable(checkpoint_dir(c))  # before anything compiles, not at the first save
+    checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume != "off" else None
     with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
         try:
-            state, skipped, resumed, removed = _start(trainer, checkpointer, state)
+            state, counters, resumed, removed, damaged = _start(trainer, checkpointer, state)
             last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
-            run = _Run(trainer, checkpointer, skipped, int(state.step), last, progress, resumed)
+            run = _Run(trainer, checkpointer, counters, int(state.step), last, progress, resumed)
+            for line in damaged:
+                run.logger.log({"step": int(state.step), "event": "damaged_checkpoint", "message": line})
+                if jax.process_index() == 0:
+                    print(f"jaxscale: warning: {line}", file=sys.stderr, flush=True)
             if removed:
                 run.logger.log({"step": int(state.step), "event": "removed_uncommitted", "paths": removed})
             return run.train(state, preemption)
@@ -72,28 +87,33 @@ def fit(
 
 def _start(
     trainer: Trainer, checkpointer: Checkpointer | None, state: TrainState | None
-) -> tuple[Any, int, bool, list[str]]:
-    """The state to start from, the skipped-update count, whether it was resumed, and the uncommitted
-    checkpoint directories removed."""
+) -> tuple[Any, dict[str, int], bool, list[str], list[str]]:
+    """The state to start from, the loop's counters, whether it was resumed, the uncommitted checkpoint
+    directories removed, and a line for each damaged checkpoint passed over."""
     c = trainer.config
     latest = checkpointer.latest_step() if checkpointer is not None else None
     if latest is None:
+        if c.checkpoint.resume == "required":
+            where = checkpointer.directory if checkpointer is not None else checkpoint_dir(c)
+            raise ConfigError(f"--resume: no complete checkpoint in {where} (leave out --resume to start afresh)")
         removed = checkpointer.remove_uncommitted() if checkpointer is not None else []
         if state is None:
             init_from = c.checkpoint.init_from
             state = init_state_from(trainer, init_from) if init_from else trainer.init_state()
-        return state, 0, False, removed
-    if state is not None or c.checkpoint.resume != "auto":
+        return state, {}, False, removed, []
+    if state is not None or c.checkpoint.resume == "off":
         raise ConfigError(
             f"{checkpointer.directory} holds checkpoints (latest step {latest}): continue with --resume "
             "(checkpoint.resume=auto), or set another run_dir or checkpoint.dir"
         )
-    saved = checkpointer.read_json(latest)
-    check_compatible(saved.config, c, latest)
-    trainer.batches.check_state(saved.data, latest)
+
+    def check(saved: Restored) -> None:
+        check_compatible(saved.config, c, saved.step)
+        trainer.batches.check_state(saved.data, saved.step)
+
+    restored, damaged = checkpointer.restore_latest(trainer.abstract_state(), check)
     removed = checkpointer.remove_uncommitted()
-    restored = checkpointer.restore_state(trainer.abstract_state(), latest)
-    return restored, int(saved.loop["skipped_updates"]), True, removed
+    return restored.state, restored.loop, True, removed, damaged
 
 
 class _Run:
@@ -103,14 +123,17 @@ class _Run:
         self,
         trainer: Trainer,
         checkpointer: Checkpointer | None,
-        skipped: int,
+        counters: dict[str, int],
         first: int,
         last: int,
         progress: bool,
         resumed: bool,
     ):
         c, t = trainer.config, trainer.config.train
-        self.trainer, self.checkpointer, self.skipped = trainer, checkpointer, skipped
+        self.trainer, self.checkpointer = trainer, checkpointer
+        self.skipped = int(counters.get("skipped_updates", 0))
+        self.in_a_row = int(counters.get("skipped_in_a_row", 0))  # consecutive skipped updates
+        self.save_started: dict[int, float] = {}  # saves not yet committed: step -> start time
         self.first, self.last = first, last
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
@@ -133,6 +156,8 @@ class _Run:
         try:
             for step in range(self.first, self.last):
                 state, out = self.step_fn(state, self.trainer.batch(step))
+                if self.save_started:
+                    self.log_committed()
                 if pending is not None:
                     self.account(*pending)
                 pending = (step, out)
@@ -149,8 +174,10 @@ class _Run:
                 if save:
                     self.save(done, state)
                 if stop:
+                    self.log_committed(block=True)
                     self.logger.log({"step": done, "event": "preempted", "saved": save})
                     break
+            self.log_committed(block=True)
         finally:
             self.logger.close()
         return state, self.logger.history
@@ -167,6 +194,14 @@ class _Run:
                     "(not applied; train.nonfinite=skip skips such updates)"
                 )
             self.skipped += 1
+            self.in_a_row += 1
+            if self.in_a_row > t.max_consecutive_skips:
+                raise NonFiniteError(
+                    f"step {step}: {self.in_a_row} updates in a row skipped for a non-finite loss or gradient "
+                    f"(train.max_consecutive_skips={t.max_consecutive_skips}; {self.skipped} skipped in all)"
+                )
+        else:
+            self.in_a_row = 0
         if finite and step % t.log_every and step not in (t.steps - 1, self.last - 1):
             return
         now = time.perf_counter()
@@ -202,7 +237,15 @@ class _Run:
             )
         start = time.perf_counter()
         data = self.trainer.batches.state(done)
-        loop = {"skipped_updates": self.skipped}
+        loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row}
         self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
-        self.logger.log({"step": done, "checkpoint": done, "save_blocking_s": time.perf_counter() - start})
+        self.save_started[done] = time.perf_counter() - start
         self.mark(done)
+
+    def log_committed(self, block: bool = False) -> None:
+        """Log the saves committed by now (``block``: wait for all): a checkpoint record means the
+        step is on disk; a failed save raises :class:`CheckpointError` instead."""
+        if self.checkpointer is None:
+            return
+        for step in self.checkpointer.committed(block):
+            self.logger.log({"step": step, "checkpoint": step, "save_blocking_s": self.save_started.pop(step)})

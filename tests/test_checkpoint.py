@@ -271,8 +271,8 @@ def test_fresh_run_never_overwrites_checkpoints(straight):
     ("override", "match"),
     [
         ("model.embed=32", r"checkpoint step 10 has model\.embed=64, the config has 32"),
-        ("train.seq_len=16", r"the checkpoint's data has seq_len=32, this config's has 16"),
-        ("data.max_bytes=100000", r"the checkpoint's data has max_bytes=200000, this config's has 100000"),
+        ("train.seq_len=16", r"the checkpoint was trained with train\.seq_len=32, this config has 16"),
+        ("data.max_bytes=100000", r"trained with data\.max_bytes=200000, this config has 100000"),
     ],
 )
 def test_resume_refuses_another_model_or_data(straight, override, match):
@@ -283,7 +283,7 @@ def test_resume_refuses_another_model_or_data(straight, override, match):
 
 def test_resume_flag_and_checkpoint_keys_are_validated():
     assert load_config(None, ["checkpoint.resume=auto"]).checkpoint.resume == "auto"
-    with pytest.raises(ConfigError, match=r"checkpoint\.resume: 'always' is not one of off, auto"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume: 'always' is not one of off, auto, required"):
         load_config(None, ["checkpoint.resume=always"])
     with pytest.raises(ConfigError, match=r"train\.nonfinite: 'ignore' is not one of stop, skip"):
         load_config(None, ["train.nonfinite=ignore"])
