@@ -2,7 +2,8 @@
 # N local processes x M simulated CPU devices each: the multi-host code path on one machine.
 #   launch/multiprocess.sh [--processes N] [--devices M] [--port P] [jaxscale train arguments...]
 # Process 0 is the coordinator on 127.0.0.1:P; the collectives run over gloo. If any process
-# fails, the others are stopped and the script exits with the first failure's code.
+# fails, the others end (each names the lost process) or are stopped 30 s later, and the script
+# exits with the code of the first process that failed.
 set -euo pipefail
 processes=2
 devices=4
@@ -23,12 +24,29 @@ for ((i = 0; i < processes; i++)); do
     --process-id "${i}" "$@" &
   pids+=("$!")
 done
+# Watch the processes in the order they end: the first non-zero exit code is the script's. The others
+# then get 30 s to report the lost peer and end by themselves before they are stopped.
 status=0
-for pid in "${pids[@]}"; do
-  wait "${pid}" || {
-    code=$?
-    [[ ${status} -eq 0 ]] && status=${code}
-    kill "${pids[@]}" 2>/dev/null || true
-  }
+failed_at=0
+running=("${pids[@]}")
+while [[ ${#running[@]} -gt 0 ]]; do
+  left=()
+  for pid in "${running[@]}"; do
+    if kill -0 "${pid}" 2>/dev/null; then
+      left+=("${pid}")
+      continue
+    fi
+    code=0
+    wait "${pid}" || code=$?
+    if [[ ${code} -ne 0 && ${status} -eq 0 ]]; then
+      status=${code}
+      failed_at=${SECONDS}
+    fi
+  done
+  running=("${left[@]}")
+  if [[ ${status} -ne 0 && ${#running[@]} -gt 0 && $((SECONDS - failed_at)) -ge 30 ]]; then
+    kill "${running[@]}" 2>/dev/null || true
+  fi
+  sleep 0.2
 done
 exit "${status}"
