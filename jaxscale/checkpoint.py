@@ -154,7 +154,8 @@ class Checkpointer:
             if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger(name).filters):
                 logging.getLogger(name).addFilter(_QuietOrbax())
         self.failed: CheckpointError | None = None
-        self.unconfirmed: list[int] = []
+        self.unconfirmed: list[int] = []  # saves started, not yet known to be committed
+        self.saved_before_failure: list[int] = []  # those of them found committed when one failed
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except (OSError, ValueError) as e:
@@ -183,7 +184,11 @@ class Checkpointer:
         try:
             self.manager.save(step, args=args, force=True)
         except Exception as e:
-            self._fail(self.unconfirmed[-1] if self.unconfirmed else step, e)
+            on_disk = set(self.all_steps())
+            self.saved_before_failure = [s for s in self.unconfirmed if s in on_disk]
+            failed = [s for s in self.unconfirmed if s not in on_disk] or [step]
+            self.unconfirmed = []
+            self._fail(failed[0], e)
         self.unconfirmed.append(step)
 
     def _fail(self, step: int, error: BaseException) -> None:
@@ -196,7 +201,7 @@ class Checkpointer:
         raise self.failed from error
 
     def _complete_before(self, step: int) -> str:
-        done = [s for s in self.all_steps() if s < step and s not in self.unconfirmed]
+        done = [s for s in self.all_steps() if s < step]
         return f"step {done[-1]}" if done else "none"
 
     def committed(self, block: bool = False) -> list[int]:
@@ -208,7 +213,11 @@ class Checkpointer:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
         except Exception as e:
-            self._fail(self.unconfirmed[-1], e)
+            on_disk = set(self.all_steps())
+            self.saved_before_failure = [s for s in self.unconfirmed if s in on_disk]
+            failed = [s for s in self.unconfirmed if s not in on_disk] or self.unconfirmed
+            self.unconfirmed = []
+            self._fail(failed[0], e)
         done, self.unconfirmed = self.unconfirmed, []
         return done
 

@@ -38,6 +38,7 @@ import jax
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import (
     Checkpointer,
+    CheckpointError,
     Preemption,
     Restored,
     all_finite,
@@ -238,7 +239,11 @@ class _Run:
         start = time.perf_counter()
         data = self.trainer.batches.state(done)
         loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row}
-        self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
+        try:
+            self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
+        except CheckpointError:  # the save before failed (orbax waits for it first)
+            self.log_saved(self.checkpointer.saved_before_failure)
+            raise
         self.save_started[done] = time.perf_counter() - start
         self.mark(done)
 
@@ -247,5 +252,12 @@ class _Run:
         step is on disk; a failed save raises :class:`CheckpointError` instead."""
         if self.checkpointer is None:
             return
-        for step in self.checkpointer.committed(block):
+        try:
+            self.log_saved(self.checkpointer.committed(block))
+        except CheckpointError:
+            self.log_saved(self.checkpointer.saved_before_failure)
+            raise
+
+    def log_saved(self, steps: list[int]) -> None:
+        for step in steps:
             self.logger.log({"step": step, "checkpoint": step, "save_blocking_s": self.save_started.pop(step)})

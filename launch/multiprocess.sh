@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # N local processes x M simulated CPU devices each: the multi-host code path on one machine.
-#   launch/multiprocess.sh [--processes N] [--devices M] [--port P] [jaxscale train arguments...]
+#   launch/multiprocess.sh [--processes N] [--devices M] [--port P] [--grace S] [jaxscale train arguments...]
 # Process 0 is the coordinator on 127.0.0.1:P; the collectives run over gloo. If any process
-# fails, the others end (each names the lost process) or are stopped 30 s later, and the script
-# exits with the code of the first process that failed.
+# fails, the others end (each names the lost process) or are killed S seconds later (default 30),
+# and the script exits with the code of the first process that failed.
 set -euo pipefail
 processes=2
 devices=4
 port=8476
+grace=30
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --processes) processes="$2"; shift 2 ;;
     --devices) devices="$2"; shift 2 ;;
     --port) port="$2"; shift 2 ;;
+    --grace) grace="$2"; shift 2 ;;
     *) break ;;
   esac
 done
@@ -25,7 +27,8 @@ for ((i = 0; i < processes; i++)); do
   pids+=("$!")
 done
 # Watch the processes in the order they end: the first non-zero exit code is the script's. The others
-# then get 30 s to report the lost peer and end by themselves before they are stopped.
+# then get the grace to report the lost peer and end by themselves before they are killed (a process
+# still running then is stuck: SIGTERM, a preemption, would have it wait for the lost peer).
 status=0
 failed_at=0
 running=("${pids[@]}")
@@ -44,8 +47,8 @@ while [[ ${#running[@]} -gt 0 ]]; do
     fi
   done
   running=("${left[@]}")
-  if [[ ${status} -ne 0 && ${#running[@]} -gt 0 && $((SECONDS - failed_at)) -ge 30 ]]; then
-    kill "${running[@]}" 2>/dev/null || true
+  if [[ ${status} -ne 0 && ${#running[@]} -gt 0 && $((SECONDS - failed_at)) -ge grace ]]; then
+    kill -KILL "${running[@]}" 2>/dev/null || true
   fi
   sleep 0.2
 done
