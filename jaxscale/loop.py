@@ -9,18 +9,26 @@ just dispatched is read too, then:
 - evaluation (``train.eval_every``, and at the last step): the mean loss of
   ``train.eval_steps`` held-out batches, logged as ``{"step", "eval_loss"}``;
 - checkpoint (``checkpoint.every``, and at the end): refused if any value of
-  the state is not finite; asynchronous, training goes on while it is written;
+  the state is not finite; asynchronous, training goes on while it is written.
+  Its ``{"step", "checkpoint"}`` record is logged once the save is committed
+  (looked at every step, waited for at the end); a save that failed raises
+  :class:`~jaxscale.checkpoint.CheckpointError` at the next step. The
+  directory is checked for writing before anything compiles;
 - SIGTERM: a checkpoint (when checkpointing is on), then a normal return (the
   command line exits 0).
 
 A non-finite loss or gradient norm is counted (``skipped_updates`` in every
-record; that step's record is always logged) under ``train.nonfinite=skip``,
+record; that step's record is always logged) under ``train.nonfinite=skip``
+(more than ``train.max_consecutive_skips`` in a row raise :class:`NonFiniteError`),
 and raises :class:`NonFiniteError` naming the step under ``stop``.
 
-Resume (``checkpoint.resume=auto``, ``--resume``) starts from the latest
-complete checkpoint: the state is read straight into this trainer's shardings
-(whatever its mesh and rules table), the loader's saved state must describe
-this data at that step, and the counters carry on; the temporary directories
+Resume (``checkpoint.resume=auto``; ``required``, the command line's
+``--resume``, is an error without a checkpoint) starts from the latest
+complete checkpoint that reads back (a damaged one is set aside, with a
+warning line and an ``event`` record): the state is read straight into this
+trainer's shardings (whatever its mesh and rules table), the loader's saved
+state must describe this data at that step, the schedule must keep its length
+(:func:`~jaxscale.checkpoint.check_compatible`), and the counters carry on; the temporary directories
 of a save that a killed run left uncommitted are deleted (an ``event`` record
 names them). A fresh run never writes into a directory that already holds
 checkpoints. Resume wins over ``checkpoint.init_from``, which only starts a
@@ -105,7 +113,7 @@ def _start(
     if state is not None or c.checkpoint.resume == "off":
         raise ConfigError(
             f"{checkpointer.directory} holds checkpoints (latest step {latest}): continue with --resume "
-            "(checkpoint.resume=auto), or set another run_dir or checkpoint.dir"
+            "(checkpoint.resume=required), or set another run_dir or checkpoint.dir"
         )
 
     def check(saved: Restored) -> None:
