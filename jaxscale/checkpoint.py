@@ -35,6 +35,15 @@ step's ``state``). A new run reads them straight into its own shardings, each
 device only its slices, after the saved shapes were checked against the
 config; the optimizer state is fresh and the step 0.
 
+Failures, in one line each: a ``checkpoint.dir`` that cannot be written is a
+:class:`~jaxscale.config.ConfigError` before the run starts
+(:func:`~jaxscale.config.check_writable`); a save that fails in the background (a full disk) is
+a :class:`CheckpointError` naming the step and the latest complete one, raised
+by the next call that looks (:meth:`Checkpointer.committed`, which the loop
+calls every step; orbax's own logs of it are silenced). On resume, a step that
+does not read back is set aside as ``<step>.damaged`` and the one before it is
+read (:meth:`Checkpointer.restore_latest`).
+
 Preemption: SIGTERM sets a flag that the loop reads at the next step boundary
 (with several processes, jax's preemption sync point makes them agree on the step).
 """
@@ -44,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import shutil
 import signal
 import sys
@@ -52,7 +60,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -103,29 +111,17 @@ class _QuietOrbax(logging.Filter):
 
 
 class _LateWrites:
-    """An excepthook that drops the "Event loop is closed" errors tensorstore prints when the writes
-    still in flight of a failed save complete after orbax closed their event loop."""
+    """An unraisable-exception hook that drops the "Event loop is closed" errors tensorstore reports
+    (from its own threads) when the writes still in flight of a failed save complete after orbax
+    closed their event loop; everything else goes to the previous hook."""
 
-    def __init__(self, hook: Callable[..., Any]):
+    def __init__(self, hook: Callable[[Any], None]):
         self.hook = hook
 
-    def __call__(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            self.hook(kind, value, tb)
-
-
-def check_writable(directory: str | Path) -> None:
-    """Raise a :class:`ConfigError` unless files can be created in ``directory`` (made if missing)."""
-    path = Path(directory).absolute()
-    probe = path / f".jaxscale-write-test-{jax.process_index()}-{os.getpid()}"
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"checkpoint.dir {path} is a file, not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"0")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"checkpoint.dir {path} is not writable: {e.strerror or e}") from e
+    def __call__(self, unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            self.hook(unraisable)
 
 
 class Checkpointer:
@@ -153,6 +149,8 @@ class Checkpointer:
         for name in ("absl", "orbax"):
             if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger(name).filters):
                 logging.getLogger(name).addFilter(_QuietOrbax())
+        if not isinstance(sys.unraisablehook, _LateWrites):
+            sys.unraisablehook = _LateWrites(sys.unraisablehook)
         self.failed: CheckpointError | None = None
         self.unconfirmed: list[int] = []  # saves started, not yet known to be committed
         self.saved_before_failure: list[int] = []  # those of them found committed when one failed
@@ -182,27 +180,24 @@ class Checkpointer:
             config=ocp.args.JsonSave(config),
         )
         try:
-            self.manager.save(step, args=args, force=True)
+            self.manager.save(step, args=args, force=True)  # waits for the save before: its error shows here
         except Exception as e:
-            on_disk = set(self.all_steps())
-            self.saved_before_failure = [s for s in self.unconfirmed if s in on_disk]
-            failed = [s for s in self.unconfirmed if s not in on_disk] or [step]
-            self.unconfirmed = []
-            self._fail(failed[0], e)
+            self._fail(e, [*self.unconfirmed, step])
         self.unconfirmed.append(step)
 
-    def _fail(self, step: int, error: BaseException) -> None:
-        if not isinstance(sys.excepthook, _LateWrites):
-            sys.excepthook = _LateWrites(sys.excepthook)
+    def _fail(self, error: BaseException, started: list[int]) -> NoReturn:
+        """Raise the :class:`CheckpointError` of the first of ``started`` that is not on disk (those
+        that are go to :attr:`saved_before_failure`)."""
+        on_disk = self.all_steps()
+        self.saved_before_failure = [s for s in started if s in on_disk]
+        step = next((s for s in started if s not in on_disk), started[-1])
+        self.unconfirmed = []
+        done = [s for s in on_disk if s < step]
         self.failed = CheckpointError(
             f"checkpoint step {step} was not saved in {self.directory}: {_first_line(error)} "
-            f"(the latest complete checkpoint is {self._complete_before(step)})"
+            f"(the latest complete checkpoint is {f'step {done[-1]}' if done else 'none'})"
         )
         raise self.failed from error
-
-    def _complete_before(self, step: int) -> str:
-        done = [s for s in self.all_steps() if s < step]
-        return f"step {done[-1]}" if done else "none"
 
     def committed(self, block: bool = False) -> list[int]:
         """The steps whose saves were committed since the last call (all started ones with ``block``;
@@ -213,11 +208,7 @@ class Checkpointer:
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
         except Exception as e:
-            on_disk = set(self.all_steps())
-            self.saved_before_failure = [s for s in self.unconfirmed if s in on_disk]
-            failed = [s for s in self.unconfirmed if s not in on_disk] or self.unconfirmed
-            self.unconfirmed = []
-            self._fail(failed[0], e)
+            self._fail(e, self.unconfirmed)
         done, self.unconfirmed = self.unconfirmed, []
         return done
 

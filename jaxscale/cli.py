@@ -18,7 +18,7 @@ import os
 import sys
 
 from jaxscale import distributed, xla_flags
-from jaxscale.config import CONFIG_DIR, ConfigError, load_config, requested_devices
+from jaxscale.config import CONFIG_DIR, ConfigError, check_writable, checkpoint_dir, load_config, requested_devices
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return commands.run(args, _simulate_cpu_devices)
     try:
         config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=required"] if args.resume else [])])
+        if config.checkpoint.every:
+            check_writable(checkpoint_dir(config))  # before jax starts: a one-line error in a second
         cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
         processes = cluster.num_processes or 1
         _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
+import socket
 import types
 import typing
 from pathlib import Path
@@ -461,6 +463,20 @@ def _validate_loop(config: Config) -> None:
 def checkpoint_dir(config: Config) -> Path:
     """``checkpoint.dir``, or ``<run_dir>/checkpoints``."""
     return Path(config.checkpoint.dir or Path(config.run_dir) / "checkpoints").absolute()
+
+
+def check_writable(directory: str | Path) -> None:
+    """Raise a :class:`ConfigError` unless files can be created in ``directory`` (made if missing)."""
+    path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.dir {path} is a file, not a directory")
+    probe = path / f".jaxscale-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"checkpoint.dir {path} is not writable: {e.strerror or e}") from e
 
 
 def validate_pipeline(p: PipelineConfig) -> None:

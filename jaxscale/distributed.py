@@ -172,17 +172,22 @@ def _filter_stderr(process_id: int | None) -> None:
 
 
 def _filter(read: int, out: int, process_id: int | None) -> None:
-    """Copy ``read`` to ``out`` until end of file, dropping JAX's coordination-service logs; in place of
-    its fatal log (the coordinator is lost), write ``jaxscale: error: process I lost process 0 ...``
-    unless a ``jaxscale: error:`` line went before. Text without a line end (a progress bar) goes on at
-    once unless its first character may begin one of those logs."""
+    """Copy ``read`` to ``out`` until end of file, dropping JAX's coordination-service logs.
+
+    In place of JAX's fatal log (the coordinator is lost) write ``jaxscale: error: process I lost
+    process 0 ...``; of such lines (the trainer's own, from a failed collective, may come too) only
+    the first goes on. Text without a line end (a progress bar) goes on at once unless its first
+    character may begin one of those logs."""
     pending, said = b"", False
     while chunk := os.read(read, 1 << 16):
         pending += chunk
         while (end := min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)) >= 0:
             line, pending = pending[: end + 1], pending[end + 1 :]
-            said = said or line.startswith(b"jaxscale: error:")
-            if _FATAL.match(line):
+            if line.startswith(b"jaxscale: error: process "):  # a lost peer: one line is enough
+                if not said:
+                    os.write(out, line)
+                said = True
+            elif _FATAL.match(line):
                 if not said:
                     status = line.partition(b"absl::Status: ")[2].split(b". ")[0].strip().decode(errors="replace")
                     me = "this process" if process_id is None else f"process {process_id}"

@@ -51,10 +51,9 @@ from jaxscale.checkpoint import (
     Restored,
     all_finite,
     check_compatible,
-    check_writable,
     init_state_from,
 )
-from jaxscale.config import ConfigError, checkpoint_dir
+from jaxscale.config import ConfigError, check_writable, checkpoint_dir
 from jaxscale.models import moe
 
 if TYPE_CHECKING:
