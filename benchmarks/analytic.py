@@ -24,15 +24,16 @@ def main() -> None:
     from conftest import tiny_config
     from test_analytic import LAYOUTS, layout_id
 
-    from jaxscale import analytic, inspect
+    from jaxscale.analysis import hlo, xla
+    from jaxscale.analysis.predict import predict_trainer
     from jaxscale.train import Trainer
 
     for rules, mesh, *overrides in LAYOUTS:
         trainer = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))
-        step = inspect.compile_step(trainer)
-        prediction = analytic.predict_trainer(trainer)
-        memory = inspect.memory(step)["total"]
-        wire = inspect.summarize(inspect.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
+        step = xla.compile_step(trainer)
+        prediction = predict_trainer(trainer)
+        memory = xla.memory(step)["total"]
+        wire = hlo.summarize(hlo.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
         row = {
             "layout": layout_id((rules, mesh, *overrides)),
             "memory_predicted": round(prediction.memory["total"]),

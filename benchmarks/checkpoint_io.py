@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import load_config
-from jaxscale.metrics import param_count
+from jaxscale.flops import param_count
 from jaxscale.train import Trainer
 
 MODELS = {

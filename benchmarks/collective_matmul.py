@@ -27,7 +27,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo, xla
 from jaxscale.config import load_config
 from jaxscale.train import Trainer
 
@@ -51,11 +51,11 @@ def measure(t: int, overlap: bool) -> dict:
         None, [*MODEL, *mesh, f"mesh.data={8 // t}", f"mesh.tensor={t}", "rules=tp_sp", f"model.tp_overlap={overlap}"]
     )
     trainer = Trainer.build(config)
-    compiled = inspect.compile_step(trainer)
-    found = inspect.collectives(compiled.as_text(), trainer.mesh)
+    compiled = xla.compile_step(trainer)
+    found = hlo.collectives(compiled.as_text(), trainer.mesh)
     layers = config.model.layers
     layer: dict[str, dict] = defaultdict(lambda: {"count": 0, "size": 0, "wire_bytes": 0.0})
-    for c in inspect.in_loop(found, trips=layers):
+    for c in hlo.in_loop(found, trips=layers):
         if c.axes == ("tensor",):
             row = layer[f"{c.phase} {c.kind}"]
             row["count"] += 1
@@ -68,8 +68,8 @@ def measure(t: int, overlap: bool) -> dict:
         "layer": dict(sorted(layer.items())),
         "formula": {"sp_wire_bytes_per_pass": 4 * (t - 1) / t * bsh, "cm_permutes_per_pass": 4 * (t - 1),
                     "cm_permute_bytes": bsh // t},
-        "wire_bytes_by_axes": {k: v["wire_bytes"] for k, v in inspect.summarize(found)["by_axes"].items()},
-        "memory": inspect.memory(compiled),
+        "wire_bytes_by_axes": {k: v["wire_bytes"] for k, v in hlo.summarize(found)["by_axes"].items()},
+        "memory": xla.memory(compiled),
     }
 
 

@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
 
-    from jaxscale import inspect
+    from jaxscale.analysis.inspect import step_report
     from jaxscale.config import CONFIG_DIR, MESH_AXES, load_config
     from jaxscale.train import Trainer
 
@@ -43,7 +43,7 @@ def main() -> None:
     for rules, sizes in LAYOUTS.items():
         mesh = [f"mesh.{a}={sizes.get(a, 1)}" for a in MESH_AXES]
         config = load_config(path, [f"rules={rules}", *mesh, *args.overrides])
-        report = inspect.step_report(Trainer.build(config))
+        report = step_report(Trainer.build(config))
         print(json.dumps(report), flush=True)
 
 

@@ -4,7 +4,7 @@
   (``shard_map``: jaxscale/parallel/expert.py; ``partitioner``: GShard einsum
   dispatch with the rules table alone), the wire bytes per device of the
   collectives over the ``expert`` axis per MoE layer per step, forward and
-  backward, parsed from the compiled HLO (:mod:`jaxscale.inspect`), next to
+  backward, parsed from the compiled HLO (:mod:`jaxscale.analysis.hlo`), next to
   FORMULAS.md's ``2·k·b·s·h·bytes·(ep−1)/ep`` each way and to that formula
   times ``E·C / (k·s)``, the padding of fixed-size capacity buffers. Dropless
   dispatch (all-gather + reduce-scatter on XLA:CPU) is listed too, next to
@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax
 import numpy as np
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, load_config
-from jaxscale.models import moe
+from jaxscale.models import routing as kernels
 from jaxscale.train import Trainer
 
 EXPERIMENT = CONFIG_DIR / "experiments" / "moe-tiny.yaml"
@@ -53,11 +53,11 @@ def ep_mesh(ep: int) -> list[str]:
 
 def expert_collectives(trainer: Trainer) -> dict[str, dict[str, float]]:
     """Wire bytes per device per MoE layer per step of the collectives over ``expert``, by kind and phase."""
-    compiled = inspect.compile_step(trainer)
+    compiled = xla.compile_step(trainer)
     c = trainer.config.model
     moe_layers = c.layers // c.moe.every_n_layers * trainer.config.train.microbatches
     out: dict[str, dict[str, float]] = {}
-    for x in inspect.collectives(compiled.as_text(), trainer.mesh):
+    for x in hlo.collectives(compiled.as_text(), trainer.mesh):
         if x.axes is None or "expert" not in x.axes:
             continue
         row = out.setdefault(x.kind, {"forward": 0.0, "backward": 0.0, "other": 0.0})
@@ -76,7 +76,7 @@ def all_to_all_table() -> list[dict]:
             b = t.global_batch // (t.microbatches * mesh.shape["data"] * mesh.shape["fsdp"] * ep)
             nbytes = np.dtype(m.dtype).itemsize
             formula = 2 * m.moe.top_k * b * t.seq_len * m.embed * nbytes * (ep - 1) / ep
-            padding = m.moe.experts * moe.capacity(m.moe, t.seq_len) / (m.moe.top_k * t.seq_len)
+            padding = m.moe.experts * kernels.capacity(m.moe, t.seq_len) / (m.moe.top_k * t.seq_len)
             measured = expert_collectives(trainer)
             row = {
                 "ep": ep,
@@ -101,8 +101,8 @@ def memory_table() -> list[dict]:
     rows = []
     for ep in (1, 2, 4, 8):
         trainer = Trainer.build(config(*ep_mesh(ep)))
-        compiled = inspect.compile_step(trainer)
-        rows.append({"ep": ep, "compiled": inspect.memory(compiled), "state": inspect.state_bytes(trainer)})
+        compiled = xla.compile_step(trainer)
+        rows.append({"ep": ep, "compiled": xla.memory(compiled), "state": xla.state_bytes(trainer)})
         print(f"memory: ep={ep} done", file=sys.stderr)
     return rows
 
@@ -117,7 +117,7 @@ def dropped_table(steps: int) -> list[dict]:
         first, last = history[0], history[-1]
         rows.append({
             "capacity_factor": factor,
-            "capacity_per_sequence": moe.capacity(cfg.model.moe, cfg.train.seq_len),
+            "capacity_per_sequence": kernels.capacity(cfg.model.moe, cfg.train.seq_len),
             "dropped_step_0": first["moe_dropped"],
             f"dropped_step_{last['step']}": last["moe_dropped"],
             "loss_step_0": first["loss"],

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import numpy as np
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo, xla
 from jaxscale.config import load_config
 from jaxscale.parallel import pipeline
 from jaxscale.train import Trainer
@@ -64,19 +64,19 @@ def build(p: int, m: int, v: int, remat: bool = True) -> Trainer:
 def measure(p: int, m: int, v: int) -> dict:
     """One JSON record: the compiled step's pipeline loop, collectives over ``stage`` and memory."""
     trainer = build(p, m, v)
-    compiled = inspect.compile_step(trainer)
-    memory = {"params": inspect.state_bytes(trainer)["params"], **inspect.memory(compiled)}
+    compiled = xla.compile_step(trainer)
+    memory = {"params": xla.state_bytes(trainer)["params"], **xla.memory(compiled)}
     if p == 1:
         return {"p": 1, "schedule": "none (one device, no pipeline)", "memory": memory}
     config = trainer.config
     itemsize = np.dtype(config.model.dtype).itemsize
     rows = config.train.global_batch // m  # data = fsdp = 1: every row of a microbatch is on each stage
     act = rows * config.train.seq_len * config.model.embed * itemsize  # b·s·h·bytes of one microbatch
-    stage = [c for c in inspect.collectives(compiled.as_text(), trainer.mesh) if c.axes == ("stage",)]
+    stage = [c for c in hlo.collectives(compiled.as_text(), trainer.mesh) if c.axes == ("stage",)]
     loop = [c for c in stage if c.kind == "collective-permute" and c.loops]
     outside = [c for c in stage if c not in loop]
     table = pipeline.schedule(p, m, v)
-    memory["temp_without_stage_remat"] = inspect.memory(inspect.compile_step(build(p, m, v, remat=False)))["temp"]
+    memory["temp_without_stage_remat"] = xla.memory(xla.compile_step(build(p, m, v, remat=False)))["temp"]
     return {
         "p": p,
         "m": m,

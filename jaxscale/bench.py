@@ -16,7 +16,7 @@ How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
 1. ``lower_time_s``, ``compile_time_s``: ``trainer.jit_step.lower(abstract state, abstract batch)``
    (tracing to StableHLO) and ``.compile()`` (XLA), timed apart, in wall time and (``*_cpu_time_s``)
    in this process's CPU time, which other work on a shared machine does not inflate; ``memory`` is the compiled
-   executable's ``memory_analysis()`` per device (:func:`jaxscale.inspect.memory`) and, where the
+   executable's ``memory_analysis()`` per device (:func:`jaxscale.analysis.xla.memory`) and, where the
    runtime keeps allocator statistics (GPU, TPU), ``device_peak_bytes``: the device's peak so far in
    this process (the runs share the process, so it never goes down from one row to the next).
 2. The state is initialised on the devices and one batch (``trainer.batch(0)``) loaded before any
@@ -28,9 +28,9 @@ How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
 4. ``step_time_s``: ``steps`` steps dispatched back to back, one ``block_until_ready`` at the end,
    wall time / steps: the steady state under asynchronous dispatch, which is how the training loop
    runs (it reads a step's metrics after dispatching the next). ``tokens_per_s``,
-   ``tflops_per_device`` and ``mfu`` come from it, with :func:`jaxscale.metrics.flops_per_token`
+   ``tflops_per_device`` and ``mfu`` come from it, with :func:`jaxscale.flops.flops_per_token`
    (FORMULAS.md: 6·Ψ_matmul + causal attention; recomputation not counted) and the peak table of
-   :mod:`jaxscale.metrics` (``train.peak_flops`` overrides it). The CPU peak is a nominal 1e11
+   :mod:`jaxscale.flops` (``train.peak_flops`` overrides it). The CPU peak is a nominal 1e11
    FLOP/s: an MFU on CPU is meaningless.
 5. ``dispatch_time_s``: the host's time per call in 4 (the call returns once the step is enqueued).
 6. ``device_step_time_s``: the same jitted step run ``steps`` times inside one executable
@@ -65,7 +65,8 @@ from typing import Any
 
 import jax
 
-from jaxscale import inspect, metrics
+from jaxscale import flops
+from jaxscale.analysis.xla import memory
 from jaxscale.config import CONFIG_DIR, ConfigError, _read_yaml, load_config, requested_devices
 from jaxscale.train import Trainer
 
@@ -148,8 +149,8 @@ def plan(
     return runs
 
 
-def compile_step(trainer: Trainer) -> tuple[Any, dict[str, float]]:
-    """The trainer's jitted step lowered and compiled from abstract values; the two times apart, each as wall
+def timed_compile(trainer: Trainer) -> tuple[Any, dict[str, float]]:
+    """The trainer's step lowered and compiled from abstract values; the two times apart, each as wall
     time and as this process's CPU time (all its threads: what other processes on the machine do not inflate)."""
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
     start, start_cpu = time.perf_counter(), time.process_time()
@@ -183,13 +184,13 @@ def device_loop(trainer: Trainer, steps: int) -> Any:
 def _memory(compiled: Any, trainer: Trainer) -> dict[str, int | None]:
     stats = trainer.mesh.devices.flat[0].memory_stats()
     peak = stats.get("peak_bytes_in_use") if stats else None
-    return {**inspect.memory(compiled), "device_peak_bytes": None if peak is None else int(peak)}
+    return {**memory(compiled), "device_peak_bytes": None if peak is None else int(peak)}
 
 
 def measure(trainer: Trainer, steps: int, warmup: int, rounds: int) -> dict[str, Any]:
     """Compile, then time ``steps`` steps three ways, ``rounds`` times (see the module docstring); the row's
     figures, each the best of its rounds."""
-    compiled, times = compile_step(trainer)
+    compiled, times = timed_compile(trainer)
     loop = device_loop(trainer, steps)
     state = trainer.init_state()
     batch = trainer.batch(0)
@@ -225,8 +226,8 @@ def measure(trainer: Trainer, steps: int, warmup: int, rounds: int) -> dict[str,
 
     t, n = trainer.config.train, trainer.mesh.size
     tokens = t.global_batch * t.seq_len
-    flops = metrics.flops_per_token(trainer.config.model, t.seq_len) * tokens
-    peak = metrics.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops)
+    model_flops = flops.flops_per_token(trainer.config.model, t.seq_len) * tokens
+    peak = flops.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops)
     return {
         **times,
         "step_time_s": step_time,
@@ -234,8 +235,8 @@ def measure(trainer: Trainer, steps: int, warmup: int, rounds: int) -> dict[str,
         "device_step_time_s": device_time,
         "dispatch_time_s": min(dispatch),
         "tokens_per_s": tokens / step_time,
-        "tflops_per_device": flops / step_time / n / 1e12,
-        "mfu": flops / step_time / (peak * n),
+        "tflops_per_device": model_flops / step_time / n / 1e12,
+        "mfu": model_flops / step_time / (peak * n),
         "host_overhead_s": max(0.0, step_time - device_time),
         "host_overhead_blocked_s": blocked_time - device_time,
         "loss": loss,
@@ -250,7 +251,7 @@ def _describe(trainer: Trainer) -> dict[str, Any]:
                                         "dtype", "remat", "attention")}
     return {
         "model": model,
-        "params": metrics.param_count(m)["total"],
+        "params": flops.param_count(m)["total"],
         "mesh": {axis: int(size) for axis, size in trainer.mesh.shape.items()},
         "rules": trainer.rules.name,
         "global_batch": c.train.global_batch,
@@ -276,7 +277,7 @@ def run_one(
         trainer = Trainer.build(cfg, jax.devices()[: requested_devices(cfg.mesh) or None])
         row.update(_describe(trainer))
         if run.compile_only:
-            compiled, times = compile_step(trainer)
+            compiled, times = timed_compile(trainer)
             row.update(times, memory=_memory(compiled, trainer))
         else:
             row.update(measure(trainer, steps, warmup, rounds))

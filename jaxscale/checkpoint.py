@@ -73,6 +73,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from jaxscale import fp8
 from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
 from jaxscale.optim import schedule_length
+from jaxscale.sharding import param_name
 
 ITEMS = ("state", "data", "loop", "config")
 PARAMS_DIR = "params"
@@ -451,8 +452,7 @@ def _unnest(prefix: tuple[str, ...], tree: Any) -> Any:
 
 def by_name(tree: Any) -> dict[str, Any]:
     """``{"blocks.attn.wq": leaf, ...}`` of a nested mapping."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in flat}
+    return {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def param_shapes(source: ParamsSource) -> dict[str, tuple[int, ...]]:

@@ -41,8 +41,9 @@ Sharding: the quantizers run in the partitioned (automatic) part of the
 program, outside the sequence-parallel ``shard_map`` (the dequantized values
 go in), so ``max|x|`` of a sharded tensor is the partitioner's global
 reduction (an all-reduce of one scalar) and every layout quantizes as one
-device. Pipeline parallelism is refused: a stage applies each layer to
-several microbatches, and the "gradients" of its history would be summed.
+device. Pipeline parallelism is refused (:meth:`jaxscale.layout.Layout.validate`):
+a stage applies each layer to several microbatches, and the "gradients" of its
+history would be summed.
 
 Where it pays: on Hopper (H100/H200) and later GPUs, where XLA rewrites
 ``convert -> scale -> dot`` into a cuBLASLt fp8 GEMM at twice the bf16 peak,
@@ -63,10 +64,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh
 
 from jaxscale.config import ConfigError, PrecisionConfig
-from jaxscale.sharding import Rules
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -151,11 +150,11 @@ quantize_grad.defvjp(_quantize_grad_fwd, _quantize_grad_bwd)
 class Fp8(nnx.Module):
     """The fp8 state of one module's matmuls: an amax history per named operand and per output gradient.
 
-    With ``precision`` None or ``fp8: off`` it holds nothing and both methods return their input.
+    With ``fp8: off`` it holds nothing and both methods return their input.
     """
 
-    def __init__(self, precision: PrecisionConfig | None, operands: Sequence[str], outputs: Sequence[str]):
-        on = precision is not None and precision.fp8 != "off"
+    def __init__(self, precision: PrecisionConfig, operands: Sequence[str], outputs: Sequence[str]):
+        on = precision.fp8 != "off"
         self.recipe = Recipe(precision.fp8 == "delayed", precision.margin) if on else None
         for name in (*operands, *outputs) if on else ():
             setattr(self, name, Fp8Meta(jnp.zeros((precision.amax_history,), jnp.float32), out_sharding=(None,)))
@@ -167,16 +166,6 @@ class Fp8(nnx.Module):
     def grad(self, name: str, y: jax.Array) -> jax.Array:
         """Output ``name`` of a matmul, whose gradient goes through e5m2."""
         return y if self.recipe is None else quantize_grad(y, getattr(self, name)[...], self.recipe)
-
-
-def check_layout(precision: PrecisionConfig, mesh: Mesh, rules: Rules) -> None:
-    """Refuse fp8 with the layers split over a mesh axis (pipeline parallelism)."""
-    staged = [a for a in rules.table().get("layers", ()) if mesh.shape[a] > 1]
-    if precision.fp8 != "off" and staged:
-        raise ConfigError(
-            f"precision.fp8={precision.fp8}: not supported with pipeline parallelism (rules '{rules.name}' "
-            f"put layers on {staged}): a stage reuses each layer's amax history for several microbatches"
-        )
 
 
 def check_resume(saved: dict[str, Any], precision: PrecisionConfig, step: int) -> None:

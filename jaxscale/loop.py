@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxscale import flops
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import (
     Checkpointer,
@@ -144,8 +145,8 @@ class _Run:
         self.save_started: dict[int, float] = {}  # saves not yet committed: step -> start time
         self.first, self.last = first, last
         self.tokens_per_step = t.global_batch * t.seq_len
-        self.flops_per_step = metrics_lib.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
-        self.peak = metrics_lib.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
+        self.flops_per_step = flops.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
+        self.peak = flops.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
         resume_step = first if resumed else None
         self.logger = metrics_lib.MetricsLogger(
             c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard

@@ -43,18 +43,16 @@ head's gradient reduction.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxscale.sharding import active, constrain, spec_axes
+from jaxscale.layout import TOKENS
+from jaxscale.models.axes import HIDDEN, LOGITS
+from jaxscale.sharding import active, constrain
 
-HIDDEN = ("batch", "length", "act_embed")
-TARGETS = ("batch", "length")
-LOGITS = ("batch", "length", "vocab")
 HEAD = (None, "vocab")  # the head weight [embed, vocab], gathered on embed for the loop
 SHARD_HEAD = ("batch", None, "vocab")  # partial head gradients, one per batch shard
 
@@ -97,10 +95,7 @@ def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) ->
 def _batch_shards() -> int:
     """How many ways the active rules split the batch (1 outside :func:`jaxscale.sharding.use_rules`)."""
     current = active()
-    if current is None:
-        return 1
-    mesh, rules = current
-    return math.prod(mesh.shape[a] for a in spec_axes(rules.spec(("batch",))))
+    return current[1].batch_shards if current is not None else 1
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -152,7 +147,7 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
     if chunk <= 0 or s % chunk:
         raise ValueError(f"chunk {chunk} does not divide the sequence length {s}")
     hidden = constrain(hidden, HIDDEN)
-    return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TARGETS), chunk)
+    return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TOKENS), chunk)
 
 
 def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:

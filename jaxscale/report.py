@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxscale.config import ConfigError
 
-# Parts of a memory breakdown, in stacking order, with the keys of jaxscale.analytic.memory they sum.
+# Parts of a memory breakdown, in stacking order, with the keys of jaxscale.analysis.memory.memory they sum.
 MEMORY_PARTS = {
     "parameters": ("params",),
     "optimizer": ("optimizer",),
@@ -38,7 +38,7 @@ def _pyplot() -> Any:
 
 
 def analytic_parts(memory: dict[str, float]) -> dict[str, float]:
-    """An analytic memory breakdown (:func:`jaxscale.analytic.memory`) in the parts a picture stacks."""
+    """An analytic memory breakdown (:func:`jaxscale.analysis.memory.memory`) in the parts a picture stacks."""
     return {part: sum(memory.get(k, 0.0) for k in keys) for part, keys in MEMORY_PARTS.items()}
 
 

@@ -37,7 +37,7 @@ from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel.pipeline import use_pipeline
-from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, use_rules
+from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, layout_of, named_params, use_rules
 
 BATCH_AXES = ("batch", "length")
 
@@ -52,7 +52,7 @@ class TrainState(NamedTuple):
 def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
     """The model's graph, its parameters as ShapeDtypeStructs, and their logical axes."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Llama(config.model, nnx.Rngs(config.train.seed), config.precision))
+        model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(config.train.seed)))
     graphdef, state, _ = nnx.split(model, nnx.Param, fp8.Fp8Meta)
     axes = jax.tree.map(
         lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
@@ -92,10 +92,8 @@ class Trainer:
 
     def validate(self) -> None:
         """Check every parameter and activation layout by tracing the step abstractly."""
-        paths = jax.tree_util.tree_flatten_with_path(self.abstract_params)[0]
-        flat_axes = jax.tree.leaves(self.axes, is_leaf=is_axes)
-        for (path, leaf), axes in zip(paths, flat_axes, strict=True):
-            name = "param " + jax.tree_util.keystr(path, simple=True, separator=".")
+        for path, leaf, axes in named_params(self.abstract_params, self.axes):
+            name = "param " + path
             for kind in ("params", "optimizer", "gradients"):
                 where = name if kind == "params" else f"{name} ({kind} layout)"
                 check_divisible(where, leaf.shape, axes, self.rules.spec(axes, kind), self.mesh)
@@ -104,7 +102,7 @@ class Trainer:
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
-        fp8.check_layout(self.config.precision, self.mesh, self.rules)
+        layout_of(self.mesh, self.rules).validate(self.config)
         jax.eval_shape(self._train_step, self.abstract_state(), self.abstract_batch())
 
     # -- shardings -----------------------------------------------------------------
@@ -154,7 +152,7 @@ class Trainer:
 
     def _init(self) -> TrainState:
         with nnx.use_eager_sharding(False):
-            model = Llama(self.config.model, nnx.Rngs(self.config.train.seed), self.config.precision)
+            model = Llama(self.config, nnx.Rngs(self.config.train.seed))
         _, params, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
         params = nnx.to_pure_dict(params)
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params), nnx.to_pure_dict(fp8_state))

@@ -1,4 +1,4 @@
-"""The analytic model (jaxscale.analytic) against what XLA compiled, layout by layout, and its pieces.
+"""The analytic model (jaxscale.analysis) against what XLA compiled, layout by layout, and its pieces.
 
 LAYOUTS is the table of compiled checks: one line per layout (rules preset, mesh sizes, config
 overrides), each compiled once on 8 simulated devices (fp32: XLA:CPU runs bf16 matmuls in f32) and
@@ -23,8 +23,14 @@ import pytest
 from conftest import tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxscale import analytic, inspect
+from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.communication import flow
+from jaxscale.analysis.formulas import state_formula
+from jaxscale.analysis.memory import layer_residuals
+from jaxscale.analysis.predict import predict_trainer
+from jaxscale.analysis.timing import crosses_nodes, load_cluster
 from jaxscale.config import CONFIG_DIR, ConfigError
+from jaxscale.layout import Layout, Rules
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
@@ -68,17 +74,17 @@ def compile_layout(cache: dict, layout: tuple) -> tuple[Trainer, object]:
     if layout_id(layout) not in cache:
         rules, mesh, *overrides = layout
         trainer = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))
-        cache[layout_id(layout)] = trainer, inspect.compile_step(trainer)
+        cache[layout_id(layout)] = trainer, xla.compile_step(trainer)
     return cache[layout_id(layout)]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_analytic_matches_compiled(layout, compiled):
     trainer, step = compile_layout(compiled, layout)
-    prediction = analytic.predict_trainer(trainer)
-    memory = inspect.memory(step)["total"]
+    prediction = predict_trainer(trainer)
+    memory = xla.memory(step)["total"]
     assert prediction.memory["total"] == pytest.approx(memory, rel=MEMORY_RTOL)
-    wire = inspect.summarize(inspect.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
+    wire = hlo.summarize(hlo.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
     assert prediction.comm["total"] == pytest.approx(wire, rel=COMM_RTOL)
 
 
@@ -86,17 +92,17 @@ def test_state_is_exact_and_follows_the_zero_stages(compiled):
     # Parameters, Adam and gradients are not estimates: the shardings say them to the byte.
     for layout in LAYOUTS[:5]:
         trainer, _ = compile_layout(compiled, layout)
-        held = inspect.state_bytes(trainer)
-        mem = analytic.predict_trainer(trainer).memory
+        held = xla.state_bytes(trainer)
+        mem = predict_trainer(trainer).memory
         adam_scalars = 8  # two int32 step counts (Adam's and the schedule's), replicated
         assert mem["params"] == held["params"]
         assert mem["optimizer"] == held["opt_state"] - adam_scalars
     # FORMULAS.md's stages in jaxscale's convention: 4Ψ + 8Ψ + 4Ψ, divided stage by stage.
     psi, n = 1000.0, 8
-    assert analytic.state_formula(psi, n, 0) == {"params": 4000, "gradients": 4000, "optimizer": 8000}
-    assert analytic.state_formula(psi, n, 1) == {"params": 4000, "gradients": 4000, "optimizer": 1000}
-    assert analytic.state_formula(psi, n, 2) == {"params": 4000, "gradients": 500, "optimizer": 1000}
-    assert analytic.state_formula(psi, n, 3) == {"params": 500, "gradients": 500, "optimizer": 1000}
+    assert state_formula(psi, n, 0) == {"params": 4000, "gradients": 4000, "optimizer": 8000}
+    assert state_formula(psi, n, 1) == {"params": 4000, "gradients": 4000, "optimizer": 1000}
+    assert state_formula(psi, n, 2) == {"params": 4000, "gradients": 500, "optimizer": 1000}
+    assert state_formula(psi, n, 3) == {"params": 500, "gradients": 500, "optimizer": 1000}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -123,48 +129,48 @@ def test_layer_residuals_are_what_autodiff_saves(remat, dtype):
         if "output of scan" in where and layers == m.layers and {t.global_batch, t.seq_len} <= set(dims):
             stacked += math.prod(dims) * {"f32": 4, "bf16": 2}[dtype_]
     itemsize = {"fp32": 4, "compute": np.dtype(dtype).itemsize}
-    table = sum(a.per_token * itemsize[a.dtype] for a in analytic.layer_residuals(m, remat, t.seq_len))
+    table = sum(a.per_token * itemsize[a.dtype] for a in layer_residuals(m, remat, t.seq_len))
     assert stacked == table * t.global_batch * t.seq_len
 
 
 def test_flows_count_wire_bytes_like_inspect():
-    place = analytic.Placement({"params": {}, "optimizer": {}, "gradients": {}}, {"data": 8, "tensor": 1})
-    (ar,) = analytic._flow("x", "all-reduce", ["data"], 800.0, 3, place, "backward", True)
-    (ag,) = analytic._flow("x", "all-gather", ["data"], 800.0, 1, place, "forward", True)
-    (cp,) = analytic._flow("x", "collective-permute", ["data"], 800.0, 2, place, "forward", True)
+    place = Layout(Rules("none", {}), {"data": 8, "tensor": 1})
+    (ar,) = flow("x", "all-reduce", ["data"], 800.0, 3, place, "backward", True)
+    (ag,) = flow("x", "all-gather", ["data"], 800.0, 1, place, "forward", True)
+    (cp,) = flow("x", "collective-permute", ["data"], 800.0, 2, place, "forward", True)
     assert (ar.wire_bytes, ag.wire_bytes, cp.wire_bytes) == (2 * 7 / 8 * 800 * 3, 7 / 8 * 800, 1600)
-    assert analytic._flow("x", "all-reduce", ["tensor"], 800.0, 1, place, "backward", True) == []
+    assert flow("x", "all-reduce", ["tensor"], 800.0, 1, place, "backward", True) == []
 
 
 def test_groups_cross_nodes_from_the_inner_axes_out():
     mesh = {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 8}
-    assert not analytic.crosses_nodes(["tensor"], mesh, 8)
-    assert analytic.crosses_nodes(["fsdp"], mesh, 8)
-    assert not analytic.crosses_nodes(["fsdp", "tensor"], mesh, 16)
-    assert analytic.crosses_nodes(["data"], mesh, 16)
+    assert not crosses_nodes(["tensor"], mesh, 8)
+    assert crosses_nodes(["fsdp"], mesh, 8)
+    assert not crosses_nodes(["fsdp", "tensor"], mesh, 16)
+    assert crosses_nodes(["data"], mesh, 16)
 
 
 def test_cluster_presets_load_and_bad_keys_fail():
     for path in (CONFIG_DIR / "clusters").glob("*.yaml"):
-        cluster = analytic.load_cluster(path.stem)
+        cluster = load_cluster(path.stem)
         assert cluster.devices >= 8 and 0 < cluster.budget < cluster.memory_bytes
-    assert analytic.load_cluster("h100", ["nodes=8"]).devices == 64
+    assert load_cluster("h100", ["nodes=8"]).devices == 64
     with pytest.raises(ConfigError, match="unknown key 'nodez'"):
-        analytic.load_cluster("h100", ["nodez=8"])
+        load_cluster("h100", ["nodez=8"])
     with pytest.raises(ConfigError, match="'peak_flops' must be a positive number"):
-        analytic.load_cluster("h100", ["peak_flops=fast"])
+        load_cluster("h100", ["peak_flops=fast"])
     with pytest.raises(ConfigError, match="no cluster named 'h1000'"):
-        analytic.load_cluster("h1000")
+        load_cluster("h1000")
 
 
 def test_step_time_hides_gradient_traffic_but_not_tensor_traffic():
     config = tiny_config(rules="tp", mesh={"data": 2, "tensor": 4})
     trainer = Trainer.build(config)
-    cluster = analytic.load_cluster("h100", ["peak_flops=1e9"])  # slow devices: every overlap hides
-    time = analytic.predict_trainer(trainer, cluster).time
-    tp = [f for f in analytic.predict_trainer(trainer).flows if not f.overlap]
+    cluster = load_cluster("h100", ["peak_flops=1e9"])  # slow devices: every overlap hides
+    time = predict_trainer(trainer, cluster).time
+    tp = [f for f in predict_trainer(trainer).flows if not f.overlap]
     assert tp and all(f.axes == ("tensor",) for f in tp)
     assert time["exposed"] == pytest.approx(sum(f.wire_bytes for f in tp) / cluster.intra_bandwidth)
     assert time["total"] == pytest.approx(time["compute"] + time["exposed"])
     slow = dataclasses.replace(cluster, compute_efficiency=cluster.compute_efficiency / 2)
-    assert analytic.predict_trainer(trainer, slow).time["compute"] == pytest.approx(2 * time["compute"])
+    assert predict_trainer(trainer, slow).time["compute"] == pytest.approx(2 * time["compute"])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from jaxscale import bench, metrics
+from jaxscale import bench, flops
 from jaxscale.cli import main
 from jaxscale.config import ConfigError, load_config
 from jaxscale.train import Trainer
@@ -99,9 +99,9 @@ def test_quick_suite_report_schema_and_figures(quick):
     assert all(row[k] >= 0 for k in RUN_FIGURES if k != "host_overhead_blocked_s")  # that one is signed
     assert step > 0 and row["device_step_time_s"] > 0
     assert row["tokens_per_s"] == pytest.approx(16 * 32 / step)
-    flops = metrics.flops_per_token(config.model, 32) * 16 * 32
-    assert row["tflops_per_device"] == pytest.approx(flops / step / 8 / 1e12)
-    assert row["mfu"] == pytest.approx(flops / step / (8 * metrics.PEAK_FLOPS["cpu"]))
+    model_flops = flops.flops_per_token(config.model, 32) * 16 * 32
+    assert row["tflops_per_device"] == pytest.approx(model_flops / step / 8 / 1e12)
+    assert row["mfu"] == pytest.approx(model_flops / step / (8 * flops.PEAK_FLOPS["cpu"]))
     assert row["host_overhead_s"] == pytest.approx(max(0.0, step - row["device_step_time_s"]))
     assert row["host_overhead_blocked_s"] == pytest.approx(row["step_time_blocked_s"] - row["device_step_time_s"])
     assert 0 < row["loss"] < np.log(256) + 0.5  # 15 updates: 1 + the loop's untimed 2 + 2 rounds of 3 x 2

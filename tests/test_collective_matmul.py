@@ -23,7 +23,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_layouts import RTOL, assert_trees_close
 
-from jaxscale import analytic, inspect
+from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.predict import predict_trainer
 from jaxscale.config import ConfigError
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.train import Trainer
@@ -71,7 +72,7 @@ def test_functions_equal_the_plain_collectives(shape, axis):
     assert_trees_close(grad(x, w1, w2), jax.jit(jax.grad(loss(plain), argnums=(0, 1, 2)))(x, w1, w2))
     # Forward and backward: 4 decomposed collectives of t − 1 = 3 permutes of one chunk [batch/2, sequence/4,
     # embed] each; besides them only the weight gradients' one all-reduce over data.
-    found = inspect.collectives(grad.lower(x, w1, w2).compile().as_text(), mesh)
+    found = hlo.collectives(grad.lower(x, w1, w2).compile().as_text(), mesh)
     permutes = [c for c in found if c.kind == "collective-permute"]
     assert len(permutes) == 12 and all(c.operand_bytes == 2 * 4 * 8 * 4 for c in permutes)
     assert [(c.kind, c.axes) for c in found if c not in permutes] == [("all-reduce", ("data",))]
@@ -84,7 +85,7 @@ class Run(NamedTuple):
     trainer: Trainer
     loss: float
     grads: dict
-    found: list[inspect.Collective]
+    found: list[hlo.Collective]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +112,7 @@ def tp_sp(t: int, overlap: bool, reference) -> Run:
     batch = jax.device_put(batch, trainer.batch_sharding)
     compiled = trainer.jit_loss_and_grads.lower(params, batch).compile()  # one compile: numbers and HLO
     loss, grads = compiled(params, batch)
-    return Run(trainer, float(loss), grads, inspect.collectives(compiled.as_text(), trainer.mesh))
+    return Run(trainer, float(loss), grads, hlo.collectives(compiled.as_text(), trainer.mesh))
 
 
 def chunk_bytes(trainer: Trainer) -> int:
@@ -121,9 +122,9 @@ def chunk_bytes(trainer: Trainer) -> int:
     return b * c.train.seq_len // mesh.shape["tensor"] * c.model.embed * 4
 
 
-def layer_body(run: Run, kind: str) -> list[inspect.Collective]:
+def layer_body(run: Run, kind: str) -> list[hlo.Collective]:
     """Collectives of ``kind`` over 'tensor' in the layer scans (forward and backward), at least a chunk big."""
-    scan = inspect.in_loop(run.found, trips=run.trainer.config.model.layers)
+    scan = hlo.in_loop(run.found, trips=run.trainer.config.model.layers)
     return [c for c in scan if c.kind == kind and c.axes == ("tensor",) and c.size >= chunk_bytes(run.trainer)]
 
 
@@ -147,21 +148,21 @@ def test_tp_overlap_gives_the_loss_and_gradients_of_plain_sp_and_one_device(t, r
     gathers_scatters = layer_body(plain, "all-gather") + layer_body(plain, "reduce-scatter")
     assert sum(c.wire_bytes for c in permutes) == sum(c.wire_bytes for c in gathers_scatters)
     assert sum(c.wire_bytes for c in permutes) == 8 * layers * (t - 1) * chunk
-    by_axes = {k: v["wire_bytes"] for k, v in inspect.summarize(overlap.found)["by_axes"].items()}
-    assert by_axes == {k: v["wire_bytes"] for k, v in inspect.summarize(plain.found)["by_axes"].items()}
+    by_axes = {k: v["wire_bytes"] for k, v in hlo.summarize(overlap.found)["by_axes"].items()}
+    assert by_axes == {k: v["wire_bytes"] for k, v in hlo.summarize(plain.found)["by_axes"].items()}
 
 
 def test_compiled_step_decomposes_both_passes():
     t = 4
     trainer = Trainer.build(tiny_config(KV8, "model.tp_overlap=true", rules="tp_sp", mesh={"data": 2, "tensor": t}))
-    run = Run(trainer, 0.0, {}, inspect.collectives(inspect.compile_step(trainer).as_text(), trainer.mesh))
+    run = Run(trainer, 0.0, {}, hlo.collectives(xla.compile_step(trainer).as_text(), trainer.mesh))
     assert not layer_body(run, "all-gather") and not layer_body(run, "reduce-scatter")
     permutes = layer_body(run, "collective-permute")
     # Forward: qkv and gate/up entries, attention and MLP exits; backward: their transposes.
     assert sorted(c.phase for c in permutes) == ["backward"] * 4 * (t - 1) + ["forward"] * 4 * (t - 1)
     # The analytic model counts them so too (with the output head's): the same permute bytes.
-    compiled = inspect.summarize(run.found)["by_kind"]["collective-permute"]["wire_bytes"]
-    assert analytic.predict_trainer(trainer).comm["by_kind"]["collective-permute"] == compiled
+    compiled = hlo.summarize(run.found)["by_kind"]["collective-permute"]["wire_bytes"]
+    assert predict_trainer(trainer).comm["by_kind"]["collective-permute"] == compiled
 
 
 def test_tp_overlap_without_sequence_parallelism_is_a_config_error():

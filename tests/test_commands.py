@@ -12,7 +12,8 @@ import jax
 import pytest
 from conftest import TINY, tiny_config
 
-from jaxscale import inspect
+from jaxscale.analysis import xla
+from jaxscale.analysis.inspect import inspect_report, step_report
 from jaxscale.cli import main
 from jaxscale.config import CONFIG_DIR
 from jaxscale.metrics import MetricsLogger
@@ -55,7 +56,7 @@ def test_inspect_reports_every_parameter_memory_and_collective(no_data, tmp_path
     assert sum(r["wire_bytes"] for r in report["collective_rows"]) == pytest.approx(
         report["collectives"]["total"]["wire_bytes"])
     assert report["analytic"]["memory"]["total"] == pytest.approx(report["memory"]["total"], rel=0.10)
-    assert report["reference"]["zero_stage"] == 3 and report["reference"]["tp_comm_bytes"] > 0
+    assert report["formulas"]["zero_stage"] == 3 and report["formulas"]["tp_comm_bytes"] > 0
 
 
 def test_inspect_text_names_the_figures(no_data, capsys):
@@ -127,11 +128,11 @@ def test_metrics_logger_writes_tensorboard_when_asked(tmp_path):
 
 def test_inspect_report_is_json_and_matches_the_step_report():
     trainer = Trainer.build(tiny_config(rules="zero2", mesh={"data": 8}))
-    compiled = inspect.compile_step(trainer)
-    report = inspect.inspect_report(trainer, compiled)
+    compiled = xla.compile_step(trainer)
+    report = inspect_report(trainer, compiled)
     assert json.loads(json.dumps(report)) == report
     assert {k: report[k] for k in ("memory", "state", "collectives")} == {
-        k: v for k, v in inspect.step_report(trainer, compiled).items() if k in ("memory", "state", "collectives")
+        k: v for k, v in step_report(trainer, compiled).items() if k in ("memory", "state", "collectives")
     }
-    assert report["reference"]["zero_stage"] == 2
+    assert report["formulas"]["zero_stage"] == 2
     assert "batches" not in trainer.__dict__

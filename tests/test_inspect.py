@@ -1,4 +1,4 @@
-"""jaxscale.inspect: the HLO collective parser on hand-made modules, then compiled steps against FORMULAS.md.
+"""jaxscale.analysis: the HLO collective parser on hand-made modules, then compiled steps against FORMULAS.md.
 
 Sizes of the tiny model (conftest): Ψ = 106,816 parameters, fp32, so 4Ψ = 427,264 bytes; the layers
 hold Ψ_layers = 73,984 of them, the embedding and the untied output head V·h = 16,384 each. Every
@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 from conftest import tiny_config
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.formulas import formulas
+from jaxscale.analysis.inspect import step_report
+from jaxscale.analysis.params import trainer_inputs
 from jaxscale.config import MESH_AXES
-from jaxscale.metrics import param_count
+from jaxscale.flops import param_count
 from jaxscale.train import Trainer
 
 # -- the parser, on hand-made HLO --------------------------------------------------
@@ -56,7 +59,7 @@ ENTRY %main (p: f32[64]) -> f32[64] {{
     ],
 )
 def test_replica_group_forms(groups, axes):
-    (c,) = inspect.collectives(one_all_reduce(groups), MESH_222)
+    (c,) = hlo.collectives(one_all_reduce(groups), MESH_222)
     assert c.axes == axes
     assert c.n == math.prod(MESH_222.shape[a] for a in axes)
     assert sorted(d for g in c.groups for d in g) == list(range(8))  # a partition of the devices
@@ -64,7 +67,7 @@ def test_replica_group_forms(groups, axes):
 
 def test_part_of_an_axis_is_named_as_a_sub_axis():
     # {i, i+4} on fsdp=8: the major factor 2 of the axis, XLA's 'fsdp':(1)2.
-    (c,) = inspect.collectives(one_all_reduce("[4,2]<=[2,4]T(1,0)"), MESH_FSDP8)
+    (c,) = hlo.collectives(one_all_reduce("[4,2]<=[2,4]T(1,0)"), MESH_FSDP8)
     assert c.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert c.axes == ("fsdp:(1)2",)
 
@@ -135,14 +138,14 @@ ENTRY %main (a.0: f32[64], b.0: f32[16]) -> f32[64] {
 @pytest.mark.parametrize(("direction", "inner_trips"), [("LT", 4), ("LE", 5)])
 def test_nested_loops_multiply_and_fusions_are_searched(direction, inner_trips):
     # The outer while has known_trip_count 3; the inner one only its condition i < 4 (or i <= 4).
-    found = {c.name: c for c in inspect.collectives(NESTED.replace("DIRECTION", direction), MESH_222)}
+    found = {c.name: c for c in hlo.collectives(NESTED.replace("DIRECTION", direction), MESH_222)}
     ar, ag = found["all-reduce.1"], found["all-gather.1"]
     assert [loop.trips for loop in ar.loops] == [3, inner_trips]
     assert ar.runs == 3 * inner_trips and ar.computation == "inner_body"
     assert ar.wire_bytes == 2 * 7 / 8 * 256 * ar.runs
     assert (ag.runs, ag.computation, ag.n, ag.result_bytes, ag.operand_bytes) == (3, "fused_gather", 8, 512, 64)
     assert ag.wire_bytes == 7 / 8 * 512 * 3
-    assert inspect.in_loop(list(found.values()), trips=inner_trips) == [ar]
+    assert hlo.in_loop(list(found.values()), trips=inner_trips) == [ar]
 
 
 ASYNC = """HloModule async
@@ -171,8 +174,8 @@ ENTRY %main (p0: f32[1024], p1: f32[128], p2: f32[1024]) -> f32[1024] {
 
 
 def test_async_forms_count_once_with_the_formula_bytes():
-    found = {c.kind: c for c in inspect.collectives(ASYNC, MESH_222)}
-    assert sorted(found) == sorted(inspect.KINDS)  # one each: the -done ops are not collectives
+    found = {c.kind: c for c in hlo.collectives(ASYNC, MESH_222)}
+    assert sorted(found) == sorted(hlo.KINDS)  # one each: the -done ops are not collectives
     size = 4096  # f32[1024]
     assert found["all-reduce"].is_async and found["all-reduce"].wire_bytes == 2 * 7 / 8 * size
     assert found["all-gather"].is_async and found["all-gather"].shapes == (("f32", (1024,)),)
@@ -182,7 +185,7 @@ def test_async_forms_count_once_with_the_formula_bytes():
     assert found["all-to-all"].wire_bytes == 7 / 8 * size  # inline-typed operand
     permute = found["collective-permute"]
     assert permute.wire_bytes == size and permute.axes == ("tensor",)  # pairs stay within tensor groups
-    totals = inspect.summarize(list(found.values()))
+    totals = hlo.summarize(list(found.values()))
     assert totals["total"]["wire_bytes"] == size * (2 * 7 / 8 + 3 * 7 / 8 + 1)
 
 
@@ -213,17 +216,17 @@ ENTRY %main (g: f32[64,128], h: f32[64], off: s32[]) -> (f32[ROWS,128], f32[64])
 def test_all_reduce_then_slice_reads_as_reduce_scatter():
     # Element 0 (32 KiB) is only ever sliced to its 1/8 (through a tuple element, a bitcast and a
     # fusion parameter): a reduce-scatter on GPU/TPU. Element 1 (256 B) is used whole: a real all-reduce.
-    (c,) = inspect.collectives(SLICED.replace("ROWS", "8"), MESH_222)
+    (c,) = hlo.collectives(SLICED.replace("ROWS", "8"), MESH_222)
     assert (c.size, c.sliced_bytes, c.reading) == (32768 + 256, 32768, "all-reduce")
     assert c.wire_bytes == 2 * 7 / 8 * (32768 + 256)
     assert c.rs_wire_bytes == 7 / 8 * 32768 + 2 * 7 / 8 * 256
     # Without the whole-use element the op reads as a reduce-scatter.
     only = SLICED.replace("ROWS", "8").replace(", %h), channel", "), channel")
     only = only.replace("(f32[64,128]{1,0}, f32[64]{0}) all-reduce", "(f32[64,128]{1,0}) all-reduce")
-    (c,) = inspect.collectives(only, MESH_222)
-    assert c.reading == inspect.SLICED and c.rs_wire_bytes == c.wire_bytes / 2
+    (c,) = hlo.collectives(only, MESH_222)
+    assert c.reading == hlo.SLICED and c.rs_wire_bytes == c.wire_bytes / 2
     # A slice of 1/4 on 8 devices is not each device's shard: not a reduce-scatter.
-    (c,) = inspect.collectives(SLICED.replace("ROWS", "16"), MESH_222)
+    (c,) = hlo.collectives(SLICED.replace("ROWS", "16"), MESH_222)
     assert c.sliced_bytes == 0
 
 
@@ -233,13 +236,13 @@ def test_all_reduce_then_slice_reads_as_reduce_scatter():
 class Step(NamedTuple):
     trainer: Trainer
     compiled: object
-    found: list[inspect.Collective]
+    found: list[hlo.Collective]
 
 
 def compile_step(rules: str, mesh: dict[str, int], *overrides: str) -> Step:
     trainer = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))
-    compiled = inspect.compile_step(trainer)
-    return Step(trainer, compiled, inspect.collectives(compiled.as_text(), trainer.mesh))
+    compiled = xla.compile_step(trainer)
+    return Step(trainer, compiled, hlo.collectives(compiled.as_text(), trainer.mesh))
 
 
 @pytest.fixture(scope="module")
@@ -272,6 +275,10 @@ def tp() -> Step:
     return compile_step("tp", {"data": 2, "tensor": 4})
 
 
+def formulas_of(trainer: Trainer) -> dict:
+    return formulas(trainer.config.model, *trainer_inputs(trainer))
+
+
 def psi(step: Step) -> int:
     total = param_count(step.trainer.config.model)["total"]
     assert total == sum(math.prod(x.shape) for x in jax.tree.leaves(step.trainer.abstract_params))
@@ -287,7 +294,7 @@ def scalar_bytes(tree) -> int:
     return sum(np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if x.ndim == 0)
 
 
-def wire(found: list[inspect.Collective], rs: bool = False, **match) -> float:
+def wire(found: list[hlo.Collective], rs: bool = False, **match) -> float:
     """Summed wire bytes (the reduce-scatter reading if ``rs``) of the collectives whose attributes equal ``match``."""
     chosen = [c for c in found if all(getattr(c, k) == v for k, v in match.items())]
     return sum(c.rs_wire_bytes if rs else c.wire_bytes for c in chosen)
@@ -297,25 +304,25 @@ def test_zero3_state_is_an_eighth_of_dp(dp, zero3):
     state = {name: step.trainer.abstract_state() for name, step in (("dp", dp), ("zero3", zero3))}
     scalars = scalar_bytes(state["dp"])
     assert scalars == scalar_bytes(state["zero3"]) == 12
-    held = {name: inspect.per_device_bytes(s) for name, s in state.items()}
+    held = {name: xla.per_device_bytes(s) for name, s in state.items()}
     # Params + Adam from the shardings: exactly 1/8 once the three replicated int32 scalars are set aside.
     assert held["dp"] - scalars == 12 * psi(dp)
     assert held["zero3"] - scalars == (held["dp"] - scalars) / 8
     # The compiled argument buffers are exactly that state plus the device's 1/8 of the batch: the
     # compiler agrees with the shardings to the byte (ratio 7.97, not 8, only for scalars and batch).
     for name, step in (("dp", dp), ("zero3", zero3)):
-        batch = inspect.per_device_bytes(step.trainer.abstract_batch())
-        assert inspect.memory(step.compiled)["argument"] == held[name] + batch
+        batch = xla.per_device_bytes(step.trainer.abstract_batch())
+        assert xla.memory(step.compiled)["argument"] == held[name] + batch
     # The donated state is aliased in and out: all but the batch.
-    assert inspect.memory(zero3.compiled)["alias"] == held["zero3"]
+    assert xla.memory(zero3.compiled)["alias"] == held["zero3"]
 
 
 def test_zero1_shards_the_optimizer_state_only(dp, zero1):
-    parts = {name: inspect.state_bytes(step.trainer) for name, step in (("dp", dp), ("zero1", zero1))}
+    parts = {name: xla.state_bytes(step.trainer) for name, step in (("dp", dp), ("zero1", zero1))}
     assert parts["zero1"]["params"] == parts["dp"]["params"] == 4 * psi(dp)  # whole fp32 parameters
     adam_scalars = scalar_bytes(dp.trainer.abstract_state().opt_state)
     assert parts["zero1"]["opt_state"] - adam_scalars == (parts["dp"]["opt_state"] - adam_scalars) / 8
-    formulas = inspect.formulas(zero1.trainer)
+    formulas = formulas_of(zero1.trainer)
     assert formulas["zero_stage"] == 1 and formulas["adam_bytes"] == parts["zero1"]["opt_state"] - adam_scalars
 
 
@@ -324,13 +331,13 @@ def test_dp_gradient_all_reduce_matches_the_formula(dp):
     # layer scan (the layer's gradients, run L times) and one after it (embedding, head, final norm,
     # plus the loss scalar). Nothing else crosses devices.
     assert {(c.kind, c.axes) for c in dp.found} == {("all-reduce", ("data",))}
-    in_scan = inspect.in_loop(dp.found, trips=dp.trainer.config.model.layers)
+    in_scan = hlo.in_loop(dp.found, trips=dp.trainer.config.model.layers)
     assert len(in_scan) == 1 and in_scan[0].phase == "backward"
     assert in_scan[0].wire_bytes == 2 * 7 / 8 * 4 * psi_layers(dp)
     # The loss (and nothing else) rides along: a few bytes over 2(N−1)/N·Ψ·4, under 0.01%.
-    formula = inspect.formulas(dp.trainer)["dp_comm_bytes"]
+    formula = formulas_of(dp.trainer)["dp_comm_bytes"]
     assert formula == 2 * 7 / 8 * 4 * psi(dp)
-    measured = inspect.summarize(dp.found)["total"]["wire_bytes"]
+    measured = hlo.summarize(dp.found)["total"]["wire_bytes"]
     assert formula <= measured <= formula * 1.0001
 
 
@@ -351,15 +358,15 @@ def test_zero3_gathers_each_pass_and_scatters_gradients(zero3, zero3_remat):
     layers = zero3.trainer.config.model.layers
     per_pass = 7 / 8 * 4 * psi_layers(zero3)
     for step in (zero3, zero3_remat):
-        scan = inspect.in_loop(step.found, trips=layers)
+        scan = hlo.in_loop(step.found, trips=layers)
         assert wire(scan, kind="all-gather", phase="forward") == pytest.approx(per_pass)
-        assert wire(scan, True, reading=inspect.SLICED) == pytest.approx(per_pass)
+        assert wire(scan, True, reading=hlo.SLICED) == pytest.approx(per_pass)
         assert all(c.axes == ("fsdp",) for c in step.found)
     # Backward gathers: the same pass again, remat or not (remat=full adds only the two norm
     # scales' re-gather for the recomputation: 2·7/8·256 B per layer, 0.3%).
-    backward = wire(inspect.in_loop(zero3.found, trips=layers), kind="all-gather", phase="backward")
+    backward = wire(hlo.in_loop(zero3.found, trips=layers), kind="all-gather", phase="backward")
     assert backward == pytest.approx(per_pass)
-    backward_remat = wire(inspect.in_loop(zero3_remat.found, trips=layers), kind="all-gather", phase="backward")
+    backward_remat = wire(hlo.in_loop(zero3_remat.found, trips=layers), kind="all-gather", phase="backward")
     assert backward_remat == pytest.approx(per_pass, rel=0.005)
 
     # Whole step. Forward gathers: every parameter but the embedding.
@@ -371,12 +378,12 @@ def test_zero3_gathers_each_pass_and_scatters_gradients(zero3, zero3_remat):
     # (embedding forward and backward gathers, head backward gather and gradient scatter:
     # −4·7/8·V·h·4), plus what replaces them (two activation all-to-alls, the targets' gather,
     # scalars: +3.4% measured), within 5%. Here V·h is 31% of Ψ; in a real model it is a few %.
-    formula = inspect.formulas(zero3.trainer)["dp_comm_bytes"]
+    formula = formulas_of(zero3.trainer)["dp_comm_bytes"]
     assert formula == 3 * 7 / 8 * params
-    measured = inspect.summarize(zero3.found)["total"]["rs_wire_bytes"]
+    measured = hlo.summarize(zero3.found)["total"]["rs_wire_bytes"]
     assert measured == pytest.approx(formula - 4 * 7 / 8 * v_h, rel=0.05)
     # As compiled on CPU (all-reduce + slice), the gradient part costs twice as much.
-    assert inspect.summarize(zero3.found)["total"]["wire_bytes"] > measured * 1.3
+    assert hlo.summarize(zero3.found)["total"]["wire_bytes"] > measured * 1.3
 
 
 def test_zero1_and_zero2_communication(dp, zero1, zero2):
@@ -387,17 +394,17 @@ def test_zero1_and_zero2_communication(dp, zero1, zero2):
     # Without accumulation ZeRO-1 and ZeRO-2 move the same bytes: the gradients go straight to the
     # optimizer state's layout (reduce-scatter), the update runs on the shard, the parameters are
     # all-gathered. ZeRO-2 differs only in the accumulator's layout, with train.microbatches > 1.
-    totals = [inspect.summarize(step.found)["total"]["wire_bytes"] for step in (zero1, zero2)]
+    totals = [hlo.summarize(step.found)["total"]["wire_bytes"] for step in (zero1, zero2)]
     assert totals[0] == pytest.approx(totals[1], rel=1e-4)
     # The layers' gradients are all-reduce + 1/8 slice, i.e. a
     # reduce-scatter. In that reading the step is 2·(N−1)/N·Ψ·4 less the output head's gradient
     # scatter (computed in place, as in the zero3 test: −7/8·V·h·4) plus its all-to-all and
     # gathered targets (+2.4% measured), within 3%.
-    scan = inspect.in_loop(zero2.found, trips=zero2.trainer.config.model.layers)
-    assert wire(scan, True, reading=inspect.SLICED) == 7 / 8 * 4 * psi_layers(zero2)
-    formula = inspect.formulas(zero2.trainer)["dp_comm_bytes"]
+    scan = hlo.in_loop(zero2.found, trips=zero2.trainer.config.model.layers)
+    assert wire(scan, True, reading=hlo.SLICED) == 7 / 8 * 4 * psi_layers(zero2)
+    formula = formulas_of(zero2.trainer)["dp_comm_bytes"]
     v_h = 4 * param_count(zero2.trainer.config.model)["embedding"]
-    measured = inspect.summarize(zero2.found)["total"]["rs_wire_bytes"]
+    measured = hlo.summarize(zero2.found)["total"]["rs_wire_bytes"]
     assert measured == pytest.approx(formula - 7 / 8 * v_h, rel=0.03)
 
 
@@ -406,7 +413,7 @@ def test_tp_activation_all_reduces(tp):
     config = tp.trainer.config
     b = config.train.global_batch // tp.trainer.mesh.shape["data"]
     bsh = b * config.train.seq_len * config.model.embed * 4
-    scan = [c for c in inspect.in_loop(tp.found, trips=config.model.layers) if c.axes == ("tensor",)]
+    scan = [c for c in hlo.in_loop(tp.found, trips=config.model.layers) if c.axes == ("tensor",)]
     forward = [c for c in scan if c.phase == "forward"]
     assert [c.operand_bytes for c in forward] == [bsh, bsh]
     assert wire(forward) == config.model.layers * 2 * (2 * 3 / 4 * bsh)
@@ -417,14 +424,14 @@ def test_tp_activation_all_reduces(tp):
     # The gradients' all-reduce runs over 'data' only, on what each tensor rank holds: the formula
     # with Ψ_t/t + (Ψ − Ψ_t), 2·(2−1)/2·4·26,944 B, plus the loss scalar riding along.
     assert {c.axes for c in tp.found} == {("tensor",), ("data",)}
-    formulas = inspect.formulas(tp.trainer)
-    assert formulas["params_bytes"] == inspect.state_bytes(tp.trainer)["params"]
-    data = inspect.summarize(tp.found)["by_axes"]["data"]["wire_bytes"]
+    formulas = formulas_of(tp.trainer)
+    assert formulas["params_bytes"] == xla.state_bytes(tp.trainer)["params"]
+    data = hlo.summarize(tp.found)["by_axes"]["data"]["wire_bytes"]
     assert formulas["dp_comm_bytes"] <= data <= formulas["dp_comm_bytes"] * 1.0001
 
 
 def test_step_report_is_json(zero3):
-    report = inspect.step_report(zero3.trainer, zero3.compiled)
+    report = step_report(zero3.trainer, zero3.compiled)
     assert json.loads(json.dumps(report)) == report
     assert report["memory"]["argument"] == sum(report["state"].values())
     assert set(report["collectives"]["by_axes"]) == {"fsdp"}
@@ -438,7 +445,7 @@ def test_tp_sp_layer_moves_activations_by_gather_and_scatter_only():
     config, mesh = step.trainer.config, step.trainer.mesh
     b = config.train.global_batch // mesh.shape["data"]
     bsh = b * config.train.seq_len * config.model.embed * 4
-    scan = inspect.in_loop(step.found, trips=config.model.layers)
+    scan = hlo.in_loop(step.found, trips=config.model.layers)
     # Over 'data' runs the weight gradients' all-reduce (inside the shard_map, so inside the scan).
     big = [c for c in scan if c.axes == ("tensor",) and max(c.operand_bytes, c.result_bytes) >= bsh // 4]
     assert not [c for c in big if c.kind == "all-reduce"], "an activation-sized all-reduce in the layer body"

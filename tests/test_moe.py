@@ -9,11 +9,12 @@ from flax import nnx
 from test_errors import fails_early
 from test_layouts import RTOL, assert_trees_close, rel_err
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
+from jaxscale.flops import param_count
 from jaxscale.mesh import make_mesh
-from jaxscale.metrics import param_count
 from jaxscale.models import moe
+from jaxscale.models import routing as kernels
 from jaxscale.parallel import expert
 from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
@@ -47,7 +48,7 @@ def expert_outputs(x, params, index, gate):
 
 def make_layer(config):
     with nnx.use_eager_sharding(False):
-        layer = moe.MoE(config.model, nnx.Rngs(0))
+        layer = moe.MoE(config, nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
     return graphdef, nnx.to_pure_dict(state)
 
@@ -146,13 +147,13 @@ def test_overflow_drops_exactly_the_expected_choices(choices, top_k, dropped):
                          "model.moe.mlp=16", rules="ep", mesh={"expert": 4, "data": 2})
     moe_config = config.model.moe
     seq = len(choices)
-    assert moe.capacity(moe_config, seq) == 2
-    routing, aux = jax.jit(lambda logits: moe.route(logits, moe_config, 2))(hand_logits(choices, experts))
+    assert kernels.capacity(moe_config, seq) == 2
+    routing, aux = jax.jit(lambda logits: kernels.route(logits, moe_config, 2))(hand_logits(choices, experts))
     assert {(t, j) for t in range(seq) for j in range(top_k) if routing.slot[0, t, j] >= 2} == dropped
     assert float(aux["moe_dropped"]) == pytest.approx(len(dropped) / (seq * top_k))
 
     # The same sequence 8 times (one per device), through the all-to-all path on 4 expert shards.
-    routing = moe.Routing(*(jnp.tile(a, (8, 1, 1)) for a in routing))
+    routing = kernels.Routing(*(jnp.tile(a, (8, 1, 1)) for a in routing))
     _, params = make_layer(config)
     weights = tuple(params[k] for k in ("w_gate", "w_up", "w_down"))
     x = jax.random.normal(jax.random.key(3), (8, seq, config.model.embed))
@@ -178,7 +179,7 @@ def test_aux_and_z_loss_on_a_hand_computed_case():
     lse = np.array([0.0, 1.0, -1.0, 2.0])
     logits = jnp.asarray((np.log(probs) + lse[:, None])[None], jnp.float32)
     config = tiny_config("model.moe.experts=2", "model.moe.top_k=1").model.moe
-    _, aux = jax.jit(lambda logits: moe.route(logits, config, moe.capacity(config, 4)))(logits)
+    _, aux = jax.jit(lambda logits: kernels.route(logits, config, kernels.capacity(config, 4)))(logits)
     # Choices: experts 0, 0, 1, 0, so f = (3/4, 1/4); mean probabilities P = (0.65, 0.35).
     # Load balance: 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15. z-loss: (0 + 1 + 1 + 4) / 4 = 1.5.
     assert float(aux["moe_aux_loss"]) == pytest.approx(1.15, rel=1e-6)
@@ -187,7 +188,7 @@ def test_aux_and_z_loss_on_a_hand_computed_case():
     scores = np.array([[0.8, 0.5], [0.2, 0.6], [0.9, 0.3], [0.5, 0.5]])
     config = tiny_config("model.moe.experts=2", "model.moe.top_k=1", "model.moe.router=sigmoid",
                          "model.moe.normalize_gates=false").model.moe
-    routing, sig = jax.jit(lambda x: moe.route(x, config, 4))(jnp.asarray(np.log(scores / (1 - scores))[None]))
+    routing, sig = jax.jit(lambda x: kernels.route(x, config, 4))(jnp.asarray(np.log(scores / (1 - scores))[None]))
     assert routing.index[0, :, 0].tolist() == [0, 1, 0, 0]  # a tie goes to the lower index
     np.testing.assert_allclose(routing.gate[0, :, 0], [0.8, 0.6, 0.9, 0.5], rtol=1e-6)
     p0 = np.mean(scores[:, 0] / scores.sum(1))  # (8/13 + 1/4 + 3/4 + 1/2) / 4
@@ -242,16 +243,16 @@ def test_ep_fsdp_train_step_matches_single_device(ep_fsdp_step, single_device_st
 
 
 def test_ep_fsdp_all_to_all_bytes_match_the_formula(ep_fsdp_step):
-    trainer, *_, hlo = ep_fsdp_step
+    trainer, *_, text = ep_fsdp_step
     c, t, mesh = trainer.config.model, trainer.config.train, trainer.mesh
-    found = [x for x in inspect.collectives(hlo, mesh) if "shard_map" in x.op_name]  # the MoE layers' own
+    found = [x for x in hlo.collectives(text, mesh) if "shard_map" in x.op_name]  # the MoE layers' own
     all_to_all = [x for x in found if x.kind == "all-to-all"]
     assert all_to_all and all(x.axes == ("expert",) for x in all_to_all)
     # Per MoE layer and microbatch: dispatch and combine forward, their transposes backward, each moving
     # (ep - 1) / ep of a [b, E, C, h] buffer.
     ep = mesh.shape["expert"]
     b = t.global_batch // (t.microbatches * mesh.shape["data"] * mesh.shape["fsdp"] * ep)  # sequences per device
-    buffer = b * c.moe.experts * moe.capacity(c.moe, t.seq_len) * c.embed * 4
+    buffer = b * c.moe.experts * kernels.capacity(c.moe, t.seq_len) * c.embed * 4
     runs = t.microbatches * c.layers // c.moe.every_n_layers  # microbatches x MoE layers
     assert sum(x.wire_bytes for x in all_to_all) == pytest.approx(4 * runs * (ep - 1) / ep * buffer, rel=1e-12)
     # The fully manual shard_map gathers no activation over the batch axes (weights only, on fsdp).

@@ -11,7 +11,7 @@ from conftest import tiny_config
 from test_errors import fails_early
 from test_layouts import RTOL, assert_trees_close
 
-from jaxscale import inspect
+from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR
 from jaxscale.parallel import pipeline
 from jaxscale.train import Trainer
@@ -72,7 +72,7 @@ def test_pp_fsdp_tp_training_step_matches_single_device(reference):
     initial, batches, _, _, ref_params, ref_outs = reference
     mesh = {"stage": 2, "fsdp": 2, "tensor": 2}
     trainer = Trainer.build(tiny_config(*BASE, *pipe(4, 2), rules="pp_fsdp_tp", mesh=mesh))
-    compiled = inspect.compile_step(trainer)
+    compiled = xla.compile_step(trainer)
     state = jax.device_put(initial, trainer.state_shardings)
     for batch, ref_out in zip(batches, ref_outs, strict=True):
         state, out = compiled(state, placed(trainer, batch))
@@ -83,7 +83,7 @@ def test_pp_fsdp_tp_training_step_matches_single_device(reference):
     assert specs == jax.tree.map(lambda s: s.spec, trainer.param_shardings())
     # The HLO: each tick sends one microbatch shard (8 rows / fsdp 2 = 4 rows, 32 x 64) to the next
     # stage, forward and backward; no activation is gathered over the data axes (partial-manual gather).
-    found = inspect.collectives(compiled.as_text(), trainer.mesh)
+    found = hlo.collectives(compiled.as_text(), trainer.mesh)
     loop = [c for c in found if c.loops and c.loops[-1].trips == pipeline.ticks(2, 4, 2)]
     permutes = [c for c in loop if c.kind == "collective-permute"]
     assert {(c.axes, c.shapes, c.runs) for c in permutes} == {(("stage",), (("f32", (4, 32, 64)),), 9)}
@@ -96,7 +96,7 @@ def test_pp_fsdp_tp_training_step_matches_single_device(reference):
 def test_data_parallel_gradients_are_reduced_once_per_step():
     """Under pp with data = 4, nothing crosses ``data`` inside the pipeline loop; block gradients cross it once."""
     trainer = Trainer.build(tiny_config(*BASE, *pipe(4, 1), rules="pp", mesh=MESHES[2]))
-    found = inspect.collectives(inspect.compile_step(trainer).as_text(), trainer.mesh)
+    found = hlo.collectives(xla.compile_step(trainer).as_text(), trainer.mesh)
     loop = [c for c in found if c.loops and c.loops[-1].trips == pipeline.ticks(2, 4, 1)]
     assert {c.kind for c in loop} == {"collective-permute"}
     # wq's gradient on a stage: [repeats 1, 8 layers / 2 stages, embed 64, heads 8, head_dim 8].
@@ -109,8 +109,8 @@ def test_parameters_per_device_fall_as_one_over_p():
     for p in (1, 2, 4):
         trainer = Trainer.build(tiny_config(*BASE, *pipe(p, 1), rules="pp", mesh={"stage": p}), jax.devices()[:p])
         state = trainer.abstract_state()
-        blocks[p] = inspect.per_device_bytes(state.params["blocks"])
-        opt[p] = inspect.per_device_bytes(state.opt_state)
+        blocks[p] = xla.per_device_bytes(state.params["blocks"])
+        opt[p] = xla.per_device_bytes(state.opt_state)
     assert blocks[1] == 2 * blocks[2] == 4 * blocks[4]
     # Adam's two moments of the blocks fall with them; the rest (embedding, head) is replicated.
     assert opt[1] - opt[2] == 2 * (blocks[1] - blocks[2]) and opt[2] - opt[4] == 2 * (blocks[2] - blocks[4])

@@ -23,15 +23,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxscale.config import Config, ConfigError, ModelConfig
+from jaxscale.layout import Rules
 from jaxscale.parallel import ring_attention
-from jaxscale.sharding import Axes, Rules, active
+from jaxscale.sharding import Axes, active, layout_of
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_axes: Axes, kv_axes: Axes, config: ModelConfig) -> jax.Array:
@@ -87,20 +87,15 @@ def resolve_attention(config: ModelConfig, platform: str, seq_len: int, context:
 
 def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     """``config`` with ``model.attention`` resolved for the mesh's devices and the rules' sequence axes."""
-    context = math.prod(mesh.shape[a] for a in rules.table().get("length", ()))
     platform = mesh.devices.flat[0].platform
-    kind = resolve_attention(config.model, platform, config.train.seq_len, context)
+    kind = resolve_attention(config.model, platform, config.train.seq_len, layout_of(mesh, rules).ring_size)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
 
 
-def ring_size(config: ModelConfig, mesh: Mesh, rules: Rules, length: str = "length") -> int:
-    """Devices in the attention ring: the mesh axes of ``length`` under ``model.attention: ring``, else 1."""
-    if config.attention != "ring":
-        return 1
-    return math.prod(mesh.shape[a] for a in rules.table().get(length, ()))
-
-
 def sequence_order(config: ModelConfig, seq_len: int, mesh: Mesh, rules: Rules) -> np.ndarray | None:
-    """The order the data path must give each sequence's tokens, targets and positions (None: as they come)."""
-    cp = ring_size(config, mesh, rules)
+    """The order the data path must give each sequence's tokens, targets and positions (None: as they come).
+
+    Under ``model.attention: ring`` the devices of the sequence's mesh axes form the ring.
+    """
+    cp = layout_of(mesh, rules).ring_size if config.attention == "ring" else 1
     return ring_attention.sequence_order(seq_len, cp) if cp > 1 else None

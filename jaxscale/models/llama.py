@@ -7,13 +7,7 @@ carries the logical names of its dimensions (``out_sharding`` metadata) and
 the activations that decide communication are constrained by logical name
 through :func:`jaxscale.sharding.constrain`.
 
-Parameter axes: ``vocab, embed, heads, kv_heads, head_dim, mlp, layers``.
-Activation axes: ``batch``; ``length`` (sequence inside attention and MLP);
-``norm_length`` (sequence of the residual stream and norms: Megatron sequence
-parallelism shards it over ``tensor``); ``act_embed`` (hidden size of the
-residual stream, kept apart from the parameters' ``embed`` so FSDP can shard
-one and not the other); ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
-``vocab``.
+The logical axes are listed in :mod:`jaxscale.models.axes`.
 
 The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
 ``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
@@ -31,7 +25,6 @@ their mean over the MoE layers next to the logits.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -39,27 +32,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.config import ConfigError, ModelConfig, PrecisionConfig
+from jaxscale.config import Config, ModelConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
+from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.models.params import ones, param
 from jaxscale.parallel import pipeline, sequence
 from jaxscale.sharding import constrain
-
-RESIDUAL = ("batch", "norm_length", "act_embed")
-Q_AXES = ("batch", "length", "heads", "head_dim")
-KV_AXES = ("batch", "length", "kv_heads", "head_dim")
-MLP_AXES = ("batch", "length", "mlp")
-LOGITS = ("batch", "length", "vocab")
-
-
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str, ...], std: float, dtype) -> nnx.Param:
-    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), out_sharding=axes)
-
-
-def _ones(shape: tuple[int, ...], axes: tuple[str, ...], dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes)
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:
@@ -74,10 +54,11 @@ def remat_policy(config: ModelConfig) -> Callable | None:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        self.eps = config.norm_eps
-        self.dtype = jnp.dtype(config.dtype)
-        self.scale = _ones((config.embed,), ("embed",), config.param_dtype)
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        c = config.model
+        self.eps = c.norm_eps
+        self.dtype = jnp.dtype(c.dtype)
+        self.scale = ones((c.embed,), ("embed",), c.param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
@@ -103,15 +84,15 @@ class Attention(nnx.Module):
     go through :class:`jaxscale.fp8.Fp8` (a no-op unless ``precision.fp8`` is on).
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
-        c = config
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        c = config.model
         self.config = c
         std, pdt = c.init_std, c.param_dtype
-        self.wq = _param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
-        self.wk = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
-        self.wv = _param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
-        self.wo = _param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
-        self.fp8 = Fp8(precision, ("x", "wq", "wk", "wv", "out", "wo"), ("q", "k", "v", "o"))
+        self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
+        self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+        self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
+        self.fp8 = Fp8(config.precision, ("x", "wq", "wk", "wv", "out", "wo"), ("q", "k", "v", "o"))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c, f8 = self.config, self.fp8
@@ -140,16 +121,20 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; the matmuls go through :class:`jaxscale.fp8.Fp8`."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` of hidden size ``width`` (default ``model.mlp``).
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
-        c = config
+    The matmuls go through :class:`jaxscale.fp8.Fp8`.
+    """
+
+    def __init__(self, config: Config, rngs: nnx.Rngs, width: int | None = None):
+        c = config.model
+        f = width or c.mlp
         self.dtype = jnp.dtype(c.dtype)
         self.overlap = c.tp_overlap
-        self.w_gate = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
-        self.w_up = _param(rngs, (c.embed, c.mlp), ("embed", "mlp"), c.init_std, c.param_dtype)
-        self.w_down = _param(rngs, (c.mlp, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
-        self.fp8 = Fp8(precision, ("x", "w_gate", "w_up", "hidden", "w_down"), ("gate", "up", "down"))
+        self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
+        self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
+        self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
+        self.fp8 = Fp8(config.precision, ("x", "w_gate", "w_up", "hidden", "w_down"), ("gate", "up", "down"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt, f8 = self.dtype, self.fp8
@@ -174,19 +159,17 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm decoder block: attention and MLP (or mixture of experts), each on a residual branch."""
 
-    def __init__(
-        self, config: ModelConfig, rngs: nnx.Rngs, moe_layer: bool = False, precision: PrecisionConfig | None = None
-    ):
+    def __init__(self, config: Config, rngs: nnx.Rngs, moe_layer: bool = False):
         self.attn_norm = RMSNorm(config, rngs)
-        self.attn = Attention(config, rngs, precision)
+        self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config, rngs)
         self.moe_layer = moe_layer
         if moe_layer:
-            width = config.moe.shared_experts * moe.expert_width(config)
-            shared = MLP(dataclasses.replace(config, mlp=width), rngs, precision) if width else None
+            width = config.model.moe.shared_experts * moe.expert_width(config.model)
+            shared = MLP(config, rngs, width) if width else None
             self.mlp = moe.MoE(config, rngs, shared)
         else:
-            self.mlp = MLP(config, rngs, precision)
+            self.mlp = MLP(config, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The block's output and its MoE metrics (none for a dense block)."""
@@ -198,9 +181,9 @@ class Block(nnx.Module):
 class Group(nnx.Module):
     """``model.moe.every_n_layers`` blocks, the last with a mixture of experts: the unit the layer scan repeats."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
-        n = config.moe.every_n_layers
-        self.blocks = nnx.List([Block(config, rngs, i == n - 1, precision) for i in range(n)])
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        n = config.model.moe.every_n_layers
+        self.blocks = nnx.List([Block(config, rngs, i == n - 1) for i in range(n)])
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         for block in self.blocks:
@@ -211,25 +194,26 @@ class Group(nnx.Module):
 class Llama(nnx.Module):
     """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab].
 
-    ``precision`` (the config's ``precision`` section) turns on fp8 projections (:mod:`jaxscale.fp8`).
+    Built from the whole experiment config, the one channel into the model (every submodule takes
+    it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
     """
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, precision: PrecisionConfig | None = None):
-        c = config
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        c = config.model
         self.config = c
-        self.embedding = _param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
+        self.embedding = param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
         steps = c.layers // c.moe.every_n_layers if c.moe else c.layers
 
         @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def make_blocks(rngs: nnx.Rngs) -> Block | Group:
-            return Group(c, rngs, precision) if c.moe else Block(c, rngs, precision=precision)
+            return Group(config, rngs) if c.moe else Block(config, rngs)
 
         self.blocks = make_blocks(rngs)
-        self.final_norm = RMSNorm(c, rngs)
+        self.final_norm = RMSNorm(config, rngs)
         if not c.tie_embeddings:
-            self.lm_head = _param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+            self.lm_head = param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         return self.forward(tokens, positions)[0]
@@ -267,9 +251,7 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        if pipeline.stages() > 1:
-            if c.moe is not None:
-                raise ConfigError("pipeline parallelism (layers on stage) cannot carry model.moe's aux losses yet")
+        if pipeline.stages() > 1:  # a dense model: Layout.validate refuses the MoE aux losses in a pipeline
             x, aux = pipeline.apply(self.blocks, x, positions, RESIDUAL, policy), {}
         else:
             x, aux = scan(x, self.blocks)

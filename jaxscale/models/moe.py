@@ -42,6 +42,9 @@ which states only the layouts (the buffers' ``expert`` dimension on the rules'
 ``expert`` axes, their batch on ``expert_batch``) and leaves the collectives to
 XLA's SPMD partitioner.
 
+The routing math and the kernels both places share (dispatch, combine,
+grouped matmuls) are :mod:`jaxscale.models.routing`.
+
 Logical axes: parameters ``expert, embed, expert_mlp`` (the router is
 ``embed x None``: replicated over experts); activations ``expert`` and
 ``expert_batch`` (the batch dimension of dispatched buffers: the rules map it
@@ -50,33 +53,19 @@ to the batch's mesh axes other than the expert ones).
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale.config import ModelConfig, MoEConfig
+from jaxscale.config import Config, ModelConfig, MoEConfig
+from jaxscale.models.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.models.params import param
+from jaxscale.models.routing import Routing, capacity, dropless, flat_slot, route
+from jaxscale.parallel import expert
 from jaxscale.sharding import active, constrain
 
-RESIDUAL = ("batch", "norm_length", "act_embed")
-ROUTING = ("batch", "norm_length", None)
-BUFFER = ("expert_batch", "expert", None, "act_embed")
-BUFFER_HIDDEN = ("expert_batch", "expert", None, "expert_mlp")
-W_IN = ("expert", "embed", "expert_mlp")
-W_OUT = ("expert", "expert_mlp", "embed")
 METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")
-
-
-class Routing(NamedTuple):
-    """Where each token's choices go: all ``[batch, length, top_k]``."""
-
-    index: jax.Array  # int32 expert of each choice
-    gate: jax.Array  # fp32 weight of each choice
-    slot: jax.Array  # int32 place in its expert's buffer for this sequence; >= capacity: dropped
 
 
 def expert_width(config: ModelConfig) -> int:
@@ -84,115 +73,11 @@ def expert_width(config: ModelConfig) -> int:
     return config.moe.mlp or config.mlp
 
 
-def capacity(moe: MoEConfig, seq_len: int) -> int:
-    """Slots per expert per sequence: ``min(s, ceil(capacity_factor · s · top_k / experts))``."""
-    return min(seq_len, math.ceil(moe.capacity_factor * seq_len * moe.top_k / moe.experts))
-
-
-def route(logits: jax.Array, moe: MoEConfig, seq_capacity: int) -> tuple[Routing, dict[str, jax.Array]]:
-    """Top-k routing of ``logits`` [batch, length, experts] and the layer's auxiliary losses and drop fraction."""
-    logits = logits.astype(jnp.float32)
-    n, k = moe.experts, moe.top_k
-    if moe.router == "softmax":
-        scores = probs = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = jax.nn.sigmoid(logits)
-        probs = scores / scores.sum(-1, keepdims=True)
-    # top-k as a sort along the experts: the partitioner keeps it local to each token shard
-    # (it gathers every token's scores for lax.top_k); ties go to the lower index either way.
-    index = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
-    top = jnp.take_along_axis(scores, index, axis=-1)
-    gate = top / top.sum(-1, keepdims=True) if moe.normalize_gates else top
-    chosen = jax.nn.one_hot(index, n, dtype=jnp.int32)  # [b, s, k, e]
-    fraction = chosen.sum((0, 1, 2)) / index.size
-    aux = {
-        "moe_aux_loss": n * jnp.sum(fraction * probs.mean((0, 1))),
-        "moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-    }
-    if moe.dispatch == "capacity":
-        b, s = index.shape[:2]
-        # Choice-major order within a whole sequence: every first choice, then every second, ...
-        order = jax.nn.one_hot(constrain(index, ("batch", "length", None)).swapaxes(1, 2), n, dtype=jnp.int32)
-        order = order.reshape(b, k * s, n)
-        before = jnp.cumsum(order, axis=1) - order
-        slot = (before * order).sum(-1).reshape(b, k, s).transpose(0, 2, 1)
-        aux["moe_dropped"] = jnp.mean((slot >= seq_capacity).astype(jnp.float32))
-    else:
-        slot = jnp.zeros_like(index)
-        aux["moe_dropped"] = jnp.zeros((), jnp.float32)
-    return Routing(index.astype(jnp.int32), gate, slot.astype(jnp.int32)), aux
-
-
 def aux_objective(aux: dict[str, jax.Array], config: ModelConfig) -> jax.Array | float:
     """The auxiliary terms the loss gets: weighted load-balance and z-loss (0 for a dense model)."""
     if config.moe is None:
         return 0.0
     return config.moe.aux_loss_weight * aux["moe_aux_loss"] + config.moe.z_loss_weight * aux["moe_z_loss"]
-
-
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...]."""
-    hidden = jax.nn.silu(jnp.einsum("...ecd,edf->...ecf", x, w_gate)) * jnp.einsum("...ecd,edf->...ecf", x, w_up)
-    return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
-
-
-def _flat_slot(routing: Routing, experts: int, seq_capacity: int) -> jax.Array:
-    """Index of each choice in its sequence's flattened ``[experts · C]`` buffer; ``experts · C`` if dropped."""
-    kept = routing.slot < seq_capacity
-    return jnp.where(kept, routing.index * seq_capacity + routing.slot, experts * seq_capacity)
-
-
-def dispatch(x: jax.Array, routing: Routing, experts: int, seq_capacity: int) -> jax.Array:
-    """Scatter tokens [b, s, d] into their experts' slots: [b, experts, C, d]; dropped choices go nowhere."""
-    b, s, d = x.shape
-    k = routing.index.shape[-1]
-    where = _flat_slot(routing, experts, seq_capacity).reshape(b, s * k)
-    src = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(b, s * k, d)
-    buf = jax.vmap(lambda w, v: jnp.zeros((experts * seq_capacity, d), x.dtype).at[w].add(v, mode="drop"))(where, src)
-    return buf.reshape(b, experts, seq_capacity, d)
-
-
-def combine(out: jax.Array, routing: Routing) -> jax.Array:
-    """Gather each choice's expert output from [b, experts, C, d] and sum them weighted by the gates."""
-    b, n, c, d = out.shape
-    s, k = routing.index.shape[1:]
-    where = _flat_slot(routing, n, c).reshape(b, s * k, 1)
-    picked = jnp.take_along_axis(out.reshape(b, n * c, d), where, axis=1, mode="fill", fill_value=0)
-    return jnp.einsum("bskd,bsk->bsd", picked.reshape(b, s, k, d), routing.gate.astype(out.dtype))
-
-
-def grouped_swiglu(
-    x: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
-) -> jax.Array:
-    """Rows ``x`` [m, d] through the SwiGLU of expert ``expert`` [m] with grouped matmuls (``ragged_dot``).
-
-    Rows whose expert is outside ``[0, len(w_gate))`` (another device's) give zeros.
-    """
-    groups = w_gate.shape[0]
-    local = (expert >= 0) & (expert < groups)
-    key = jnp.where(local, expert, groups)
-    order = jnp.argsort(key, stable=True)
-    sizes = jnp.zeros((groups,), jnp.int32).at[key].add(1, mode="drop")
-    xs = x[order]
-    hidden = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)
-    out = lax.ragged_dot(hidden, w_down, sizes)[jnp.argsort(order)]
-    return jnp.where(local[:, None], out, 0)
-
-
-def dropless(
-    x: jax.Array,
-    routing: Routing,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
-    first_expert: jax.Array | int = 0,
-) -> jax.Array:
-    """Tokens ``x`` [b, s, d] through their chosen experts among ``first_expert + [0, len(w_gate))``, gated, summed."""
-    b, s, d = x.shape
-    k = routing.index.shape[-1]
-    rows = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(b * s * k, d)
-    out = grouped_swiglu(rows, routing.index.reshape(-1) - first_expert, w_gate, w_up, w_down)
-    return jnp.einsum("bskd,bsk->bsd", out.reshape(b, s, k, d), routing.gate.astype(x.dtype))
 
 
 def partitioner_experts(
@@ -207,7 +92,7 @@ def partitioner_experts(
     """
     if moe.dispatch == "dropless":
         return constrain(dropless(x, routing, *weights), RESIDUAL)
-    where = _flat_slot(routing, moe.experts, seq_capacity)  # dropped: out of range, a zero one-hot row
+    where = flat_slot(routing, moe.experts, seq_capacity)  # dropped: out of range, a zero one-hot row
     slots = jax.nn.one_hot(where, moe.experts * seq_capacity, dtype=x.dtype)  # [b, s, k, e·c]
     b, s = x.shape[:2]
     mask = slots.sum(2).reshape(b, s, moe.experts, seq_capacity)
@@ -219,27 +104,20 @@ def partitioner_experts(
     return constrain(jnp.einsum("bsec,becd->bsd", gates, out), RESIDUAL)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float, dtype) -> nnx.Param:
-    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), out_sharding=axes)
-
-
 class MoE(nnx.Module):
     """Routed experts (plus an optional shared dense MLP): [batch, length, embed] -> (same, layer metrics)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs, shared: nnx.Module | None = None):
-        c, moe = config, config.moe
+    def __init__(self, config: Config, rngs: nnx.Rngs, shared: nnx.Module | None = None):
+        c, moe = config.model, config.model.moe
         self.config = c
         f, std, pdt = expert_width(c), c.init_std, c.param_dtype
-        self.router = _param(rngs, (c.embed, moe.experts), ("embed", None), std, pdt)
-        self.w_gate = _param(rngs, (moe.experts, c.embed, f), W_IN, std, pdt)
-        self.w_up = _param(rngs, (moe.experts, c.embed, f), W_IN, std, pdt)
-        self.w_down = _param(rngs, (moe.experts, f, c.embed), W_OUT, std, pdt)
+        self.router = param(rngs, (c.embed, moe.experts), ("embed", None), std, pdt)
+        self.w_gate = param(rngs, (moe.experts, c.embed, f), W_IN, std, pdt)
+        self.w_up = param(rngs, (moe.experts, c.embed, f), W_IN, std, pdt)
+        self.w_down = param(rngs, (moe.experts, f, c.embed), W_OUT, std, pdt)
         self.shared = shared
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        from jaxscale.parallel import expert  # the EP module imports this one
-
         c, moe = self.config, self.config.moe
         dt = jnp.dtype(c.dtype)
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router[...].astype(jnp.float32))

@@ -12,7 +12,7 @@ and out specs from the rules, so XLA gathers no auto-axis shard around the
 collectives):
 
 * capacity dispatch: the device scatters its ``b`` sequences into fixed-size
-  buffers ``[b, E, C, h]`` (:func:`jaxscale.models.moe.dispatch`), an
+  buffers ``[b, E, C, h]`` (:func:`jaxscale.models.routing.dispatch`), an
   **all-to-all** over the EP axes sends each expert's slice to the device
   holding it (``[ep·b, E/ep, C, h]``), the experts run, and a second
   all-to-all brings the outputs back to be combined. Each all-to-all moves
@@ -40,58 +40,31 @@ all-gathered on entry: Megatron's pattern). Weight shards on other axes (FSDP on
 Routing (router, top-k, capacity slots and the auxiliary losses) runs before,
 under the partitioner, with whole-batch statistics, so every layout routes
 and drops exactly as one device does.
+
+The layouts this needs (the EP axes among the batch's, ``act_embed``
+unsharded, the sequence split over all or none of ``expert_mlp``'s axes) are
+checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`).
 """
 
 from __future__ import annotations
 
-import math
-
 import jax
 from jax import lax
 
-from jaxscale.config import ConfigError, MoEConfig
-from jaxscale.models import moe as moe_lib
-from jaxscale.sharding import active, constrain, gather_shards, spec_axes
-
-
-def _live(logical: str) -> tuple[str, ...]:
-    """Mesh axes of size > 1 that shard the logical axis ``logical`` under the active rules."""
-    mesh, rules = active()
-    return tuple(a for a in spec_axes(rules.spec((logical,))[0]) if mesh.shape[a] > 1)
-
-
-def ep_axes() -> tuple[str, ...]:
-    """The EP axes: mesh axes of size > 1 the rules shard the experts over (none outside ``use_rules``)."""
-    return _live("expert") if active() is not None else ()
-
-
-def _check(ep: tuple[str, ...], seq: tuple[str, ...], mlp: tuple[str, ...]) -> None:
-    _, rules = active()
-    batch = set(_live("batch"))
-    if not set(ep) <= batch:
-        raise ConfigError(
-            f"rules '{rules.name}': expert parallelism over {ep} needs 'batch' sharded over the same mesh axes "
-            "(outside the MoE blocks they act as data parallelism)"
-        )
-    if set(mlp) & batch:
-        raise ConfigError(f"rules '{rules.name}': 'expert_mlp' and 'batch' share mesh axes {sorted(set(mlp) & batch)}")
-    if _live("act_embed"):
-        raise ConfigError(f"rules '{rules.name}': expert parallelism needs 'act_embed' unsharded")
-    if set(seq) & set(mlp) and not set(seq) <= set(mlp):
-        raise ConfigError(
-            f"rules '{rules.name}': the sequence ('norm_length' on {seq}) must be sharded over all or none "
-            f"of the axes of 'expert_mlp' ({mlp})"
-        )
+from jaxscale.config import MoEConfig
+from jaxscale.models import routing as kernels
+from jaxscale.models.axes import RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.sharding import active, constrain, gather_shards, spec
 
 
 def experts(
-    x: jax.Array, routing: moe_lib.Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
+    x: jax.Array, routing: kernels.Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
 ) -> jax.Array:
     """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map."""
-    mesh, rules = active()
-    ep, seq, mlp = ep_axes(), _live(moe_lib.RESIDUAL[1]), _live("expert_mlp")
-    _check(ep, seq, mlp)
-    w_specs = tuple(rules.spec(a) for a in (moe_lib.W_IN, moe_lib.W_IN, moe_lib.W_OUT))
+    mesh, place = active()
+    ep, mlp = place.expert_axes, place.mesh_axes(("expert_mlp",))
+    seq = place.mesh_axes((RESIDUAL[1],))
+    w_specs = tuple(spec(place, a) for a in (W_IN, W_IN, W_OUT))
     keep = ep + mlp
     partial = tuple(a for a in mlp if a not in seq)  # the tokens are whole there: partial sums of the experts
 
@@ -104,35 +77,35 @@ def experts(
             # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
             # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.
             x = lax.pcast(x, partial, to="varying")
-        local = moe_lib.Routing(index, gate, slot)
+        local = kernels.Routing(index, gate, slot)
         if moe.dispatch == "capacity":
-            buf = moe_lib.dispatch(x, local, moe.experts, seq_capacity)
+            buf = kernels.dispatch(x, local, moe.experts, seq_capacity)
             if ep:
                 buf = lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
-            out = moe_lib.swiglu(buf, w_gate, w_up, w_down)
+            out = kernels.swiglu(buf, w_gate, w_up, w_down)
             if ep:
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
-            y = moe_lib.combine(out, local)
+            y = kernels.combine(out, local)
         elif ep:
             x, local = (lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, local))
             first = lax.axis_index(ep) * w_gate.shape[0]
-            y = moe_lib.dropless(x, local, w_gate, w_up, w_down, first)
+            y = kernels.dropless(x, local, w_gate, w_up, w_down, first)
             y = lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
         else:
-            y = moe_lib.dropless(x, local, w_gate, w_up, w_down)
+            y = kernels.dropless(x, local, w_gate, w_up, w_down)
         if partial:
             y = lax.psum(y, partial)
         if seq and set(seq) <= set(mlp):
             y = lax.psum_scatter(y, seq, scatter_dimension=1, tiled=True)
         elif seq:
-            n = y.shape[1] // math.prod(mesh.shape[a] for a in seq)
+            n = y.shape[1] // place.size(seq)
             y = lax.dynamic_slice_in_dim(y, lax.axis_index(seq) * n, n, axis=1)
         return y
 
-    x_spec, r_spec = rules.spec(moe_lib.RESIDUAL), rules.spec(moe_lib.ROUTING)
+    x_spec, r_spec = spec(place, RESIDUAL), spec(place, ROUTING)
     fn = jax.shard_map(
         body, mesh=mesh, in_specs=(x_spec, r_spec, r_spec, r_spec, *w_specs), out_specs=x_spec
     )
-    x = constrain(x, moe_lib.RESIDUAL)
-    index, gate, slot = (constrain(a, moe_lib.ROUTING) for a in routing)
+    x = constrain(x, RESIDUAL)
+    index, gate, slot = (constrain(a, ROUTING) for a in routing)
     return fn(x, index, gate, slot, *weights)

@@ -74,8 +74,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config import ConfigError, PipelineConfig
-from jaxscale.parallel.sequence import sequence_axes
-from jaxscale.sharding import Axes, Rules, active, check_divisible, constrain, is_axes, spec_axes, use_rules
+from jaxscale.sharding import Axes, Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
 
 AXIS = "stage"
 LAYERS = "layers"
@@ -96,26 +95,7 @@ def use_pipeline(config: PipelineConfig) -> Iterator[None]:
 def stages() -> int:
     """Pipeline stages under the active rules: the size of ``stage`` if the rules put ``layers`` on it, else 1."""
     current = active()
-    if current is None:
-        return 1
-    mesh, rules = current
-    axes = [a for a in rules.table().get(LAYERS, ()) if mesh.shape[a] > 1]
-    if AXIS not in axes:
-        return 1
-    if len(axes) > 1:
-        raise ConfigError(f"rules '{rules.name}': layers maps to {axes}; a pipeline needs layers on '{AXIS}' alone")
-    if sequence_axes():
-        raise ConfigError(
-            f"rules '{rules.name}': sequence parallelism (norm_length on {sequence_axes()}) inside a pipeline "
-            "stage is not supported"
-        )
-    context = [a for a in rules.table().get("length", ()) if mesh.shape[a] > 1]
-    if context:
-        raise ConfigError(
-            f"rules '{rules.name}': context parallelism (length on {context}) inside a pipeline stage is not "
-            "supported"
-        )
-    return mesh.shape[AXIS]
+    return current[1].stages if current is not None else 1
 
 
 # -- the schedule ------------------------------------------------------------------
@@ -153,9 +133,9 @@ def _check(p: int, m: int, v: int, layers: int, x: jax.Array, x_axes: Axes) -> N
             f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
             f"pipeline.microbatches ({m})"
         )
-    mesh, rules = active()
+    mesh, place = active()
     shape = (rows // m, *x.shape[1:])
-    check_divisible("pipeline microbatch", shape, x_axes, rules.spec(x_axes), mesh)
+    check_divisible("pipeline microbatch", shape, x_axes, spec(place, x_axes), mesh)
 
 
 def apply(
@@ -166,7 +146,8 @@ def apply(
     ``x_axes`` are the logical axes of ``x`` (and of each microbatch); ``policy`` is the
     per-layer remat policy inside a stage.
     """
-    mesh, rules = active()
+    mesh, place = active()
+    rules = place.rules
     config = _CONFIG.get() or PipelineConfig()
     p = mesh.shape[AXIS]
     m, v = config.microbatches or p, config.repeats

@@ -51,8 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxscale.config import ConfigError
-from jaxscale.sharding import Axes, active, spec_axes
+from jaxscale.sharding import Axes, active, spec, spec_axes
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
 LAYOUTS = ("zigzag", "contiguous")
@@ -298,19 +297,16 @@ def _plan(
     seq_len: int, cp: int, axes: tuple[str, ...], varying: tuple[str, ...], head_dim: int, causal: bool, block: int,
     layout: str,
 ) -> _Ring:
-    """Check the sizes; the tile is ``block`` tokens, or a whole chunk when that is shorter."""
+    """The tile is ``block`` tokens, or a whole chunk when that is shorter.
+
+    The sizes are checked at build (:meth:`jaxscale.layout.Layout.validate`, in config terms); here,
+    for a direct call, in array terms.
+    """
     chunks = 2 * cp if causal and cp > 1 else cp
-    if seq_len % chunks:
-        raise ConfigError(
-            f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
-            f"{' x '.join(axes)} cuts it into 2 x {cp} chunks"
-        )
     chunk = seq_len // chunks
     tile = min(block, chunk)
-    if chunk % tile:
-        raise ConfigError(
-            f"model.attention_block ({block}) does not divide the {chunk}-token chunks of train.seq_len ({seq_len})"
-        )
+    if seq_len % chunks or chunk % tile:
+        raise ValueError(f"a sequence of {seq_len} tokens does not cut into {chunks} chunks of {tile}-token tiles")
     ids = block_ids(cp, seq_len, tile, causal, layout)
     return _Ring(axes, cp, ids, causal, tile, 1.0 / math.sqrt(head_dim), varying)
 
@@ -339,19 +335,12 @@ def attention(
     current = active()
     if current is None:
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
-    mesh, rules = current
-    q_spec, kv_spec = rules.spec(q_axes), rules.spec(kv_axes)
-    if spec_axes(q_spec[3]) or spec_axes(kv_spec[3]):
-        raise ConfigError(f"rules '{rules.name}': '{q_axes[3]}' must not be sharded for ring/blockwise attention")
-    if q_spec[2] != kv_spec[2]:
-        raise ConfigError(
-            f"rules '{rules.name}': '{q_axes[2]}' and '{kv_axes[2]}' must be sharded over the same mesh axes "
-            f"for ring/blockwise attention (got {q_spec[2]} and {kv_spec[2]})"
-        )
+    mesh, place = current
+    q_spec, kv_spec = spec(place, q_axes), spec(place, kv_axes)
     axes = spec_axes(q_spec[1]) if ring else ()
     if not ring:
         q_spec, kv_spec = (PartitionSpec(s[0], None, *s[2:]) for s in (q_spec, kv_spec))
-    cp = math.prod(mesh.shape[a] for a in axes)
+    cp = place.size(axes)
     varying = tuple(a for part in q_spec for a in spec_axes(part))
     plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
     fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)

@@ -36,7 +36,7 @@ With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
 einsum + reduce-scatter become collective matmuls
 (:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU.
-It needs SP axes (a :class:`ConfigError` otherwise); several SP axes form one
+It needs SP axes (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one
 ring over their product.
 """
 
@@ -48,45 +48,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.config import ConfigError
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxscale.sharding import Axes, active, constrain, gather_shards, spec_axes
+from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
 SEQUENCE = "norm_length"
 
 
-def sequence_axes(overlap: bool = False) -> tuple[str, ...]:
-    """Mesh axes of size > 1 that shard ``norm_length`` but not ``length`` under the active rules.
-
-    With ``overlap`` (``model.tp_overlap``) there must be some: the collective matmul decomposes
-    sequence parallelism's collectives, and plain TP's all-reduce is the partitioner's.
-    """
+def sequence_axes() -> tuple[str, ...]:
+    """SP axes under the active rules: mesh axes of size > 1 that shard ``norm_length`` but not ``length``."""
     current = active()
-    if current is None:
-        return ()
-    mesh, rules = current
-    table = rules.table()
-    inner, outer = table.get("length", ()), table.get(SEQUENCE, ())
-    manual = tuple(a for a in outer if a not in inner and mesh.shape[a] > 1)
-    if manual and inner and outer[: len(inner)] != inner:
-        # Gathering the SP shards must give back the blocks of 'length' (context parallelism).
-        raise ConfigError(
-            f"rules '{rules.name}': {SEQUENCE} {list(outer)} must start with the mesh axes of length {list(inner)}"
-        )
-    if overlap and not manual:
-        raise ConfigError(
-            f"model.tp_overlap needs sequence parallelism: rules '{rules.name}' shard {SEQUENCE} over no mesh axis "
-            f"of size > 1 that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, "
-            "or model.tp_overlap=false)"
-        )
-    return manual
+    return current[1].sequence_axes if current is not None else ()
 
 
 def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
-    mesh, rules = active()
-    spec = rules.spec
-    out = spec(out_axes) if isinstance(out_axes[0], str | None) else tuple(spec(a) for a in out_axes)
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(a) for a in in_axes), out_specs=out)
+    mesh, place = active()
+    out = spec(place, out_axes) if is_axes(out_axes) else tuple(spec(place, a) for a in out_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(place, a) for a in in_axes), out_specs=out)
 
 
 def column_parallel(
@@ -96,12 +73,12 @@ def column_parallel(
 
     ``overlap`` (``model.tp_overlap``): the gather and the einsums as one collective matmul.
     """
-    manual = sequence_axes(overlap)
+    manual = sequence_axes()
     if not manual:
         return [constrain(jnp.einsum(eq, x, w), out) for eq, w, _, out in projections]
-    _, rules = active()
+    _, place = active()
     dim = x_axes.index(SEQUENCE)
-    w_specs = [rules.spec(w_axes) for _, _, w_axes, _ in projections]
+    w_specs = [spec(place, w_axes) for _, _, w_axes, _ in projections]
 
     def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
         pairs = zip(projections, ws, w_specs, strict=True)
@@ -122,19 +99,11 @@ def row_parallel(
 
     ``overlap`` (``model.tp_overlap``): the einsum and the reduce-scatter as one collective matmul.
     """
-    manual = sequence_axes(overlap)
+    manual = sequence_axes()
     if not manual:
         return constrain(jnp.einsum(equation, h, w), out_axes)
-    _, rules = active()
-    h_spec = rules.spec(h_axes)
-    h_letters, out_letters = equation.split(",")[0], equation.split("->")[1]
-    contracted = {n for a, part in zip(h_letters, h_spec, strict=True) if a not in out_letters for n in spec_axes(part)}
-    if contracted != set(manual):
-        raise ConfigError(
-            f"rules '{rules.name}': sequence parallelism over {manual} needs the contracted axes of "
-            f"{h_axes} sharded over the same mesh axes (e.g. heads and mlp on tensor)"
-        )
-    w_spec = rules.spec(w_axes)
+    _, place = active()
+    w_spec = spec(place, w_axes)
     dim = out_axes.index(SEQUENCE)
 
     def body(h: jax.Array, w: jax.Array) -> jax.Array:

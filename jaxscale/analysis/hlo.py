@@ -1,4 +1,4 @@
-"""Read a compiled train step: its collectives, their wire bytes, and its memory.
+"""Read a compiled step's HLO text: its collectives, the mesh axes they run over, their wire bytes.
 
 :func:`collectives` parses the post-optimisation HLO text
 (``compiled.as_text()``) into one :class:`Collective` per collective
@@ -8,9 +8,10 @@ counted) and those nested in fusions or async computations. Each carries its
 sizes, its device groups and the mesh axes that form them, the ``while``
 loops around it (``lax.scan`` over layers, the microbatch scan) and so how many
 times it runs per step, and its wire bytes per device per step by the rule of
-FORMULAS.md: all-reduce 2·(n−1)/n·size, all-gather (n−1)/n·result size,
-reduce-scatter (n−1)/n·operand size, all-to-all (n−1)/n·size,
-collective-permute its size; times the runs.
+FORMULAS.md (:func:`wire_bytes`, which the analytic model counts by too):
+all-reduce 2·(n−1)/n·size, all-gather (n−1)/n·result size, reduce-scatter
+(n−1)/n·operand size, all-to-all (n−1)/n·size, collective-permute its size;
+times the runs.
 
 XLA:CPU lowers a reduce-scatter as an all-reduce followed by a dynamic-slice
 of each device's 1/n. An all-reduce operand whose every use is such a slice
@@ -23,35 +24,33 @@ the as-compiled :attr:`Collective.wire_bytes`.
 Device ids in the HLO are positions in the step's device assignment, which
 for a jitted step over a mesh is ``mesh.devices.flat``; groups are matched
 against the groups each subset of the mesh's (non-trivial) axes forms.
-
-:func:`summarize` sums by kind and by mesh axes, :func:`memory` reads
-``compiled.memory_analysis()`` and :func:`step_report` puts them next to the
-analytic figures of FORMULAS.md for a trainer's layout, as JSON-ready data.
-The layer scan's collectives, with their sizes::
+:func:`summarize` sums by kind and by mesh axes. The layer scan's collectives,
+with their sizes::
 
     found = collectives(compile_step(trainer).as_text(), trainer.mesh)
     for c in in_loop(found, trips=trainer.config.model.layers):
         print(c.phase, c.reading, c.axes, c.shapes, c.operand_bytes, c.runs, c.wire_bytes)
+
+Nothing here imports jax: the mesh is read through ``mesh.shape`` and ``mesh.size``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import re
 import warnings
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
-from jax.sharding import Mesh
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 SLICED = "reduce-scatter (all-reduce+slice on this backend)"
-DATA_AXES = ("data", "fsdp")
 
 # Ops an all-reduce's result may pass through on its way to the dynamic-slice.
 _TRANSPARENT = {"bitcast", "copy", "reshape", "transpose", "all-reduce-done"}
@@ -212,6 +211,18 @@ def _trip_count(instr: _Instr, comps: dict[str, _Computation]) -> int | None:
 # -- collectives -------------------------------------------------------------------
 
 
+def wire_bytes(kind: str, n: int, size: float, runs: float) -> float:
+    """Bytes each device sends per step for a collective over ``n`` devices on ``size`` bytes, run ``runs`` times.
+
+    all-reduce 2·(n−1)/n·size, all-gather (result), reduce-scatter (operand) and all-to-all
+    (n−1)/n·size, collective-permute its size.
+    """
+    if kind == "collective-permute":
+        return float(size * runs)
+    factor = 2 if kind == "all-reduce" else 1
+    return factor * (n - 1) / n * size * runs
+
+
 @dataclasses.dataclass(frozen=True)
 class Loop:
     """A ``while`` loop around a collective: the while instruction, its body, its trip count."""
@@ -248,10 +259,7 @@ class Collective:
     @property
     def wire_bytes(self) -> float:
         """Bytes each device sends per step, as compiled."""
-        if self.kind == "collective-permute":
-            return float(self.size * self.runs)
-        factor = 2 if self.kind == "all-reduce" else 1
-        return factor * (self.n - 1) / self.n * self.size * self.runs
+        return wire_bytes(self.kind, self.n, self.size, self.runs)
 
     @property
     def rs_wire_bytes(self) -> float:
@@ -259,6 +267,11 @@ class Collective:
         if self.kind != "all-reduce":
             return self.wire_bytes
         return (self.n - 1) / self.n * (2 * self.size - self.sliced_bytes) * self.runs
+
+    @property
+    def axes_text(self) -> str:
+        """The mesh axes as ``a,b``; ``-`` for none, ``?`` where no subset of the mesh axes forms the groups."""
+        return "?" if self.axes is None else ",".join(self.axes) or "-"
 
     @property
     def reading(self) -> str:
@@ -504,311 +517,36 @@ def in_loop(found: list[Collective], trips: int | None = None) -> list[Collectiv
     return [c for c in found if c.loops and (trips is None or c.loops[-1].trips == trips)]
 
 
+def _zero() -> dict[str, float]:
+    return {"count": 0, "runs": 0, "wire_bytes": 0.0, "rs_wire_bytes": 0.0}
+
+
+def _add(row: dict[str, Any], c: Collective) -> None:
+    row["count"] += 1
+    row["runs"] += c.runs
+    row["wire_bytes"] += c.wire_bytes
+    row["rs_wire_bytes"] += c.rs_wire_bytes
+
+
 def summarize(found: list[Collective]) -> dict[str, Any]:
     """Count, runs per step and wire bytes per device per step, in total, by kind and by mesh axes.
 
-    Kinds are keyed by :attr:`Collective.reading`; ``rs_wire_bytes`` is the reduce-scatter reading.
+    Kinds are keyed by :attr:`Collective.reading`, mesh axes by :attr:`Collective.axes_text`;
+    ``rs_wire_bytes`` is the reduce-scatter reading.
     """
-
-    def row() -> dict[str, float]:
-        return {"count": 0, "runs": 0, "wire_bytes": 0.0, "rs_wire_bytes": 0.0}
-
-    total, by_kind, by_axes = row(), defaultdict(row), defaultdict(row)
+    total, by_kind, by_axes = _zero(), defaultdict(_zero), defaultdict(_zero)
     for c in found:
-        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
-        for r in (total, by_kind[c.reading], by_axes[axes]):
-            r["count"] += 1
-            r["runs"] += c.runs
-            r["wire_bytes"] += c.wire_bytes
-            r["rs_wire_bytes"] += c.rs_wire_bytes
+        for row in (total, by_kind[c.reading], by_axes[c.axes_text]):
+            _add(row, c)
     return {"total": total, "by_kind": dict(by_kind), "by_axes": dict(by_axes)}
-
-
-# -- memory and the step report ----------------------------------------------------
-
-
-def memory(compiled: Any) -> dict[str, int]:
-    """Bytes per device from ``compiled.memory_analysis()``; total = arguments + outputs − aliased + temp + code."""
-    m = compiled.memory_analysis()
-    out = {
-        "argument": m.argument_size_in_bytes,
-        "output": m.output_size_in_bytes,
-        "alias": m.alias_size_in_bytes,
-        "temp": m.temp_size_in_bytes,
-        "generated_code": m.generated_code_size_in_bytes,
-    }
-    out["total"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["generated_code"]
-    return out
-
-
-def per_device_bytes(tree: Any) -> int:
-    """Bytes one device holds of a tree of sharded ``ShapeDtypeStruct`` (the largest shard's shape)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-def state_bytes(trainer: Any) -> dict[str, int]:
-    """Bytes per device of the train state's parts, from their shardings."""
-    state = trainer.abstract_state()
-    return {
-        "params": per_device_bytes(state.params),
-        "opt_state": per_device_bytes(state.opt_state),
-        "step": per_device_bytes(state.step),
-        "batch": per_device_bytes(trainer.abstract_batch()),
-    }
-
-
-def _sharded_over(trainer: Any, kind: str) -> list[set[str]]:
-    """For each parameter, the mesh axes (of size > 1) that split it in ``kind``'s layout."""
-    return [
-        {a for part in sharding.spec if part for a in ((part,) if isinstance(part, str) else part)}
-        - {a for a, size in trainer.mesh.shape.items() if size == 1}
-        for sharding in jax.tree.leaves(trainer.param_shardings(kind))
-    ]
-
-
-def formulas(trainer: Any) -> dict[str, Any]:
-    """FORMULAS.md's figures for this layout, in bytes per device (jaxscale's fp32 convention).
-
-    The ZeRO stage is read from the layout: 3 if the data-parallel axes split the parameters,
-    2 if the gradients, 1 if the optimizer state. TP divides the tensor-sharded parameters Ψ_t by t
-    (the rest, norms, stays whole); pipeline and expert splits are not modelled.
-    """
-    config, mesh = trainer.config, trainer.mesh
-    sizes = [math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_params)]
-    psi = sum(sizes)
-    pbytes = np.dtype(config.model.param_dtype).itemsize
-    nd = mesh.shape["data"] * mesh.shape["fsdp"]
-    t = mesh.shape["tensor"]
-    psi_t = sum(n for n, axes in zip(sizes, _sharded_over(trainer, "params"), strict=True) if "tensor" in axes)
-    local = psi - psi_t + psi_t / t
-    ways = {
-        kind: max(math.prod(mesh.shape[a] for a in axes & set(DATA_AXES)) for axes in _sharded_over(trainer, kind))
-        for kind in ("params", "gradients", "optimizer")
-    }
-    stage = 3 if ways["params"] > 1 else 2 if ways["gradients"] > 1 else 1 if ways["optimizer"] > 1 else 0
-    out: dict[str, Any] = {
-        "convention": "fp32 master params 4Ψ + Adam moments 8Ψ + fp32 gradients 4Ψ (transient), each / its dp ways",
-        "psi": psi,
-        "psi_tensor_sharded": psi_t,
-        "n_d": nd,
-        "zero_stage": stage,
-        "params_bytes": pbytes * local / ways["params"],
-        "grads_bytes": pbytes * local / ways["gradients"],
-        "adam_bytes": 2 * pbytes * local / ways["optimizer"],
-        "dp_comm_bytes": (3 if stage == 3 else 2) * (nd - 1) / nd * local * pbytes,
-    }
-    if t > 1:
-        m = config.train.microbatches
-        b = config.train.global_batch // (nd * m)
-        s = config.train.seq_len // mesh.shape["context"]
-        bsh = b * s * config.model.embed * np.dtype(config.model.dtype).itemsize
-        out["tp_comm_bytes"] = 4 * config.model.layers * m * 2 * (t - 1) / t * bsh  # 2 all-reduces fwd, 2 bwd
-    return out
-
-
-def compile_step(trainer: Any) -> Any:
-    """The trainer's compiled step, from abstract state and batch (nothing is materialised)."""
-    return trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
-
-
-def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
-    """Compile the step (unless given) and report memory, collectives and the formulas; JSON-serialisable."""
-    compiled = compile_step(trainer) if compiled is None else compiled
-    report = {
-        "rules": trainer.rules.name,
-        "mesh": dict(trainer.mesh.shape),
-        "backend": jax.default_backend(),
-        "memory": memory(compiled),
-        "state": state_bytes(trainer),
-        "collectives": summarize(collectives(compiled.as_text(), trainer.mesh)),
-        "formulas": formulas(trainer),
-    }
-    return json.loads(json.dumps(report))
-
-
-# -- the inspect command -----------------------------------------------------------
-
-
-def _spec_text(spec: Any) -> str:
-    parts = [
-        "None" if p is None else p if isinstance(p, str) else "(" + ",".join(p) + ")" for p in spec
-    ]
-    return "P(" + ", ".join(parts) + ")"
-
-
-def param_rows(trainer: Any) -> list[dict[str, Any]]:
-    """Every parameter: path, shape, logical axes, PartitionSpec (parameter and optimizer layouts), bytes per device."""
-    state = trainer.abstract_state()
-    leaves = jax.tree_util.tree_flatten_with_path(state.params)[0]
-    optimizer = jax.tree.leaves(trainer.param_shardings("optimizer"))
-    axes = jax.tree.leaves(trainer.axes, is_leaf=lambda x: isinstance(x, tuple) and all(
-        isinstance(a, str) or a is None for a in x))
-    rows = []
-    for (path, leaf), opt, logical in zip(leaves, optimizer, axes, strict=True):
-        rows.append({
-            "path": jax.tree_util.keystr(path, simple=True, separator="."),
-            "shape": list(leaf.shape),
-            "axes": list(logical),
-            "spec": _spec_text(leaf.sharding.spec),
-            "optimizer_spec": _spec_text(opt.spec),
-            "bytes_per_device": math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize,
-        })
-    return rows
 
 
 def grouped(found: list[Collective]) -> list[dict[str, Any]]:
     """Collectives grouped by (reading, mesh axes, phase): instructions, runs per step, wire bytes per device."""
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for c in found:
-        axes = "?" if c.axes is None else ",".join(c.axes) or "-"
-        row = rows.setdefault((c.reading, axes, c.phase), {
-            "kind": c.reading, "axes": axes, "phase": c.phase, "count": 0, "runs": 0, "wire_bytes": 0.0,
-            "rs_wire_bytes": 0.0,
-        })
-        row["count"] += 1
-        row["runs"] += c.runs
-        row["wire_bytes"] += c.wire_bytes
-        row["rs_wire_bytes"] += c.rs_wire_bytes
+        key = (c.reading, c.axes_text, c.phase)
+        if key not in rows:
+            rows[key] = {"kind": c.reading, "axes": c.axes_text, "phase": c.phase, **_zero()}
+        _add(rows[key], c)
     return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
-
-
-def reference(trainer: Any) -> dict[str, Any]:
-    """FORMULAS.md's figures for this layout: state in both conventions, activations (Korthikanti), traffic."""
-    from jaxscale import analytic
-
-    config, mesh = trainer.config, trainer.mesh.shape
-    m, t = config.model, config.train
-    base = formulas(trainer)
-    local = base["psi"] - base["psi_tensor_sharded"] + base["psi_tensor_sharded"] / mesh["tensor"]
-    local /= mesh["stage"]
-    stage, nd = base["zero_stage"], base["n_d"]
-    out: dict[str, Any] = {
-        "zero_stage": stage,
-        "state_jaxscale": analytic.state_formula(local, nd, stage, np.dtype(m.param_dtype).itemsize),
-        "state_playbook": {  # bf16 parameters and gradients, fp32 master copy + Adam (12Ψ)
-            "params": 2 * local / (nd if stage >= 3 else 1),
-            "gradients": 2 * local / (nd if stage >= 2 else 1),
-            "optimizer": 12 * local / (nd if stage >= 1 else 1),
-        },
-        "dp_comm_bytes": base["dp_comm_bytes"],
-    }
-    rules = trainer.rules.table()
-
-    def ways(name: str) -> int:
-        return math.prod(mesh[a] for a in rules.get(name, ()))
-
-    tensor, context, stages = mesh["tensor"], ways("length"), ways("layers")
-    sp = "tensor" in rules.get("norm_length", ()) and tensor > 1
-    rows = t.global_batch / t.microbatches / ways("batch")
-    s = t.seq_len // context
-    tokens = rows * s
-    layers = m.layers / stages
-    if m.remat == "full":
-        per_layer = 2 * tokens * m.embed / (tensor if sp else 1)
-    else:
-        per_layer = analytic.korthikanti(m, tokens, s, tensor, sp)
-    out["activations_korthikanti_bf16"] = per_layer * layers
-    cbytes = np.dtype(m.dtype).itemsize
-    if "tp_comm_bytes" in base:
-        out["tp_comm_bytes"] = base["tp_comm_bytes"]
-    if context > 1:
-        kv = 2 * (context - 1) * rows * s * m.kv_heads * m.head_dim * cbytes
-        out["cp_comm_bytes"] = 3 * kv * m.layers * t.microbatches  # forward, and twice that backward
-    if stages > 1:
-        pipeline = getattr(config, "pipeline", None)
-        micro = (pipeline.microbatches or stages) if pipeline is not None else stages
-        out["pp_comm_bytes"] = 2 * rows * s * m.embed * cbytes * t.microbatches  # 2·m·(b/m)·s·h per boundary
-        out["pp_bubble"] = (stages - 1) / (micro * (pipeline.repeats if pipeline else 1) + stages - 1)
-    moe = getattr(m, "moe", None)
-    if moe is not None and ways("expert") > 1:
-        ep = ways("expert")
-        per_layer_ep = 2 * moe.top_k * rows * s * m.embed * cbytes * (ep - 1) / ep
-        out["ep_comm_bytes"] = 2 * per_layer_ep * m.layers / moe.every_n_layers * t.microbatches
-    return out
-
-
-def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
-    """:func:`step_report` plus the parameter table, grouped collectives, the analytic model and FORMULAS.md."""
-    from jaxscale import analytic
-
-    compiled = compile_step(trainer) if compiled is None else compiled
-    report = step_report(trainer, compiled)
-    prediction = analytic.predict_trainer(trainer)
-    flows: dict[tuple[str, str], dict[str, Any]] = {}
-    for f in prediction.flows:
-        row = flows.setdefault((f.kind, ",".join(f.axes)), {"kind": f.kind, "axes": ",".join(f.axes),
-                                                             "runs": 0.0, "wire_bytes": 0.0})
-        row["runs"] += f.runs
-        row["wire_bytes"] += f.wire_bytes
-    report.update({
-        "model": {k: getattr(trainer.config.model, k) for k in ("layers", "embed", "dtype", "param_dtype", "remat")},
-        "params": param_rows(trainer),
-        "collective_rows": grouped(collectives(compiled.as_text(), trainer.mesh)),
-        "analytic": {
-            "memory": prediction.memory,
-            "collectives": sorted(flows.values(), key=lambda r: -r["wire_bytes"]),
-            "comm": prediction.comm,
-        },
-        "reference": reference(trainer),
-    })
-    return json.loads(json.dumps(report))
-
-
-def _mb(x: float) -> str:
-    """Bytes in the largest binary unit that keeps the figure at least 1."""
-    for scale, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if abs(x) >= scale:
-            return f"{x / scale:.1f} {unit}"
-    return f"{x:.0f} B"
-
-
-def format_inspect(report: dict[str, Any]) -> str:
-    """The report as text: parameters, memory, collectives, each next to its analytic and FORMULAS.md figure."""
-    mesh = " x ".join(f"{a}={s}" for a, s in report["mesh"].items() if s > 1) or "one device"
-    lines = [f"rules {report['rules']} on {mesh} ({report['backend']}); bytes per device", "", "parameters"]
-    lines.append(f"  {'path':<26} {'shape':<22} {'logical axes':<36} {'PartitionSpec':<28} {'bytes':>10}")
-    for p in report["params"]:
-        axes = "(" + ", ".join(str(a) for a in p["axes"]) + ")"
-        spec = p["spec"] + ("" if p["optimizer_spec"] == p["spec"] else f" opt {p['optimizer_spec']}")
-        lines.append(f"  {p['path']:<26} {tuple(p['shape'])!s:<22} {axes:<36} {spec:<28} "
-                     f"{_mb(p['bytes_per_device']):>10}")
-    lines.append(f"  {'total':<115} {_mb(sum(p['bytes_per_device'] for p in report['params'])):>10}")
-
-    mem, pred, ref = report["memory"], report["analytic"]["memory"], report["reference"]
-    lines += ["", "memory (compiled: memory_analysis; analytic: jaxscale.analytic; FORMULAS.md)"]
-    lines.append(f"  compiled  arguments {_mb(mem['argument'])}  outputs {_mb(mem['output'])}  aliased "
-                 f"{_mb(mem['alias'])}  temporaries {_mb(mem['temp'])}  total {_mb(mem['total'])}")
-    parts = "  ".join(f"{k} {_mb(v)}" for k, v in pred.items() if k != "total" and v)
-    err = pred["total"] / mem["total"] - 1 if mem["total"] else 0.0
-    lines.append(f"  analytic  {parts}  total {_mb(pred['total'])} ({100 * err:+.1f}%)")
-    state = report["state"]
-    lines.append(f"  state     compiled shardings: params {_mb(state['params'])}  optimizer {_mb(state['opt_state'])};"
-                 f"  FORMULAS.md ZeRO-{ref['zero_stage']}, jaxscale fp32: "
-                 + "  ".join(f"{k} {_mb(v)}" for k, v in ref["state_jaxscale"].items())
-                 + ";  playbook (bf16 + fp32 master): "
-                 + "  ".join(f"{k} {_mb(v)}" for k, v in ref["state_playbook"].items()))
-    lines.append(f"  activations analytic {_mb(pred['activations'])}; FORMULAS.md (Korthikanti, bf16) "
-                 f"{_mb(ref['activations_korthikanti_bf16'])}")
-
-    lines += ["", "collectives of the compiled step (wire bytes per device per step; rs = reduce-scatter reading)"]
-    lines.append(f"  {'kind':<51} {'mesh axes':<18} {'phase':<9} {'ops':>4} {'runs':>5} {'wire':>10} {'rs':>10}")
-    for r in report["collective_rows"]:
-        lines.append(f"  {r['kind']:<51} {r['axes']:<18} {r['phase']:<9} {r['count']:>4} {r['runs']:>5} "
-                     f"{_mb(r['wire_bytes']):>10} {_mb(r['rs_wire_bytes']):>10}")
-    by_kind = report["collectives"]["by_kind"]
-    lines.append("  by kind: " + "  ".join(f"{k} {_mb(v['wire_bytes'])}" for k, v in by_kind.items()))
-    total = report["collectives"]["total"]
-    analytic_total = report["analytic"]["comm"]["total"]
-    err = analytic_total / total["rs_wire_bytes"] - 1 if total["rs_wire_bytes"] else 0.0
-    lines.append(f"  total: compiled {_mb(total['wire_bytes'])} (rs reading {_mb(total['rs_wire_bytes'])}); "
-                 f"analytic {_mb(analytic_total)} ({100 * err:+.1f}% of the rs reading)")
-    lines.append("  analytic by kind and axes: " + "  ".join(
-        f"{r['kind']} [{r['axes']}] {_mb(r['wire_bytes'])}" for r in report["analytic"]["collectives"]))
-    refs = [(k, v) for k, v in ref.items() if k.endswith("_comm_bytes")]
-    lines.append("  FORMULAS.md: " + "  ".join(f"{k.removesuffix('_comm_bytes')} {_mb(v)}" for k, v in refs)
-                 + (f"  pipeline bubble {ref['pp_bubble']:.2f}" if "pp_bubble" in ref else ""))
-    if report["model"]["dtype"] != "float32" and report["backend"] == "cpu":
-        lines += ["", f"note: XLA:CPU computes {report['model']['dtype']} matmuls in float32, so its activation "
-                  "collectives and buffers are float32 where a GPU or TPU keeps them in "
-                  f"{report['model']['dtype']}; compare with --set model.dtype=float32."]
-    return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The playbook's three steps to a layout, on the analytic model (:mod:`jaxscale.analytic`).
+"""The playbook's three steps to a layout, on the analytic model (:mod:`jaxscale.analysis`).
 
 1. **Fit in memory.** Enumerate layouts of the cluster's devices over the mesh axes
    (``data``, ZeRO-1/2 on it, ``fsdp`` = ZeRO-3 with ``data`` as replicas (HSDP), ``tensor`` with or without sequence
@@ -12,12 +12,12 @@
    that fits is taken (the playbook's recipe, FORMULAS.md "Batch size").
 3. **Maximise throughput.** Rank by predicted step time: compute at the cluster's stated
    efficiency, the pipeline bubble, and the communication that cannot hide
-   (:func:`jaxscale.analytic.step_time`); within 0.1% the simpler layout (fewer strategies),
+   (:func:`jaxscale.analysis.timing.step_time`); within 0.1% the simpler layout (fewer strategies),
    then the smaller memory, comes first.
 
 Every layout is data: :func:`rules_for` writes its rules table (starting from
 ``configs/rules/dp.yaml``, so every logical name the model uses is present) and
-:func:`experiment` the experiment file ``jaxscale train`` runs. :func:`verify` compiles
+:func:`experiment` the experiment file ``jaxscale train`` runs. :mod:`jaxscale.analysis.verify` compiles
 candidates on simulated devices and puts the compiled memory and collective bytes next to
 the prediction.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -35,19 +34,19 @@ from typing import Any
 
 import yaml
 
-from jaxscale import analytic
-from jaxscale.analytic import Cluster, Param, Placement, Step
+from jaxscale.analysis.communication import communication, summarize_flows
+from jaxscale.analysis.memory import memory
+from jaxscale.analysis.params import Param, Step
+from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml
+from jaxscale.layout import Layout, Rules
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
-# The shard_map module each strategy runs on: a layout using one that is not installed is planned, not run.
-NEEDS = {"context": "jaxscale.parallel.ring_attention", "stage": "jaxscale.parallel.pipeline",
-         "expert": "jaxscale.parallel.expert"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Strategy:
     """One way to run the step: mesh sizes, ZeRO stage on ``data``, remat and the batch split."""
 
     data: int = 1
@@ -89,10 +88,6 @@ class Layout:
     def mesh_text(self) -> str:
         return " ".join(f"{a}={s}" for a, s in self.mesh().items() if s > 1) or "one device"
 
-    def missing(self) -> list[str]:
-        """The modules this layout needs that this installation lacks."""
-        return [NEEDS[a] for a in NEEDS if getattr(self, a) > 1 and importlib.util.find_spec(NEEDS[a]) is None]
-
     def describe(self) -> str:
         text = self.mesh_text + ("" if not self.sequence else " +sp")
         if self.zero and self.data > 1:
@@ -107,7 +102,7 @@ def base_rules() -> dict[str, Any]:
     return _read_yaml(CONFIG_DIR / "rules" / "dp.yaml")["rules"]
 
 
-def rules_for(layout: Layout, base: dict[str, Any] | None = None) -> dict[str, Any]:
+def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The rules file (``rules``, ``optimizer``, ``gradients`` sections) that runs ``layout``."""
     rules = dict(base_rules() if base is None else base)
     batch = ["data", "fsdp"] + (["expert"] if layout.expert > 1 else [])
@@ -134,22 +129,12 @@ def rules_for(layout: Layout, base: dict[str, Any] | None = None) -> dict[str, A
     return out
 
 
-def placement(layout: Layout, base: dict[str, Any] | None = None) -> Placement:
-    sections = rules_for(layout, base)
-
-    def table(mapping: dict[str, Any]) -> dict[str, tuple[str, ...]]:
-        return {k: (() if v is None else (v,) if isinstance(v, str) else tuple(v)) for k, v in mapping.items()}
-
-    params = table(sections["rules"])
-    tables = {
-        "params": params,
-        "optimizer": {**params, **table(sections.get("optimizer", {}))},
-        "gradients": {**params, **table(sections.get("gradients", {}))},
-    }
-    return Placement(tables, layout.mesh())
+def placement(layout: Strategy, base: dict[str, Any] | None = None) -> Layout:
+    """The rules table of ``layout`` on its mesh sizes: what the analytic model and the runtime both ask."""
+    return Layout(Rules.from_dict(layout.family, rules_for(layout, base)), layout.mesh())
 
 
-def model_for(m: ModelConfig, layout: Layout) -> ModelConfig:
+def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
     """The model config the layout runs: its remat policy; ring attention under context parallelism."""
     out = copy.copy(m)
     out.remat = layout.remat
@@ -158,13 +143,13 @@ def model_for(m: ModelConfig, layout: Layout) -> ModelConfig:
     return out
 
 
-def step_for(layout: Layout, seq_len: int) -> Step:
+def step_for(layout: Strategy, seq_len: int) -> Step:
     rows = layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
     return Step(rows * layout.data * layout.fsdp * layout.expert, seq_len, layout.accumulation,
                 layout.pipeline_microbatches, layout.repeats)
 
 
-def shape_problem(params: Sequence[Param], place: Placement, m: ModelConfig, seq_len: int) -> str | None:
+def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_len: int) -> str | None:
     """Why the model's shapes cannot take this layout (a dimension not divisible by its mesh axes), or None."""
     for p in params:
         for kind in ("params", "optimizer", "gradients"):
@@ -185,7 +170,7 @@ def shape_problem(params: Sequence[Param], place: Placement, m: ModelConfig, seq
 class Candidate:
     """A layout that fits, with its prediction."""
 
-    layout: Layout
+    layout: Strategy
     memory: dict[str, float]
     comm: dict[str, Any]
     time: dict[str, float]
@@ -219,10 +204,10 @@ def _pipelines(m: ModelConfig, devices: int, max_stages: int) -> Iterator[tuple[
                 yield p, mult * p, 2
 
 
-def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16) -> Iterator[Layout]:
+def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16) -> Iterator[Strategy]:
     """Every combination of mesh sizes, ZeRO stage and remat policy for the cluster (micro-batch 1)."""
     devices = cluster.devices
-    moe = getattr(m, "moe", None)
+    moe = m.moe
     tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if m.kv_heads % t == 0]
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
@@ -237,7 +222,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
         for f in _divisors(rest):
             d = rest // f
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), REMATS):
-                yield Layout(d, f, t, sp, c, p, e, zero, remat, 1, 1, mb, v)
+                yield Strategy(d, f, t, sp, c, p, e, zero, remat, 1, 1, mb, v)
 
 
 def search(
@@ -257,7 +242,7 @@ def search(
     closest: dict[str, tuple[float, str]] = {}
     searched = 0
 
-    def reject(layout: Layout, need: float, why: str) -> None:
+    def reject(layout: Strategy, need: float, why: str) -> None:
         if layout.family not in closest or need < closest[layout.family][0]:
             closest[layout.family] = (need, why)
 
@@ -278,11 +263,11 @@ def search(
         for b in sorted(_divisors(per_rank), reverse=True):
             sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b)
             step = step_for(sized, seq_len)
-            mem = analytic.memory(model, params, place, step)
+            mem = memory(model, params, place, step)
             if mem["total"] <= cluster.budget:
-                flows = analytic.communication(model, params, place, step)
-                time = analytic.step_time(model, flows, place, step, cluster)
-                found.append(Candidate(sized, mem, analytic.summarize_flows(flows), time))
+                flows = communication(model, params, place, step)
+                time = step_time(model, flows, place, step, cluster)
+                found.append(Candidate(sized, mem, summarize_flows(flows), time))
                 break
             if b == 1:
                 reject(layout, mem["total"], f"needs {mem['total'] / 1e9:.1f} GB per device at micro-batch 1 "
@@ -313,22 +298,18 @@ def table(plan: Plan) -> str:
         f"{'state':>6} {'act':>6} {'peak':>6} {'total':>6} GB  {'comp':>6} {'comm':>6} {'expo':>6} {'bubl':>6} "
         f"{'step':>7} s  {'MFU':>5}",
     ]
-    missing = set()
     for i, cand in enumerate(plan.candidates, 1):
         lay, mem, t = cand.layout, cand.memory, cand.time
-        missing.update(lay.missing())
         state = mem["params"] + mem["optimizer"] + mem["gradients"] + mem["accumulator"]
         peak = mem["transient"] + mem.get("mask", 0.0)
         lines.append(
             f"{i:>2}  {lay.describe():<40} {lay.zero_stage:>4} {lay.remat:<9} {lay.micro_batch:>3} "
             f"{lay.accumulation:>4}  {_gb(state):>6} {_gb(mem['activations']):>6} {_gb(peak):>6} "
             f"{_gb(mem['total']):>6}     {t['compute']:>6.2f} {t['communication']:>6.2f} {t['exposed']:>6.2f} "
-            f"{t['bubble']:>6.2f} {t['total']:>7.2f}    {100 * t['mfu']:>4.1f}%" + (" *" if lay.missing() else "")
+            f"{t['bubble']:>6.2f} {t['total']:>7.2f}    {100 * t['mfu']:>4.1f}%"
         )
     if not plan.candidates:
         lines.append("   (no layout fits)")
-    if missing:
-        lines += ["", f"* planned, but this installation lacks {', '.join(sorted(missing))} to run it"]
     if plan.rejected:
         lines += ["", "families that never fit (the closest attempt):"]
         lines += [f"  {fam:<22} {why}" for fam, why in plan.rejected.items()]
@@ -351,14 +332,14 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "searched": plan.searched,
         "candidates": [
             {"layout": dataclasses.asdict(c.layout), "family": c.layout.family, "memory": c.memory, "time": c.time,
-             "comm": c.comm, "missing": c.layout.missing()}
+             "comm": c.comm}
             for c in plan.candidates
         ],
         "rejected": plan.rejected,
     }
 
 
-def experiment(layout: Layout, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
+def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
     """The experiment ``jaxscale train`` runs for ``layout``: the model inline, the rules file by path."""
     overrides: dict[str, Any] = {"remat": layout.remat}
     if layout.context > 1:
@@ -384,7 +365,7 @@ def experiment(layout: Layout, model: dict[str, Any], seq_len: int, rules_path: 
     return out
 
 
-def write_experiment(layout: Layout, model: dict[str, Any], seq_len: int, path: str | Path) -> tuple[Path, Path]:
+def write_experiment(layout: Strategy, model: dict[str, Any], seq_len: int, path: str | Path) -> tuple[Path, Path]:
     """Write ``path`` (the experiment) and ``<stem>.rules.yaml`` next to it; returns both paths."""
     path = Path(path)
     rules_path = path.with_name(path.stem + ".rules.yaml")
@@ -395,7 +376,7 @@ def write_experiment(layout: Layout, model: dict[str, Any], seq_len: int, path: 
     return path, rules_path
 
 
-def config_for(layout: Layout, model: dict[str, Any], seq_len: int, overrides: Sequence[str] = ()) -> Config:
+def config_for(layout: Strategy, model: dict[str, Any], seq_len: int, overrides: Sequence[str] = ()) -> Config:
     """The experiment of ``layout`` as a :class:`Config` (its rules written to a temporary file)."""
     import tempfile
 

@@ -1,0 +1,260 @@
+"""The analytic model's communication: every collective of a train step, without compiling.
+
+Communication (wire bytes per device per step, :func:`communication`), counted as
+:mod:`jaxscale.analysis.hlo` counts the compiled step (:func:`jaxscale.analysis.hlo.wire_bytes`:
+all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the whole, all-to-all
+(n−1)/n, permute its size), one :class:`Flow` per collective the step runs:
+
+* gradients: summed over the mesh axes that split the tokens but not the parameter: an
+  all-reduce (DP), or a reduce-scatter onto the optimizer layout and an all-gather of the
+  updated parameters (ZeRO-1/2): 2·(N−1)/N·Ψ·4; ZeRO-3 gathers every layer's parameters
+  forward and again backward and reduce-scatters the gradients: 3·(N−1)/N·Ψ·4. jaxscale
+  reduces the gradients of every microbatch (the accumulator lives in the gradient layout),
+  so these run ``train.microbatches`` times a step, and ZeRO-1 re-gathers each microbatch's
+  reduced gradient to accumulate it. Inside SP's shard_map a weight's gradient is summed over
+  the replicas at its gathered size before it is scattered over ``fsdp``, and the gathered
+  weight is kept for the backward (gathered again only under remat);
+* the embedding table is not gathered: the partitioner looks rows up on the shards and
+  moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
+  ids; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
+  is gathered over ``tensor`` and its gradient all-reduced; the output head is gathered
+  once forward under ZeRO-3 (and reused backward);
+* TP (Megatron): per layer 2 all-reduces of b·s·h forward; backward XLA reduces the input
+  gradient of each column-parallel projection separately (q, k, v, gate, up: 5 b·s·h where
+  Megatron sums first: 2); SP: 2 all-gathers + 2 reduce-scatters of b·s·h each way; under
+  remat the backward redoes the layer's collectives up to the attention output (TP: 1
+  all-reduce; SP: 2 all-gathers, 1 reduce-scatter); with ``model.tp_overlap`` each SP
+  collective is t−1 collective-permutes of b·s·h/t, counted as hidden by its matmuls;
+* CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, as much backward plus the fp32 key and value
+  gradients, which travel c hops (the last brings them home); with CP a gradient is all-reduced over
+  the context axes and then over the data axes (two all-reduces, as compiled); PP: a
+  microbatch's b·s·h per loop tick (v·m + p − 1 of them, the bubble's included) each way, and the
+  last stage's outputs all-reduced over the stages forward and their gradient backward (b·s·h
+  each); EP: dispatch + combine all-to-all of
+  k·b·s·h per MoE layer each way (FORMULAS.md).
+
+Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
+activation collectives are f32 and do not compare. The embedding lookup's
+traffic is what the partitioner chose in the tested layouts; it varies with the layout
+(with accumulation under HSDP x SP it gathers and permutes instead), a few % of a large
+model's traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxscale.analysis.hlo import wire_bytes
+from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split
+from jaxscale.config import ModelConfig
+from jaxscale.layout import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Flow:
+    """One collective of the step: what it moves, over which mesh axes, how often, bytes per device per run."""
+
+    what: str
+    kind: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    axes: tuple[str, ...]
+    size: float  # the bytes the wire rule applies to (all-gather: result; others: operand)
+    runs: float
+    n: int
+    phase: str  # forward, backward, update
+    overlap: bool  # may hide behind compute
+
+    @property
+    def wire_bytes(self) -> float:
+        return wire_bytes(self.kind, self.n, self.size, self.runs)
+
+
+def flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, layout: Layout, phase: str,
+          overlap: bool) -> list[Flow]:
+    axes = tuple(axes)
+    n = layout.size(axes)
+    if n <= 1 or size <= 0 or runs <= 0:
+        return []
+    return [Flow(what, kind, axes, size, runs, n, phase, overlap)]
+
+
+
+def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, layout: Layout) -> list[Flow]:
+    """A gradient summed over ``axes``: XLA reduces over the context axes first, then over the rest.
+
+    The partial sums over the sequence (context parallelism) and over the batch are two
+    all-reduces of the whole gradient, not one over their product (seen in the compiled step).
+    """
+    context = [a for a in axes if a in layout.context_axes]
+    rest = [a for a in axes if a not in context]
+    flows = flow(what, "all-reduce", context, size, runs, layout, "backward", True)
+    return flows + flow(what, "all-reduce", rest, size, runs, layout, "backward", True)
+
+
+
+def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: int,
+                     sp_axes: Sequence[str], vocab_axes: Sequence[str]) -> list[Flow]:
+    """The lookup table: rows are looked up where they live, the activations move (see the module docstring)."""
+    micro = step.microbatches
+    table = sp.whole * pbytes
+    lookup = "embedding lookup: activations"
+    out: list[Flow] = []
+    if sp_axes:  # the table is gathered whole, its gradient reduced whole
+        full = table * layout.size(vocab_axes)
+        out += flow("embedding table", "all-gather", sp.gathered, table, 1, layout, "forward", False)
+        out += flow("embedding table", "all-gather", vocab_axes, full, 1, layout, "forward", False)
+        out += flow("embedding gradient", "all-reduce", vocab_axes, full / layout.size(sp.scattered), 1, layout,
+                     "backward", True)
+        if sp.scattered:
+            out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward",
+                         True)
+        kind = "reduce-scatter" if sp.gathered else "all-reduce"
+        return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full, 1, layout, "backward", True)
+    if sp.gathered:
+        out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "forward", False)
+        out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "backward", False)
+        if sp.reduced:  # with replicas too (HSDP) the whole table's gradient is all-reduced
+            out += flow("embedding gradient", "all-reduce", sp.gathered + sp.reduced, table, 1, layout, "backward",
+                         True)
+        return out
+    if sp.scattered:
+        out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward", True)
+    shard = table / layout.size(sp.scattered)
+    return out + _gradient_all_reduce("embedding gradient", sp.reduced, shard, micro, layout)
+
+
+
+def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float) -> list[Flow]:
+    """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter."""
+    pbytes = dtype_bytes(m.param_dtype)
+    sp = split(p, layout, step, m.layers)
+    sp_axes = layout.sequence_axes
+    out: list[Flow] = []
+    if p.is_embedding:
+        out += _embedding_flows(sp, layout, step, bsh, pbytes, sp_axes, layout.mesh_axes(("vocab",)))
+    else:
+        unit = sp.unit * pbytes
+        runs = step.microbatches * sp.count
+        in_sp = bool(sp_axes) and p.in_sp_region
+        fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
+        if p.in_layers and layout.pipelined:
+            # In the pipeline loop every tick runs 1/v of the stage's layers, gathering and scattering as
+            # it goes, and its backward gathers again for the recomputed stage forward (pipeline.remat).
+            # Over the other data axes the loop sums the gradient and reduces it once, after the loop.
+            fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
+            regather += step.pipeline_remat
+        if sp.gathered:
+            out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
+                         True)
+            if p.in_layers and (not in_sp or m.remat != "none"):  # SP's shard_map keeps it, unless recomputed
+                out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
+        if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
+            out += flow(p.path + " gradient", "all-reduce", sp.reduced, unit, runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, unit, runs, layout,
+                         "backward", True)
+        else:
+            shard = unit / layout.size(sp.gathered)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, fsdp_runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, layout, "backward", True)
+            held = shard / layout.size(sp.scattered)
+            out += _gradient_all_reduce(p.path + " gradient", sp.reduced, held, runs, layout)
+    updated = [a for a in layout.mesh_axes(p.axes, "optimizer") if a in layout.token_axes and a not in sp.held]
+    shard_all = sp.whole / layout.size(sp.gathered) * pbytes
+    if step.microbatches > 1 and not sp.scattered:  # ZeRO-1: each microbatch's sum is re-gathered to accumulate
+        out += flow(p.path + " gradient", "all-gather", updated, shard_all, step.microbatches, layout, "update", False)
+    return out + flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, layout, "update", False)
+
+
+
+def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> list[Flow]:
+    """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted)."""
+    cbytes = dtype_bytes(m.dtype)
+    rows = step.global_batch / layout.ways(("batch",)) / step.microbatches
+    s_local = step.seq_len / layout.ways(("length",))
+    bsh = rows * s_local * m.embed * cbytes  # one microbatch's hidden states on a device
+    micro = step.microbatches
+    layers = m.layers / layout.ways(("layers",))
+    flows: list[Flow] = []
+    for p in params:
+        flows += _param_flows(p, m, layout, step, bsh)
+
+    tensor = [a for a in layout.mesh_axes(("heads",)) if a not in layout.token_axes]
+    sp = layout.sequence_axes
+    runs = micro * layers  # a layer's activation collectives, in units of bsh
+    recompute = m.remat != "none"  # the backward recomputes the layer up to its last collective
+    stage_remat = False  # the backward recomputes the whole stage forward (pipeline.remat)
+    if layout.pipelined:
+        # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers, bubble ticks included.
+        runs *= pipeline_ticks(layout, step) / (step.pipeline_microbatches * step.repeats)
+        stage_remat = step.pipeline_remat
+    if sp:
+        def sp_flow(what: str, kind: str, count: float, phase: str) -> list[Flow]:
+            if not m.tp_overlap:
+                return flow(what, kind, sp, bsh, count, layout, phase, False)
+            # Collective matmul: t − 1 permutes of one chunk per all-gather / reduce-scatter, hidden by its matmuls.
+            t = layout.size(tuple(sp))
+            return flow(what, "collective-permute", sp, bsh / t, (t - 1) * count, layout, phase, True)
+
+        for phase in ("forward", "backward"):
+            flows += sp_flow("SP: norm output", "all-gather", 2 * runs, phase)
+            flows += sp_flow("SP: block output", "reduce-scatter", 2 * runs, phase)
+        if recompute:
+            flows += sp_flow("SP: recomputed norm outputs", "all-gather", 2 * runs, "backward")
+            flows += sp_flow("SP: recomputed attention output", "reduce-scatter", runs, "backward")
+        flows += sp_flow("SP: final norm output", "all-gather", micro, "forward")
+        flows += sp_flow("SP: final norm output", "reduce-scatter", micro, "backward")
+    elif tensor:
+        flows += flow("TP: attention and MLP out", "all-reduce", tensor, bsh, 2 * runs, layout, "forward", False)
+        flows += flow("TP: q, k, v, gate, up input gradients", "all-reduce", tensor, bsh, 5 * runs, layout,
+                       "backward", False)
+        # The recomputed stage forward all-reduces twice a layer; a recomputed layer, up to its attention output.
+        flows += flow("TP: recomputed forward", "all-reduce", tensor, bsh, (2 * stage_remat + recompute) * runs,
+                       layout, "backward", False)
+        flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, bsh, micro, layout, "forward", False)
+        flows += flow("TP: head input gradient", "all-reduce", tensor, bsh, micro, layout, "backward", False)
+
+    context = layout.context_axes
+    if context:
+        c = layout.size(context)
+        kv = rows * s_local * m.kv_heads * m.head_dim
+        for phase in ("forward", "backward"):
+            flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
+                           layout, phase, True)
+        flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
+                       2 * kv * 4, c * runs, layout, "backward", True)
+
+    stages = layout.mesh_axes(("layers",))
+    if stages:
+        ticks = pipeline_ticks(layout, step)
+        size = bsh / step.pipeline_microbatches
+        for phase in ("forward", "backward"):
+            flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase,
+                           False)
+        flows += flow("PP: last stage's outputs to every stage", "all-reduce", stages, bsh, micro, layout, "forward",
+                       False)
+        flows += flow("PP: their gradient, summed over stages", "all-reduce", stages, bsh, micro, layout, "backward",
+                       False)
+
+    moe = m.moe
+    experts = layout.mesh_axes(("expert",)) if moe is not None else ()
+    if experts:
+        moe_layers = layers / moe.every_n_layers
+        cf = moe.capacity_factor if moe.dispatch == "capacity" else 1.0
+        routed = moe.top_k * bsh * cf
+        for phase in ("forward", "backward"):
+            flows += flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * micro * moe_layers, layout,
+                           phase, False)
+    return flows
+
+
+
+def summarize_flows(flows: Sequence[Flow]) -> dict[str, Any]:
+    """Wire bytes per device per step: total, by kind and by mesh axes (as :func:`jaxscale.analysis.hlo.summarize`)."""
+    by_kind: dict[str, float] = {}
+    by_axes: dict[str, float] = {}
+    for f in flows:
+        by_kind[f.kind] = by_kind.get(f.kind, 0.0) + f.wire_bytes
+        key = ",".join(f.axes)
+        by_axes[key] = by_axes.get(key, 0.0) + f.wire_bytes
+    return {"total": sum(f.wire_bytes for f in flows), "by_kind": by_kind, "by_axes": by_axes}

@@ -1,0 +1,202 @@
+"""The analytic model's memory: bytes per device of a train step, by part, without compiling.
+
+Memory (bytes per device, :func:`memory`), jaxscale's convention (fp32 master weights
+are *the* parameters; FORMULAS.md "Model state"):
+
+* parameters 4Ψ/ways, Adam moments 8Ψ/ways, gradients 4Ψ/ways (each divided by the mesh
+  axes its layout shards it over: TP, PP and EP split; ZeRO-1/2/3 add the data-parallel
+  axes to the optimizer state, gradients and parameters in turn); one more gradient-sized
+  accumulator with gradient accumulation;
+* activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
+  per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
+  SP and CP divide exactly what they shard) times the layers this device holds; the
+  scores mask of dot-product attention once; the batch;
+* under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
+  loop keeps the microbatches' inputs and outputs, one stage input per tick (or, without
+  ``pipeline.remat``, the stage's residuals per tick) and the stage weights' gradient as its carry,
+  and the backward recomputes one tick's stage forward;
+* the transient peak: the larger of one layer's backward (its residuals' cotangents and
+  its unreduced weight gradient) and the loss (logits in the compute dtype and fp32, their
+  exponentials and gradient; of ``model.loss_chunk`` tokens per sequence when chunked).
+
+jaxscale keeps more than Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer
+(:func:`jaxscale.analysis.formulas.korthikanti`): autodiff saves both the fp32 and the compute-dtype copies around
+each RMSNorm, the query/key/value, both the scores and the probabilities, and SwiGLU's
+gate, up, silu and product; without remat the weights cast to the compute dtype too. Under
+SP the all-gathered norm output is saved whole (Megatron re-gathers it in the backward),
+save_dots keeps the attention projection's partial sums whole (before the reduce-scatter),
+and without remat the shard_map keeps its weight operands (gathered, under FSDP).
+
+Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
+bf16 buffers do not compare.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_ticks, split
+from jaxscale.config import ModelConfig
+from jaxscale.layout import TOKENS, Layout
+from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+
+SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
+REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, logical axes)
+    "query": ("ad", Q_AXES),
+    "key": ("gd", KV_AXES),
+    "value": ("gd", KV_AXES),
+    "attention": ("ad", Q_AXES),
+    "attention_out": ("h", RESIDUAL),
+    "mlp_hidden": ("f", MLP_AXES),
+    "mlp_out": ("h", RESIDUAL),
+}
+FLASH_ATTENTION = ("blockwise", "ring", "cudnn")  # no s x s scores kept
+# A layer's backward under full recomputation holds its recomputed residuals and their cotangents:
+# 1.15x the residuals of a layer without remat, measured on XLA:CPU (1.0 without recomputation).
+RECOMPUTE = {"full": 1.15}
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """An activation kept for the backward: elements per token, logical axes, dtype ("fp32" or "compute")."""
+
+    name: str
+    per_token: int
+    axes: tuple[str, ...]
+    dtype: str = "compute"
+
+
+def _mlp_per_token(m: ModelConfig) -> int:
+    """SwiGLU hidden elements per token a layer computes (MoE: top-k experts at the capacity factor)."""
+    moe = m.moe
+    if moe is None:
+        return m.mlp
+    f = moe.mlp or m.mlp
+    routed = moe.top_k * f * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
+    return round(routed + moe.shared_experts * f)
+
+
+def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
+    """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
+
+    ``none``: everything below; ``full``: the layer input; ``save_dots``: the input and the
+    outputs of the weight matmuls that the recomputation needs (q, k, v, attention out, gate,
+    up); ``save_named``: the input and ``model.remat_names``.
+    """
+    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    fe = _mlp_per_token(m)
+    sizes = {"h": h, "ad": a * d, "gd": g * d, "f": fe}
+    x = Activation("layer input", h, RESIDUAL)
+    if policy == "full":
+        return [x]
+    if policy == "save_dots":
+        return [
+            x,
+            Activation("query, key, value", a * d + 2 * g * d, Q_AXES),
+            Activation("attention projection", h, HIDDEN),  # under SP: the partial sums, before the scatter
+            Activation("gate, up", 2 * fe, MLP_AXES),
+        ]
+    if policy == "save_named":
+        names = m.remat_names
+        return [x] + [Activation(n, sizes[REMAT_NAMES[n][0]], REMAT_NAMES[n][1]) for n in names if n in REMAT_NAMES]
+    kept = [
+        Activation("norms (fp32)", 4 * h, RESIDUAL, "fp32"),
+        Activation("norm statistics", 4, RESIDUAL[:2], "fp32"),
+        Activation("normed inputs", 2 * h, HIDDEN),
+        Activation("query, attention out", 2 * a * d, Q_AXES),
+        Activation("key, value", 2 * g * d, KV_AXES),
+        Activation("SwiGLU", 6 * fe, MLP_AXES),
+    ]
+    if m.attention in FLASH_ATTENTION:
+        kept.append(Activation("softmax statistics", 2 * a, SCORES, "fp32"))
+    else:
+        kept += [
+            Activation("scores", a * seq_len, SCORES, "fp32"),
+            Activation("probabilities", a * seq_len, SCORES),
+            Activation("softmax statistics", 2 * a, SCORES, "fp32"),
+        ]
+    if m.moe is not None:
+        kept.append(Activation("router", 2 * m.moe.experts, RESIDUAL[:2], "fp32"))
+    return kept
+
+
+def _bytes_of(act: Activation, m: ModelConfig) -> int:
+    return 4 if act.dtype == "fp32" else dtype_bytes(m.dtype)
+
+
+def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout: Layout) -> float:
+    """Bytes on one device of an activation of ``rows`` sequences (of the whole mesh) kept once."""
+    return rows * step.seq_len * act.per_token * _bytes_of(act, m) / layout.ways(act.axes)
+
+
+def _layers_here(m: ModelConfig, layout: Layout) -> float:
+    return m.layers / layout.ways(("layers",))
+
+
+def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, float]:
+    """Predicted bytes per device of the compiled step, by part; ``total`` is their sum."""
+    pbytes = dtype_bytes(m.param_dtype)
+    cbytes = dtype_bytes(m.dtype)
+    grad_kind = "optimizer" if step.microbatches == 1 else "gradients"
+
+    def state(kind: str) -> float:
+        return sum(p.size / layout.ways(p.axes, kind) for p in params) * pbytes
+
+    micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
+    pipelined = layout.pipelined
+    rows = micro_rows / step.pipeline_microbatches if pipelined else micro_rows  # through a layer at once
+    layers = _layers_here(m, layout)
+    residuals = layer_residuals(m, m.remat, step.seq_len)
+    per_layer = sum(_per_device(r, rows, step, m, layout) for r in residuals)
+    kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
+    if m.remat == "none" and layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
+        kept_weights = sum(split(p, layout, step, m.layers).unit for p in params if p.in_layers and p.in_sp_region)
+    elif m.remat == "none" and m.dtype != m.param_dtype:  # the weights cast to the compute dtype
+        kept_weights = layer_elems(params, layout, reduced=True)
+    per_layer += kept_weights * cbytes
+    everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    layer_backward = everything * RECOMPUTE.get(m.remat, 1.0) + kept_weights * cbytes
+    layer_backward += layer_elems(params, layout, reduced=False) * pbytes
+    vocab = Activation("logits", m.vocab_size, LOGITS)
+    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
+    if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
+        loss *= m.loss_chunk / step.seq_len
+    activations = layers * per_layer
+    if pipelined:
+        activations, layer_backward = _pipeline_activations(m, layout, step, rows, layers * per_layer, layer_backward)
+    out = {
+        "params": state("params"),
+        "optimizer": 2 * state("optimizer"),
+        "gradients": state(grad_kind),
+        "accumulator": state("gradients") if step.microbatches > 1 else 0.0,
+        # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
+        "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
+        if pipelined else 0.0,
+        "activations": activations,
+        "transient": max(layer_backward, loss),
+        "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
+    }
+    if m.attention not in FLASH_ATTENTION:
+        mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
+        out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4  # fp32 where + bool
+    out["total"] = sum(out.values())
+    return out
+
+
+def _pipeline_activations(m: ModelConfig, layout: Layout, step: Step, rows: float, stage_residuals: float,
+                          layer_backward: float) -> tuple[float, float]:
+    """Kept activations and the backward's transient of a pipelined stage (:mod:`jaxscale.parallel.pipeline`).
+
+    The loop holds the microbatches' inputs and outputs and, per tick, either the stage's input
+    (``pipeline.remat``: the stage forward is recomputed in the backward, whose transient then holds
+    one tick's stage residuals) or all of the stage's residuals. ``stage_residuals`` is one
+    microbatch through all the layers this device holds; a tick runs 1/v of them.
+    """
+    pm, v = step.pipeline_microbatches, step.repeats
+    ticks = pipeline_ticks(layout, step)
+    x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, layout)
+    buffers = 2 * pm * x
+    if step.pipeline_remat:
+        return buffers + ticks * x, layer_backward + stage_residuals / v
+    return buffers + ticks * stage_residuals / v, layer_backward

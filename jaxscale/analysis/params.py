@@ -1,0 +1,141 @@
+"""What the analytic model is given: the parameters, their placement on the mesh, the step's batch.
+
+Everything the model predicts is derived from three things: the model's parameters with
+their logical axes (:class:`Param`, the same annotations the model carries, read abstractly
+by :func:`param_table`), a rules table on the mesh sizes (:class:`jaxscale.layout.Layout`, the
+object the runtime's shardings and parallel modules ask too, so the two agree by construction)
+and the batch side of the step (:class:`Step`). :func:`split` says how one parameter lies against the mesh
+axes that split the tokens: which of them its layout gathers (ZeRO-3), scatters (ZeRO-1/2)
+or all-reduces over (DP). Nothing here imports jax until :func:`param_table` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxscale.config import Config
+from jaxscale.layout import Layout
+
+
+def dtype_bytes(name: str) -> int:
+    return np.dtype(name).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One parameter array: its path, global shape and logical axes."""
+
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def in_layers(self) -> bool:
+        return "layers" in self.axes
+
+    @property
+    def is_embedding(self) -> bool:
+        """The token embedding table (looked up, not multiplied)."""
+        return self.axes == ("vocab", "embed") and self.path.split(".")[-1] == "embedding"
+
+    @property
+    def in_sp_region(self) -> bool:
+        """A weight that sequence parallelism's shard_maps consume: the projections and the output head."""
+        return bool({"heads", "kv_heads", "mlp"} & set(self.axes)) or self.axes == ("embed", "vocab")
+
+
+def params_of(abstract_params: Any, axes: Any) -> list[Param]:
+    """The :class:`Param` table of a tree of parameter shapes and its tree of logical axes."""
+    from jaxscale.sharding import named_params
+
+    return [Param(name, tuple(leaf.shape), a) for name, leaf, a in named_params(abstract_params, axes)]
+
+
+def param_table(config: Config) -> list[Param]:
+    """The model's parameters, abstractly (``nnx.eval_shape``: nothing is allocated, any size)."""
+    from jaxscale.train import abstract_model
+
+    _, shapes, axes = abstract_model(config)
+    return params_of(shapes, axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """The batch side of a step: global batch in sequences, sequence length, accumulation, pipeline."""
+
+    global_batch: int
+    seq_len: int
+    microbatches: int = 1  # gradient accumulation steps
+    pipeline_microbatches: int = 1
+    repeats: int = 1
+    pipeline_remat: bool = True
+
+    @classmethod
+    def from_config(cls, config: Config, stages: int = 1) -> Step:
+        """The step of an experiment; ``stages`` is the resolved size of the ``stage`` mesh axis."""
+        pipeline, t = config.pipeline, config.train
+        return cls(t.global_batch, t.seq_len, t.microbatches, pipeline.microbatches or stages, pipeline.repeats,
+                   pipeline.remat)
+
+
+def trainer_inputs(trainer: Any) -> tuple[list[Param], Layout, Step]:
+    """The parameters, placement and step of a built :class:`jaxscale.train.Trainer` (its model, rules, mesh)."""
+    params = params_of(trainer.abstract_params, trainer.axes)
+    layout = Layout(trainer.rules, dict(trainer.mesh.shape))
+    return params, layout, Step.from_config(trainer.config, trainer.mesh.shape["stage"])
+
+
+def pipeline_ticks(layout: Layout, step: Step) -> int:
+    """Iterations of the pipeline loop, v·m + p − 1: every stage runs them all, the bubble's too."""
+    return step.repeats * step.pipeline_microbatches + layout.ways(("layers",)) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one parameter is laid out against the axes that split the tokens."""
+
+    held: tuple[str, ...]  # mesh axes its parameters' layout splits it over
+    gathered: tuple[str, ...]  # ... of them, token axes: ZeRO-3, gathered to compute
+    scattered: tuple[str, ...]  # token axes only its optimizer (gradient) layout splits: ZeRO-1/2
+    reduced: tuple[str, ...]  # token axes that split neither: its gradient is all-reduced over them
+    count: float  # layers of it on this device (1 outside the layer stack)
+    whole: float  # elements on a device once gathered (all its layers)
+
+    @property
+    def unit(self) -> float:
+        """Elements of one layer, gathered."""
+        return self.whole / self.count
+
+
+def split(p: Param, layout: Layout, step: Step, layers: int) -> Split:
+    """The :class:`Split` of ``p`` in a model of ``layers`` layers."""
+    tokens = layout.token_axes
+    held = layout.mesh_axes(p.axes)
+    experts = layout.mesh_axes(("expert",)) if "expert" in p.axes else ()
+    gathered = tuple(a for a in held if a in tokens and a not in experts)
+    kind = "optimizer" if step.microbatches == 1 else "gradients"
+    scattered = tuple(a for a in layout.mesh_axes(p.axes, kind) if a in tokens and a not in held)
+    reduced = tuple(a for a in tokens if a not in held and a not in scattered)
+    count = layers / layout.ways(("layers",)) if p.in_layers else 1
+    whole = p.size / layout.size([a for a in held if a not in gathered])
+    return Split(held, gathered, scattered, reduced, count, whole)
+
+
+def layer_elems(params: Sequence[Param], layout: Layout, reduced: bool) -> float:
+    """Elements of one layer's parameters on this device; ``reduced`` False: before any data-parallel split."""
+    total = 0.0
+    for p in params:
+        if not p.in_layers:
+            continue
+        axes = [a for a in layout.mesh_axes(p.axes) if reduced or a not in layout.token_axes]
+        total += p.size / p.shape[p.axes.index("layers")] / layout.size(axes)
+    return total

@@ -1,0 +1,48 @@
+"""The analytic model's one entry point: memory, collectives and time of a layout, without compiling.
+
+:func:`predict` runs :func:`jaxscale.analysis.memory.memory`,
+:func:`jaxscale.analysis.communication.communication` and, given a cluster,
+:func:`jaxscale.analysis.timing.step_time` on the same inputs; :func:`predict_trainer` reads those
+inputs (parameters, placement, step) off a built :class:`jaxscale.train.Trainer`
+(:func:`jaxscale.analysis.params.trainer_inputs`), so what ``jaxscale inspect`` compiles and
+what it predicts describe the same layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from jaxscale.analysis.communication import Flow, communication, summarize_flows
+from jaxscale.analysis.memory import memory
+from jaxscale.analysis.params import Param, Step, trainer_inputs
+from jaxscale.analysis.timing import Cluster, step_time
+from jaxscale.config import ModelConfig
+from jaxscale.layout import Layout
+
+
+@dataclasses.dataclass
+class Prediction:
+    """Memory (bytes per device), collectives and, given a cluster, time of one layout."""
+
+    memory: dict[str, float]
+    flows: list[Flow]
+    time: dict[str, float] | None = None
+
+    @property
+    def comm(self) -> dict[str, Any]:
+        return summarize_flows(self.flows)
+
+
+def predict(
+    m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, cluster: Cluster | None = None
+) -> Prediction:
+    flows = communication(m, params, layout, step)
+    time = step_time(m, flows, layout, step, cluster) if cluster is not None else None
+    return Prediction(memory(m, params, layout, step), flows, time)
+
+
+def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
+    """The prediction for a built :class:`jaxscale.train.Trainer`."""
+    return predict(trainer.config.model, *trainer_inputs(trainer), cluster)

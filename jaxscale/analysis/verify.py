@@ -1,0 +1,76 @@
+"""``jaxscale plan --verify``: compile planned layouts on simulated devices, next to their prediction.
+
+Compute is float32 (XLA:CPU runs bf16 matmuls in f32, so only fp32 compares like with like); a
+layout wider than the devices is scaled down on its data-parallel axes (:func:`scaled`). Each row
+holds the predicted and compiled memory per device and wire bytes per device per step, the latter
+in the reduce-scatter reading (:attr:`jaxscale.analysis.hlo.Collective.rs_wire_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from jaxscale.analysis.hlo import collectives, summarize
+from jaxscale.analysis.plan import Candidate, Strategy, config_for
+from jaxscale.analysis.predict import predict_trainer
+from jaxscale.analysis.xla import compile_step, memory
+from jaxscale.config import ConfigError
+from jaxscale.train import Trainer
+
+
+def scaled(layout: Strategy, devices: int) -> Strategy:
+    """The layout with its data-parallel axes shrunk to ``devices`` (data first, then fsdp)."""
+    data, fsdp = layout.data, layout.fsdp
+    while data * fsdp * layout.devices // (layout.data * layout.fsdp) > devices:
+        if data > 1:
+            data //= 2
+        elif fsdp > 1:
+            fsdp //= 2
+        else:
+            raise ConfigError(f"{layout.describe()} needs more than {devices} devices without data parallelism")
+    zero = layout.zero if data > 1 else 0
+    return dataclasses.replace(layout, data=data, fsdp=fsdp, zero=zero)
+
+
+def verify(candidates: list[Candidate], model: dict[str, Any], seq_len: int) -> list[dict[str, Any]]:
+    """Compile each candidate (float32, scaled to the devices) and put its compiled memory and collective
+    bytes next to the analytic model's for the same step."""
+    fp32 = {**model, "dtype": "float32"}
+    rows = []
+    for cand in candidates:
+        layout = cand.layout
+        small = scaled(layout, jax.device_count())
+        trainer = Trainer.build(config_for(small, fp32, seq_len), jax.devices()[: small.devices])
+        compiled = compile_step(trainer)
+        prediction = predict_trainer(trainer)
+        found = collectives(compiled.as_text(), trainer.mesh)
+        rows.append({
+            "layout": small.describe() + ("" if small == layout else f" (scaled from {layout.mesh_text})"),
+            "remat": small.remat,
+            "memory_predicted": prediction.memory["total"],
+            "memory_compiled": memory(compiled)["total"],
+            "comm_predicted": prediction.comm["total"],
+            "comm_compiled": summarize(found)["total"]["rs_wire_bytes"],
+        })
+    return rows
+
+
+def format_verify(rows: list[dict[str, Any]], devices: int, backend: str) -> str:
+    lines = [
+        f"verify: compiled on {devices} simulated {backend} devices, float32 compute; GB per device; "
+        "collectives in the reduce-scatter reading",
+        f"  {'layout':<48} {'remat':<9} {'memory':>9} {'compiled':>9} {'err':>7}   {'wire':>9} {'compiled':>9} "
+        f"{'err':>7}",
+    ]
+    for r in rows:
+        mem = 100 * (r["memory_predicted"] / r["memory_compiled"] - 1)
+        comm = 100 * (r["comm_predicted"] / r["comm_compiled"] - 1) if r["comm_compiled"] else 0.0
+        lines.append(
+            f"  {r['layout']:<48} {r['remat']:<9} {r['memory_predicted'] / 1e9:>9.3f} "
+            f"{r['memory_compiled'] / 1e9:>9.3f} {mem:>+6.1f}%   {r['comm_predicted'] / 1e9:>9.3f} "
+            f"{r['comm_compiled'] / 1e9:>9.3f} {comm:>+6.1f}%"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,67 @@
+"""Model FLOPs and parameter counts of a model config, and the peak FLOP/s of a device (jax-free).
+
+Model FLOPs per token (FORMULAS.md): ``6 * Ψ_matmul + 6 * L * s * heads * head_dim``,
+the second term being attention scores and values, forward and backward,
+halved for the causal mask. Ψ_matmul counts the weights used in matmuls (the
+embedding table only when tied to the output head); for a mixture of experts,
+only the active ones: the router, ``top_k`` experts and the shared experts of
+each MoE layer. MFU divides achieved model FLOP/s by the device's peak;
+recomputation is not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxscale.config import ModelConfig
+
+# Peak dense bf16 FLOP/s per device, matched as a substring of ``device_kind``.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v6": 918e12,
+    "TPU v5p": 459e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v4": 275e12,
+    "cpu": 1e11,  # nominal: a simulated CPU device has no published peak; override with train.peak_flops
+}
+
+
+def param_count(config: ModelConfig) -> dict[str, int]:
+    """Parameters by role, from the shapes the model creates; ``matmul`` counts only active experts."""
+    c = config
+    attn = c.embed * c.head_dim * (2 * c.heads + 2 * c.kv_heads)
+    mlp = 3 * c.embed * c.mlp
+    norms = 2 * c.embed
+    mlp_total = mlp_active = c.layers * mlp
+    if c.moe is not None:
+        f = c.moe.mlp or c.mlp
+        moe_layers = c.layers // c.moe.every_n_layers
+        expert, shared, router = 3 * c.embed * f, 3 * c.embed * f * c.moe.shared_experts, c.embed * c.moe.experts
+        mlp_total += moe_layers * (c.moe.experts * expert + shared + router - mlp)
+        mlp_active += moe_layers * (c.moe.top_k * expert + shared + router - mlp)
+    blocks = c.layers * (attn + norms) + mlp_total
+    embedding = c.vocab_size * c.embed
+    head = 0 if c.tie_embeddings else c.embed * c.vocab_size
+    total = blocks + embedding + head + c.embed
+    matmul = c.layers * attn + mlp_active + c.embed * c.vocab_size
+    return {"total": total, "matmul": matmul, "embedding": embedding}
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + causal attention."""
+    c = config
+    return 6.0 * param_count(c)["matmul"] + 6.0 * c.layers * seq_len * c.heads * c.head_dim
+
+
+def peak_flops(device: Any, override: float | None = None) -> float:
+    """Peak FLOP/s of one device from the table (or the override)."""
+    if override:
+        return override
+    kind = f"{device.device_kind} {device.platform}"
+    for name, value in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return value
+    return PEAK_FLOPS["cpu"]

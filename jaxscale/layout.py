@@ -1,0 +1,349 @@
+"""A rules table on a mesh: every question about where a logical axis lives, answered in one place (no jax).
+
+A rules file (``configs/rules/<name>.yaml``) has up to three sections::
+
+    rules:        # parameters and activations (required)
+      batch: [data, fsdp]
+      embed: fsdp
+      mlp: tensor
+      layers: null
+    optimizer:    # optional: overrides for the optimizer state (ZeRO-1)
+      embed: data
+    gradients:    # optional: overrides for the gradient accumulator (ZeRO-2)
+      embed: data
+
+Each logical name maps to one mesh axis, a list of them, or null
+(replicated). ``optimizer`` and ``gradients`` override single names of
+``rules``; everything they do not mention is laid out as the parameters. A
+model may only use names that ``rules`` mentions: an unknown name is an error
+(:meth:`Rules.partition`), never a silent replication.
+
+A :class:`Layout` is such a table on mesh axis sizes (a plain mapping, so the
+analytic model asks it for any device count). It answers what the parallel
+modules need: the mesh axes of size > 1 that split a name, how many ways, the
+sequence-parallel, context, expert and tensor axes, the pipeline stages, the
+batch shards; and :meth:`Layout.validate` raises every layout error of an
+experiment once, when the trainer is built. :mod:`jaxscale.sharding` turns a
+layout into jax shardings; nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxscale.config import MESH_AXES, Config, ConfigError, _read_yaml, resolve_named
+
+Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
+Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
+Table = Mapping[str, tuple[str, ...]]  # logical name -> mesh axes
+KINDS = ("params", "optimizer", "gradients")
+TOKENS = ("batch", "length")  # the logical axes of a batch of token ids
+STAGE = "stage"  # the mesh axis a pipeline runs over
+
+
+def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: expected a mesh axis, a list of them, or null; got {value!r}")
+    for n in names:
+        if n not in MESH_AXES:
+            raise ConfigError(f"{where}: '{n}' is not a mesh axis ({', '.join(MESH_AXES)})")
+    return tuple(names)
+
+
+def is_axes(x: Any) -> bool:
+    """True for a tuple of logical axis names (a leaf of a tree of axes)."""
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+
+
+def part_axes(part: Part) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A parsed rules table; ``name`` is for messages and logs."""
+
+    name: str
+    params: Table
+    optimizer: Table = dataclasses.field(default_factory=dict)
+    gradients: Table = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping[str, Any]) -> Rules:
+        unknown = set(data) - {"rules", "optimizer", "gradients", "description"}
+        if unknown:
+            raise ConfigError(f"rules '{name}': unknown section '{sorted(unknown)[0]}'")
+        if not isinstance(data.get("rules"), dict):
+            raise ConfigError(f"rules '{name}': a 'rules' mapping is required")
+        sections = {}
+        for section in ("rules", "optimizer", "gradients"):
+            table = data.get(section) or {}
+            if not isinstance(table, dict):
+                raise ConfigError(f"rules '{name}' {section}: expected a mapping of logical axes, got {table!r}")
+            sections[section] = {
+                str(k): _mesh_axes(v, f"rules '{name}' {section}.{k}") for k, v in table.items()
+            }
+        for section in ("optimizer", "gradients"):
+            for k in sections[section]:
+                if k not in sections["rules"]:
+                    raise ConfigError(f"rules '{name}' {section}.{k}: not in the 'rules' section")
+        return cls(name, sections["rules"], sections["optimizer"], sections["gradients"])
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Rules:
+        path = resolve_named(name_or_path, "rules")
+        return cls.from_dict(Path(path).stem, _read_yaml(path))
+
+    def table(self, kind: str = "params") -> Table:
+        if kind == "params":
+            return self.params
+        return {**self.params, **getattr(self, kind)}
+
+    def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
+        """The PartitionSpec entries of an array whose dimensions have these logical names.
+
+        Raises for a name the table lacks and for a mesh axis that would split two dimensions.
+        """
+        table = self.table(kind)
+        used: dict[str, str] = {}
+        parts: list[Part] = []
+        for name in axes:
+            if name is None:
+                parts.append(None)
+                continue
+            if name not in table:
+                raise ConfigError(f"logical axis '{name}' is not in rules table '{self.name}'")
+            mesh_axes = table[name]
+            for m in mesh_axes:
+                if m in used:
+                    raise ConfigError(
+                        f"rules '{self.name}': mesh axis '{m}' shards both '{used[m]}' and '{name}' of {axes}"
+                    )
+                used[m] = name
+            parts.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        return tuple(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """``rules`` on a mesh of axis sizes ``mesh`` (mesh axis -> size; axes it lacks have size 1).
+
+    The queries are lenient (a name the table lacks is replicated); :meth:`partition` is strict.
+    """
+
+    rules: Rules
+    mesh: Mapping[str, int]
+
+    @property
+    def name(self) -> str:
+        return self.rules.name
+
+    def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
+        """The PartitionSpec entries of an array with these logical names (:meth:`Rules.partition`)."""
+        return self.rules.partition(axes, kind)
+
+    def axes_of(self, name: str, kind: str = "params") -> tuple[str, ...]:
+        """Every mesh axis the rules map ``name`` to, of any size (none if the table lacks it)."""
+        return self.rules.table(kind).get(name, ())
+
+    def size(self, axes: Iterable[str]) -> int:
+        """The number of devices along these mesh axes together."""
+        return math.prod(self.mesh.get(a, 1) for a in axes)
+
+    def mesh_axes(self, names: Iterable[str | None], kind: str = "params") -> tuple[str, ...]:
+        """The mesh axes of size > 1 that split an array with these logical names, in order, once each."""
+        out: list[str] = []
+        for name in names:
+            for axis in self.axes_of(name, kind) if name else ():
+                if self.mesh.get(axis, 1) > 1 and axis not in out:
+                    out.append(axis)
+        return tuple(out)
+
+    def ways(self, names: Iterable[str | None], kind: str = "params") -> int:
+        """Into how many shards the rules split an array with these logical names."""
+        return self.size(self.mesh_axes(names, kind))
+
+    # -- what each parallelism asks ------------------------------------------------------
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the batch: each device's sequences differ along them."""
+        return self.mesh_axes(("batch",))
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the batch is split."""
+        return self.size(self.batch_axes)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the tokens (batch and sequence): each holds different data."""
+        return self.mesh_axes(TOKENS)
+
+    def data_axes(self, params: Iterable[Axes]) -> tuple[str, ...]:
+        """The leading mesh axes of ``batch`` (of any size) that split none of these parameters' axes.
+
+        Over them each device holds every such parameter whole: its gradient is a sum over them.
+        """
+        held = {a for axes in params for name in axes if name for a in self.axes_of(name)}
+        out: list[str] = []
+        for axis in self.axes_of("batch"):
+            if axis in held:
+                break
+            out.append(axis)
+        return tuple(out)
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the sequence but not the batch: context parallelism."""
+        batch = self.batch_axes
+        return tuple(a for a in self.mesh_axes(("length",)) if a not in batch)
+
+    @property
+    def ring_size(self) -> int:
+        """Devices that hold one sequence's blocks between them (the ring of ring attention)."""
+        return self.ways(("length",))
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """Sequence parallelism's mesh axes: they split ``norm_length`` but not ``length``."""
+        inner = self.axes_of("length")
+        return tuple(a for a in self.mesh_axes(("norm_length",)) if a not in inner)
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """Expert parallelism's mesh axes: they split the experts."""
+        return self.mesh_axes(("expert",))
+
+    @property
+    def tensor_axes(self) -> tuple[str, ...]:
+        """Tensor parallelism's mesh axes: they split the attention heads or the MLP."""
+        return self.mesh_axes(("heads", "kv_heads", "mlp"))
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the layer stack."""
+        return self.mesh_axes(("layers",))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the rules put ``layers`` on the ``stage`` axis (size > 1): the pipeline loop runs."""
+        return STAGE in self.stage_axes
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
+        return self.mesh[STAGE] if self.pipelined else 1
+
+    # -- validation ----------------------------------------------------------------------
+
+    def validate(self, config: Config) -> None:
+        """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
+        model, where = config.model, f"rules '{self.name}'"
+        if self.stage_axes and config.precision.fp8 != "off":
+            raise ConfigError(
+                f"precision.fp8={config.precision.fp8}: not supported with pipeline parallelism ({where} "
+                f"put layers on {list(self.stage_axes)}): a stage reuses each layer's amax history for several "
+                "microbatches"
+            )
+        if self.pipelined:
+            self._check_pipeline(config)
+        self._check_sequence(config)
+        if model.attention in ("blockwise", "ring"):
+            self._check_attention(config)
+        if model.moe is not None and model.moe.impl == "shard_map":
+            self._check_experts()
+
+    def _check_pipeline(self, config: Config) -> None:
+        where = f"rules '{self.name}'"
+        if len(self.stage_axes) > 1:
+            raise ConfigError(
+                f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
+            )
+        if self.sequence_axes:
+            raise ConfigError(
+                f"{where}: sequence parallelism (norm_length on {self.sequence_axes}) inside a pipeline stage "
+                "is not supported"
+            )
+        context = self.mesh_axes(("length",))
+        if context:
+            raise ConfigError(
+                f"{where}: context parallelism (length on {list(context)}) inside a pipeline stage is not supported"
+            )
+        if config.model.moe is not None:
+            raise ConfigError("pipeline parallelism (layers on stage) cannot carry model.moe's aux losses yet")
+
+    def _check_sequence(self, config: Config) -> None:
+        where, manual, moe = f"rules '{self.name}'", self.sequence_axes, config.model.moe
+        inner, outer = self.axes_of("length"), self.axes_of("norm_length")
+        if manual and inner and outer[: len(inner)] != inner:
+            # Gathering the SP shards must give back the blocks of 'length' (context parallelism).
+            raise ConfigError(
+                f"{where}: norm_length {list(outer)} must start with the mesh axes of length {list(inner)}"
+            )
+        if config.model.tp_overlap and not manual:
+            raise ConfigError(
+                f"model.tp_overlap needs sequence parallelism: {where} shard norm_length over no mesh axis "
+                "of size > 1 that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, "
+                "or model.tp_overlap=false)"
+            )
+        # Leaving a tensor-parallel region (attention; a dense or shared-expert MLP) reduce-scatters the
+        # partial sums of its contracted dimensions onto the sequence.
+        dense_mlp = moe is None or moe.every_n_layers > 1 or moe.shared_experts > 0
+        for contracted in (("heads", "head_dim"), ("mlp",)) if dense_mlp else (("heads", "head_dim"),):
+            if manual and {a for name in contracted for a in self.axes_of(name)} != set(manual):
+                raise ConfigError(
+                    f"{where}: sequence parallelism over {manual} needs the contracted axes {contracted} "
+                    "sharded over the same mesh axes (e.g. heads and mlp on tensor)"
+                )
+
+    def _check_attention(self, config: Config) -> None:
+        where, model = f"rules '{self.name}'", config.model
+        if self.axes_of("head_dim"):
+            raise ConfigError(f"{where}: 'head_dim' must not be sharded for ring/blockwise attention")
+        heads, kv_heads = self.partition(("heads",))[0], self.partition(("kv_heads",))[0]
+        if heads != kv_heads:
+            raise ConfigError(
+                f"{where}: 'heads' and 'kv_heads' must be sharded over the same mesh axes "
+                f"for ring/blockwise attention (got {heads} and {kv_heads})"
+            )
+        cp = self.ring_size if model.attention == "ring" else 1
+        seq_len, chunks = config.train.seq_len, 2 * cp if cp > 1 else 1
+        if seq_len % chunks:
+            raise ConfigError(
+                f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
+                f"{' x '.join(self.axes_of('length'))} cuts it into 2 x {cp} chunks"
+            )
+        chunk = seq_len // chunks
+        if chunk % min(model.attention_block, chunk):
+            raise ConfigError(
+                f"model.attention_block ({model.attention_block}) does not divide the {chunk}-token chunks of "
+                f"train.seq_len ({seq_len})"
+            )
+
+    def _check_experts(self) -> None:
+        where = f"rules '{self.name}'"
+        ep, batch = self.expert_axes, set(self.batch_axes)
+        seq, mlp = self.mesh_axes(("norm_length",)), self.mesh_axes(("expert_mlp",))
+        if not set(ep) <= batch:
+            raise ConfigError(
+                f"{where}: expert parallelism over {ep} needs 'batch' sharded over the same mesh axes "
+                "(outside the MoE blocks they act as data parallelism)"
+            )
+        if set(mlp) & batch:
+            raise ConfigError(f"{where}: 'expert_mlp' and 'batch' share mesh axes {sorted(set(mlp) & batch)}")
+        if self.mesh_axes(("act_embed",)):
+            raise ConfigError(f"{where}: expert parallelism needs 'act_embed' unsharded")
+        if set(seq) & set(mlp) and not set(seq) <= set(mlp):
+            raise ConfigError(
+                f"{where}: the sequence ('norm_length' on {seq}) must be sharded over all or none "
+                f"of the axes of 'expert_mlp' ({mlp})"
+            )

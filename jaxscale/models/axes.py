@@ -1,0 +1,28 @@
+"""The logical axes of the model's arrays (no jax: the analytic model reads them too).
+
+Every array whose layout matters carries the logical names of its dimensions;
+the rules table (:mod:`jaxscale.layout`) maps them to mesh axes. Activations:
+``batch``; ``length`` (the sequence inside attention and the MLP);
+``norm_length`` (the sequence of the residual stream and the norms: Megatron
+sequence parallelism shards it over ``tensor``); ``act_embed`` (the hidden size
+of the residual stream, kept apart from the parameters' ``embed`` so FSDP can
+shard one and not the other); ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
+``vocab``; for the experts ``expert`` and ``expert_batch`` (the batch of
+dispatched buffers). Parameters: ``vocab, embed, heads, kv_heads, head_dim,
+mlp, expert, expert_mlp, layers``.
+"""
+
+from __future__ import annotations
+
+RESIDUAL = ("batch", "norm_length", "act_embed")  # the residual stream, between the blocks
+HIDDEN = ("batch", "length", "act_embed")  # the final hidden states, whole sequences (the chunked loss)
+Q_AXES = ("batch", "length", "heads", "head_dim")
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+MLP_AXES = ("batch", "length", "mlp")
+LOGITS = ("batch", "length", "vocab")
+
+ROUTING = ("batch", "norm_length", None)  # each token's top-k choices
+BUFFER = ("expert_batch", "expert", None, "act_embed")  # dispatched tokens [sequences, experts, slots, embed]
+BUFFER_HIDDEN = ("expert_batch", "expert", None, "expert_mlp")
+W_IN = ("expert", "embed", "expert_mlp")  # the experts' gate and up projections
+W_OUT = ("expert", "expert_mlp", "embed")  # the experts' down projection

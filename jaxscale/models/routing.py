@@ -1,0 +1,132 @@
+"""MoE routing kernels: top-k routing, capacity slots, dispatch into expert buffers, combine, grouped matmuls.
+
+Pure array functions of the routing decisions, shared by the two places the
+experts run: under the partitioner (:func:`jaxscale.models.moe.partitioner_experts`)
+and in expert parallelism's ``shard_map`` (:mod:`jaxscale.parallel.expert`).
+See :mod:`jaxscale.models.moe` for the routing rules (GShard's capacity
+priority, the auxiliary losses).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxscale.config import MoEConfig
+from jaxscale.sharding import constrain
+
+
+class Routing(NamedTuple):
+    """Where each token's choices go: all ``[batch, length, top_k]``."""
+
+    index: jax.Array  # int32 expert of each choice
+    gate: jax.Array  # fp32 weight of each choice
+    slot: jax.Array  # int32 place in its expert's buffer for this sequence; >= capacity: dropped
+
+
+def capacity(moe: MoEConfig, seq_len: int) -> int:
+    """Slots per expert per sequence: ``min(s, ceil(capacity_factor · s · top_k / experts))``."""
+    return min(seq_len, math.ceil(moe.capacity_factor * seq_len * moe.top_k / moe.experts))
+
+
+def route(logits: jax.Array, moe: MoEConfig, seq_capacity: int) -> tuple[Routing, dict[str, jax.Array]]:
+    """Top-k routing of ``logits`` [batch, length, experts] and the layer's auxiliary losses and drop fraction."""
+    logits = logits.astype(jnp.float32)
+    n, k = moe.experts, moe.top_k
+    if moe.router == "softmax":
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / scores.sum(-1, keepdims=True)
+    # top-k as a sort along the experts: the partitioner keeps it local to each token shard
+    # (it gathers every token's scores for lax.top_k); ties go to the lower index either way.
+    index = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    top = jnp.take_along_axis(scores, index, axis=-1)
+    gate = top / top.sum(-1, keepdims=True) if moe.normalize_gates else top
+    chosen = jax.nn.one_hot(index, n, dtype=jnp.int32)  # [b, s, k, e]
+    fraction = chosen.sum((0, 1, 2)) / index.size
+    aux = {
+        "moe_aux_loss": n * jnp.sum(fraction * probs.mean((0, 1))),
+        "moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+    }
+    if moe.dispatch == "capacity":
+        b, s = index.shape[:2]
+        # Choice-major order within a whole sequence: every first choice, then every second, ...
+        order = jax.nn.one_hot(constrain(index, ("batch", "length", None)).swapaxes(1, 2), n, dtype=jnp.int32)
+        order = order.reshape(b, k * s, n)
+        before = jnp.cumsum(order, axis=1) - order
+        slot = (before * order).sum(-1).reshape(b, k, s).transpose(0, 2, 1)
+        aux["moe_dropped"] = jnp.mean((slot >= seq_capacity).astype(jnp.float32))
+    else:
+        slot = jnp.zeros_like(index)
+        aux["moe_dropped"] = jnp.zeros((), jnp.float32)
+    return Routing(index.astype(jnp.int32), gate, slot.astype(jnp.int32)), aux
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...]."""
+    hidden = jax.nn.silu(jnp.einsum("...ecd,edf->...ecf", x, w_gate)) * jnp.einsum("...ecd,edf->...ecf", x, w_up)
+    return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
+
+
+def flat_slot(routing: Routing, experts: int, seq_capacity: int) -> jax.Array:
+    """Index of each choice in its sequence's flattened ``[experts · C]`` buffer; ``experts · C`` if dropped."""
+    kept = routing.slot < seq_capacity
+    return jnp.where(kept, routing.index * seq_capacity + routing.slot, experts * seq_capacity)
+
+
+def dispatch(x: jax.Array, routing: Routing, experts: int, seq_capacity: int) -> jax.Array:
+    """Scatter tokens [b, s, d] into their experts' slots: [b, experts, C, d]; dropped choices go nowhere."""
+    b, s, d = x.shape
+    k = routing.index.shape[-1]
+    where = flat_slot(routing, experts, seq_capacity).reshape(b, s * k)
+    src = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(b, s * k, d)
+    buf = jax.vmap(lambda w, v: jnp.zeros((experts * seq_capacity, d), x.dtype).at[w].add(v, mode="drop"))(where, src)
+    return buf.reshape(b, experts, seq_capacity, d)
+
+
+def combine(out: jax.Array, routing: Routing) -> jax.Array:
+    """Gather each choice's expert output from [b, experts, C, d] and sum them weighted by the gates."""
+    b, n, c, d = out.shape
+    s, k = routing.index.shape[1:]
+    where = flat_slot(routing, n, c).reshape(b, s * k, 1)
+    picked = jnp.take_along_axis(out.reshape(b, n * c, d), where, axis=1, mode="fill", fill_value=0)
+    return jnp.einsum("bskd,bsk->bsd", picked.reshape(b, s, k, d), routing.gate.astype(out.dtype))
+
+
+def grouped_swiglu(
+    x: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
+    """Rows ``x`` [m, d] through the SwiGLU of expert ``expert`` [m] with grouped matmuls (``ragged_dot``).
+
+    Rows whose expert is outside ``[0, len(w_gate))`` (another device's) give zeros.
+    """
+    groups = w_gate.shape[0]
+    local = (expert >= 0) & (expert < groups)
+    key = jnp.where(local, expert, groups)
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.zeros((groups,), jnp.int32).at[key].add(1, mode="drop")
+    xs = x[order]
+    hidden = jax.nn.silu(lax.ragged_dot(xs, w_gate, sizes)) * lax.ragged_dot(xs, w_up, sizes)
+    out = lax.ragged_dot(hidden, w_down, sizes)[jnp.argsort(order)]
+    return jnp.where(local[:, None], out, 0)
+
+
+def dropless(
+    x: jax.Array,
+    routing: Routing,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    first_expert: jax.Array | int = 0,
+) -> jax.Array:
+    """Tokens ``x`` [b, s, d] through their chosen experts among ``first_expert + [0, len(w_gate))``, gated, summed."""
+    b, s, d = x.shape
+    k = routing.index.shape[-1]
+    rows = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(b * s * k, d)
+    out = grouped_swiglu(rows, routing.index.reshape(-1) - first_expert, w_gate, w_up, w_down)
+    return jnp.einsum("bskd,bsk->bsd", out.reshape(b, s, k, d), routing.gate.astype(x.dtype))

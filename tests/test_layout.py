@@ -1,0 +1,181 @@
+"""jaxscale.layout: queries against layouts worked out by hand, and every error of Layout.validate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_config
+
+from jaxscale.config import MESH_AXES, ConfigError
+from jaxscale.layout import Layout, Rules, part_axes
+
+MOE = ("model.moe.experts=8", "model.moe.top_k=2")
+
+
+def on(rules: str | Rules, **sizes: int) -> Layout:
+    """A preset (or a Rules) on a mesh; unnamed axes have size 1."""
+    table = Rules.load(rules) if isinstance(rules, str) else rules
+    return Layout(table, {a: sizes.get(a, 1) for a in MESH_AXES})
+
+
+def edited(preset: str, **changes: str | list[str] | None) -> Rules:
+    """A preset's rules with some names mapped elsewhere (``None``: dropped from the table)."""
+    base = Rules.load(preset)
+    params = {k: v for k, v in base.params.items() if changes.get(k, ...) is not None}
+    for name, to in changes.items():
+        if to is not None:
+            params[name] = (to,) if isinstance(to, str) else tuple(to)
+    return Rules(f"{preset}_edited", params, base.optimizer, base.gradients)
+
+
+def test_layout_and_axis_names_do_not_import_jax():
+    code = "import sys, jaxscale.layout, jaxscale.models.axes; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_fsdp_tp_sp_queries():
+    layout = on("fsdp_tp_sp", data=2, fsdp=2, tensor=2)
+    assert layout.partition(("batch", "norm_length", "act_embed")) == (("data", "fsdp"), "tensor", None)
+    assert layout.mesh_axes(("embed", "mlp")) == ("fsdp", "tensor")
+    assert layout.ways(("embed", "mlp")) == 4
+    assert layout.batch_axes == ("data", "fsdp") and layout.batch_shards == 4
+    assert layout.token_axes == ("data", "fsdp")
+    assert layout.sequence_axes == ("tensor",)
+    assert layout.tensor_axes == ("tensor",)
+    assert layout.context_axes == () and layout.ring_size == 1
+    assert layout.expert_axes == () and layout.stages == 1 and not layout.pipelined
+
+
+def test_size_one_axes_split_nothing():
+    """fsdp_tp_sp with tensor=1: no sequence parallelism, though the table names tensor."""
+    layout = on("fsdp_tp_sp", fsdp=8)
+    assert layout.axes_of("norm_length") == ("tensor",)
+    assert layout.sequence_axes == () and layout.tensor_axes == ()
+    assert layout.batch_axes == ("fsdp",) and layout.batch_shards == 8
+    assert layout.partition(("mlp",)) == ("tensor",)  # the spec keeps the axis; it has one device
+
+
+def test_optimizer_and_gradient_kinds():
+    zero1 = on("zero1", data=8)
+    assert zero1.mesh_axes(("embed",)) == ()
+    assert zero1.mesh_axes(("embed",), "optimizer") == ("data",)
+    assert zero1.ways(("embed", "mlp"), "optimizer") == 8
+    assert zero1.mesh_axes(("embed",), "gradients") == ()
+    zero2 = on("zero2", data=2, fsdp=4)
+    assert zero2.ways(("embed",), "gradients") == 8 and zero2.ways(("embed",)) == 1
+
+
+def test_context_parallel_queries():
+    layout = on("fsdp_tp_cp", fsdp=2, context=2, tensor=2)
+    assert layout.context_axes == ("context",) and layout.ring_size == 2
+    assert layout.sequence_axes == ("tensor",)  # norm_length [context, tensor], less length's context
+    assert layout.token_axes == ("fsdp", "context")
+    assert layout.mesh_axes(("embed",)) == ("fsdp", "context")
+
+
+def test_expert_and_pipeline_queries():
+    ep = on("ep_fsdp_tp", fsdp=2, expert=2, tensor=2)
+    assert ep.expert_axes == ("expert",)
+    assert ep.batch_axes == ("fsdp", "expert") and ep.batch_shards == 4
+    assert ep.mesh_axes(("expert", "embed", "expert_mlp")) == ("expert", "fsdp", "tensor")
+    pp = on("pp_fsdp", stage=2, data=2, fsdp=2)
+    assert pp.pipelined and pp.stages == 2 and pp.stage_axes == ("stage",)
+    # data shards no block parameter, fsdp does (embed): the pipeline sums gradients over data only.
+    assert pp.data_axes([("layers", "embed", "mlp"), ("layers", "embed")]) == ("data",)
+    assert on("pp", stage=2, data=4).data_axes([("layers", "embed", "mlp")]) == ("data", "fsdp")
+    assert not on("pp", data=8).pipelined and on("pp", data=8).stages == 1
+
+
+def test_missing_names_are_replicated_in_queries_and_errors_in_specs():
+    layout = on(edited("tp_sp", norm_length=None), tensor=8)
+    assert layout.sequence_axes == () and layout.mesh_axes(("norm_length", None)) == ()
+    with pytest.raises(ConfigError, match=r"^logical axis 'norm_length' is not in rules table 'tp_sp_edited'$"):
+        layout.partition(("batch", "norm_length"))
+    with pytest.raises(ConfigError, match=r"mesh axis 'tensor' shards both 'heads' and 'mlp'"):
+        layout.partition(("heads", "mlp"))
+
+
+def test_part_axes():
+    assert part_axes(None) == () and part_axes("data") == ("data",) and part_axes(("data", "fsdp")) == ("data", "fsdp")
+
+
+@pytest.mark.parametrize(
+    "rules, mesh, overrides",
+    [
+        ("fsdp_tp_sp", {"data": 2, "fsdp": 2, "tensor": 2}, ["model.tp_overlap=true"]),
+        ("fsdp_tp_cp", {"fsdp": 2, "context": 2, "tensor": 2}, ["model.attention=ring"]),
+        ("ep_fsdp_tp", {"fsdp": 2, "expert": 2, "tensor": 2}, [*MOE, "model.attention=blockwise"]),
+        ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, []),
+    ],
+)
+def test_presets_validate(rules, mesh, overrides):
+    on(rules, **mesh).validate(tiny_config(*overrides, rules=rules, mesh=mesh))
+
+
+def refuse(layout: Layout, match: str, *overrides: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        layout.validate(tiny_config(*overrides))
+    assert "\n" not in str(info.value)
+
+
+def test_fp8_with_a_pipeline():
+    refuse(on("pp", stage=2, data=4), r"^precision\.fp8=current: not supported with pipeline parallelism "
+           r"\(rules 'pp' put layers on \['stage'\]\)", "precision.fp8=current")
+
+
+def test_pipeline_errors():
+    refuse(on(edited("pp", layers=["stage", "data"]), stage=2, data=2, tensor=2),
+           r"^rules 'pp_edited': layers maps to \['stage', 'data'\]; a pipeline needs layers on 'stage' alone$")
+    refuse(on(edited("pp", norm_length="tensor"), stage=2, tensor=2),
+           r"^rules 'pp_edited': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage")
+    refuse(on(edited("pp", length="context", norm_length="context"), stage=2, context=2),
+           r"^rules 'pp_edited': context parallelism \(length on \['context'\]\) inside a pipeline stage")
+    refuse(on("pp", stage=2, data=4), r"^pipeline parallelism \(layers on stage\) cannot carry model\.moe", *MOE)
+
+
+def test_sequence_parallel_errors():
+    refuse(on(edited("fsdp_tp_cp", norm_length=["tensor", "context"]), context=2, tensor=2),
+           r"^rules 'fsdp_tp_cp_edited': norm_length \['tensor', 'context'\] must start with the mesh axes of "
+           r"length \['context'\]$")
+    refuse(on("tp", data=2, tensor=4), r"^model\.tp_overlap needs sequence parallelism: rules 'tp' shard norm_length "
+           r"over no mesh axis of size > 1", "model.tp_overlap=true")
+    refuse(on(edited("tp_sp", heads="data", kv_heads="data"), data=2, tensor=4),
+           r"^rules 'tp_sp_edited': sequence parallelism over \('tensor',\) needs the contracted axes "
+           r"\('heads', 'head_dim'\)")
+    refuse(on(edited("tp_sp", mlp="data"), data=2, tensor=4),
+           r"needs the contracted axes \('mlp',\)")
+    # An MoE model with no dense MLP has nothing to reduce over mlp.
+    on(edited("tp_sp", mlp="data", expert_batch="fsdp"), data=2, tensor=4).validate(tiny_config(*MOE))
+
+
+def test_attention_errors():
+    refuse(on(edited("tp", head_dim="data"), data=2, tensor=4),
+           r"^rules 'tp_edited': 'head_dim' must not be sharded for ring/blockwise attention$",
+           "model.attention=blockwise")
+    refuse(on(edited("tp", kv_heads="data"), data=2, tensor=4),
+           r"^rules 'tp_edited': 'heads' and 'kv_heads' must be sharded over the same mesh axes for ring/blockwise "
+           r"attention \(got tensor and data\)$", "model.attention=blockwise")
+    refuse(on("cp", fsdp=2, context=4), r"^train\.seq_len \(36\) is not divisible by 8: causal ring attention "
+           r"over context cuts it into 2 x 4 chunks$", "model.attention=ring", "train.seq_len=36")
+    refuse(on("cp", fsdp=4, context=2), r"^model\.attention_block \(3\) does not divide the 8-token chunks of "
+           r"train\.seq_len \(32\)$", "model.attention=ring", "model.attention_block=3")
+    refuse(on("dp", data=8), r"^model\.attention_block \(20\) does not divide the 32-token chunks",
+           "model.attention=blockwise", "model.attention_block=20")
+    on("dp", data=8).validate(tiny_config("model.attention=dot", "model.attention_block=20"))  # dot has no tiles
+
+
+def test_expert_parallel_errors():
+    refuse(on(edited("ep", batch=["data", "fsdp"]), expert=8),
+           r"^rules 'ep_edited': expert parallelism over \('expert',\) needs 'batch' sharded over the same", *MOE)
+    refuse(on(edited("ep_fsdp_tp", expert_mlp="fsdp"), fsdp=2, expert=2, tensor=2),
+           r"^rules 'ep_fsdp_tp_edited': 'expert_mlp' and 'batch' share mesh axes \['fsdp'\]$", *MOE)
+    refuse(on(edited("ep", act_embed="tensor"), expert=4, tensor=2),
+           r"^rules 'ep_edited': expert parallelism needs 'act_embed' unsharded$", *MOE)
+    refuse(on(edited("fsdp_tp_cp", expert_mlp="tensor"), fsdp=2, context=2, tensor=2),
+           r"^rules 'fsdp_tp_cp_edited': the sequence \('norm_length' on \('context', 'tensor'\)\) must be sharded "
+           r"over all or none of the axes of 'expert_mlp' \(\('tensor',\)\)$", *MOE)
+    # The partitioner's dispatch states only layouts: none of these checks apply.
+    on(edited("ep", batch=["data", "fsdp"]), expert=8).validate(tiny_config(*MOE, "model.moe.impl=partitioner"))
