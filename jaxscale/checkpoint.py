@@ -37,19 +37,32 @@ step's ``state``). A new run reads them straight into its own shardings, each
 device only its slices, after the saved shapes were checked against the
 config; the optimizer state is fresh and the step 0.
 
+Failures, in one line each: a ``checkpoint.dir`` that cannot be written is a
+:class:`~jaxscale.config.ConfigError` before the run starts
+(:func:`~jaxscale.config.check_writable`); a save that fails in the background (a full disk) is
+a :class:`CheckpointError` naming the step and the latest complete one, raised
+by the next call that looks (:meth:`Checkpointer.committed`, which the loop
+calls every step; orbax's own logs of it are silenced). On resume, a step that
+does not read back is set aside as ``<step>.damaged`` and the one before it is
+read (:meth:`Checkpointer.restore_latest`).
+
 Preemption: SIGTERM sets a flag that the loop reads at the next step boundary
 (with several processes, jax's preemption sync point makes them agree on the step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import shutil
 import signal
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +74,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxscale import fp8, precision
 from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
+from jaxscale.optim import schedule_length
 from jaxscale.sharding import param_name
 
 ITEMS = ("state", "data", "loop", "config")
@@ -82,8 +96,43 @@ class Restored:
     config: dict[str, Any]
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (full disk, lost storage): the run stops, naming the step."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class _QuietOrbax(logging.Filter):
+    """Drop orbax's own error logs (tracebacks from its threads): :class:`Checkpointer` reports each
+    failure once, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or "orbax" not in record.pathname
+
+
+class _LateWrites:
+    """An unraisable-exception hook that drops the "Event loop is closed" errors tensorstore reports
+    (from its own threads) when the writes still in flight of a failed save complete after orbax
+    closed their event loop; everything else goes to the previous hook."""
+
+    def __init__(self, hook: Callable[[Any], None]):
+        self.hook = hook
+
+    def __call__(self, unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            self.hook(unraisable)
+
+
 class Checkpointer:
-    """An orbax ``CheckpointManager`` for one run's directory."""
+    """An orbax ``CheckpointManager`` for one run's directory.
+
+    Errors are one line: a directory orbax cannot open is a :class:`ConfigError`, a save that fails
+    (in the background thread of an async save, or at once) a :class:`CheckpointError` naming the step.
+    """
 
     def __init__(
         self,
@@ -100,7 +149,18 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             preservation_policy=policies.AnyPreservationPolicy(keep_policies),
         )
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        for name in ("absl", "orbax"):
+            if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger(name).filters):
+                logging.getLogger(name).addFilter(_QuietOrbax())
+        if not isinstance(sys.unraisablehook, _LateWrites):
+            sys.unraisablehook = _LateWrites(sys.unraisablehook)
+        self.failed: CheckpointError | None = None
+        self.unconfirmed: list[int] = []  # saves started, not yet known to be committed
+        self.saved_before_failure: list[int] = []  # those of them found committed when one failed
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"checkpoint.dir {self.directory}: cannot open it: {_first_line(e)}") from e
 
     @classmethod
     def from_config(cls, config: Config) -> Checkpointer:
@@ -122,7 +182,38 @@ class Checkpointer:
             loop=ocp.args.JsonSave(loop),
             config=ocp.args.JsonSave(config),
         )
-        self.manager.save(step, args=args, force=True)
+        try:
+            self.manager.save(step, args=args, force=True)  # waits for the save before: its error shows here
+        except Exception as e:
+            self._fail(e, [*self.unconfirmed, step])
+        self.unconfirmed.append(step)
+
+    def _fail(self, error: BaseException, started: list[int]) -> NoReturn:
+        """Raise the :class:`CheckpointError` of the first of ``started`` that is not on disk (those
+        that are go to :attr:`saved_before_failure`)."""
+        on_disk = self.all_steps()
+        self.saved_before_failure = [s for s in started if s in on_disk]
+        step = next((s for s in started if s not in on_disk), started[-1])
+        self.unconfirmed = []
+        done = [s for s in on_disk if s < step]
+        self.failed = CheckpointError(
+            f"checkpoint step {step} was not saved in {self.directory}: {_first_line(error)} "
+            f"(the latest complete checkpoint is {f'step {done[-1]}' if done else 'none'})"
+        )
+        raise self.failed from error
+
+    def committed(self, block: bool = False) -> list[int]:
+        """The steps whose saves were committed since the last call (all started ones with ``block``;
+        else only if no save is in progress); raises :class:`CheckpointError` if one failed."""
+        if not self.unconfirmed or (not block and self.manager.is_saving_in_progress()):
+            return []
+        try:
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:
+            self._fail(e, self.unconfirmed)
+        done, self.unconfirmed = self.unconfirmed, []
+        return done
 
     def read_json(self, step: int) -> Restored:
         """The JSON items of ``step`` (no arrays read)."""
@@ -149,6 +240,48 @@ class Checkpointer:
         restored.state = self.restore_state(abstract_state, step)
         return restored
 
+    def restore_latest(
+        self, abstract_state: Any, check: Callable[[Restored], None]
+    ) -> tuple[Restored, list[str]]:
+        """The newest checkpoint that reads back whole, and a line for each newer one that did not.
+
+        ``check`` vets a step's JSON items before its arrays are read (its :class:`ConfigError`, a
+        checkpoint of another run, stops the search). A damaged step (unreadable JSON or arrays) is
+        renamed ``<step>.damaged`` (kept, but no longer a step, so new saves can take its number)
+        and the step before it is tried; if none reads, a :class:`ConfigError` lists why.
+        """
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            try:
+                restored = self.read_json(step)
+            except Exception as e:
+                damaged.append((step, _first_line(e)))
+                continue
+            check(restored)
+            try:
+                restored.state = self.restore_state(abstract_state, step)
+            except Exception as e:
+                damaged.append((step, _first_line(e)))
+                continue
+            return restored, self._set_aside(damaged, step)
+        reasons = "; ".join(f"step {s}: {why}" for s, why in damaged)
+        raise ConfigError(f"no readable checkpoint in {self.directory} ({reasons})")
+
+    def _set_aside(self, damaged: list[tuple[int, str]], restored: int) -> list[str]:
+        """Rename the damaged steps ``<step>.damaged`` (process 0) and say so, one line each."""
+        if jax.process_index() == 0:
+            for step, _ in damaged:
+                path = self.directory / str(step)
+                path.rename(path.with_name(f"{step}.damaged"))
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxscale: damaged checkpoints set aside")
+        if damaged:
+            self.manager.reload()
+        return [
+            f"checkpoint step {step} is damaged ({why}): kept as {step}.damaged; resuming from step {restored}"
+            for step, why in damaged
+        ]
+
     def remove_uncommitted(self) -> list[str]:
         """Delete the step directories a killed process left uncommitted (orbax never lists them as steps).
 
@@ -169,10 +302,18 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is finalized."""
-        self.manager.wait_until_finished()
+        self.committed(block=True)
 
     def close(self) -> None:
-        self.manager.close()
+        """Finish the saves in flight and let go of the directory (after a failure: at once, quietly)."""
+        if self.failed is not None:
+            with contextlib.suppress(Exception):
+                self.manager.close()
+            return
+        try:
+            self.committed(block=True)
+        finally:
+            self.manager.close()
 
 
 def _stored(state: Any) -> dict[str, Any]:
@@ -182,7 +323,8 @@ def _stored(state: Any) -> dict[str, Any]:
 
 
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
-    """Raise if the checkpoint's model would not restore into ``config``'s shapes."""
+    """Raise if the checkpoint's model would not restore into ``config``'s shapes, or if its learning-rate
+    schedule would change length without ``train.schedule_steps`` saying so."""
     current = config.to_dict()["model"]
     for key in SHAPE_KEYS:
         if saved["model"].get(key) != current[key]:
@@ -192,6 +334,15 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
             )
     fp8.check_resume(saved, config.precision, step)
     precision.check_resume(saved, config, step)
+    t = saved["train"]
+    was = t["steps"] if t.get("schedule_steps") is None else t["schedule_steps"]
+    now = schedule_length(config.train)
+    if was != now and config.train.schedule_steps is None:
+        raise ConfigError(
+            f"resume: checkpoint step {step} follows a learning-rate schedule of {was} steps, this config's "
+            f"would be {now} (train.steps): set train.schedule_steps={was} to keep it (past its end the rate "
+            f"stays at its final value), or train.schedule_steps={now} to stretch it from step {step} on"
+        )
 
 
 @jax.jit

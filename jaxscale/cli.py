@@ -33,6 +33,8 @@ from jaxscale.config import (
     ConfigError,
     DType,
     _read_yaml,
+    check_writable,
+    checkpoint_dir,
     load_config,
     requested_devices,
     resolve_named,
@@ -62,7 +64,9 @@ def _simulate_cpu_devices(count: int) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=auto"] if args.resume else [])])
+    config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=required"] if args.resume else [])])
+    if config.checkpoint.every:
+        check_writable(checkpoint_dir(config))  # before jax starts: a one-line error in a second
     cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
     processes = cluster.num_processes or 1
     _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
@@ -71,6 +75,7 @@ def _train(args: argparse.Namespace) -> int:
     # Imports jax: after the device count and XLA flags are in the environment.
     import jax
 
+    from jaxscale.checkpoint import CheckpointError
     from jaxscale.loop import NonFiniteError, fit
     from jaxscale.train import Trainer
 
@@ -82,12 +87,16 @@ def _train(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         print(f"jaxscale: stopped: {e}", file=sys.stderr)
         return 1
+    except CheckpointError as e:
+        print(f"jaxscale: error: {e}", file=sys.stderr)
+        return 1
     steps = [r for r in history if "loss" in r]
     if steps and jax.process_index() == 0:
         first, last = steps[0], steps[-1]
         print(
             f"step {first['step']} loss {first['loss']:.4f} -> step {last['step']} loss {last['loss']:.4f}; "
             f"{last['tokens_per_sec']:.0f} tokens/s, metrics in {config.run_dir}/metrics.jsonl"
+            + (f"; {last['skipped_updates']} updates skipped (non-finite)" if last["skipped_updates"] else "")
         )
     if history and history[-1].get("event") == "preempted":
         saved = "checkpoint saved" if history[-1]["saved"] else "checkpointing is off, nothing saved"
@@ -267,7 +276,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--num-processes", type=int, help="processes in the job (or JAXSCALE_NUM_PROCESSES)")
     train.add_argument("--process-id", type=int, help="this process's index (or JAXSCALE_PROCESS_ID)")
     train.add_argument("--resume", action="store_true",
-                       help="continue from the latest complete checkpoint (checkpoint.resume=auto)")
+                       help="continue from the latest complete checkpoint; an error if there is none "
+                       "(checkpoint.resume=required)")
 
     prep = _command(commands, "prepare-data", _prepare_data, "tokenize text files into a memory-mapped token directory")
     prep.add_argument("inputs", nargs="+", help="plain text files (one document each) or .jsonl files")

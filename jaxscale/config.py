@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
+import socket
 import types
 import typing
 from pathlib import Path
@@ -36,7 +38,7 @@ MoERouter = Literal["softmax", "sigmoid"]
 MoEImpl = Literal["shard_map", "partitioner"]
 DataSource = Literal["stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
-Resume = Literal["off", "auto"]
+Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular"]
 XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current"]
@@ -125,6 +127,7 @@ class TrainConfig:
     """Optimisation and loop settings."""
 
     steps: int = 200
+    schedule_steps: int | None = None  # length of warmup + cosine (None: steps); kept in the checkpoint
     seed: int = 0
     global_batch: int = 16
     seq_len: int = 128
@@ -143,6 +146,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_steps: int = 4
     nonfinite: NonFinite = "stop"
+    max_consecutive_skips: int = 10  # nonfinite=skip: the run stops after this many skipped updates in a row
 
 
 @dataclasses.dataclass
@@ -164,7 +168,7 @@ class CheckpointConfig:
     keep: int = 3
     keep_every: int = 0
     dir: str | None = None
-    resume: Resume = "off"
+    resume: Resume = "off"  # off | auto (the latest checkpoint if any) | required (--resume: fail without one)
     async_save: bool = True
     init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
 
@@ -422,9 +426,10 @@ def validate(config: Config) -> None:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
-        low = 0 if key == "steps" else 1
-        if getattr(t, key) < low:
-            raise ConfigError(f"train.{key} must be at least {low}, got {getattr(t, key)}")
+        if getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)}")
+    if t.schedule_steps is not None and t.schedule_steps < 1:
+        raise ConfigError(f"train.schedule_steps must be at least 1 (or null: train.steps), got {t.schedule_steps}")
     if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("train.tensorboard: needs tensorboardX (pip install 'jaxscale[plot]')")
     if t.global_batch % t.microbatches:
@@ -453,6 +458,7 @@ def _validate_loop(config: Config) -> None:
     for key, value, low in (
         ("train.eval_every", t.eval_every, 0),
         ("train.eval_steps", t.eval_steps, 1),
+        ("train.max_consecutive_skips", t.max_consecutive_skips, 1),
         ("checkpoint.every", ck.every, 0),
         ("checkpoint.keep", ck.keep, 1),
         ("checkpoint.keep_every", ck.keep_every, 0),
@@ -465,6 +471,20 @@ def _validate_loop(config: Config) -> None:
 def checkpoint_dir(config: Config) -> Path:
     """``checkpoint.dir``, or ``<run_dir>/checkpoints``."""
     return Path(config.checkpoint.dir or Path(config.run_dir) / "checkpoints").absolute()
+
+
+def check_writable(directory: str | Path) -> None:
+    """Raise a :class:`ConfigError` unless files can be created in ``directory`` (made if missing)."""
+    path = Path(directory).absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"checkpoint.dir {path} is a file, not a directory")
+    probe = path / f".jaxscale-write-test-{socket.gethostname()}-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"checkpoint.dir {path} is not writable: {e.strerror or e}") from e
 
 
 def validate_pipeline(p: PipelineConfig) -> None:

@@ -44,6 +44,11 @@ from jaxscale.config import Config, ConfigError
 from jaxscale.prepare import TokenDir
 
 BYTE_VOCAB = 256
+# The config keys behind the loader's identity (the rest, such as the sequence count, follow from them).
+CONFIG_KEYS = {
+    "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
+    "source": "data.source", "max_bytes": "data.max_bytes", "fingerprint": "data.path (fingerprint)",
+}
 
 
 def stdlib_bytes(max_bytes: int, skip: int = 0) -> np.ndarray:
@@ -102,12 +107,15 @@ class Loader(abc.ABC):
         return {"step": step, "sequences_read": step * self.global_batch, **self.identity}
 
     def check_state(self, saved: dict[str, Any], step: int) -> None:
-        """Raise if a checkpoint's loader state is not this data, or not at ``step``."""
-        for key, value in self.identity.items():
+        """Raise if a checkpoint's loader state is not this data, or not at ``step``; the message names
+        the config key that differs (the settings first, then what follows from them, such as counts)."""
+        keys = sorted(self.identity, key=lambda k: k not in CONFIG_KEYS)
+        for key in keys:
+            value = self.identity[key]
             if saved.get(key) != value:
-                raise ConfigError(
-                    f"resume: the checkpoint's data has {key}={saved.get(key)!r}, this config's has {value!r}"
-                )
+                name = CONFIG_KEYS.get(key, f"the data's {key}")
+                raise ConfigError(f"resume: the checkpoint was trained with {name}={saved.get(key)!r}, "
+                                  f"this config has {value!r}")
         if saved.get("step") != step:
             raise ConfigError(f"resume: the checkpoint's loader is at step {saved.get('step')}, its state at {step}")
 
@@ -191,12 +199,14 @@ def check_data(config: Config) -> TokenDir | None:
     if config.data.source != "tokens":
         return None
     tokens = TokenDir.open(config.data.path)
+    splits = ("train", "val") if config.train.eval_every else ("train",)
+    check_files(tokens, splits)
     if tokens.vocab_size > config.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of "
             f"data.path={config.data.path}"
         )
-    for split in ("train", "val") if config.train.eval_every else ("train",):
+    for split in splits:
         count = tokens.meta["splits"][split]["tokens"]
         if count <= config.train.seq_len:
             raise ConfigError(
@@ -204,6 +214,30 @@ def check_data(config: Config) -> TokenDir | None:
                 f"train.seq_len={config.train.seq_len}"
             )
     return tokens
+
+
+TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32")
+
+
+def check_files(tokens: TokenDir, splits: tuple[str, ...]) -> None:
+    """Raise unless ``meta.json`` names an integer token dtype and each split's ``.bin`` file holds
+    exactly the tokens it counts (a truncated or overlong file is refused, not read past its end)."""
+    where = f"data.path: {tokens.path / 'meta.json'}"
+    try:
+        dtype, counts = tokens.meta["dtype"], {split: int(tokens.meta["splits"][split]["tokens"]) for split in splits}
+        int(tokens.meta["vocab_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where} is not a prepare-data meta.json (bad or missing {e})") from e
+    if dtype not in TOKEN_DTYPES:
+        raise ConfigError(f"{where}: dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    for split, count in counts.items():
+        path = tokens.path / f"{split}.bin"
+        size = path.stat().st_size if path.is_file() else None
+        want = count * np.dtype(dtype).itemsize
+        if size != want:
+            have = "is missing" if size is None else f"has {size} bytes"
+            raise ConfigError(f"data.path: {path} {have}, meta.json says {count} {dtype} tokens ({want} bytes): "
+                              "truncated or not from this prepare-data run")
 
 
 def process_rows(

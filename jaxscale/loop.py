@@ -9,18 +9,26 @@ just dispatched is read too, then:
 - evaluation (``train.eval_every``, and at the last step): the mean loss of
   ``train.eval_steps`` held-out batches, logged as ``{"step", "eval_loss"}``;
 - checkpoint (``checkpoint.every``, and at the end): refused if any value of
-  the state is not finite; asynchronous, training goes on while it is written;
+  the state is not finite; asynchronous, training goes on while it is written.
+  Its ``{"step", "checkpoint"}`` record is logged once the save is committed
+  (looked at every step, waited for at the end); a save that failed raises
+  :class:`~jaxscale.checkpoint.CheckpointError` at the next step. The
+  directory is checked for writing before anything compiles;
 - SIGTERM: a checkpoint (when checkpointing is on), then a normal return (the
   command line exits 0).
 
 A non-finite loss or gradient norm is counted (``skipped_updates`` in every
-record; that step's record is always logged) under ``train.nonfinite=skip``,
+record; that step's record is always logged) under ``train.nonfinite=skip``
+(more than ``train.max_consecutive_skips`` in a row raise :class:`NonFiniteError`),
 and raises :class:`NonFiniteError` naming the step under ``stop``.
 
-Resume (``checkpoint.resume=auto``, ``--resume``) starts from the latest
-complete checkpoint: the state is read straight into this trainer's shardings
-(whatever its mesh and rules table), the loader's saved state must describe
-this data at that step, and the counters carry on; the temporary directories
+Resume (``checkpoint.resume=auto``; ``required``, the command line's
+``--resume``, is an error without a checkpoint) starts from the latest
+complete checkpoint that reads back (a damaged one is set aside, with a
+warning line and an ``event`` record): the state is read straight into this
+trainer's shardings (whatever its mesh and rules table), the loader's saved
+state must describe this data at that step, the schedule must keep its length
+(:func:`~jaxscale.checkpoint.check_compatible`), and the counters carry on; the temporary directories
 of a save that a killed run left uncommitted are deleted (an ``event`` record
 names them). A fresh run never writes into a directory that already holds
 checkpoints. Resume wins over ``checkpoint.init_from``, which only starts a
@@ -29,6 +37,7 @@ new run (step 0, fresh optimizer) from other parameters.
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any, Protocol
 
@@ -37,8 +46,16 @@ import numpy as np
 
 from jaxscale import flops
 from jaxscale import metrics as metrics_lib
-from jaxscale.checkpoint import Checkpointer, Preemption, all_finite, check_compatible, init_state_from
-from jaxscale.config import Config, ConfigError
+from jaxscale.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    Preemption,
+    Restored,
+    all_finite,
+    check_compatible,
+    init_state_from,
+)
+from jaxscale.config import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.data import Loader
 from jaxscale.models import moe
 
@@ -77,12 +94,18 @@ def fit(
     (from ``checkpoint.init_from``'s parameters if set).
     """
     c, ck = trainer.config, trainer.config.checkpoint
-    checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume == "auto" else None
+    if ck.every:
+        check_writable(checkpoint_dir(c))  # before anything compiles, not at the first save
+    checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume != "off" else None
     with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
         try:
-            state, skipped, resumed, removed = _start(trainer, checkpointer, state)
+            state, counters, resumed, removed, damaged = _start(trainer, checkpointer, state)
             last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
-            run = _Run(trainer, checkpointer, skipped, int(state.step), last, progress, resumed)
+            run = _Run(trainer, checkpointer, counters, int(state.step), last, progress, resumed)
+            for line in damaged:
+                run.logger.log({"step": int(state.step), "event": "damaged_checkpoint", "message": line})
+                if jax.process_index() == 0:
+                    print(f"jaxscale: warning: {line}", file=sys.stderr, flush=True)
             if removed:
                 run.logger.log({"step": int(state.step), "event": "removed_uncommitted", "paths": removed})
             return run.train(state, preemption)
@@ -103,28 +126,33 @@ def evaluate(trainer: Trainer, params: Any, fp8_state: Any = None) -> float:
 
 def _start(
     trainer: Trainer, checkpointer: Checkpointer | None, state: TrainState | None
-) -> tuple[Any, int, bool, list[str]]:
-    """The state to start from, the skipped-update count, whether it was resumed, and the uncommitted
-    checkpoint directories removed."""
+) -> tuple[Any, dict[str, int], bool, list[str], list[str]]:
+    """The state to start from, the loop's counters, whether it was resumed, the uncommitted checkpoint
+    directories removed, and a line for each damaged checkpoint passed over."""
     c = trainer.config
     latest = checkpointer.latest_step() if checkpointer is not None else None
     if latest is None:
+        if c.checkpoint.resume == "required":
+            where = checkpointer.directory if checkpointer is not None else checkpoint_dir(c)
+            raise ConfigError(f"--resume: no complete checkpoint in {where} (leave out --resume to start afresh)")
         removed = checkpointer.remove_uncommitted() if checkpointer is not None else []
         if state is None:
             init_from = c.checkpoint.init_from
             state = init_state_from(trainer, init_from) if init_from else trainer.init_state()
-        return state, 0, False, removed
-    if state is not None or c.checkpoint.resume != "auto":
+        return state, {}, False, removed, []
+    if state is not None or c.checkpoint.resume == "off":
         raise ConfigError(
             f"{checkpointer.directory} holds checkpoints (latest step {latest}): continue with --resume "
-            "(checkpoint.resume=auto), or set another run_dir or checkpoint.dir"
+            "(checkpoint.resume=required), or set another run_dir or checkpoint.dir"
         )
-    saved = checkpointer.read_json(latest)
-    check_compatible(saved.config, c, latest)
-    trainer.batches.check_state(saved.data, latest)
+
+    def check(saved: Restored) -> None:
+        check_compatible(saved.config, c, saved.step)
+        trainer.batches.check_state(saved.data, saved.step)
+
+    restored, damaged = checkpointer.restore_latest(trainer.abstract_state(), check)
     removed = checkpointer.remove_uncommitted()
-    restored = checkpointer.restore_state(trainer.abstract_state(), latest)
-    return restored, int(saved.loop["skipped_updates"]), True, removed
+    return restored.state, restored.loop, True, removed, damaged
 
 
 class _Run:
@@ -134,14 +162,17 @@ class _Run:
         self,
         trainer: Trainer,
         checkpointer: Checkpointer | None,
-        skipped: int,
+        counters: dict[str, int],
         first: int,
         last: int,
         progress: bool,
         resumed: bool,
     ):
         c, t = trainer.config, trainer.config.train
-        self.trainer, self.checkpointer, self.skipped = trainer, checkpointer, skipped
+        self.trainer, self.checkpointer = trainer, checkpointer
+        self.skipped = int(counters.get("skipped_updates", 0))
+        self.in_a_row = int(counters.get("skipped_in_a_row", 0))  # consecutive skipped updates
+        self.save_started: dict[int, float] = {}  # saves not yet committed: step -> start time
         self.first, self.last = first, last
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = flops.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
@@ -164,6 +195,8 @@ class _Run:
         try:
             for step in range(self.first, self.last):
                 state, out = self.step_fn(state, self.trainer.batch(step))
+                if self.save_started:
+                    self.log_committed()
                 if pending is not None:
                     self.account(*pending)
                 pending = (step, out)
@@ -180,8 +213,10 @@ class _Run:
                 if save:
                     self.save(done, state)
                 if stop:
+                    self.log_committed(block=True)
                     self.logger.log({"step": done, "event": "preempted", "saved": save})
                     break
+            self.log_committed(block=True)
         finally:
             self.logger.close()
         return state, self.logger.history
@@ -198,6 +233,14 @@ class _Run:
                     "(not applied; train.nonfinite=skip skips such updates)"
                 )
             self.skipped += 1
+            self.in_a_row += 1
+            if self.in_a_row > t.max_consecutive_skips:
+                raise NonFiniteError(
+                    f"step {step}: {self.in_a_row} updates in a row skipped for a non-finite loss or gradient "
+                    f"(train.max_consecutive_skips={t.max_consecutive_skips}; {self.skipped} skipped in all)"
+                )
+        else:
+            self.in_a_row = 0
         if finite and step % t.log_every and step not in (t.steps - 1, self.last - 1):
             return
         now = time.perf_counter()
@@ -233,7 +276,26 @@ class _Run:
             )
         start = time.perf_counter()
         data = self.trainer.batches.state(done)
-        loop = {"skipped_updates": self.skipped}
-        self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
-        self.logger.log({"step": done, "checkpoint": done, "save_blocking_s": time.perf_counter() - start})
+        loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row}
+        try:
+            self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
+        except CheckpointError:  # the save before failed (orbax waits for it first)
+            self.log_saved(self.checkpointer.saved_before_failure)
+            raise
+        self.save_started[done] = time.perf_counter() - start
         self.mark(done)
+
+    def log_committed(self, block: bool = False) -> None:
+        """Log the saves committed by now (``block``: wait for all): a checkpoint record means the
+        step is on disk; a failed save raises :class:`CheckpointError` instead."""
+        if self.checkpointer is None:
+            return
+        try:
+            self.log_saved(self.checkpointer.committed(block))
+        except CheckpointError:
+            self.log_saved(self.checkpointer.saved_before_failure)
+            raise
+
+    def log_saved(self, steps: list[int]) -> None:
+        for step in steps:
+            self.logger.log({"step": step, "checkpoint": step, "save_blocking_s": self.save_started.pop(step)})

@@ -34,12 +34,40 @@ def _before(record: dict[str, Any], step: int) -> bool:
     return record["step"] < step or (record["step"] == step and "loss" not in record)
 
 
+def current_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the run as it stands: a ``resumed`` event at step N supersedes what was logged
+    before it for steps after N (a crashed run's steps past its last checkpoint, trained again)."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("event") == "resumed":
+            kept = [r for r in kept if _before(r, record["step"])]
+        kept.append(record)
+    return kept
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """:func:`current_records` of a ``metrics.jsonl``."""
+    lines = Path(path).read_text().splitlines()
+    return current_records([json.loads(line) for line in lines if line.strip()])
+
+
+def kept_aside(path: Path) -> Path:
+    """Rename an earlier run's ``metrics.jsonl`` to the first free ``metrics.<k>.jsonl``; return it."""
+    k = 1
+    while path.with_name(f"{path.stem}.{k}{path.suffix}").exists():
+        k += 1
+    return path.rename(path.with_name(f"{path.stem}.{k}{path.suffix}"))
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl``; shows a progress bar.
 
-    Only the main process (``jax.process_index() == 0``) writes or prints. A resumed
-    run passes ``resume_step``: the file keeps the records of earlier steps and
-    drops those a crashed run logged after its last checkpoint. With ``tensorboard``
+    Only the main process (``jax.process_index() == 0``) writes or prints. Nothing
+    logged before is lost: a resumed run passes ``resume_step`` and appends, after a
+    ``{"step": resume_step, "event": "resumed"}`` record (:func:`read_records` drops
+    what it supersedes); a fresh run into a directory whose ``metrics.jsonl`` holds
+    records first renames that file ``metrics.<k>.jsonl`` (an ``event`` record at the
+    top of the new file names it). With ``tensorboard``
     every record also goes to ``<run_dir>/tensorboard`` (:mod:`jaxscale.report`).
     """
 
@@ -63,11 +91,14 @@ class MetricsLogger:
             self.tensorboard = TensorBoardWriter(run_dir)
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept = []
-            if resume_step is not None and self.path.exists():
-                records = [json.loads(line) for line in self.path.read_text().splitlines() if line]
-                kept = [r for r in records if _before(r, resume_step)]
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            if resume_step is not None:
+                with self.path.open("a") as f:
+                    f.write(json.dumps({"step": resume_step, "event": "resumed"}) + "\n")
+            elif self.path.exists() and self.path.stat().st_size > 0:
+                aside = kept_aside(self.path)
+                self.path.write_text(json.dumps({"step": 0, "event": "earlier_run_kept", "path": aside.name}) + "\n")
+            else:
+                self.path.write_text("")
             if bar:
                 self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", unit="step",
                                 dynamic_ncols=True)

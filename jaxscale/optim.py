@@ -21,14 +21,23 @@ import optax
 from jaxscale.config import TrainConfig
 
 
+def schedule_length(config: TrainConfig) -> int:
+    """The steps the learning-rate schedule spans: ``train.schedule_steps``, by default ``train.steps``.
+
+    Part of the run: a checkpoint keeps it, and a resume with another length is refused unless
+    ``train.schedule_steps`` says so (:func:`jaxscale.checkpoint.check_compatible`)."""
+    return config.steps if config.schedule_steps is None else config.schedule_steps
+
+
 def schedule(config: TrainConfig) -> optax.Schedule:
-    """Linear warmup to the peak rate, cosine decay to ``min_lr_ratio`` of it."""
-    warmup = min(config.warmup_steps, max(config.steps - 1, 0))
+    """Linear warmup to the peak rate, cosine decay to ``min_lr_ratio`` of it at :func:`schedule_length`."""
+    length = schedule_length(config)
+    warmup = min(config.warmup_steps, max(length - 1, 0))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.learning_rate,
         warmup_steps=warmup,
-        decay_steps=max(config.steps, warmup + 1),
+        decay_steps=max(length, warmup + 1),
         end_value=config.learning_rate * config.min_lr_ratio,
     )
 

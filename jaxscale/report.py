@@ -8,7 +8,6 @@ event files (no TensorFlow, no torch), so runs can log where only jax is install
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,11 +70,13 @@ def memory_png(bars: Sequence[tuple[str, dict[str, float]]], path: str | Path, b
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl``."""
+    """The records of ``<run_dir>/metrics.jsonl`` as the run stands (those a resume superseded left out)."""
+    from jaxscale.metrics import read_records
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"no metrics.jsonl in {run_dir}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_records(path)
 
 
 def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:

@@ -20,6 +20,7 @@ from helpers import TINY, tiny_config
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError, load_config
 from jaxscale.loop import NonFiniteError, fit
+from jaxscale.metrics import read_records
 from jaxscale.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +35,8 @@ def train_losses(history: list[dict]) -> dict[int, float]:
 
 
 def logged_steps(run_dir: Path) -> list[int]:
-    """The training steps in a run's metrics.jsonl, in file order."""
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+    """The training steps in a run's metrics.jsonl as the run stands (after resumes), in file order."""
+    return [r["step"] for r in read_records(run_dir / "metrics.jsonl") if "loss" in r]
 
 
 def record_batches(trainer: Trainer) -> dict[int, str]:
@@ -101,7 +101,7 @@ def test_resume_reads_the_same_batches(straight, resumed):
     assert resumed.batches == straight.batches and sorted(resumed.batches) == list(range(10))
     saved = Checkpointer(resumed.dir / "checkpoints").read_json(5)
     assert saved.data["step"] == 5 and saved.data["sequences_read"] == 5 * 16
-    assert saved.loop == {"skipped_updates": 0}
+    assert saved.loop == {"skipped_updates": 0, "skipped_in_a_row": 0}
     assert saved.config["rules"] == "zero3" and saved.config["model"]["embed"] == 64
 
 
@@ -240,7 +240,8 @@ def test_nonfinite_update_is_skipped_and_counted(guarded, tmp_path):
     assert checkpoints.all_steps() == [2, 4, 5, 6]  # the last 3, and every 2nd
     before, after = (checkpoints.restore(trainer.abstract_state(), s) for s in (4, 5))
     assert_trees_equal((after.state.params, after.state.opt_state), (before.state.params, before.state.opt_state))
-    assert int(after.state.step) == 5 and after.loop == {"skipped_updates": 1} and before.loop["skipped_updates"] == 0
+    assert int(after.state.step) == 5 and after.loop == {"skipped_updates": 1, "skipped_in_a_row": 1}
+    assert before.loop["skipped_updates"] == 0
     checkpoints.close()
 
 
@@ -272,8 +273,8 @@ def test_fresh_run_never_overwrites_checkpoints(straight):
     ("override", "match"),
     [
         ("model.embed=32", r"checkpoint step 10 has model\.embed=64, the config has 32"),
-        ("train.seq_len=16", r"the checkpoint's data has seq_len=32, this config's has 16"),
-        ("data.max_bytes=100000", r"the checkpoint's data has max_bytes=200000, this config's has 100000"),
+        ("train.seq_len=16", r"the checkpoint was trained with train\.seq_len=32, this config has 16"),
+        ("data.max_bytes=100000", r"trained with data\.max_bytes=200000, this config has 100000"),
     ],
 )
 def test_resume_refuses_another_model_or_data(straight, override, match):
@@ -284,7 +285,7 @@ def test_resume_refuses_another_model_or_data(straight, override, match):
 
 def test_resume_flag_and_checkpoint_keys_are_validated():
     assert load_config(None, ["checkpoint.resume=auto"]).checkpoint.resume == "auto"
-    with pytest.raises(ConfigError, match=r"checkpoint\.resume: 'always' is not one of off, auto"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume: 'always' is not one of off, auto, required"):
         load_config(None, ["checkpoint.resume=always"])
     with pytest.raises(ConfigError, match=r"train\.nonfinite: 'ignore' is not one of stop, skip"):
         load_config(None, ["train.nonfinite=ignore"])

@@ -149,7 +149,7 @@ def test_lossless_conversions_are_accepted():
         ("model.heads=6", r"model\.heads \(6\) is not divisible by model\.kv_heads \(4\)"),
         ("model.head_dim=7", r"model\.head_dim \(7\) must be even"),
         ("train.global_batch=0", r"train\.global_batch must be at least 1, got 0"),
-        ("train.steps=-1", r"train\.steps must be at least 0, got -1"),
+        ("train.steps=0", r"train\.steps must be at least 1, got 0"),
         ("train.microbatches=3", r"train\.global_batch \(16\) is not divisible by train\.microbatches \(3\)"),
         ("mesh.tensor=0", r"mesh\.tensor: size must be positive or -1, got 0"),
         ("mesh.fsdp=-2", r"mesh\.fsdp: size must be positive or -1, got -2"),

@@ -77,21 +77,51 @@ def test_two_processes_checkpoint_crash_resume_and_match_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path):
+@pytest.mark.parametrize(("victim", "name"), [(1, "process 1"), (0, "process 0 (the coordinator)")])
+def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path, victim, name):
+    """A worker or the coordinator is killed mid-training: the survivor ends within 15 s, with one line."""
     run_dir = tmp_path / "mh"
-    survivor, victim = start(run_dir, steps=10_000, port=free_port())
+    procs = start(run_dir, steps=10_000, port=free_port())
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and survivor.poll() is None, "training did not start"
-        time.sleep(0.5)
-    victim.kill()
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "training did not start"
+        time.sleep(0.2)
+    survivor = procs[1 - victim]
+    procs[victim].kill()
     killed_at = time.monotonic()
     _, err = survivor.communicate(timeout=120)
+    assert time.monotonic() - killed_at < 15
     assert survivor.returncode != 0
-    assert time.monotonic() - killed_at < 120
-    assert "jaxscale: error: process 0 lost process 1" in err
-    victim.communicate()
+    lines = [line for line in err.splitlines() if not line.startswith("[Gloo]")]
+    assert len(lines) == 1 and lines[0].startswith(f"jaxscale: error: process {1 - victim} lost {name}: "), err
+    procs[victim].communicate()
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# launch/multiprocess.sh starts "python3 -m jaxscale train ... --process-id I ...": end as the test says.
+while [[ $# -gt 0 && $1 != --process-id ]]; do shift; done
+case "$2" in
+  0) sleep 3; exit 3 ;;
+  1) sleep 1; exit 5 ;;
+  *) exec sleep 30 ;;
+esac
+"""
+
+
+def test_multiprocess_sh_exits_with_the_first_failure(tmp_path):
+    """Process 1 fails first (code 5), then process 0 (code 3); process 2 would run on: the script
+    exits 5, and stops the others once the grace after the first failure (2 s here) is over."""
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text(FAKE_PYTHON)
+    shim.chmod(0o755)
+    env = {**subprocess_env(), "PATH": f"{shim.parent}:/usr/bin:/bin"}
+    start = time.monotonic()
+    launch = ["bash", str(ROOT / "launch" / "multiprocess.sh"), "--processes", "3", "--grace", "2"]
+    result = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 5, result.stderr
+    assert 3 <= time.monotonic() - start < 10
 
 
 @pytest.mark.parametrize(
