@@ -13,6 +13,8 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from jaxscale.report import TensorBoardWriter
+
 
 def device_memory_in_use(device: jax.Device | None = None) -> int:
     """Bytes in use on one device: the allocator's figure, else the live arrays' shards there."""
@@ -28,29 +30,6 @@ def device_memory_in_use(device: jax.Device | None = None) -> int:
     return total
 
 
-def _before(record: dict[str, Any], step: int) -> bool:
-    """Whether a record belongs to the run up to ``step`` updates (training records of earlier
-    steps; evaluation and checkpoint records at ``step`` itself)."""
-    return record["step"] < step or (record["step"] == step and "loss" not in record)
-
-
-def current_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records of the run as it stands: a ``resumed`` event at step N supersedes what was logged
-    before it for steps after N (a crashed run's steps past its last checkpoint, trained again)."""
-    kept: list[dict[str, Any]] = []
-    for record in records:
-        if record.get("event") == "resumed":
-            kept = [r for r in kept if _before(r, record["step"])]
-        kept.append(record)
-    return kept
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """:func:`current_records` of a ``metrics.jsonl``."""
-    lines = Path(path).read_text().splitlines()
-    return current_records([json.loads(line) for line in lines if line.strip()])
-
-
 def kept_aside(path: Path) -> Path:
     """Rename an earlier run's ``metrics.jsonl`` to the first free ``metrics.<k>.jsonl``; return it."""
     k = 1
@@ -64,7 +43,7 @@ class MetricsLogger:
 
     Only the main process (``jax.process_index() == 0``) writes or prints. Nothing
     logged before is lost: a resumed run passes ``resume_step`` and appends, after a
-    ``{"step": resume_step, "event": "resumed"}`` record (:func:`read_records` drops
+    ``{"step": resume_step, "event": "resumed"}`` record (:func:`jaxscale.report.read_records` drops
     what it supersedes); a fresh run into a directory whose ``metrics.jsonl`` holds
     records first renames that file ``metrics.<k>.jsonl`` (an ``event`` record at the
     top of the new file names it). With ``tensorboard``
@@ -86,8 +65,6 @@ class MetricsLogger:
         self.bar = None
         self.tensorboard = None
         if self.enabled and tensorboard:
-            from jaxscale.report import TensorBoardWriter
-
             self.tensorboard = TensorBoardWriter(run_dir)
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)

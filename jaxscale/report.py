@@ -8,6 +8,7 @@ event files (no TensorFlow, no torch), so runs can log where only jax is install
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,10 +70,31 @@ def memory_png(bars: Sequence[tuple[str, dict[str, float]]], path: str | Path, b
     return Path(path)
 
 
+def _before(record: dict[str, Any], step: int) -> bool:
+    """Whether a record belongs to the run up to ``step`` updates (training records of earlier
+    steps; evaluation and checkpoint records at ``step`` itself)."""
+    return record["step"] < step or (record["step"] == step and "loss" not in record)
+
+
+def current_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of the run as it stands: a ``resumed`` event at step N supersedes what was logged
+    before it for steps after N (a crashed run's steps past its last checkpoint, trained again)."""
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("event") == "resumed":
+            kept = [r for r in kept if _before(r, record["step"])]
+        kept.append(record)
+    return kept
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """:func:`current_records` of a ``metrics.jsonl``."""
+    lines = Path(path).read_text().splitlines()
+    return current_records([json.loads(line) for line in lines if line.strip()])
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` as the run stands (those a resume superseded left out)."""
-    from jaxscale.metrics import read_records
-
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise ConfigError(f"no metrics.jsonl in {run_dir}")

@@ -20,7 +20,7 @@ from helpers import TINY, tiny_config
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError, load_config
 from jaxscale.loop import NonFiniteError, fit
-from jaxscale.metrics import read_records
+from jaxscale.report import read_records
 from jaxscale.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent

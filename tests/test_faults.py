@@ -22,8 +22,8 @@ from jaxscale import cli
 from jaxscale.checkpoint import Checkpointer, CheckpointError
 from jaxscale.config import ConfigError, load_config
 from jaxscale.loop import NonFiniteError
-from jaxscale.metrics import read_records
 from jaxscale.prepare import prepare_data
+from jaxscale.report import read_records
 from jaxscale.train import Trainer
 
 ONE_DEVICE = ["train.log_every=1", "mesh.data=1"]
