@@ -55,6 +55,7 @@ class Param:
 
 def params_of(abstract_params: Any, axes: Any) -> list[Param]:
     """The :class:`Param` table of a tree of parameter shapes and its tree of logical axes."""
+    # Imports jax: this module stays jax-free for the CLI's plan (it reads configs before devices exist).
     from jaxscale.sharding import named_params
 
     return [Param(name, tuple(leaf.shape), a) for name, leaf, a in named_params(abstract_params, axes)]
@@ -62,6 +63,7 @@ def params_of(abstract_params: Any, axes: Any) -> list[Param]:
 
 def param_table(config: Config) -> list[Param]:
     """The model's parameters, abstractly (``nnx.eval_shape``: nothing is allocated, any size)."""
+    # Imports jax: this module stays jax-free for the CLI's plan (it reads configs before devices exist).
     from jaxscale.train import abstract_model
 
     _, shapes, axes = abstract_model(config)

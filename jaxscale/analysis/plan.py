@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import itertools
 import math
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step
 from jaxscale.analysis.timing import Cluster, step_time
-from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml
+from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml, load_config
 from jaxscale.layout import Layout, Rules
 
 REMATS = ("none", "save_dots", "full")
@@ -545,10 +546,6 @@ def write_experiment(layout: Strategy, model: dict[str, Any], seq_len: int, path
 
 def config_for(layout: Strategy, model: dict[str, Any], seq_len: int, overrides: Sequence[str] = ()) -> Config:
     """The experiment of ``layout`` as a :class:`Config` (its rules written to a temporary file)."""
-    import tempfile
-
-    from jaxscale.config import load_config
-
     directory = Path(tempfile.mkdtemp(prefix="jaxscale-plan-"))
     path, _ = write_experiment(layout, model, seq_len, directory / "experiment.yaml")
     return load_config(path, [f"run_dir={directory / 'run'}", *overrides])
