@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, subprocess_env, tiny_config
+from helpers import TINY, subprocess_env, tiny_config
 
 from jaxscale import cli
 from jaxscale.checkpoint import Checkpointer, CheckpointError
