@@ -168,8 +168,9 @@ def test_finetune_from_converted_checkpoint_starts_at_the_hf_loss(llama_ckpt, tm
     assert first["step"] == 0 and int(state.step) == 1
     assert abs(first["loss"] - float(hf_loss)) < 1e-5 * float(hf_loss)
 
-    # Resume wins over init_from: the run goes on from its own checkpoint of step 1.
-    trainer.config.train.steps, trainer.config.checkpoint.resume = 2, "auto"
+    # Resume wins over init_from: the run goes on from its own checkpoint of step 1 (on the schedule it
+    # was built with: train.schedule_steps keeps the first run's length, as the optimizer was built).
+    trainer.config.train.steps, trainer.config.train.schedule_steps, trainer.config.checkpoint.resume = 2, 1, "auto"
     state, history = fit(trainer, progress=False)
     assert [r["step"] for r in history if "loss" in r] == [1] and int(state.step) == 2
 
