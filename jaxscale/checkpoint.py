@@ -59,6 +59,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -106,11 +107,15 @@ def _first_line(error: BaseException) -> str:
 
 
 class _QuietOrbax(logging.Filter):
-    """Drop orbax's own error logs (tracebacks from its threads): :class:`Checkpointer` reports each
-    failure once, in one line."""
+    """Drop orbax's own error logs (tracebacks from its threads), and asyncio's "exception never
+    retrieved" logs of orbax's write tasks: :class:`Checkpointer` reports each failure once, in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or "orbax" not in record.pathname
+        if record.levelno < logging.ERROR:
+            return True
+        error = record.exc_info[1] if record.exc_info else None
+        files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__ if error else None)]
+        return not any("orbax" in f for f in [record.pathname, *files])
 
 
 class _LateWrites:
@@ -149,7 +154,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             preservation_policy=policies.AnyPreservationPolicy(keep_policies),
         )
-        for name in ("absl", "orbax"):
+        for name in ("absl", "orbax", "asyncio"):
             if not any(isinstance(f, _QuietOrbax) for f in logging.getLogger(name).filters):
                 logging.getLogger(name).addFilter(_QuietOrbax())
         if not isinstance(sys.unraisablehook, _LateWrites):
