@@ -39,7 +39,7 @@ MoEImpl = Literal["shard_map", "partitioner"]
 DataSource = Literal["stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
-Schedule = Literal["gpipe", "circular"]
+Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
 XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -493,10 +493,14 @@ def validate_pipeline(p: PipelineConfig) -> None:
         raise ConfigError(f"pipeline.microbatches must be at least 1, got {p.microbatches}")
     if p.repeats < 1:
         raise ConfigError(f"pipeline.repeats must be at least 1, got {p.repeats}")
-    if p.schedule == "gpipe" and p.repeats != 1:
-        raise ConfigError(f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular (gpipe runs stages once)")
-    if p.schedule == "circular" and p.repeats < 2:
-        raise ConfigError("pipeline.schedule=circular needs pipeline.repeats >= 2 (with 1 it is gpipe)")
+    interleaved = ("circular", "interleaved_1f1b")
+    if p.schedule not in interleaved and p.repeats != 1:
+        raise ConfigError(
+            f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular or interleaved_1f1b "
+            f"({p.schedule} runs each stage's layers once)"
+        )
+    if p.schedule in interleaved and p.repeats < 2:
+        raise ConfigError(f"pipeline.schedule={p.schedule} needs pipeline.repeats >= 2 (with 1 it is gpipe or 1f1b)")
 
 
 def validate_xla(xla: XlaConfig) -> None:

@@ -51,7 +51,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxscale.layout import TOKENS
+from jaxscale.models import moe
 from jaxscale.models.axes import HIDDEN, LOGITS
+from jaxscale.parallel import pipeline
 from jaxscale.sharding import active, constrain
 
 HEAD = (None, "vocab")  # the head weight [embed, vocab], gathered on embed for the loop
@@ -157,11 +159,31 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def head_cross_entropy(model: Any, x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """Mean cross-entropy of a :class:`jaxscale.models.llama.Llama`'s head on its final-normed hidden states
+    ``x``: chunked (:func:`chunked_cross_entropy`) when ``chunk`` > 0 (``model.loss_chunk``), else from the logits."""
+    if chunk:
+        return chunked_cross_entropy(x, model.head_weight(), targets, chunk)
+    return cross_entropy(model.logits(x), targets)
+
+
 def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics: chunked
-    (:func:`chunked_cross_entropy`) when ``chunk`` > 0 (``model.loss_chunk``), else from the logits."""
-    if not chunk:
-        logits, aux = model.forward(batch["inputs"], batch["positions"])
-        return cross_entropy(logits, batch["targets"]), aux
+    """The loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics."""
     hidden, aux = model.hidden(batch["inputs"], batch["positions"])
-    return chunked_cross_entropy(hidden, model.head_weight(), batch["targets"], chunk), aux
+    return head_cross_entropy(model, hidden, batch["targets"], chunk), aux
+
+
+def model_objective(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The training objective (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics.
+
+    Under pipeline parallelism the whole model runs in the pipeline's loop
+    (:func:`jaxscale.parallel.pipeline.objective`), the head and loss on the last stage.
+    """
+    if pipeline.stages() > 1:
+
+        def head_loss(m: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+            return head_cross_entropy(m, m.final_norm(y), targets, chunk)
+
+        return pipeline.objective(model, batch, head_loss)
+    ce, aux = model_cross_entropy(model, batch, chunk)
+    return ce + moe.aux_objective(aux, model.config), aux

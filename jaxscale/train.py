@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale import fp8, loop, precision, xla_flags
 from jaxscale.config import Config
 from jaxscale.data import Loader, check_data, make_loader
-from jaxscale.loss import model_cross_entropy
+from jaxscale.loss import model_objective
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
 from jaxscale.models.attention import resolved, sequence_order
@@ -220,8 +220,7 @@ class Trainer:
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one batch (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics."""
         model = nnx.merge(self.graphdef, params, self.fresh_fp8() if fp8_state is None else fp8_state)
-        ce, aux = model_cross_entropy(model, batch, self.config.model.loss_chunk)
-        return ce + moe.aux_objective(aux, self.config.model), aux
+        return model_objective(model, batch, self.config.model.loss_chunk)
 
     def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
         """The objective on one batch: mean cross-entropy, plus the MoE auxiliary losses if any."""

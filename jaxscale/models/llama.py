@@ -42,7 +42,7 @@ from jaxscale.models.attention import attention
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
-from jaxscale.parallel import pipeline, sequence
+from jaxscale.parallel import sequence
 from jaxscale.sharding import active, constrain
 
 
@@ -293,15 +293,23 @@ class Llama(nnx.Module):
 
     def forward(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Logits and the MoE metrics averaged over the MoE layers (``moe.METRICS``; none when dense)."""
+        x, aux = self.hidden(tokens, positions)
+        return self.logits(x), aux
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """The residual stream's input: the embedding rows of ``tokens`` in the compute dtype."""
+        return embed_tokens(self.embedding[...], tokens, jnp.dtype(self.config.dtype))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The output head on the final-normed hidden states ``x`` (``RESIDUAL`` axes): logits [b, s, vocab]."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        x, aux = self.hidden(tokens, positions)
         if c.tie_embeddings:
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
         (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap)
-        return logits, aux
+        return logits
 
     def head_weight(self) -> jax.Array:
         """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""
@@ -311,8 +319,7 @@ class Llama(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The final-normed hidden states [batch, length, embed] (``RESIDUAL`` axes) and the MoE metrics."""
         c = self.config
-        dt = jnp.dtype(c.dtype)
-        x = embed_tokens(self.embedding[...], tokens, dt)
+        x = self.embed(tokens)
 
         def body(x: jax.Array, block: Block | Group) -> tuple[jax.Array, dict[str, jax.Array]]:
             return block(x, positions)
@@ -323,8 +330,5 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        if pipeline.stages() > 1:  # a dense model: Layout.validate refuses the MoE aux losses in a pipeline
-            x, aux = pipeline.apply(self.blocks, x, positions, RESIDUAL, policy), {}
-        else:
-            x, aux = scan(x, self.blocks)
+        x, aux = scan(x, self.blocks)
         return self.final_norm(x), jax.tree.map(jnp.mean, aux)

@@ -1,61 +1,45 @@
-"""Pipeline parallelism (PP): the layer stack split over the ``stage`` mesh axis, microbatches passed on.
+"""Pipeline parallelism (PP): the layer stack split over the ``stage`` mesh axis, one SPMD loop of ticks.
 
-When the rules put ``layers`` on ``stage`` (size p > 1), :class:`~jaxscale.models.llama.Llama` runs its
-stacked blocks through :func:`apply` instead of one scan; the embedding before it and the final norm,
-output head and loss after it stay outside, laid out by the rules like any other activation (they are
-replicated over ``stage``, so every stage computes them). Stage s stores layers ``[s·L/p, (s+1)·L/p)``.
+When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
+:func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
+head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
+model, over the data-parallel axes that shard no block parameter). Stage s stores layers
+``[s·L/p, (s+1)·L/p)``; with v chunks per stage (``pipeline.repeats``) it runs layer groups
+``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring.
 
-The ``jax.shard_map`` is manual over ``stage`` and over the data-parallel axes that shard no block
-parameter (``data`` and ``fsdp`` under ``pp``, ``data`` under ``pp_fsdp``): there each device adds up its
-parameter gradients over the ticks and they are summed over those axes once, after the loop (left to
-the partitioner, that all-reduce ran at every tick). The other axes (fsdp sharding parameters, tensor)
-stay with the partitioner, which shards each stage's blocks as the rules say: FSDP gathers weights
-and reduces their gradients at every tick, TP all-reduces activations inside the stage. The compiled
-step shows no gather of activations over the data axes: each device sends its own rows.
+**The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data): the batch is cut into m
+microbatches (``pipeline.microbatches``; row r of microbatch i is row r·m + i, so no device changes
+rows). Each tick every stage runs at most one *forward slot* and then one *backward slot*, each a
+``lax.switch`` over {idle, first, middle, last}: an idle slot costs no compute, the first virtual
+stage embeds its microbatch's tokens, the last one runs the final norm, the output head and the
+loss. A backward slot recomputes its chunk from the stashed input under ``jax.vjp`` and adds the
+parameter gradients to fp32 accumulators; its input gradient goes to the previous stage. Both
+messages of a tick (the forward's output, the backward's input gradient) travel by ``ppermute``
+at the end of the tick and wait in slots of the receiver's buffers until used. The schedule
+(``pipeline.schedule``: gpipe, circular, 1f1b, interleaved_1f1b) is only which slot runs what.
 
-Schedule: the batch is cut into m microbatches (``pipeline.microbatches``; row r of microbatch i is
-row r·m + i, so no device changes rows) and one loop runs ``v·m + p − 1`` ticks. At tick t stage s
-works on item k = t − s (microbatch k mod m, repeat k div m) when 0 ≤ k < v·m and idles otherwise;
-then each stage hands its output to the next with ``lax.ppermute``. Stage 0 reads its microbatch
-from the input; the last stage keeps the outputs of the last repeat. :func:`schedule` is that table.
+**Memory**: a stage keeps the inputs of its in-flight microbatches (``Table.act_slots``: m for
+GPipe, about 2·(p − 1) for 1F1B in lock-step ticks, whatever m) plus, transiently, one chunk's
+residuals inside the backward slot. The logits of one microbatch live only inside the last
+stage's backward slot (none with ``model.loss_chunk``). **One recompute**: each layer runs forward
+twice per microbatch (the forward slot, then the backward slot's ``vjp``), and the layer's own
+``model.remat`` policy is not applied inside a stage, so no layer is recomputed twice.
 
-* GPipe (``schedule: gpipe``, v = 1): all forward, then all backward, by autodiff of the loop (the
-  transposed loop runs the ticks backwards with the ppermute reversed). Each tick's stage body is
-  rematerialised (``pipeline.remat``): the loop keeps one stage input of b·s·h per tick, (m + p − 1)
-  in all, and recomputes the stage forward in the backward: one more forward per step instead of
-  the activations of all m microbatches.
-* Circular / interleaved (``schedule: circular``, v = ``pipeline.repeats`` > 1): stage s runs v
-  groups of L/(p·v) layers, groups r·p + s for r < v; a microbatch goes round the ring v times and
-  what the last stage sends back to stage 0 waits in the input buffer until its next repeat starts
-  (m ≥ p makes that wait non-negative). The parameters are stored in layer order, contiguous per
-  stage, so checkpoints do not depend on v; each step therefore moves the layers to the stages that
-  run them and their gradients back (all-to-all or collective-permutes over ``stage``, up to the
-  stage's block parameters each way; ``benchmarks/pp_bubble.py`` reports the bytes).
+**What it communicates**, b·s·h the bytes of one microbatch's activations on a device:
+collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
+where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an SPMD loop must);
+once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
+``stage`` and, for the manual data axes, the block gradients over those axes. Nothing else crosses
+``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other axes
+stay with the partitioner (FSDP gathers, TP all-reduces) or with the nested shard_maps of sequence
+parallelism, ring attention and expert parallelism, which run over the axes left free.
 
-Bubble (docs/formulas.md): each stage works v·m of the v·m + p − 1 ticks, a tick being 1/v of its
-layers, so the idle fraction is (p − 1)/(v·m + p − 1); v = 1 is GPipe's (p − 1)/(m + p − 1).
-
-Bytes per device per step, b·s·h·bytes being one microbatch's activations on a device:
-
-* collective-permute, one message per tick forward and one backward: 2·(v·m + p − 1)·b·s·h·bytes.
-  docs/formulas.md counts 2·v·m·b·s·h·bytes (2·m per boundary, v times for interleaving); the 2·(p − 1)
-  more are the bubble ticks' messages, which an SPMD loop sends anyway;
-* all-reduce over ``stage`` of the m microbatches (2·(p − 1)/p·m·b·s·h·bytes) twice: the input
-  enters every stage (the embedding is replicated over ``stage``), so its gradient is summed over
-  stages once after the loop; and the last stage's outputs reach every stage in the forward.
-
-Not 1F1B: 1F1B starts each microbatch's backward as soon as its forward leaves the last stage, so at
-most p microbatches of activations are alive on a stage. Here the loss is taken after the loop and
-autodiff transposes the whole loop, so every backward follows every forward. A 1F1B loop must be
-written by hand, with the head and the loss inside it (the last stage takes each microbatch's loss
-gradient as its forward ends; a custom VJP hands back the gradients computed in the forward), and it
-beats GPipe + remat only if it keeps each in-flight microbatch's residuals in the loop's carry
-instead of recomputing them; the residuals of jax's ``vjp`` include the parameters it closes over,
-which would be copied into every slot. Keeping only stage inputs (1F1B + remat), it would hold p
-of them instead of v·m + p − 1, while the recompute transient of one stage, which both have, is
-the larger part (``benchmarks/pp_bubble.py``). GPipe + remat costs one more forward of the stack per
-step (about a third more stage compute) for that memory; ``pipeline.remat=false`` keeps every
-tick's activations instead.
+**Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
+training table (every forward and backward, loss and gradients at once) and whose backward only
+scales the gradients computed there by the cotangent; evaluation (no gradient) runs a
+forward-only table, the loss in the last stage's forward slot. The MoE auxiliary losses enter each
+chunk's objective with their weight, so their gradients flow through the same backward slots; the
+metrics returned are not differentiable.
 """
 
 from __future__ import annotations
@@ -68,23 +52,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config import ConfigError, PipelineConfig
-from jaxscale.sharding import Axes, Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
+from jaxscale.layout import TOKENS
+from jaxscale.models import moe
+from jaxscale.parallel import schedules
+from jaxscale.parallel.schedules import Table
+from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
 
 AXIS = "stage"
-LAYERS = "layers"
 
 _CONFIG: contextvars.ContextVar[PipelineConfig | None] = contextvars.ContextVar("jaxscale_pipeline", default=None)
 
 
 @contextlib.contextmanager
 def use_pipeline(config: PipelineConfig) -> Iterator[None]:
-    """Within this block, a pipelined layer stack runs with these microbatches, repeats and schedule."""
+    """Within this block, a pipelined model runs with these microbatches, repeats and schedule."""
     token = _CONFIG.set(config)
     try:
         yield
@@ -98,132 +84,235 @@ def stages() -> int:
     return current[1].stages if current is not None else 1
 
 
-# -- the schedule ------------------------------------------------------------------
+def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
+    """The loop's table for ``config`` on p stages (ConfigError if the schedule cannot run it)."""
+    m = config.microbatches or p
+    try:
+        return schedules.build(config.schedule, p, m, config.repeats, train)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
-def ticks(p: int, m: int, v: int) -> int:
-    """Iterations of the pipeline loop: every stage works ``v·m`` of them, the rest is the bubble."""
-    return v * m + p - 1
-
-
-def work(tick: Any, stage: Any, m: int, v: int) -> tuple[Any, Any, Any]:
-    """What ``stage`` does at ``tick``: (busy, repeat, microbatch); for Python, NumPy and traced integers."""
-    k = tick - stage
-    return (k >= 0) & (k < v * m), k // m, k % m
-
-
-def schedule(p: int, m: int, v: int) -> np.ndarray:
-    """The loop's schedule, ``[ticks, stages, 2]``: (repeat, microbatch) of each stage at each tick; -1 when idle."""
-    t, s = np.meshgrid(np.arange(ticks(p, m, v)), np.arange(p), indexing="ij")
-    busy, repeat, micro = work(t, s, m, v)
-    return np.where(busy[..., None], np.stack([repeat, micro], axis=-1), -1)
-
-
-# -- the pipelined stack -----------------------------------------------------------
-
-
-def _check(p: int, m: int, v: int, layers: int, x: jax.Array, x_axes: Axes) -> None:
+def _check(p: int, m: int, v: int, layers: int, tokens: jax.Array) -> None:
     if layers % (p * v):
         raise ConfigError(f"model.layers ({layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats ({v})")
-    if m < p:
-        raise ConfigError(f"pipeline.microbatches ({m}) is fewer than the {p} pipeline stages (mesh.stage)")
-    rows = x.shape[0]
+    rows = tokens.shape[0]
     if rows % m:
         raise ConfigError(
             f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
             f"pipeline.microbatches ({m})"
         )
     mesh, place = active()
-    shape = (rows // m, *x.shape[1:])
-    check_divisible("pipeline microbatch", shape, x_axes, spec(place, x_axes), mesh)
+    check_divisible("pipeline microbatch", (rows // m, tokens.shape[1]), TOKENS, spec(place, TOKENS), mesh)
 
 
-def apply(
-    blocks: nnx.Module, x: jax.Array, positions: jax.Array, x_axes: Axes, policy: Callable | None = None
-) -> jax.Array:
-    """Run the stacked ``blocks`` on ``x`` [batch, length, embed] as a pipeline over ``stage``.
+def _put(buf: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
+    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1)."""
+    i = jnp.maximum(slot, 0)
+    return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, x, buf[i]), i, 0)
 
-    ``x_axes`` are the logical axes of ``x`` (and of each microbatch); ``policy`` is the
-    per-layer remat policy inside a stage.
+
+def objective(
+    model: Any, batch: dict[str, jax.Array], head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The training objective of a pipelined :class:`~jaxscale.models.llama.Llama` on ``batch`` and its metrics.
+
+    Mean cross-entropy plus the weighted MoE auxiliary losses (as the trainer's objective).
+    ``head_loss(model, y, targets)`` is the mean loss of the stack's output ``y`` on one microbatch
+    (final norm, head, cross-entropy), run on the last stage. Differentiable in the model's parameters.
     """
     mesh, place = active()
-    rules = place.rules
     config = _CONFIG.get() or PipelineConfig()
-    p = mesh.shape[AXIS]
-    m, v = config.microbatches or p, config.repeats
-    graphdef, state = nnx.split(blocks)
-    params = nnx.to_pure_dict(state)
+    p, v, c = place.stages, config.repeats, model.config
+    m = config.microbatches or p
+    train, evaluate = table(config, p), table(config, p, train=False)
+    graphdef, blocks_state, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
+    block_graph, block_state = nnx.split(model.blocks)
+    params = nnx.to_pure_dict(block_state)
     axes = nnx.to_pure_dict(
-        jax.tree.map(lambda a: a.get_metadata()["out_sharding"], state, is_leaf=lambda a: isinstance(a, nnx.Variable))
+        jax.tree.map(
+            lambda a: a.get_metadata()["out_sharding"], block_state, is_leaf=lambda a: isinstance(a, nnx.Variable)
+        )
     )
     layers = jax.tree.leaves(params)[0].shape[0]
-    _check(p, m, v, layers, x, x_axes)
+    tokens = batch["inputs"]
+    _check(p, m, v, layers, tokens)
+    rules = place.rules
 
-    def by_repeat(w: jax.Array, w_axes: Axes) -> jax.Array:
-        # [layers, ...] -> [repeats, layers / repeats, ...]: stage s holds groups r*p + s of every repeat r.
-        spec = PartitionSpec(None, *rules.spec(w_axes))
-        return lax.with_sharding_constraint(w.reshape(v, layers // v, *w.shape[1:]), NamedSharding(mesh, spec))
+    def by_repeat(w: jax.Array, w_axes: tuple) -> jax.Array:
+        # [layers, ...] -> [repeats, layers / repeats, ...]: stage s holds groups c*p + s of every chunk c.
+        spec_ = PartitionSpec(None, *rules.spec(w_axes))
+        return lax.with_sharding_constraint(w.reshape(v, layers // v, *w.shape[1:]), NamedSharding(mesh, spec_))
 
     params = jax.tree.map(by_repeat, params, axes, is_leaf=lambda a: isinstance(a, jax.Array))
-    # Data-parallel axes that shard no block parameter are manual too (a prefix of the batch's axes):
-    # the loop then sums each parameter's gradient over ticks on every device and reduces it over
-    # them once, after the loop, where the partitioner would all-reduce it at every tick.
-    sharding_params = {a for w_axes in jax.tree.leaves(axes, is_leaf=is_axes) for a in spec_axes(rules.spec(w_axes))}
-    data = tuple(itertools.takewhile(lambda a: a not in sharding_params, spec_axes(rules.spec(x_axes)[0])))
-    manual = {AXIS, *data}
+    # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
+    # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
+    # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
+    sharding = {a for w_axes in jax.tree.leaves(axes, is_leaf=is_axes) for a in spec_axes(rules.spec(w_axes))}
+    batch_axes = spec_axes(rules.spec(TOKENS)[0])
+    data = () if c.moe else tuple(itertools.takewhile(lambda a: a not in sharding, batch_axes))
+    manual = (AXIS, *data)
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
-    rows = x.shape[0] // m
-    # Row r of microbatch i is row r * m + i: each device keeps its own rows.
-    micro_x = constrain(x.reshape(rows, m, *x.shape[1:]).swapaxes(0, 1), (None, *x_axes))
-    micro_pos = positions.reshape(rows, m, *positions.shape[1:]).swapaxes(0, 1)
-    perm = [(i, (i + 1) % p) for i in range(p)] if v > 1 else [(i, i + 1) for i in range(p - 1)]
+    steps = layers  # stacked units: blocks, or groups of blocks with one MoE layer each
+    tokens_total = tokens.size
 
-    def group(params: Any, repeat: jax.Array, h: jax.Array, pos: jax.Array) -> jax.Array:
-        """One stage's layer group of ``repeat``: a scan over its layers."""
+    def split(x: jax.Array) -> jax.Array:
+        # Row r of microbatch i is row r * m + i: each device keeps its own rows.
+        return constrain(x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), (None, *TOKENS))
 
-        def layer(h: jax.Array, layer_params: Any) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, layer_params)(h, pos)[0], None  # dense blocks: no auxiliary metrics
+    micro = {k: split(batch[k]) for k in ("inputs", "positions", "targets")}
+    outer = nnx.to_pure_dict(rest)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
+    dtype = jnp.dtype(c.dtype)
 
-        if policy is not None:
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        local = jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, repeat, keepdims=False), params)
-        return lax.scan(layer, h, local)[0]
+    def head_model(outer: Any) -> Any:
+        state = jax.tree.map(lambda a: a, rest)
+        nnx.replace_by_pure_dict(state, outer)
+        return nnx.merge(graphdef, shapes, state)
 
-    if config.remat:
-        group = jax.checkpoint(group, prevent_cse=False)
+    def chunk_forward(pc: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """One chunk of layers: output, its share of the aux objective, its summed MoE metrics."""
 
-    def run(params: Any, xs: jax.Array, pos: jax.Array) -> jax.Array:
-        # Inside, activations are constrained over the axes left to the partitioner only.
+        def layer(h: jax.Array, lp: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+            return nnx.merge(block_graph, lp)(h, pos)
+
+        y, aux = lax.scan(layer, h, pc)
+        metrics = {k: jnp.sum(a).astype(jnp.float32) for k, a in aux.items()}
+        return y, moe.aux_objective(metrics, c) / (steps * m), metrics
+
+    def loss_of(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
+        return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
+
+    def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         with use_rules(jax.sharding.get_abstract_mesh(), inner):
-            return _loop(lax.pcast(params, data, to="varying") if data else params, xs, pos)
+            return _loop(outer, params, xs, step)
 
-    def _loop(params: Any, xs: jax.Array, pos: jax.Array) -> jax.Array:
+    def _loop(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         stage = lax.axis_index(AXIS)
-        init = lax.pcast((jnp.zeros_like(xs[0]), xs, jnp.zeros_like(xs)), AXIS, to="varying")
+        rows, length = xs["inputs"].shape[1:]
+        h0 = jnp.zeros((rows, length, c.embed), dtype)
+        zero_metrics = {k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}
 
-        def tick(carry: tuple[jax.Array, jax.Array, jax.Array], t: jax.Array) -> tuple[tuple, None]:
-            state, inputs, out = carry
-            busy, repeat, micro = work(t, stage, m, v)
-            repeat = jnp.clip(repeat, 0, v - 1)
-            h = jnp.where(stage == 0, inputs[micro], state)
-            y = group(params, repeat, h, pos[micro])
-            last = busy & (stage == p - 1) & (repeat == v - 1)
-            out = out.at[micro].set(jnp.where(last, y, out[micro]))
-            received = lax.ppermute(y, AXIS, perm)
-            if v > 1:
-                # Stage 0 keeps what comes round the ring until the microbatch's next repeat starts.
-                busy_last, repeat_last, micro_last = work(t, p - 1, m, v)
-                keep = (stage == 0) & busy_last & (repeat_last < v - 1)
-                inputs = inputs.at[micro_last].set(jnp.where(keep, received, inputs[micro_last]))
-            return (received, inputs, out), None
+        def take(pc_all: Any, chunk_: jax.Array) -> Any:
+            return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, chunk_, keepdims=False), pc_all)
 
-        (_, _, out), _ = lax.scan(tick, init, jnp.arange(ticks(p, m, v)))
-        return lax.psum(jnp.where(stage == p - 1, out, 0), AXIS)
+        def embed(outer: Any, i: jax.Array) -> jax.Array:
+            return head_model(outer).embed(xs["inputs"][i])
+
+        def forward_slot(kind, i, ch, src, acts):
+            pc, pos = take(params, ch), xs["positions"][i]
+
+            def idle() -> tuple:
+                return h0, jnp.zeros((), jnp.float32), zero_metrics
+
+            def first() -> tuple:
+                return chunk_forward(pc, embed(outer, i), pos)
+
+            def middle() -> tuple:
+                return chunk_forward(pc, acts[src], pos)
+
+            def last() -> tuple:
+                y, obj, met = chunk_forward(pc, acts[src], pos)
+                return h0, loss_of(outer, y, xs["targets"][i]) + obj, met
+
+            return lax.switch(kind, (idle, first, middle, last))
+
+        def backward_slot(kind, i, ch, src, grad, acts, grads, acc, acc_outer):
+            pc, pos, targets = take(params, ch), xs["positions"][i], xs["targets"][i]
+
+            def add(acc: Any, d: Any) -> Any:
+                return jax.tree.map(
+                    lambda a, g: lax.dynamic_update_index_in_dim(a, a[ch] + g.astype(a.dtype), ch, 0), acc, d
+                )
+
+            def plus(a: Any, d: Any) -> Any:
+                return jax.tree.map(lambda x, g: x + g.astype(x.dtype), a, d)
+
+            def idle() -> tuple:
+                return acc, acc_outer, jnp.zeros((), jnp.float32), zero_metrics, h0
+
+            def first() -> tuple:
+                (_, obj, met), pull = jax.vjp(lambda pc, o: chunk_forward(pc, embed(o, i), pos), pc, outer)
+                d_pc, d_outer = pull((grads[grad], jnp.ones_like(obj), jax.tree.map(jnp.zeros_like, met)))
+                return add(acc, d_pc), plus(acc_outer, d_outer), obj, met, h0
+
+            def middle() -> tuple:
+                (_, obj, met), pull = jax.vjp(lambda pc, h: chunk_forward(pc, h, pos), pc, acts[src])
+                d_pc, dh = pull((grads[grad], jnp.ones_like(obj), jax.tree.map(jnp.zeros_like, met)))
+                return add(acc, d_pc), acc_outer, obj, met, dh
+
+            def last() -> tuple:
+                def f(pc: Any, o: Any, h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    y, obj, met = chunk_forward(pc, h, pos)
+                    return loss_of(o, y, targets) + obj, met
+
+                (loss, met), pull = jax.vjp(f, pc, outer, acts[src])
+                d_pc, d_outer, dh = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, met)))
+                return add(acc, d_pc), plus(acc_outer, d_outer), loss, met, dh
+
+            return lax.switch(kind, (idle, first, middle, last))
+
+        fwd_perm = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
+        bwd_perm = [(b, a) for a, b in fwd_perm]
+
+        def tick(carry: tuple, col: dict[str, jax.Array]) -> tuple[tuple, None]:
+            acts, grads, acc, acc_outer, loss, metrics = carry
+            mine = {k: col[k][stage] for k in col}
+            y, f_loss, f_met = forward_slot(mine["f_kind"], mine["f_micro"], mine["f_chunk"], mine["f_src"], acts)
+            if step.train:
+                acc, acc_outer, b_loss, b_met, dh = backward_slot(
+                    mine["b_kind"], mine["b_micro"], mine["b_chunk"], mine["b_src"], mine["b_grad"],
+                    acts, grads, acc, acc_outer,
+                )
+                grads = _put(grads, mine["recv_b"], lax.ppermute(dh, AXIS, bwd_perm))
+                loss, metrics = loss + b_loss, jax.tree.map(jnp.add, metrics, b_met)
+            else:
+                loss, metrics = loss + f_loss, jax.tree.map(jnp.add, metrics, f_met)
+            acts = _put(acts, mine["recv_f"], lax.ppermute(y, AXIS, fwd_perm))
+            return (acts, grads, acc, acc_outer, loss, metrics), None
+
+        f32 = jnp.float32
+        acc = jax.tree.map(lambda w: jnp.zeros(w.shape, f32), params) if step.train else {}
+        acc_outer = jax.tree.map(lambda w: jnp.zeros(w.shape, f32), outer) if step.train else {}
+        acts = jnp.zeros((step.act_slots, *h0.shape), dtype)
+        grads = jnp.zeros((step.grad_slots if step.train else 1, *h0.shape), dtype)
+        init = (acts, grads, acc, acc_outer, jnp.zeros((), f32), zero_metrics)
+        cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}
+        (_, _, acc, acc_outer, loss, metrics), _ = lax.scan(tick, init, cols)
+        metrics = jax.tree.map(lambda a: a / (steps * m), metrics)
+        if data:
+            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), data)
+            metrics = jax.tree.map(lambda a: lax.psum(a, data) / place.size(data), metrics)
+        acc_outer, loss, metrics = lax.psum((acc_outer, loss, metrics), AXIS)
+        return (loss, metrics, acc, acc_outer) if step.train else (loss, metrics)
 
     param_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
-    batch = PartitionSpec(None, data or None)
-    out = jax.shard_map(
-        run, mesh=mesh, in_specs=(param_specs, batch, batch), out_specs=batch, axis_names=manual
-    )(params, micro_x, micro_pos)
-    out = out.swapaxes(0, 1).reshape(x.shape)
-    return constrain(out, x_axes)
+    batch_spec = PartitionSpec(None, data or None)
+    xs_specs = dict.fromkeys(micro, batch_spec)
+
+    def run(step: Table, outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[Any, ...]:
+        return jax.shard_map(
+            lambda o, w, x: body(o, w, x, step), mesh=mesh,
+            in_specs=(PartitionSpec(), param_specs, xs_specs),
+            out_specs=(PartitionSpec(), PartitionSpec(), param_specs, PartitionSpec())[: 4 if step.train else 2],
+            axis_names=set(manual), check_vma=False,
+        )(outer, params, xs)
+
+    @jax.custom_vjp
+    def pipelined(outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return run(evaluate, outer, params, xs)
+
+    def pipelined_fwd(outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
+        loss, metrics, d_params, d_outer = run(train, outer, params, xs)
+        return (loss, metrics), (d_outer, d_params)
+
+    dtypes = jax.tree.map(lambda w: w.dtype, (outer, params))
+
+    def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
+        g = cotangents[0]
+        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), res, dtypes), None)
+
+    pipelined.defvjp(pipelined_fwd, pipelined_bwd)
+    loss, metrics = pipelined(outer, params, micro)
+    return loss, jax.tree.map(lax.stop_gradient, metrics)
+

@@ -1,0 +1,259 @@
+"""Pipeline schedules as data: which forward and backward each stage runs at each tick, and where messages wait.
+
+A schedule is first an *order*: for each stage, the list of operations it runs, ``F(i, c)`` (the
+forward of microbatch i through its chunk c of layers) and ``B(i, c)`` (that chunk's backward).
+With p stages and v chunks per stage (``pipeline.repeats``) there are v·p *virtual stages*;
+chunk c of stage s is virtual stage g = c·p + s, so a microbatch goes round the ring of stages v
+times (layers are grouped in that order, :mod:`jaxscale.parallel.pipeline`). The orders:
+
+* ``gpipe`` (v = 1) and ``circular`` (v ≥ 2): every forward (microbatch by microbatch, one round of
+  the ring after another), then every backward in the reverse order: what autodiff of a forward
+  loop runs. A stage holds the inputs of all v·m of its forwards until their backwards.
+* ``1f1b`` (v = 1): stage s runs p − s − 1 forwards (warm-up), then alternates one forward and one
+  backward, then finishes the backwards: at most p − s microbatches are in flight on stage s.
+* ``interleaved_1f1b`` (v ≥ 2, Megatron-LM's): microbatches in groups of p go through chunk 0,
+  then chunk 1, ...; stage s warms up with 2·(p − s − 1) + (v − 1)·p forwards, then alternates.
+
+:func:`build` then runs the orders in lock-step *ticks*, the unit of the SPMD loop: each tick a
+stage runs at most one forward and then at most one backward, each as soon as its input is there
+(sent by a neighbour in an earlier tick; a backward may follow its own forward in the same tick),
+and never out of the stage's order. Messages sent in tick t (the forward's output to the next
+virtual stage, the backward's input gradient to the previous one) are written into a *slot* of
+the receiver's buffer at the end of tick t and freed when read for the last time; slots are
+reused greedily, so the buffers are as small as the schedule allows: the ``1f1b`` stash stays at
+about p stage inputs whatever m, where ``gpipe`` keeps m.
+
+The backward of the last virtual stage also runs its forward, the output head and the loss (the
+stage is recomputed from its input there anyway), so that stage's forward slot only keeps its input:
+the head runs once per microbatch, on the last stage only, and its logits never outlive the tick.
+
+Everything here is NumPy: the tables are built while the step is traced, and the planner and the
+benchmark count ticks, bubble and stash from them without jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import numpy as np
+
+Kind = Literal["F", "B"]
+SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
+INTERLEAVED = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
+
+# Branches of a slot (the index of ``lax.switch`` in the loop).
+IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One operation of a stage: forward or backward of ``micro`` through the stage's chunk ``chunk``."""
+
+    kind: Kind
+    micro: int
+    chunk: int
+
+
+def _interleaved_item(k: int, p: int, v: int, backward: bool) -> tuple[int, int]:
+    """Megatron's k-th forward (or backward) of a stage: (microbatch, chunk), microbatches in groups of p."""
+    chunk = (k // p) % v
+    return (k // (p * v)) * p + k % p, v - 1 - chunk if backward else chunk
+
+
+def order(schedule: str, p: int, m: int, v: int, stage: int) -> list[Op]:
+    """The operations of ``stage`` in the order it runs them."""
+    if schedule in ("gpipe", "circular"):
+        forwards = [Op("F", i, c) for c in range(v) for i in range(m)]
+        return forwards + [Op("B", op.micro, op.chunk) for op in reversed(forwards)]
+    if schedule == "1f1b":
+        f = [Op("F", i, 0) for i in range(m)]
+        b = [Op("B", i, 0) for i in range(m)]
+        warm = min(2 * (p - stage - 1), m)
+    elif schedule == "interleaved_1f1b":
+        f = [Op("F", *_interleaved_item(k, p, v, False)) for k in range(m * v)]
+        b = [Op("B", *_interleaved_item(k, p, v, True)) for k in range(m * v)]
+        warm = min(2 * (p - stage - 1) + (v - 1) * p + 0, m * v)
+    else:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
+    steady = [op for pair in zip(f[warm:], b, strict=False) for op in pair]
+    return f[:warm] + steady + b[len(f) - warm :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """The loop's program, one row per tick and one column per stage (``-1``: nothing).
+
+    ``f_kind``/``b_kind``: the branch of the forward/backward slot (IDLE, FIRST: from the tokens,
+    MIDDLE, LAST: with head and loss); ``*_micro``, ``*_chunk``: what it works on; ``f_src``,
+    ``b_src``: the activation slot holding its input (the first virtual stage reads the tokens);
+    ``b_grad``: the gradient slot holding its output's gradient (the last virtual stage takes the
+    loss's); ``recv_f``/``recv_b``: the slot where the message arriving at the end of the tick goes.
+    """
+
+    p: int
+    m: int
+    v: int
+    schedule: str
+    train: bool
+    f_kind: np.ndarray
+    f_micro: np.ndarray
+    f_chunk: np.ndarray
+    f_src: np.ndarray
+    b_kind: np.ndarray
+    b_micro: np.ndarray
+    b_chunk: np.ndarray
+    b_src: np.ndarray
+    b_grad: np.ndarray
+    recv_f: np.ndarray
+    recv_b: np.ndarray
+    act_slots: int
+    grad_slots: int
+
+    @property
+    def ticks(self) -> int:
+        return self.f_kind.shape[0]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-tick columns the loop scans over, int32."""
+        names = ("f_kind", "f_micro", "f_chunk", "f_src", "b_kind", "b_micro", "b_chunk", "b_src", "b_grad",
+                 "recv_f", "recv_b")
+        return {n: getattr(self, n).astype(np.int32) for n in names}
+
+    def cost(self, forward: float = 1.0, backward: float = 3.0) -> float:
+        """Step time in forward-chunk units: each tick lasts as long as its busiest stage's slots.
+
+        A backward costs ``backward`` (default 3: the stage recomputed from its input, then the
+        backward's two matmuls per forward matmul); the last virtual stage's forward slot is free.
+        """
+        busy = forward * (self.f_kind > IDLE) + backward * (self.b_kind > IDLE)
+        return float(busy.max(axis=1).sum())
+
+    def bubble(self, forward: float = 1.0, backward: float = 3.0) -> float:
+        """Idle fraction of the stages over the step, counted from the table with :meth:`cost`."""
+        busy = forward * (self.f_kind > IDLE) + backward * (self.b_kind > IDLE)
+        return 1.0 - float(busy.sum()) / (self.p * self.cost(forward, backward))
+
+    def stash(self) -> int:
+        """Stage inputs a stage holds at most at once (activation slots): what the schedule keeps alive."""
+        return self.act_slots
+
+
+def formula_bubble(p: int, m: int, v: int) -> float:
+    """The playbook's idle fraction, (p − 1) / (v·m + p − 1), for every schedule here."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def check(schedule: str, p: int, m: int, v: int) -> None:
+    """Raise ValueError if ``schedule`` cannot run p stages, m microbatches, v chunks per stage."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
+    if (v > 1) != (schedule in INTERLEAVED):
+        need = "pipeline.repeats >= 2" if schedule in INTERLEAVED else "pipeline.repeats = 1"
+        raise ValueError(f"pipeline.schedule={schedule} needs {need}, got {v}")
+    if m < p:
+        raise ValueError(f"pipeline.microbatches ({m}) is fewer than the {p} pipeline stages (mesh.stage)")
+    if schedule == "interleaved_1f1b" and m % p:
+        raise ValueError(
+            f"pipeline.schedule=interleaved_1f1b sends microbatches in groups of mesh.stage ({p}): "
+            f"pipeline.microbatches ({m}) must be a multiple of it"
+        )
+
+
+class _Slots:
+    """Greedy slot allocation: a slot is free again from the tick its last reader runs."""
+
+    def __init__(self) -> None:
+        self.free_from: list[int] = []
+
+    def take(self, written: int, last_read: int) -> int:
+        for slot, free in enumerate(self.free_from):
+            if free <= written:
+                self.free_from[slot] = last_read
+                return slot
+        self.free_from.append(last_read)
+        return len(self.free_from) - 1
+
+
+def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
+    """The lock-step table of ``schedule``; ``train=False`` runs the forwards only, the loss in the last one."""
+    check(schedule, p, m, v)
+    last = v * p - 1
+    orders = [order(schedule, p, m, v, s) for s in range(p)]
+    if not train:
+        orders = [[op for op in ops if op.kind == "F"] for ops in orders]
+    done: dict[tuple[str, int, int], int] = {}  # (kind, micro, virtual stage) -> tick
+    at: list[list[list[Op]]] = []
+    position = [0] * p
+    while any(position[s] < len(orders[s]) for s in range(p)):
+        t = len(at)
+        if t > 4 * (v * m + p) + 8:
+            raise RuntimeError(f"schedule {schedule} deadlocks at p={p} m={m} v={v}")
+        row: list[list[Op]] = [[] for _ in range(p)]
+        for s in range(p):
+            kinds: set[str] = set()
+            while position[s] < len(orders[s]):
+                op = orders[s][position[s]]
+                g = op.chunk * p + s
+                if op.kind in kinds:
+                    break
+                if op.kind == "F":
+                    ready = g == 0 or done.get(("F", op.micro, g - 1), t) < t
+                else:
+                    ready = done.get(("F", op.micro, g), t + 1) <= t and (
+                        g == last or done.get(("B", op.micro, g + 1), t) < t
+                    )
+                if not ready:
+                    break
+                row[s].append(op)
+                kinds.add(op.kind)
+                position[s] += 1
+            for op in row[s]:
+                done[op.kind, op.micro, op.chunk * p + s] = t
+        at.append(row)
+    return _table(schedule, p, m, v, train, at, done)
+
+
+def _table(
+    schedule: str, p: int, m: int, v: int, train: bool, at: list[list[list[Op]]], done: dict[tuple[str, int, int], int]
+) -> Table:
+    ticks, last = len(at), v * p - 1
+    cols = {n: np.full((ticks, p), -1) for n in ("f_micro", "f_chunk", "f_src", "b_micro", "b_chunk", "b_src",
+                                                 "b_grad", "recv_f", "recv_b")}
+    f_kind, b_kind = np.zeros((ticks, p), int), np.zeros((ticks, p), int)
+    acts, grads = [_Slots() for _ in range(p)], [_Slots() for _ in range(p)]
+    act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its input on its stage
+    # Activation slots: written when the previous virtual stage's forward runs, read by the forward
+    # and (training) by the backward, which recomputes the stage from it.
+    inputs = [(done["F", micro, g - 1], done["B" if train else "F", micro, g], micro, g)
+              for (kind, micro, g) in done if kind == "F" and g > 0]
+    act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its input on its stage
+    for written, reader, micro, g in sorted(inputs):
+        act_slot[micro, g] = acts[g % p].take(written, reader)
+        cols["recv_f"][written, g % p] = act_slot[micro, g]
+    # Gradient slots: written by the next virtual stage's backward, read by this one's.
+    outputs = [(done["B", micro, g + 1], done["B", micro, g], micro, g)
+               for (kind, micro, g) in done if kind == "B" and g < last]
+    grad_slot: dict[tuple[int, int], int] = {}
+    for written, reader, micro, g in sorted(outputs):
+        grad_slot[micro, g] = grads[g % p].take(written, reader)
+        cols["recv_b"][written, g % p] = grad_slot[micro, g]
+    for t, row in enumerate(at):
+        for s, ops in enumerate(row):
+            for op in ops:
+                g = op.chunk * p + s
+                branch = FIRST if g == 0 else LAST if g == last else MIDDLE
+                if op.kind == "F":
+                    # Training: the last virtual stage's forward only keeps its input (its backward runs it).
+                    f_kind[t, s] = IDLE if (train and branch == LAST) else branch
+                    cols["f_micro"][t, s], cols["f_chunk"][t, s] = op.micro, op.chunk
+                    cols["f_src"][t, s] = act_slot.get((op.micro, g), -1)
+                else:
+                    b_kind[t, s] = branch
+                    cols["b_micro"][t, s], cols["b_chunk"][t, s] = op.micro, op.chunk
+                    cols["b_src"][t, s] = act_slot.get((op.micro, g), -1)
+                    cols["b_grad"][t, s] = grad_slot.get((op.micro, g), -1)
+    return Table(
+        p, m, v, schedule, train, f_kind=f_kind, b_kind=b_kind, **cols,
+        act_slots=max(1, *(len(a.free_from) for a in acts)), grad_slots=max(1, *(len(g.free_from) for g in grads)),
+    )
