@@ -48,7 +48,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
@@ -154,9 +153,14 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of ``logits`` [batch, length, vocab] against ``targets``, in fp32."""
+    """Mean next-token cross-entropy of ``logits`` [batch, length, vocab] against ``targets``, in fp32.
+
+    The target logit is picked by comparison with an iota, not gathered: its gradient is then a
+    select, not a scatter (XLA cannot partition a scatter inside a pipeline's partly manual region).
+    """
     logits = logits.astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    picked = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
 def head_cross_entropy(model: Any, x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:

@@ -60,7 +60,7 @@ from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.parallel import schedules
-from jaxscale.parallel.schedules import Table
+from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
 
 AXIS = "stage"
@@ -112,6 +112,16 @@ def _put(buf: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
     return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, x, buf[i]), i, 0)
 
 
+def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """``tree`` typed as varying over ``axes`` (each device's own values: no sum is inserted in autodiff)."""
+
+    def cast(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
 def objective(
     model: Any, batch: dict[str, jax.Array], head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -153,6 +163,13 @@ def objective(
     data = () if c.moe else tuple(itertools.takewhile(lambda a: a not in sharding, batch_axes))
     manual = (AXIS, *data)
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
+    # A slot that has nothing to do is skipped by a conditional when no mesh axis is left to the
+    # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
+    # SPMD partitioner cannot split the collectives of a conditional whose branch differs between
+    # stages (a check fails in spmd_partitioner_util; on CPU a collective-permute in a branch waits
+    # for every device). The head's conditional holds no such collective: its weights are gathered
+    # over the stage's axes before the loop.
+    skip = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in manual)
     steps = layers  # stacked units: blocks, or groups of blocks with one MoE layer each
     tokens_total = tokens.size
 
@@ -162,6 +179,9 @@ def objective(
 
     micro = {k: split(batch[k]) for k in ("inputs", "positions", "targets")}
     outer = nnx.to_pure_dict(rest)
+    outer_axes = nnx.to_pure_dict(
+        jax.tree.map(lambda a: a.get_metadata()["out_sharding"], rest, is_leaf=lambda a: isinstance(a, nnx.Variable))
+    )
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
     dtype = jnp.dtype(c.dtype)
 
@@ -178,79 +198,106 @@ def objective(
 
         y, aux = lax.scan(layer, h, pc)
         metrics = {k: jnp.sum(a).astype(jnp.float32) for k, a in aux.items()}
-        return y, moe.aux_objective(metrics, c) / (steps * m), metrics
+        return _vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
 
     def loss_of(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         with use_rules(jax.sharding.get_abstract_mesh(), inner):
-            return _loop(outer, params, xs, step)
+            # Embedding and head gathered over the stage's axes once, before the loop (see ``skip``).
+            outer = jax.tree.map(
+                lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
+                is_leaf=lambda x: isinstance(x, jax.Array),
+            )
+            return _loop(*_vary((outer, params, xs), manual), step)
 
     def _loop(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         stage = lax.axis_index(AXIS)
         rows, length = xs["inputs"].shape[1:]
-        h0 = jnp.zeros((rows, length, c.embed), dtype)
-        zero_metrics = {k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}
+        h0 = _vary(jnp.zeros((rows, length, c.embed), dtype), manual)
+        zero_metrics = _vary({k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}, manual)
 
         def take(pc_all: Any, chunk_: jax.Array) -> Any:
             return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, chunk_, keepdims=False), pc_all)
 
-        def embed(outer: Any, i: jax.Array) -> jax.Array:
-            return head_model(outer).embed(xs["inputs"][i])
+        def when(pred: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
+            """``f()`` where ``pred``, else ``zeros``: skipped by a conditional, or computed and masked."""
+            if skip:
+                return lax.cond(pred, lambda: _vary(f(), manual), lambda: _vary(zeros, manual))
+            return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
 
-        def forward_slot(kind, i, ch, src, acts):
+        def stage_input(first: jax.Array, i: jax.Array, src: jax.Array, acts: jax.Array) -> jax.Array:
+            """The tokens' embedding on the first virtual stage, else the stashed activation."""
+            return when(first, lambda: head_model(outer).embed(xs["inputs"][i]), acts[src])
+
+        def head(last: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
+            """``f()`` on the stage where ``last`` holds (the head on the last virtual stage, the embedding's
+            gradient on the first). With partitioner axes inside a stage the conditional must be the same on
+            every stage: ``f`` then runs on every stage in the ticks where one stage needs it (``anywhere``),
+            masked elsewhere."""
+            if skip:
+                return lax.cond(last, lambda: _vary(f(), manual), lambda: _vary(zeros, manual))
+            return lax.cond(
+                anywhere, lambda: _vary(when(last, f, zeros), manual), lambda: _vary(zeros, manual)
+            )
+
+        def head_grad(
+            last: jax.Array, anywhere: jax.Array, y: jax.Array, targets: jax.Array
+        ) -> tuple[jax.Array, jax.Array, Any]:
+            """Loss, its gradient in ``y`` and in the head's parameters, on the last virtual stage."""
+
+            def run() -> tuple[jax.Array, jax.Array, Any]:
+                loss, pull = jax.vjp(lambda o, y: loss_of(o, y, targets), outer, y)
+                d_outer, dy = pull(jnp.ones_like(loss))
+                return loss, dy, d_outer
+
+            zeros = (jnp.zeros((), jnp.float32), jnp.zeros_like(y), jax.tree.map(jnp.zeros_like, outer))
+            return head(last, anywhere, run, zeros)
+
+        def embedding_grad(i: jax.Array, dh: jax.Array) -> jax.Array:
+            """The table's gradient from the first virtual stage's input gradient: one-hot(tokens)ᵀ · dh.
+
+            A matmul, not the scatter-add that autodiff of the lookup gives: XLA's partitioner cannot
+            split a scatter into a sharded operand inside a partly manual ``shard_map``."""
+            hot = jax.nn.one_hot(xs["inputs"][i], c.vocab_size, dtype=dh.dtype)
+            return jnp.einsum("bsv,bse->ve", hot, dh, preferred_element_type=jnp.float32)
+
+        def forward_slot(
+            kind: jax.Array, anywhere: jax.Array, i: jax.Array, ch: jax.Array, src: jax.Array, acts: jax.Array
+        ) -> tuple:
             pc, pos = take(params, ch), xs["positions"][i]
 
-            def idle() -> tuple:
-                return h0, jnp.zeros((), jnp.float32), zero_metrics
+            def run() -> tuple:
+                y, obj, met = chunk_forward(pc, stage_input(kind == FIRST, i, src, acts), pos)
+                if not step.train:  # evaluation: the loss on the last virtual stage
+                    loss = head(
+                        kind == LAST, anywhere, lambda: loss_of(outer, y, xs["targets"][i]), jnp.zeros((), jnp.float32)
+                    )
+                    obj = obj + loss
+                return y, obj, met
 
-            def first() -> tuple:
-                return chunk_forward(pc, embed(outer, i), pos)
+            return when(kind > IDLE, run, (h0, jnp.zeros((), jnp.float32), zero_metrics))
 
-            def middle() -> tuple:
-                return chunk_forward(pc, acts[src], pos)
+        def backward_slot(
+            kind: jax.Array, anywhere: jax.Array, i: jax.Array, ch: jax.Array, src: jax.Array, grad: jax.Array,
+            acts: jax.Array, grads: jax.Array,
+        ) -> tuple:
+            pc, pos, on = take(params, ch), xs["positions"][i], kind > IDLE
 
-            def last() -> tuple:
-                y, obj, met = chunk_forward(pc, acts[src], pos)
-                return h0, loss_of(outer, y, xs["targets"][i]) + obj, met
+            def run() -> tuple:
+                h = stage_input(kind == FIRST, i, src, acts)
+                (y, obj, met), pull = jax.vjp(lambda pc, h: chunk_forward(pc, h, pos), pc, h)
+                loss, dy_head, d_outer = head_grad(kind == LAST, anywhere, y, xs["targets"][i])
+                dy = jnp.where(on, jnp.where(kind == LAST, dy_head, grads[grad]), 0)
+                d_pc, dh = pull(_vary((dy, on.astype(obj.dtype), jax.tree.map(jnp.zeros_like, met)), manual))
+                return d_pc, d_outer, dh, loss + obj, met
 
-            return lax.switch(kind, (idle, first, middle, last))
-
-        def backward_slot(kind, i, ch, src, grad, acts, grads, acc, acc_outer):
-            pc, pos, targets = take(params, ch), xs["positions"][i], xs["targets"][i]
-
-            def add(acc: Any, d: Any) -> Any:
-                return jax.tree.map(
-                    lambda a, g: lax.dynamic_update_index_in_dim(a, a[ch] + g.astype(a.dtype), ch, 0), acc, d
-                )
-
-            def plus(a: Any, d: Any) -> Any:
-                return jax.tree.map(lambda x, g: x + g.astype(x.dtype), a, d)
-
-            def idle() -> tuple:
-                return acc, acc_outer, jnp.zeros((), jnp.float32), zero_metrics, h0
-
-            def first() -> tuple:
-                (_, obj, met), pull = jax.vjp(lambda pc, o: chunk_forward(pc, embed(o, i), pos), pc, outer)
-                d_pc, d_outer = pull((grads[grad], jnp.ones_like(obj), jax.tree.map(jnp.zeros_like, met)))
-                return add(acc, d_pc), plus(acc_outer, d_outer), obj, met, h0
-
-            def middle() -> tuple:
-                (_, obj, met), pull = jax.vjp(lambda pc, h: chunk_forward(pc, h, pos), pc, acts[src])
-                d_pc, dh = pull((grads[grad], jnp.ones_like(obj), jax.tree.map(jnp.zeros_like, met)))
-                return add(acc, d_pc), acc_outer, obj, met, dh
-
-            def last() -> tuple:
-                def f(pc: Any, o: Any, h: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-                    y, obj, met = chunk_forward(pc, h, pos)
-                    return loss_of(o, y, targets) + obj, met
-
-                (loss, met), pull = jax.vjp(f, pc, outer, acts[src])
-                d_pc, d_outer, dh = pull((jnp.ones_like(loss), jax.tree.map(jnp.zeros_like, met)))
-                return add(acc, d_pc), plus(acc_outer, d_outer), loss, met, dh
-
-            return lax.switch(kind, (idle, first, middle, last))
+            zeros = (
+                jax.tree.map(jnp.zeros_like, pc), jax.tree.map(jnp.zeros_like, outer), h0,
+                jnp.zeros((), jnp.float32), zero_metrics,
+            )
+            return when(on, run, zeros)
 
         fwd_perm = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
         bwd_perm = [(b, a) for a, b in fwd_perm]
@@ -258,11 +305,21 @@ def objective(
         def tick(carry: tuple, col: dict[str, jax.Array]) -> tuple[tuple, None]:
             acts, grads, acc, acc_outer, loss, metrics = carry
             mine = {k: col[k][stage] for k in col}
-            y, f_loss, f_met = forward_slot(mine["f_kind"], mine["f_micro"], mine["f_chunk"], mine["f_src"], acts)
+            y, f_loss, f_met = forward_slot(
+                mine["f_kind"], jnp.any(col["f_kind"] == LAST), mine["f_micro"], mine["f_chunk"], mine["f_src"], acts
+            )
             if step.train:
-                acc, acc_outer, b_loss, b_met, dh = backward_slot(
-                    mine["b_kind"], mine["b_micro"], mine["b_chunk"], mine["b_src"], mine["b_grad"],
-                    acts, grads, acc, acc_outer,
+                kind, i, ch = mine["b_kind"], mine["b_micro"], mine["b_chunk"]
+                d_pc, d_outer, dh, b_loss, b_met = backward_slot(
+                    kind, jnp.any(col["b_kind"] == LAST), i, ch, mine["b_src"], mine["b_grad"], acts, grads
+                )
+                acc = jax.tree.map(
+                    lambda a, g: lax.dynamic_update_index_in_dim(a, a[ch] + g.astype(a.dtype), ch, 0), acc, d_pc
+                )
+                acc_outer = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
+                acc_outer["embedding"] = acc_outer["embedding"] + head(
+                    kind == FIRST, jnp.any(col["b_kind"] == FIRST), lambda: embedding_grad(i, dh),
+                    jnp.zeros_like(acc_outer["embedding"]),
                 )
                 grads = _put(grads, mine["recv_b"], lax.ppermute(dh, AXIS, bwd_perm))
                 loss, metrics = loss + b_loss, jax.tree.map(jnp.add, metrics, b_met)
@@ -276,27 +333,32 @@ def objective(
         acc_outer = jax.tree.map(lambda w: jnp.zeros(w.shape, f32), outer) if step.train else {}
         acts = jnp.zeros((step.act_slots, *h0.shape), dtype)
         grads = jnp.zeros((step.grad_slots if step.train else 1, *h0.shape), dtype)
-        init = (acts, grads, acc, acc_outer, jnp.zeros((), f32), zero_metrics)
+        init = _vary((acts, grads, acc, acc_outer, jnp.zeros((), f32), zero_metrics), manual)
         cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}
         (_, _, acc, acc_outer, loss, metrics), _ = lax.scan(tick, init, cols)
         metrics = jax.tree.map(lambda a: a / (steps * m), metrics)
         if data:
             acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), data)
             metrics = jax.tree.map(lambda a: lax.psum(a, data) / place.size(data), metrics)
-        acc_outer, loss, metrics = lax.psum((acc_outer, loss, metrics), AXIS)
-        return (loss, metrics, acc, acc_outer) if step.train else (loss, metrics)
+        loss, metrics = lax.psum((loss, metrics), AXIS)
+        return (loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)) if step.train else (loss, metrics)
 
     param_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
     batch_spec = PartitionSpec(None, data or None)
     xs_specs = dict.fromkeys(micro, batch_spec)
 
     def run(step: Table, outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[Any, ...]:
-        return jax.shard_map(
+        # The embedding and head enter every stage as its own copy (a leading ``stage`` dimension):
+        # their gradients come out per stage and are summed over ``stage`` outside, once per step.
+        per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (p, *w.shape)), outer)
+        stacked = PartitionSpec(AXIS)
+        out = jax.shard_map(
             lambda o, w, x: body(o, w, x, step), mesh=mesh,
-            in_specs=(PartitionSpec(), param_specs, xs_specs),
-            out_specs=(PartitionSpec(), PartitionSpec(), param_specs, PartitionSpec())[: 4 if step.train else 2],
-            axis_names=set(manual), check_vma=False,
-        )(outer, params, xs)
+            in_specs=(stacked, param_specs, xs_specs),
+            out_specs=(PartitionSpec(), PartitionSpec(), param_specs, stacked)[: 4 if step.train else 2],
+            axis_names=set(manual),
+        )(per_stage, params, xs)
+        return (*out[:3], jax.tree.map(lambda d: jnp.sum(d, axis=0), out[3])) if step.train else out
 
     @jax.custom_vjp
     def pipelined(outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
