@@ -268,18 +268,24 @@ class Layout:
             raise ConfigError(
                 f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
             )
+        # Sequence parallelism, ring attention and shard_map experts are shard_maps of their own; XLA
+        # (Shardy and GSPMD alike) cannot lower them nested in the pipeline's partly manual loop.
+        nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
         if self.sequence_axes:
             raise ConfigError(
-                f"{where}: sequence parallelism (norm_length on {self.sequence_axes}) inside a pipeline stage "
-                "is not supported"
+                f"{where}: sequence parallelism (norm_length on {self.sequence_axes}) inside a pipeline stage {nested}"
             )
         context = self.mesh_axes(("length",))
         if context:
             raise ConfigError(
-                f"{where}: context parallelism (length on {list(context)}) inside a pipeline stage is not supported"
+                f"{where}: context parallelism (length on {list(context)}) inside a pipeline stage {nested}"
             )
-        if config.model.moe is not None:
-            raise ConfigError("pipeline parallelism (layers on stage) cannot carry model.moe's aux losses yet")
+        moe = config.model.moe
+        if moe is not None and moe.impl == "shard_map":
+            raise ConfigError(
+                f"{where}: model.moe.impl=shard_map inside a pipeline stage {nested}; "
+                "model.moe.impl=partitioner runs the experts (and expert parallelism) there"
+            )
 
     def _check_sequence(self, config: Config) -> None:
         where, manual, moe = f"rules '{self.name}'", self.sequence_axes, config.model.moe
