@@ -1,27 +1,29 @@
-"""Pipeline parallelism: the pipelined model equals one device; the schedule it runs; its errors."""
+"""Pipeline parallelism: every schedule equals one device; the tables it runs; memory, head and traffic; errors."""
 
 from __future__ import annotations
 
 import itertools
 
 import jax
+import numpy as np
 import pytest
 import yaml
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR
-from jaxscale.parallel import pipeline
+from jaxscale.parallel import schedules
+from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 from jaxscale.train import Trainer
 
-# Eight layers split over up to 4 stages x 2 repeats; 32 sequences cut into up to 16 microbatches.
+# Eight layers split over up to 4 stages x 2 chunks; 32 sequences cut into up to 16 microbatches.
 BASE = ("train.global_batch=32", "model.layers=8")
 MESHES = {2: {"stage": 2, "data": 4}, 4: {"stage": 4, "data": 2}}
-GRID = [(p, k * p, v) for p in (2, 4) for k in (1, 2, 4) for v in (1, 2)]
+SCHEDULES = {1: ("gpipe", "1f1b"), 2: ("circular", "interleaved_1f1b")}
+GRID = [(s, p, k * p, v) for v in (1, 2) for s in SCHEDULES[v] for p in (2, 4) for k in (1, 2, 4)]
 
 
-def pipe(m: int, v: int) -> list[str]:
-    schedule = "circular" if v > 1 else "gpipe"
+def pipe(schedule: str, m: int, v: int = 1) -> list[str]:
     return [f"pipeline.microbatches={m}", f"pipeline.repeats={v}", f"pipeline.schedule={schedule}"]
 
 
@@ -55,87 +57,188 @@ def placed(trainer: Trainer, batch):
     return jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
 
 
-@pytest.mark.parametrize("p, m, v", GRID)
-def test_pipeline_matches_single_device(p, m, v, reference):
+def close(a: float, b: float) -> bool:
+    return abs(float(a) - float(b)) <= RTOL * abs(float(b))
+
+
+@pytest.mark.parametrize("schedule, p, m, v", GRID)
+def test_pipeline_matches_single_device(schedule, p, m, v, reference):
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(m, v), rules="pp", mesh=MESHES[p]))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), rules="pp", mesh=MESHES[p]))
     params = jax.device_put(initial.params, trainer.param_shardings())
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
-    assert abs(float(loss) - ref_loss) <= RTOL * abs(ref_loss)
+    assert close(loss, ref_loss)
     assert_trees_close(grads, ref_grads)
 
 
-def test_pp_fsdp_tp_training_step_matches_single_device(reference):
-    """Two steps of pp x fsdp x tp (2 x 2 x 2), circular; the step's pipeline moves only each device's rows."""
+def test_evaluation_runs_the_forward_table(reference):
+    """Without a gradient the loop runs the forwards only, the loss in the last stage's forward slot."""
+    initial, batches, ref_loss, *_ = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("interleaved_1f1b", 4, 2), rules="pp", mesh=MESHES[2]))
+    params = jax.device_put(initial.params, trainer.param_shardings())
+    assert close(trainer.jit_eval_loss(params, placed(trainer, batches[0])), ref_loss)
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, reference):
+    """Two steps of pp x fsdp x tp (2 x 2 x 2), masked slots: only messages and per-step sums cross stage."""
     initial, batches, _, _, ref_params, ref_outs = reference
-    mesh = {"stage": 2, "fsdp": 2, "tensor": 2}
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(4, 2), rules="pp_fsdp_tp", mesh=mesh))
+    m = 4
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), rules="pp_fsdp_tp",
+                                        mesh={"stage": 2, "fsdp": 2, "tensor": 2}))
     compiled = xla.compile_step(trainer)
     state = jax.device_put(initial, trainer.state_shardings)
     for batch, ref_out in zip(batches, ref_outs, strict=True):
         state, out = compiled(state, placed(trainer, batch))
         for key in ("loss", "grad_norm"):
-            assert abs(float(out[key]) - ref_out[key]) <= RTOL * abs(ref_out[key]), key
+            assert close(out[key], ref_out[key]), key
     assert_trees_close(state.params, ref_params)
-    specs = jax.tree.map(lambda x: x.sharding.spec, state.params)
-    assert specs == jax.tree.map(lambda s: s.spec, trainer.param_shardings())
-    # The HLO: each tick sends one microbatch shard (8 rows / fsdp 2 = 4 rows, 32 x 64) to the next
-    # stage, forward and backward; no activation is gathered over the data axes (partial-manual gather).
+    # Each tick sends one microbatch shard (8 rows / fsdp 2 = 4 rows, 32 x 64) to each neighbour; every
+    # other collective over stage is a per-step sum of a parameter's gradient or of a scalar.
+    ticks = schedules.build(schedule, 2, m, v).ticks
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
-    loop = [c for c in found if c.loops and c.loops[-1].trips == pipeline.ticks(2, 4, 2)]
-    permutes = [c for c in loop if c.kind == "collective-permute"]
-    assert {(c.axes, c.shapes, c.runs) for c in permutes} == {(("stage",), (("f32", (4, 32, 64)),), 9)}
-    assert sorted(c.phase for c in permutes) == ["backward", "forward"]
-    for c in loop:
-        if c.axes is None or {"data", "fsdp"} & set(c.axes):
-            assert all(shape[-2:] != (32, 64) for _, shape in c.shapes), f"{c.kind} of activations over {c.axes}"
+    over_stage = [c for c in found if c.axes and "stage" in c.axes]
+    permutes = [c for c in over_stage if c.kind == "collective-permute"]
+    assert {(c.shapes, c.runs) for c in permutes} == {((("f32", (4, 32, 64)),), ticks)}
+    assert len(permutes) == 2
+    params = {tuple(np.shape(w)) for w in jax.tree.leaves(initial.params)}
+    for c in over_stage:
+        if c.kind != "collective-permute":
+            assert c.runs == 1 and all(len(s) == 0 or s[-2:] != (32, 64) for _, s in c.shapes), c
+            assert all(len(s) <= 1 or s in params or s[-1] in (256, 64) for _, s in c.shapes), c
 
 
-def test_data_parallel_gradients_are_reduced_once_per_step():
-    """Under pp with data = 4, nothing crosses ``data`` inside the pipeline loop; block gradients cross it once."""
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(4, 1), rules="pp", mesh=MESHES[2]))
-    found = hlo.collectives(xla.compile_step(trainer).as_text(), trainer.mesh)
-    loop = [c for c in found if c.loops and c.loops[-1].trips == pipeline.ticks(2, 4, 1)]
-    assert {c.kind for c in loop} == {"collective-permute"}
-    # wq's gradient on a stage: [repeats 1, 8 layers / 2 stages, embed 64, heads 8, head_dim 8].
-    wq_grad = [c for c in found if c.axes == ("data",) and ("f32", (1, 4, 64, 8, 8)) in c.shapes]
-    assert [(c.kind, c.runs) for c in wq_grad] == [("all-reduce", 1)]
+def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
+    """MoE blocks (partitioner experts, experts over ``expert``) in a 1F1B pipeline equal one device with
+    the same microbatches (the routing statistics are per microbatch), aux losses included."""
+    moe = ("model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner")
+    ref = Trainer.build(tiny_config(*BASE, *moe, "train.microbatches=4"), jax.devices()[:1])
+    state = ref.init_state()
+    batch = jax.device_get(ref.batch(0))
+    ref_loss, ref_grads = ref.loss_and_grads(state.params, ref.batch(0))
+    table = yaml.safe_load((CONFIG_DIR / "rules" / "ep.yaml").read_text())
+    table["rules"]["layers"] = "stage"
+    (tmp_path / "pp_ep.yaml").write_text(yaml.safe_dump(table))
+    mesh = {"stage": 2, "expert": 2, "data": 2}
+    trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("1f1b", 4), rules=str(tmp_path / "pp_ep.yaml"), mesh=mesh))
+    params = jax.device_put(jax.device_get(state.params), trainer.param_shardings())
+    loss, grads = trainer.loss_and_grads(params, placed(trainer, batch))
+    assert close(loss, ref_loss)
+    assert_trees_close(grads, ref_grads)
 
 
-def test_parameters_per_device_fall_as_one_over_p():
-    blocks, opt = {}, {}
-    for p in (1, 2, 4):
-        trainer = Trainer.build(tiny_config(*BASE, *pipe(p, 1), rules="pp", mesh={"stage": p}), jax.devices()[:p])
-        state = trainer.abstract_state()
-        blocks[p] = xla.per_device_bytes(state.params["blocks"])
-        opt[p] = xla.per_device_bytes(state.opt_state)
-    assert blocks[1] == 2 * blocks[2] == 4 * blocks[4]
-    # Adam's two moments of the blocks fall with them; the rest (embedding, head) is replicated.
-    assert opt[1] - opt[2] == 2 * (blocks[1] - blocks[2]) and opt[2] - opt[4] == 2 * (blocks[2] - blocks[4])
+# -- the tables --------------------------------------------------------------------
 
 
-# -- the schedule ------------------------------------------------------------------
+def simulate(table: schedules.Table) -> None:
+    """Run ``table`` symbolically: every slot must hold exactly the message its reader expects."""
+    p, v, last = table.p, table.v, table.v * table.p - 1
+    acts = [dict() for _ in range(p)]
+    grads = [dict() for _ in range(p)]
+    seen = set()
+    for t in range(table.ticks):
+        sent_f, sent_b = [None] * p, [None] * p
+        for s in range(p):
+            kind, i, c, src = table.f_kind[t, s], table.f_micro[t, s], table.f_chunk[t, s], table.f_src[t, s]
+            if i >= 0:  # a forward (the last virtual stage's keeps its input only, while training)
+                g = c * p + s
+                assert (kind == FIRST) == (g == 0) and src == (-1 if g == 0 else src)
+                if g > 0:
+                    assert acts[s][src] == ("act", i, g), (t, s)
+                seen.add(("F", i, g))
+                if g < last:
+                    sent_f[(s + 1) % p] = ("act", i, g + 1)
+            kind, i, c = table.b_kind[t, s], table.b_micro[t, s], table.b_chunk[t, s]
+            if kind != IDLE:
+                g = c * p + s
+                assert ("F", i, g) in seen and (kind == LAST) == (g == last) and (kind == FIRST) == (g == 0)
+                if g > 0:
+                    assert acts[s][table.b_src[t, s]] == ("act", i, g), (t, s)
+                if g < last:
+                    assert grads[s][table.b_grad[t, s]] == ("grad", i, g), (t, s)
+                seen.add(("B", i, g))
+                if g > 0:
+                    sent_b[(s - 1) % p] = ("grad", i, g - 1)
+        for s in range(p):
+            if table.recv_f[t, s] >= 0:
+                acts[s][table.recv_f[t, s]] = sent_f[s]
+            if table.recv_b[t, s] >= 0:
+                grads[s][table.recv_b[t, s]] = sent_b[s]
+    kinds = ("F", "B") if table.train else ("F",)
+    assert seen == {(k, i, g) for k in kinds for i in range(table.m) for g in range(v * p)}
 
 
-@pytest.mark.parametrize("p, m, v", [*GRID, (3, 5, 3), (4, 7, 1)])
-def test_schedule_runs_each_group_once_in_layer_order(p, m, v):
-    table = pipeline.schedule(p, m, v)
-    assert table.shape == (v * m + p - 1, p, 2)
-    busy = table[..., 0] >= 0
-    assert busy.sum(axis=0).tolist() == [v * m] * p
-    assert (1 - busy.mean()) == pytest.approx((p - 1) / (v * m + p - 1))  # docs/formulas.md's bubble
-    when = {}
-    for t, s in itertools.product(range(table.shape[0]), range(p)):
-        if busy[t, s]:
-            repeat, micro = table[t, s]
-            assert (micro, repeat, s) not in when
-            when[micro, repeat, s] = t
-    for micro in range(m):
-        for r in range(v):
-            # Stage to stage within a repeat: the next tick (the ppermute's output is consumed at once) ...
-            assert all(when[micro, r, s] - when[micro, r, s - 1] == 1 for s in range(1, p))
-            # ... and round the ring to the next repeat: later (stage 0 keeps it until then).
-            assert r == 0 or when[micro, r, 0] > when[micro, r - 1, p - 1]
+@pytest.mark.parametrize("schedule, p, m, v", [*GRID, ("1f1b", 3, 7, 1), ("circular", 3, 5, 3),
+                                                ("interleaved_1f1b", 3, 6, 3), ("1f1b", 8, 64, 1)])
+@pytest.mark.parametrize("train", [True, False])
+def test_table_runs_every_operation_once_with_its_inputs(schedule, p, m, v, train):
+    simulate(schedules.build(schedule, p, m, v, train))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_1f1b_keeps_a_bounded_stash_where_gpipe_keeps_every_microbatch(p):
+    for m in (p, 4 * p, 16 * p):
+        assert schedules.build("1f1b", p, m, 1).act_slots <= 2 * p - 1
+        assert schedules.build("gpipe", p, m, 1).act_slots == m
+        assert schedules.build("interleaved_1f1b", p, m, 2).act_slots <= 4 * p
+
+
+@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved_1f1b", 2)])
+def test_counted_bubble_is_near_the_formula(schedule, v):
+    """The step time lost counted from the table (a backward = 3 forwards) against (p − 1)/(v·m + p − 1)."""
+    for p, k in itertools.product((2, 4, 8), (1, 2, 4)):
+        m = k * p
+        counted, formula = schedules.build(schedule, p, m, v).bubble(), schedules.formula_bubble(p, m, v)
+        assert counted <= formula + 1e-9, (p, m, counted, formula)
+
+
+def test_the_head_runs_once_per_microbatch_on_the_last_stage():
+    for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1)):
+        table = schedules.build(schedule, 4, 8, v)
+        assert (table.b_kind == LAST).sum() == 8 and set(np.nonzero(table.b_kind == LAST)[1]) == {3}
+        assert (table.f_kind == LAST).sum() == 0  # training: the forward slot there only keeps the input
+        assert (schedules.build(schedule, 4, 8, v, train=False).f_kind == LAST).sum() == 8
+
+
+# -- memory and the head in the compiled step --------------------------------------------
+
+
+def temp_bytes(schedule: str, p: int, m: int) -> int:
+    """Compiled temporaries per device of a step with m microbatches of 4 sequences (pp x data 4 / p)."""
+    config = tiny_config("model.layers=8", f"train.global_batch={4 * m}", *pipe(schedule, m), rules="pp",
+                         mesh={"stage": p, "data": 8 // p})
+    return xla.memory(xla.compile_step(Trainer.build(config)))["temp"]
+
+
+def test_1f1b_memory_does_not_grow_with_microbatches_where_gpipe_does():
+    """Microbatches of a fixed size: 1F1B's temporaries at m = 16p stay within 10% of m = 4p; GPipe's grow."""
+    p = 2
+    f1b = {m: temp_bytes("1f1b", p, m) for m in (4 * p, 16 * p)}
+    gpipe = {m: temp_bytes("gpipe", p, m) for m in (4 * p, 16 * p)}
+    print(f"temp bytes per device: 1f1b {f1b}, gpipe {gpipe}")
+    assert f1b[16 * p] <= 1.1 * f1b[4 * p]
+    assert gpipe[16 * p] >= 2 * gpipe[4 * p]
+
+
+def head_matmuls(jaxpr) -> int:
+    """dot_generals of the jaxpr (and its sub-jaxprs) that produce [.., vocab] from [.., embed]."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            a, b = (v.aval.shape for v in eqn.invars)
+            out = eqn.outvars[0].aval.shape
+            count += out[-1] == 256 and 64 in (a[-1], b[0])
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            count += head_matmuls(sub)
+    return count
+
+
+def test_the_head_matmul_appears_once_in_the_step():
+    """One forward head matmul in the traced step, in the last stage's conditional (once per microbatch)."""
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), rules="pp", mesh=MESHES[2]))
+    with trainer.scope():
+        jaxpr = jax.make_jaxpr(trainer.loss_and_grads)(trainer.abstract_state().params, trainer.abstract_batch())
+    assert head_matmuls(jaxpr.jaxpr) == 1
 
 
 # -- errors, before anything compiles --------------------------------------------------
@@ -144,7 +247,7 @@ def test_schedule_runs_each_group_once_in_layer_order(p, m, v):
 @pytest.fixture(scope="module")
 def warm():
     """A valid build first, so that optax's eager kernels are compiled before the error tests watch."""
-    Trainer.build(tiny_config(*pipe(2, 1), rules="pp", mesh={"stage": 2, "data": 4}))
+    Trainer.build(tiny_config(*pipe("gpipe", 2), rules="pp", mesh={"stage": 2, "data": 4}))
 
 
 def write_rules(tmp_path, name: str, **changes) -> str:
@@ -161,14 +264,16 @@ def write_rules(tmp_path, name: str, **changes) -> str:
         # Layers that do not split over the stages fail as any parameter that does not split.
         (["model.layers=6"], {"stage": 4, "data": 2}, r"^param blocks\.\S+: dimension 0 \('layers', size 6\) is not "
          r"divisible by mesh axes stage of size 4$"),
-        (["model.layers=4", *pipe(4, 4)], {"stage": 2, "data": 4}, r"^model\.layers \(4\) is not divisible by "
-         r"mesh\.stage \(2\) x pipeline\.repeats \(4\)"),
-        (pipe(3, 1), {"stage": 2, "data": 4}, r"^the batch of 16 sequences \(train\.global_batch / "
+        (["model.layers=4", *pipe("circular", 4, 4)], {"stage": 2, "data": 4}, r"^model\.layers \(4\) is not "
+         r"divisible by mesh\.stage \(2\) x pipeline\.repeats \(4\)"),
+        (pipe("gpipe", 3), {"stage": 2, "data": 4}, r"^the batch of 16 sequences \(train\.global_batch / "
          r"train\.microbatches\) is not divisible by pipeline\.microbatches \(3\)"),
-        (["train.microbatches=2", *pipe(3, 1)], {"stage": 2, "data": 4}, r"^the batch of 8 sequences"),
-        (["model.layers=4", *pipe(2, 1)], {"stage": 4, "data": 2}, r"^pipeline\.microbatches \(2\) is fewer than "
-         r"the 4 pipeline stages \(mesh\.stage\)"),
-        (pipe(8, 1), {"stage": 2, "data": 4}, r"^pipeline microbatch: dimension 0 \('batch', size 2\) is not "
+        (["train.microbatches=2", *pipe("1f1b", 3)], {"stage": 2, "data": 4}, r"^the batch of 8 sequences"),
+        (["model.layers=4", *pipe("gpipe", 2)], {"stage": 4, "data": 2}, r"^pipeline\.microbatches \(2\) is fewer "
+         r"than the 4 pipeline stages \(mesh\.stage\)"),
+        (["model.layers=8", *pipe("interleaved_1f1b", 6, 2)], {"stage": 4, "data": 2},
+         r"^pipeline\.schedule=interleaved_1f1b sends microbatches in groups of mesh\.stage \(4\)"),
+        (pipe("gpipe", 8), {"stage": 2, "data": 4}, r"^pipeline microbatch: dimension 0 \('batch', size 2\) is not "
          r"divisible by mesh axes \('data', 'fsdp'\) of size 4"),
     ],
 )
@@ -181,8 +286,8 @@ def test_pipeline_shape_errors(warm, overrides, mesh, match):
 @pytest.mark.parametrize(
     "override, match",
     [
-        ("pipeline.schedule=1f1b", r"^pipeline\.schedule: '1f1b' is not one of gpipe, circular$"),
-        ("pipeline.repeats=2", r"^pipeline\.repeats \(2\) needs pipeline\.schedule=circular"),
+        ("pipeline.schedule=zb", r"^pipeline\.schedule: 'zb' is not one of gpipe, circular, 1f1b, interleaved_1f1b$"),
+        ("pipeline.repeats=2", r"^pipeline\.repeats \(2\) needs pipeline\.schedule=circular or interleaved_1f1b"),
         ("pipeline.schedule=circular", r"^pipeline\.schedule=circular needs pipeline\.repeats >= 2"),
         ("pipeline.microbatches=0", r"^pipeline\.microbatches must be at least 1, got 0$"),
         ("pipeline.repeats=0", r"^pipeline\.repeats must be at least 1, got 0$"),
@@ -196,20 +301,26 @@ def test_pipeline_config_errors(override, match):
 
 def test_layers_on_stage_and_another_axis(warm, tmp_path):
     path = write_rules(tmp_path, "two", layers=["stage", "data"])
-    config = tiny_config("model.layers=4", *pipe(2, 1), rules=path, mesh={"stage": 2, "data": 2, "tensor": 2})
+    config = tiny_config("model.layers=4", *pipe("gpipe", 2), rules=path, mesh={"stage": 2, "data": 2, "tensor": 2})
     with fails_early(r"^rules 'two': layers maps to \['stage', 'data'\]; a pipeline needs layers on 'stage' alone"):
         Trainer.build(config)
 
 
-def test_sequence_parallelism_inside_a_stage(warm, tmp_path):
-    path = write_rules(tmp_path, "sp", norm_length="tensor")
-    config = tiny_config(*pipe(2, 1), rules=path, mesh={"stage": 2, "fsdp": 2, "tensor": 2})
-    with fails_early(r"^rules 'sp': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage"):
-        Trainer.build(config)
-
-
-def test_context_parallelism_inside_a_stage(warm, tmp_path):
-    path = write_rules(tmp_path, "cp", length="context", norm_length="context")
-    config = tiny_config("model.attention=ring", *pipe(2, 1), rules=path, mesh={"stage": 2, "context": 2, "data": 2})
-    with fails_early(r"^rules 'cp': context parallelism \(length on \['context'\]\) inside a pipeline stage"):
+@pytest.mark.parametrize(
+    "changes, overrides, mesh, match",
+    [
+        ({"norm_length": "tensor"}, [], {"stage": 2, "fsdp": 2, "tensor": 2},
+         r"^rules 'x': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage nests a "
+         r"shard_map"),
+        ({"length": "context", "norm_length": "context", "heads": None, "kv_heads": None, "mlp": None,
+          "vocab": None}, ["model.attention=ring"], {"stage": 2, "context": 2, "fsdp": 2},
+         r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage nests a shard_map"),
+        ({}, ["model.moe.experts=4", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
+         r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
+         r"model\.moe\.impl=partitioner runs the experts"),
+    ],
+)
+def test_nested_shard_maps_inside_a_stage_are_refused(warm, tmp_path, changes, overrides, mesh, match):
+    config = tiny_config(*pipe("1f1b", 2), *overrides, rules=write_rules(tmp_path, "x", **changes), mesh=mesh)
+    with fails_early(match):
         Trainer.build(config)

@@ -130,9 +130,12 @@ class Table:
         return float(busy.max(axis=1).sum())
 
     def bubble(self, forward: float = 1.0, backward: float = 3.0) -> float:
-        """Idle fraction of the stages over the step, counted from the table with :meth:`cost`."""
-        busy = forward * (self.f_kind > IDLE) + backward * (self.b_kind > IDLE)
-        return 1.0 - float(busy.sum()) / (self.p * self.cost(forward, backward))
+        """The step's time lost to the schedule, counted from the table: 1 − (v·m chunks' work) / :meth:`cost`.
+
+        The playbook's bubble on the same terms: (p − 1)/(v·m + p − 1) of the step when every tick is
+        as long as one chunk's forward and backward.
+        """
+        return 1.0 - self.m * self.v * (forward + backward) / self.cost(forward, backward)
 
     def stash(self) -> int:
         """Stage inputs a stage holds at most at once (activation slots): what the schedule keeps alive."""
