@@ -94,18 +94,19 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, reference):
             assert close(out[key], ref_out[key]), key
     assert_trees_close(state.params, ref_params)
     # Each tick sends one microbatch shard (8 rows / fsdp 2 = 4 rows, 32 x 64) to each neighbour; every
-    # other collective over stage is a per-step sum of a parameter's gradient or of a scalar.
+    # other collective over stage runs once per step on parameters (the embedding and head gradients'
+    # sum; interleaved, the layers moved to the chunks that run them) or scalars, never on activations.
     ticks = schedules.build(schedule, 2, m, v).ticks
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
     assert {(c.shapes, c.runs) for c in permutes} == {((("f32", (4, 32, 64)),), ticks)}
     assert len(permutes) == 2
-    params = {tuple(np.shape(w)) for w in jax.tree.leaves(initial.params)}
+    outer = sum(w.size * 4 for k, v in initial.params.items() if k != "blocks" for w in jax.tree.leaves(v))
     for c in over_stage:
         if c.kind != "collective-permute":
-            assert c.runs == 1 and all(len(s) == 0 or s[-2:] != (32, 64) for _, s in c.shapes), c
-            assert all(len(s) <= 1 or s in params or s[-1] in (256, 64) for _, s in c.shapes), c
+            assert c.runs == 1 and c.result_bytes <= outer, c
+            assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
 
 
 def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
@@ -217,7 +218,8 @@ def test_1f1b_memory_does_not_grow_with_microbatches_where_gpipe_does():
     gpipe = {m: temp_bytes("gpipe", p, m) for m in (4 * p, 16 * p)}
     print(f"temp bytes per device: 1f1b {f1b}, gpipe {gpipe}")
     assert f1b[16 * p] <= 1.1 * f1b[4 * p]
-    assert gpipe[16 * p] >= 2 * gpipe[4 * p]
+    # GPipe stashes every microbatch's stage input: 12p more of them, one 32 x 64 fp32 row on each device.
+    assert gpipe[16 * p] - gpipe[4 * p] >= 12 * p * 32 * 64 * 4
 
 
 def head_matmuls(jaxpr) -> int:
@@ -228,7 +230,7 @@ def head_matmuls(jaxpr) -> int:
             a, b = (v.aval.shape for v in eqn.invars)
             out = eqn.outvars[0].aval.shape
             count += out[-1] == 256 and 64 in (a[-1], b[0])
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             count += head_matmuls(sub)
     return count
 
