@@ -183,12 +183,16 @@ class DistributedConfig:
 
 @dataclasses.dataclass
 class PipelineConfig:
-    """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1)."""
+    """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1).
+
+    ``schedule``: gpipe or 1f1b (v = 1), circular or interleaved_1f1b (``repeats`` = v ≥ 2 chunks
+    per stage); every schedule keeps each in-flight microbatch's stage input and recomputes the
+    stage once in its backward (:mod:`jaxscale.parallel.pipeline`).
+    """
 
     microbatches: int | None = None  # None: as many as there are stages
     repeats: int = 1
-    schedule: Schedule = "gpipe"
-    remat: bool = True  # recompute each stage body in the backward: keep only its input per tick
+    schedule: Schedule = "1f1b"
 
 
 @dataclasses.dataclass

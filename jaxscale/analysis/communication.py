@@ -143,7 +143,7 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             # it goes, and its backward gathers again for the recomputed stage forward (pipeline.remat).
             # Over the other data axes the loop sums the gradient and reduces it once, after the loop.
             fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
-            regather += step.pipeline_remat
+            regather += 1
         if sp.gathered:
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          True)
@@ -187,7 +187,7 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     if layout.pipelined:
         # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers, bubble ticks included.
         runs *= pipeline_ticks(layout, step) / (step.pipeline_microbatches * step.repeats)
-        stage_remat = step.pipeline_remat
+        stage_remat = True
     if sp:
         def sp_flow(what: str, kind: str, count: float, phase: str) -> list[Flow]:
             if not m.tp_overlap:

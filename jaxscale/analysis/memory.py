@@ -208,6 +208,6 @@ def _pipeline_activations(m: ModelConfig, layout: Layout, step: Step, rows: floa
     ticks = pipeline_ticks(layout, step)
     x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, layout)
     buffers = 2 * pm * x
-    if step.pipeline_remat:
+    if True:
         return buffers + ticks * x, layer_backward + stage_residuals / v
     return buffers + ticks * stage_residuals / v, layer_backward

@@ -12,6 +12,7 @@ or all-reduces over (DP). Nothing here imports jax until :func:`param_table` run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 from jaxscale.config import Config, ModelConfig
 from jaxscale.layout import Layout
+from jaxscale.parallel import schedules
 
 
 def dtype_bytes(name: str) -> int:
@@ -79,7 +81,7 @@ class Step:
     microbatches: int = 1  # gradient accumulation steps
     pipeline_microbatches: int = 1
     repeats: int = 1
-    pipeline_remat: bool = True
+    schedule: str = "1f1b"
     params_dtype: str = "auto"  # precision.params: the compute copy (auto: model.dtype)
     master_dtype: str = "auto"  # precision.master: the weights the optimizer updates (auto: model.param_dtype)
     reduce_dtype: str = "float32"  # precision.grads_reduce: the accumulator's
@@ -89,7 +91,7 @@ class Step:
         """The step of an experiment; ``stages`` is the resolved size of the ``stage`` mesh axis."""
         pipeline, t, p = config.pipeline, config.train, config.precision
         return cls(t.global_batch, t.seq_len, t.microbatches, pipeline.microbatches or stages, pipeline.repeats,
-                   pipeline.remat, p.params, p.master, p.grads_reduce)
+                   pipeline.schedule, p.params, p.master, p.grads_reduce)
 
     def copies(self, m: ModelConfig) -> tuple[str, str]:
         """The dtypes of the compute copy and of the master (:mod:`jaxscale.precision`; equal: one copy)."""
@@ -104,9 +106,19 @@ def trainer_inputs(trainer: Any) -> tuple[list[Param], Layout, Step]:
     return params, layout, Step.from_config(trainer.config, trainer.mesh.shape["stage"])
 
 
+def pipeline_table(layout: Layout, step: Step) -> schedules.Table:
+    """The table the pipeline loop runs for this layout and step (:mod:`jaxscale.parallel.schedules`)."""
+    return _table(step.schedule, layout.ways(("layers",)), step.pipeline_microbatches, step.repeats)
+
+
+@functools.lru_cache(maxsize=256)
+def _table(schedule: str, p: int, m: int, v: int) -> schedules.Table:
+    return schedules.build(schedule, p, m, v)
+
+
 def pipeline_ticks(layout: Layout, step: Step) -> int:
-    """Iterations of the pipeline loop, v·m + p − 1: every stage runs them all, the bubble's too."""
-    return step.repeats * step.pipeline_microbatches + layout.ways(("layers",)) - 1
+    """Iterations of the pipeline loop: every stage runs them all, the bubble's too."""
+    return pipeline_table(layout, step).ticks
 
 
 @dataclasses.dataclass(frozen=True)

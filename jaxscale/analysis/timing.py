@@ -260,7 +260,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
                  "full": fwd_mm + fwd_attn + fwd_mem / bw}[m.remat]
     if m.loss_chunk:  # the chunked loss recomputes each chunk's logits in its backward
         recompute += head
-    if layout.pipelined and step.pipeline_remat:  # the stage forward again in the backward
+    if layout.pipelined:  # the stage forward again in the backward
         recompute += fwd_mm + fwd_attn + fwd_mem / bw
     return {
         "forward": forward,
