@@ -36,12 +36,14 @@ accumulator of 4Ψ, or 4Ψ/N under ZeRO-2/3, with ``train.microbatches`` > 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import Config, ConfigError
 
@@ -73,6 +75,123 @@ def resolve(model: Mapping[str, Any], precision: Mapping[str, Any]) -> Policy:
 def policy(config: Config) -> Policy:
     """The policy of ``config``."""
     return resolve(dataclasses.asdict(config.model), dataclasses.asdict(config.precision))
+
+
+def weight_grads(config: Config) -> jnp.dtype | None:
+    """The dtype the weight-gradient matmuls produce and reduce in: ``precision.grads_reduce`` where it is
+    wider than the compute dtype (``model.dtype``), else None (autodiff's: the compute dtype)."""
+    reduce, compute = jnp.dtype(config.precision.grads_reduce), jnp.dtype(config.model.dtype)
+    return reduce if jnp.finfo(reduce).bits > jnp.finfo(compute).bits else None
+
+
+WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves
+
+
+def einsum(equation: str, x: jax.Array, w: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` of activations ``x`` and a weight ``w``, the weight's gradient matmul
+    producing ``grads`` (:func:`weight_grads`; None: autodiff's einsum).
+
+    With ``grads``, a ``custom_vjp``: the input gradient as autodiff computes it, the weight gradient
+    ``einsum(x, g, preferred_element_type=grads)``, summed over the mesh axes ``x`` varies over and
+    ``w`` does not (inside a ``shard_map``: data parallelism's ``psum``), then cast to ``w``'s dtype.
+    Under the partitioner, the cross-device sum XLA puts right after that matmul is in ``grads``.
+    A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
+    without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
+    """
+    if grads is None:
+        return jnp.einsum(equation, x, w)
+    lhs, rhs, out = _letters(equation)
+    y = _weight_einsum(equation, jnp.dtype(grads), x, w)
+    return y if set(lhs) & set(rhs) & set(out) - {"."} else checkpoint_name(y, WEIGHT_DOT)
+
+
+def _letters(equation: str) -> tuple[str, str, str]:
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _weight_einsum(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, x, w)
+
+
+def _weight_einsum_forward(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+    return jnp.einsum(equation, x, w), (x, w)
+
+
+def _weight_einsum_backward(equation: str, grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, ...]:
+    x, w = saved
+    lhs, rhs, out = _letters(equation)
+    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w), x)
+    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads)
+    summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w).mat.varying))
+    if summed:
+        dw = jax.lax.psum(dw, summed)
+    return x_vjp(g)[0], dw.astype(w.dtype)
+
+
+_weight_einsum.defvjp(_weight_einsum_forward, _weight_einsum_backward)
+
+
+def take(table: jax.Array, ids: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+    """Rows ``table[ids]`` (an embedding lookup), the table's gradient (a scatter-add) summed in ``grads``
+    (None: autodiff's, the table's dtype)."""
+    return jnp.take(table, ids, axis=0) if grads is None else _take(jnp.dtype(grads), table, ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _take(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_forward(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> tuple[jax.Array, tuple]:
+    return jnp.take(table, ids, axis=0), (table, ids)
+
+
+def _take_backward(grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+    table, ids = saved
+    d_table = jnp.zeros(table.shape, grads).at[ids].add(g.astype(grads))
+    return d_table.astype(table.dtype), None
+
+
+_take.defvjp(_take_forward, _take_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def all_gather(w: jax.Array, axes: tuple[str, ...], dim: int, grads: jnp.dtype) -> jax.Array:
+    """Inside a ``shard_map``: ``lax.all_gather(w, axes, axis=dim, tiled=True)``, its backward (the gradient's
+    reduce-scatter) in ``grads``."""
+    return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+
+
+def _all_gather_forward(w: jax.Array, axes: tuple[str, ...], dim: int, grads: jnp.dtype) -> tuple[jax.Array, None]:
+    return all_gather(w, axes, dim, grads), None
+
+
+def _all_gather_backward(axes: tuple[str, ...], dim: int, grads: jnp.dtype, _: None, g: jax.Array) -> tuple:
+    return (jax.lax.psum_scatter(g.astype(grads), axes, scatter_dimension=dim, tiled=True).astype(g.dtype),)
+
+
+all_gather.defvjp(_all_gather_forward, _all_gather_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def vary(w: jax.Array, axes: tuple[str, ...], grads: jnp.dtype) -> jax.Array:
+    """Inside a ``shard_map``: ``w`` typed as varying over ``axes`` (``lax.pcast``), its backward (the
+    gradient's ``psum`` over ``axes``) in ``grads``."""
+    return jax.lax.pcast(w, axes, to="varying")
+
+
+def _vary_forward(w: jax.Array, axes: tuple[str, ...], grads: jnp.dtype) -> tuple[jax.Array, None]:
+    return vary(w, axes, grads), None
+
+
+def _vary_backward(axes: tuple[str, ...], grads: jnp.dtype, _: None, g: jax.Array) -> tuple:
+    return (jax.lax.psum(g.astype(grads), axes).astype(g.dtype),)
+
+
+vary.defvjp(_vary_forward, _vary_backward)
 
 
 def cast(tree: Any, dtype: jnp.dtype) -> Any:

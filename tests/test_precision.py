@@ -99,6 +99,24 @@ def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, mesh, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("reduce", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("rules", "mesh"), [("zero1", {"data": N}), ("zero3", {"fsdp": N})])
+def test_weight_gradients_are_summed_across_devices_in_grads_reduce(rules, mesh, reduce, tmp_path):
+    """bf16 compute: every cross-device sum of a weight gradient (an all-reduce, or a reduce-scatter, of a
+    weight-sized array: the per-layer projections, the output head) moves ``precision.grads_reduce``'s dtype.
+    XLA puts each one right after the matmul that makes the gradient: with float32 the weight-gradient
+    matmuls produce fp32 (:func:`jaxscale.precision.einsum`). Read from the partitioned HLO (XLA dump after
+    spmd-partitioning), before XLA:CPU widens bf16 to f32."""
+    trainer = Trainer.build(tiny_config(BF16, f"precision.grads_reduce={reduce}", rules=rules, mesh=mesh))
+    sums = [(dtype, size) for dtype, op, size in partitioned_collectives(trainer, tmp_path) if op != "all-gather"]
+    blocks = trainer.abstract_params["blocks"]
+    smallest = min(math.prod(x.shape[1:]) for x in jax.tree.leaves(blocks) if x.ndim >= 3)
+    weights = [(dtype, size) for dtype, size in sums if size >= smallest]
+    assert len(weights) >= 8, sums  # wq, wk, wv, wo, w_gate, w_up, w_down, lm_head at least
+    assert {dtype for dtype, _ in weights} == {{"float32": "f32", "bfloat16": "bf16"}[reduce]}, weights
+
+
+@pytest.mark.slow
 def test_zero2_accumulates_fp32_gradients_on_the_shard(tmp_path):
     """ZeRO-2, bf16, two microbatches: the microbatch loop (a while loop of the partitioned HLO) carries each
     block weight's fp32 accumulator as this device's shard, and no fp32 copy of a whole block weight."""
