@@ -6,13 +6,17 @@ The policy (config ``precision``) names three dtypes:
   the rules table's parameter rules: whole under DP and ZeRO-1/2, sharded under ZeRO-3.
 - ``master``: the weights the optimizer updates (auto: ``model.param_dtype``), laid out
   with Adam's moments by the table's ``optimizer`` rules: a shard per device from ZeRO-1 on.
-- ``grads_reduce``: the dtype in which gradients are summed over microbatches and summed
-  onto the optimizer's layout. XLA's partitioner places each cross-device sum of a
-  weight gradient right after the matmul that produces it, in that matmul's output
-  dtype, which is the compute copy's: with bf16 compute the cross-device sum of one
-  microbatch is a bf16 reduce-scatter (all-reduce under DP, ZeRO-1), as it was before
-  this policy; float32 makes the microbatch accumulator and everything after it fp32,
-  bfloat16 keeps the accumulator in bf16 too.
+- ``grads_reduce``: the dtype in which gradients are summed across devices and over
+  microbatches. XLA's partitioner places each cross-device sum of a weight gradient right
+  after the matmul that produces it, in that matmul's output dtype. With ``float32`` and
+  bf16 compute, the weight-gradient matmuls produce fp32 (:func:`einsum`: bf16 inputs,
+  ``preferred_element_type=float32``; the embedding's scatter-add likewise, :func:`take`),
+  so each microbatch's reduce-scatter (all-reduce under DP, ZeRO-1) is fp32, 4Ψ bytes
+  where bf16 moves 2Ψ, and the sum is rounded to the compute copy's dtype once, after it;
+  the microbatch accumulator is fp32. Inside ``shard_map`` (sequence parallelism, expert
+  parallelism) the explicit sums are fp32 too (:func:`all_gather`, :func:`vary`), of
+  partial gradients already rounded to bf16. ``bfloat16`` leaves the matmuls to autodiff:
+  bf16 sums, a bf16 accumulator. (The grouped matmuls of dropless experts keep autodiff's.)
 
 When the compute copy and the master have one dtype (fp32 training, or pure bf16) there
 is one copy, the parameters, and ``TrainState.master`` is empty: the step is the plain
