@@ -9,7 +9,10 @@ optimizer state, gradients and parameters in turn):
   (``master``, fp32) and Adam's moments (``optimizer``, 8Ψ in fp32) by the optimizer's; with
   one copy (fp32 training) the parameters are the master and ``master`` is 0; the gradients
   in the compute copy's dtype; with gradient accumulation one more gradient-sized
-  accumulator (``precision.grads_reduce``, fp32) in the gradients' layout;
+  accumulator (``precision.grads_reduce``, fp32), which compiles in the optimizer's layout
+  (XLA shards the loop's carry as the update after the loop reads it: ZeRO-1 too, where the
+  gradients are whole), and under ZeRO-1 each microbatch's sum gathered whole to the
+  gradients' layout before the carry keeps its shard (counted with ``gradients``);
 * activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
@@ -147,8 +150,11 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     """Predicted bytes per device of the compiled step, by part; ``total`` is their sum."""
     compute, master = step.copies(m)
     pbytes, mbytes = dtype_bytes(compute), dtype_bytes(master)  # the compute copy (and gradients), the master
-    cbytes = dtype_bytes(m.dtype)
+    cbytes, rbytes = dtype_bytes(m.dtype), dtype_bytes(step.reduce_dtype)
     grad_kind = "optimizer" if step.microbatches == 1 else "gradients"
+    # ZeRO-1's accumulation: each microbatch's sum is gathered back to the (whole) gradients' layout
+    regathered = sum(p.size / layout.ways(p.axes, "gradients") for p in params
+                     if layout.ways(p.axes, "gradients") < layout.ways(p.axes, "optimizer"))
 
     def state(kind: str, nbytes: int) -> float:
         return sum(p.size / layout.ways(p.axes, kind) for p in params) * nbytes
@@ -179,8 +185,8 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
         "optimizer": 2 * state("optimizer", mbytes),
-        "gradients": state(grad_kind, pbytes),
-        "accumulator": state("gradients", dtype_bytes(step.reduce_dtype)) if step.microbatches > 1 else 0.0,
+        "gradients": state(grad_kind, pbytes) + (regathered * rbytes if step.microbatches > 1 else 0.0),
+        "accumulator": state("optimizer", rbytes) if step.microbatches > 1 else 0.0,
         # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
         "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
         if pipelined else 0.0,
