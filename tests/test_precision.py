@@ -270,3 +270,26 @@ def test_lean_norm_and_swiglu_have_autodiffs_gradients():
     for a, b in zip((out, *vjp(cot[0, :4, :].repeat(2, -1))), (ref_out, *ref_vjp(cot[0, :4, :].repeat(2, -1))),
                     strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("equation", "x_shape", "w_shape"), [
+    ("bse,ehd->bshd", (2, 3, 8), (8, 2, 4)),  # column-parallel projection
+    ("bshd,hde->bse", (2, 3, 2, 4), (2, 4, 8)),  # row-parallel projection
+    ("...ecd,edf->...ecf", (2, 3, 5, 8), (3, 8, 6)),  # experts' buffers
+])
+def test_weight_einsum_has_autodiffs_gradients(equation, x_shape, w_shape):
+    """precision.einsum with fp32 weight gradients, bf16 operands: output and input gradient are autodiff's
+    to the bit; the weight gradient is the fp32 matmul's, rounded once to bf16."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(keys[0], x_shape).astype(jnp.bfloat16)
+    w = jax.random.normal(keys[1], w_shape).astype(jnp.bfloat16)
+    out, vjp = jax.vjp(lambda x, w: precision.einsum(equation, x, w, jnp.float32), x, w)
+    ref, ref_vjp = jax.vjp(lambda x, w: jnp.einsum(equation, x, w), x, w)
+    g = jax.random.normal(keys[2], ref.shape).astype(jnp.bfloat16)
+    (dx, dw), (ref_dx, _) = vjp(g), ref_vjp(g)
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(dx, ref_dx)
+    _, vjp32 = jax.vjp(lambda w: jnp.einsum(equation, x.astype(jnp.float32), w), w.astype(jnp.float32))
+    (dw32,) = vjp32(g.astype(jnp.float32))
+    assert dw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(dw.astype(jnp.float32), dw32, rtol=2**-8, atol=1e-6)
