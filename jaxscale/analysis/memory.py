@@ -18,9 +18,9 @@ optimizer state, gradients and parameters in turn):
   SP and CP divide exactly what they shard) times the layers this device holds; the
   scores mask of dot-product attention once; the batch;
 * under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
-  loop keeps the microbatches' inputs and outputs, one stage input per tick (or, without
-  ``pipeline.remat``, the stage's residuals per tick) and the stage weights' gradient as its carry,
-  and the backward recomputes one tick's stage forward;
+  loop keeps the stage inputs its schedule has in flight (``Table.act_slots``) and fp32 gradient
+  accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
+  with no remat inside (:func:`_pipeline`);
 * the transient peak: the larger of one layer's backward (its residuals' cotangents and
   its unreduced weight gradient; under full recomputation its recomputed residuals and the
   gradient buffers at the backward's peak, :func:`recomputed_backward`) and the loss (logits
@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_ticks, split
+from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
 from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
@@ -225,21 +225,20 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
     activations = layers * per_layer
-    if pipelined:
-        activations, layer_backward = _pipeline_activations(m, layout, step, rows, layers * per_layer, layer_backward)
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
         "optimizer": 2 * state("optimizer", mbytes),
         "gradients": state(grad_kind, pbytes) + (regathered * rbytes if step.microbatches > 1 else 0.0),
         "accumulator": state("optimizer", rbytes) if step.microbatches > 1 else 0.0,
-        # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
-        "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
-        if pipelined else 0.0,
+        "pipeline accumulator": 0.0,
+        "pipeline copies": 0.0,
         "activations": activations,
         "transient": max(layer_backward, loss),
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
+    if pipelined:
+        _pipeline(m, params, layout, step, rows, out)
     if m.attention not in FLASH_ATTENTION:
         mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
         out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4  # fp32 where + bool
@@ -247,19 +246,37 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     return out
 
 
-def _pipeline_activations(m: ModelConfig, layout: Layout, step: Step, rows: float, stage_residuals: float,
-                          layer_backward: float) -> tuple[float, float]:
-    """Kept activations and the backward's transient of a pipelined stage (:mod:`jaxscale.parallel.pipeline`).
+def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float,
+              out: dict[str, float]) -> None:
+    """A pipelined stage's activations, transient and loop state (:mod:`jaxscale.parallel.pipeline`), into ``out``.
 
-    The loop holds the microbatches' inputs and outputs and, per tick, either the stage's input
-    (``pipeline.remat``: the stage forward is recomputed in the backward, whose transient then holds
-    one tick's stage residuals) or all of the stage's residuals. ``stage_residuals`` is one
-    microbatch through all the layers this device holds; a tick runs 1/v of them.
+    The loop keeps the stage inputs its schedule has in flight and the gradients waiting for a
+    backward (``Table.act_slots``, ``grad_slots``: one microbatch's [rows, s, h] each; XLA:CPU holds
+    two buffers per slot across a tick, as compiled), the fp32 gradient accumulators of the stage's
+    blocks and of its own copy of the embedding, final norm and head (in the parameters' layout)
+    and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged into
+    chunks. ``model.remat`` is not applied inside a stage: the backward slot recomputes its chunk
+    once and holds its ``none`` residuals for one microbatch, the head's loss (the last stage) and
+    the layer backward's gradient buffers (the larger of :func:`recomputed_backward`'s peaks, both
+    alive at XLA:CPU's peak), and one layer's gathered weights or unreduced weight gradient.
     """
-    pm, v = step.pipeline_microbatches, step.repeats
-    ticks = pipeline_ticks(layout, step)
+    table = pipeline_table(layout, step)
+    compute, _ = step.copies(m)
+    pbytes = dtype_bytes(compute)
     x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, layout)
-    buffers = 2 * pm * x
-    if True:
-        return buffers + ticks * x, layer_backward + stage_residuals / v
-    return buffers + ticks * stage_residuals / v, layer_backward
+    none = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    cotangents = max(sum(_per_device(r, rows, step, m, layout) for r in peak)
+                     for peak in recomputed_backward(m, step.seq_len)) - none
+    chunk = _layers_here(m, layout) / step.repeats
+    logits = _per_device(Activation("logits", m.vocab_size, LOGITS), rows, step, m, layout)
+    loss = logits * (dtype_bytes(m.dtype) + 12) / dtype_bytes(m.dtype)
+    if m.loss_chunk:
+        loss *= m.loss_chunk / step.seq_len
+    held = sum(p.size / layout.ways(p.axes) for p in params)
+    blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
+    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
+                for p in params if not p.in_layers)
+    out["activations"] = 2 * (table.act_slots + table.grad_slots) * x
+    out["transient"] = chunk * none + loss + cotangents + layer_elems(params, layout, reduced=False) * pbytes
+    out["pipeline accumulator"] = 4 * held
+    out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
