@@ -142,7 +142,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
     sp = split(p, layout, step, m.layers)
     sp_axes = layout.sequence_axes
     out: list[Flow] = []
-    if p.is_embedding:
+    if layout.pipelined and not p.in_layers:
+        out += _pipeline_outer_flows(p, sp, layout, step, pbytes)
+    elif p.is_embedding:
         out += _embedding_flows(sp, layout, step, bsh, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
     else:
         unit, grad = sp.unit * pbytes, sp.unit * gbytes
@@ -150,11 +152,13 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         in_sp = bool(sp_axes) and p.in_sp_region
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
         if p.in_layers and layout.pipelined:
-            # In the pipeline loop every tick runs 1/v of the stage's layers, gathering and scattering as
-            # it goes, and its backward gathers again for the recomputed stage forward (pipeline.remat).
-            # Over the other data axes the loop sums the gradient and reduces it once, after the loop.
+            # Every tick each slot runs a chunk (1/v of the stage's layers), computed and masked when idle
+            # (a stage with partitioner axes), gathering and scattering as it goes: the forward slot gathers
+            # once, the backward slot twice (its recomputed forward, then its backward: the vjp keeps no
+            # gathered weight, as compiled). Over the manual data axes the loop sums the gradient and
+            # reduces it once, after the loop.
             fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
-            regather += 1
+            regather = 2
         if sp.gathered:
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          True)
@@ -180,6 +184,27 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
 
 
 
+def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int) -> list[Flow]:
+    """The embedding, final norm and head of a pipelined model (:mod:`jaxscale.parallel.pipeline`).
+
+    Each stage gets its own copy gathered over the stage's axes once (no lookup traffic); every
+    tick the copy's fp32 gradient is reduce-scattered over them (the head's and the embedding's
+    branches run, masked, on every stage of a stage with partitioner axes); once a step the
+    per-stage accumulators are summed over ``stage`` and then reduced over the data axes.
+    """
+    micro = step.microbatches
+    whole, shard = sp.whole * pbytes, sp.whole / layout.size(sp.gathered) * 4
+    ticks = pipeline_ticks(layout, step)
+    out = flow(p.path + " (stage copy)", "all-gather", sp.gathered, whole, micro, layout, "forward", False)
+    out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, sp.whole * 4, ticks * micro, layout,
+                "backward", True)
+    out += flow("PP: " + p.path + " gradient summed over stages", "all-reduce", layout.mesh_axes(("layers",)),
+                shard, micro, layout, "backward", False)
+    out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, micro, layout, "backward", True)
+    return out + _gradient_all_reduce(p.path + " gradient", sp.reduced, shard / layout.size(sp.scattered), micro,
+                                      layout)
+
+
 def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> list[Flow]:
     """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted)."""
     cbytes = dtype_bytes(m.dtype)
@@ -196,11 +221,17 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     sp = layout.sequence_axes
     runs = micro * layers  # a layer's activation collectives, in units of bsh
     recompute = m.remat != "none"  # the backward recomputes the layer up to its last collective
-    stage_remat = False  # the backward recomputes the whole stage forward (pipeline.remat)
+    head_runs = lookup_runs = micro  # the head's input gradient, the vocabulary-parallel lookup
+    stage_remat = False  # the backward slot recomputes its chunk's forward (pipeline)
     if layout.pipelined:
-        # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers, bubble ticks included.
-        runs *= pipeline_ticks(layout, step) / (step.pipeline_microbatches * step.repeats)
-        stage_remat = True
+        # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers in each slot, bubble
+        # ticks included (computed and masked where a stage has partitioner axes); the backward slot
+        # recomputes its chunk whole (no layer remat inside a stage), and embeds again on the first
+        # virtual stage; the head runs in the backward slot.
+        ticks = pipeline_ticks(layout, step)
+        runs *= ticks / (step.pipeline_microbatches * step.repeats)
+        head_runs, lookup_runs = ticks * micro, 2 * ticks * micro
+        stage_remat, recompute = True, False
     if sp:
         def sp_flow(what: str, kind: str, count: float, phase: str) -> list[Flow]:
             if not m.tp_overlap:
@@ -224,8 +255,10 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
         # The recomputed stage forward all-reduces twice a layer; a recomputed layer, up to its attention output.
         flows += flow("TP: recomputed forward", "all-reduce", tensor, bsh, (2 * stage_remat + recompute) * runs,
                        layout, "backward", False)
-        flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, bsh, micro, layout, "forward", False)
-        flows += flow("TP: head input gradient", "all-reduce", tensor, bsh, micro, layout, "backward", False)
+        size = bsh / step.pipeline_microbatches if layout.pipelined else bsh
+        flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, size, lookup_runs, layout, "forward",
+                       False)
+        flows += flow("TP: head input gradient", "all-reduce", tensor, size, head_runs, layout, "backward", False)
 
     context = layout.context_axes
     if context:
@@ -244,10 +277,12 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
         for phase in ("forward", "backward"):
             flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase,
                            False)
-        flows += flow("PP: last stage's outputs to every stage", "all-reduce", stages, bsh, micro, layout, "forward",
-                       False)
-        flows += flow("PP: their gradient, summed over stages", "all-reduce", stages, bsh, micro, layout, "backward",
-                       False)
+        if step.repeats > 1:  # the stage's layers regrouped into chunks c·p + s, and their gradients back
+            blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
+            flows += flow("PP: blocks into chunks", "all-to-all", stages, blocks * dtype_bytes(m.param_dtype), micro,
+                           layout, "forward", False)
+            flows += flow("PP: their gradients back", "all-to-all", stages, blocks * 4, micro, layout, "backward",
+                           False)
 
     moe = m.moe
     experts = layout.mesh_axes(("expert",)) if moe is not None else ()
