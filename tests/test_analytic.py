@@ -4,9 +4,9 @@ LAYOUTS is the table of compiled checks: one line per layout (rules preset, mesh
 overrides), each compiled once on 8 simulated devices (fp32: XLA:CPU runs bf16 matmuls in f32) and
 held to the analytic memory within 10% of ``compiled.memory_analysis()`` and the analytic wire
 bytes within 5% of the collectives inspected in the HLO (reduce-scatter reading): ZeRO 0 to 3, TP,
-SP, CP (ring attention), PP (alone, with FSDP, with FSDP and TP) and EP, remat on and off. The
-pipelined lines run two layers per stage: with one, XLA hoists the stage's FSDP gathers out of
-the loop (the model counts them per tick).
+SP, CP (ring attention), PP (alone, with FSDP, with FSDP and TP; 1F1B, GPipe and interleaved
+1F1B) and EP, remat on and off. The pipelined lines run two layers per chunk: with one, XLA hoists
+the stage's FSDP gathers out of the loop (the model counts them per tick).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ LAYOUTS = [
     ("pp", {"stage": 2, "data": 4}, "model.layers=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "model.remat=full"),
     ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4"),
+    ("pp", {"stage": 2, "data": 4}, "model.layers=4", "pipeline.schedule=gpipe", "pipeline.microbatches=4"),
+    ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=8", "pipeline.schedule=interleaved_1f1b",
+     "pipeline.repeats=2"),
 ]
 
 
