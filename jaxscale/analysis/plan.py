@@ -41,6 +41,7 @@ from jaxscale.analysis.params import Param, Step
 from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml, load_config
 from jaxscale.layout import Layout, Rules
+from jaxscale.parallel.schedules import formula_bubble
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
@@ -64,6 +65,7 @@ class Strategy:
     accumulation: int = 1
     pipeline_microbatches: int = 1
     repeats: int = 1
+    schedule: str = "1f1b"  # pipeline.schedule when stage > 1
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
 
     def mesh(self) -> dict[str, int]:
@@ -102,7 +104,8 @@ class Strategy:
         if self.zero and self.data > 1:
             text += f" zero{self.zero}"
         if self.stage > 1:
-            text += f" m={self.pipeline_microbatches}" + (f" v={self.repeats}" if self.repeats > 1 else "")
+            text += f" {self.schedule} m={self.pipeline_microbatches}" + (f" v={self.repeats}" if self.repeats > 1
+                                                                          else "")
         if self.loss_chunk:
             text += f" loss_chunk={self.loss_chunk}"
         return text
@@ -160,7 +163,7 @@ def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
 def step_for(layout: Strategy, seq_len: int) -> Step:
     rows = layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
     return Step(rows * layout.data * layout.fsdp * layout.expert, seq_len, layout.accumulation,
-                layout.pipeline_microbatches, layout.repeats)
+                layout.pipeline_microbatches, layout.repeats, layout.schedule)
 
 
 def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_len: int) -> str | None:
@@ -209,19 +212,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _pipelines(m: ModelConfig, devices: int, max_stages: int) -> Iterator[tuple[int, int, int]]:
-    """(stages, pipeline microbatches, repeats): GPipe with m = p, 2p, 4p, 8p; circular with v = 2."""
-    yield 1, 1, 1
+PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, repeats) tried
+MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
+
+
+def _pipelines(m: ModelConfig, devices: int, max_stages: int, sequences: int) -> Iterator[tuple[int, int, int, str]]:
+    """(stages, pipeline microbatches, repeats, schedule): GPipe, 1F1B and interleaved 1F1B (v = 2) with
+    m = p, 2p, ... up to 32p and the batch's sequences."""
+    yield 1, 1, 1, "1f1b"
     for p in _divisors(devices):
         if p == 1 or p > max_stages or m.layers % p:
             continue
-        for mult in (1, 2, 4, 8):
-            yield p, mult * p, 1
-            if m.layers % (2 * p) == 0:
-                yield p, mult * p, 2
+        mult = 1
+        while mult <= MAX_MICROBATCHES and mult * p <= sequences:
+            for schedule, v in PIPELINE_SCHEDULES:
+                if m.layers % (v * p) == 0:
+                    yield p, mult * p, v, schedule
+            mult *= 2
 
 
-def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16) -> Iterator[Strategy]:
+def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16,
+            sequences: int = 2**30) -> Iterator[Strategy]:
     """Every combination of mesh sizes, ZeRO stage and remat policy for the cluster (micro-batch 1)."""
     devices = cluster.devices
     moe = m.moe
@@ -229,8 +240,8 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
     sp_options = ((False, False), (True, False), (True, True))  # (sequence parallelism, collective matmuls)
-    for t, (sp, ov), c, e, (p, mb, v) in itertools.product(
-        tensors, sp_options, contexts, experts, _pipelines(m, devices, max_stages)
+    for t, (sp, ov), c, e, (p, mb, v, schedule) in itertools.product(
+        tensors, sp_options, contexts, experts, _pipelines(m, devices, max_stages, sequences)
     ):
         if (sp and t == 1) or (p > 1 and (sp or c > 1)):  # the pipeline runs neither SP nor CP in a stage
             continue
@@ -241,8 +252,10 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             continue
         for f in _divisors(rest):
             d = rest // f
-            for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), REMATS):
-                yield Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v)
+            # A stage applies no layer remat (its backward recomputes each chunk once): one policy there.
+            remats = ("none",) if p > 1 else REMATS
+            for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
+                yield Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule)
 
 
 def loss_chunk_for(seq_len: int) -> int:
@@ -261,6 +274,8 @@ def state_bytes(mem: dict[str, float]) -> float:
 def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_peak: bool) -> str:
     """Why a layout does not fit at micro-batch 1: its largest term and the setting that would shrink it."""
     peak = "the loss" if loss_peak else "one layer's backward"
+    if layout.stage > 1:  # the backward slot: a chunk recomputed without layer remat, the head's loss
+        peak = "a chunk's backward (no remat in a stage)"
     terms = {"model state": state_bytes(mem), "activations": mem["activations"], peak: mem["transient"],
              "the scores mask": mem.get("mask", 0.0)}
     largest = max(terms, key=lambda k: terms[k])
@@ -271,6 +286,8 @@ def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_pe
     elif largest == "the loss":
         fix = (f"a smaller loss chunk than {layout.loss_chunk}" if layout.loss_chunk
                else "chunked loss (model.loss_chunk)") + ", or more tensor ways (the vocabulary splits)"
+    elif layout.stage > 1 and largest == peak:
+        fix = "fewer layers a chunk (more stages or repeats), flash attention, or more tensor ways"
     elif largest == "the scores mask":
         fix = "flash attention (--attention cudnn or blockwise)"
     else:
@@ -335,7 +352,7 @@ def search(
         if layout.family not in closest or need < closest[layout.family][0]:
             closest[layout.family] = (need, why)
 
-    for layout in layouts(m, cluster, seq_len):
+    for layout in layouts(m, cluster, seq_len, sequences=sequences):
         searched += 1
         place = placement(layout, base)
         problem = shape_problem(params, place, model_for(m, layout), seq_len)
@@ -423,8 +440,28 @@ def reasons(ranked: Sequence[Candidate]) -> list[str]:
                          f"({_gb(c.memory['total'])} vs {_gb(nxt.memory['total'])} GB)")
             else:
                 line += f"; ties #{i + 2} on time and memory, the simpler layout"
-        lines.append(line)
+        lines.append(line + _bubble_note(c))
+    piped = next(((i, c) for i, c in enumerate(ranked) if c.layout.stage > 1), None)
+    if piped and piped[0] >= 2 and ranked:  # why the best pipeline lost to the winner
+        i, c = piped
+        best = ranked[0]
+        diffs = {k: v - _parts(best.time).get(k, 0.0) for k, v in _parts(c.time).items()}
+        why = max(diffs, key=lambda k: diffs[k])
+        lines.append(f"best pipeline #{i + 1} {c.layout.describe()}: {_time(c.time['total'])}, "
+                     f"{100 * (c.time['total'] / best.time['total'] - 1):.0f}% slower than #1, most of it "
+                     f"{_time(diffs[why])} more {why}" + _bubble_note(c))
     return lines
+
+
+def _bubble_note(c: Candidate) -> str:
+    """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula."""
+    lay, t = c.layout, c.time
+    if lay.stage == 1 or t["bubble"] < max(t["exposed"], t["contention"]):
+        return ""
+    p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
+    return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
+            f"((p-1)/(v·m+p-1) = {100 * formula_bubble(p, m, v):.0f}% by the formula, idle slots computed masked "
+            "where a stage has partitioner axes)")
 
 
 def _gb(x: float) -> str:
@@ -527,7 +564,7 @@ def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path
         out["pipeline"] = {
             "microbatches": layout.pipeline_microbatches,
             "repeats": layout.repeats,
-            "schedule": "circular" if layout.repeats > 1 else "gpipe",
+            "schedule": layout.schedule,
         }
     return out
 

@@ -31,7 +31,10 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
   Hidden is not free on a GPU: NCCL's kernels take SMs from the matmuls they overlap, so
   ``overlap_cost`` of the hidden time is added (``contention``; 0 on TPUs, whose DMA
   engines move the data);
-* the pipeline bubble: (p − 1)/(v·m) of the compute.
+* the pipeline bubble (:func:`pipeline_loop`): the loop's ticks, each as long as its busiest
+  stage's forward and backward slots (the backward recomputes its chunk; the head on the last
+  stage, the embedding's gradient on the first), less the work they hold; where a stage has
+  partitioner axes every slot is computed every tick, so the bubble is masked compute.
 
 :func:`step_time` returns the parts, the exposed seconds by kind (``exposed.<kind>``) and
 the MFU; :func:`load_cluster` reads and checks a cluster file.
@@ -49,10 +52,12 @@ from typing import Any
 import yaml
 
 from jaxscale.analysis.communication import Flow
-from jaxscale.analysis.params import Param, Step, dtype_bytes
+from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table, stage_partitioned
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
 from jaxscale.layout import Layout
+from jaxscale.parallel import schedules
+from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 
 Table = list[list[float]]
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -258,10 +263,19 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + 3 * logits / 4 + weights) / bw
     recompute = {"none": 0.0, "save_dots": fwd_mem / bw, "save_named": fwd_mem / bw,
                  "full": fwd_mm + fwd_attn + fwd_mem / bw}[m.remat]
+    if layout.pipelined:  # the backward slot recomputes its chunk once; no layer remat inside a stage
+        recompute = fwd_mm + fwd_attn + fwd_mem / bw
     if m.loss_chunk:  # the chunked loss recomputes each chunk's logits in its backward
         recompute += head
-    if layout.pipelined:  # the stage forward again in the backward
-        recompute += fwd_mm + fwd_attn + fwd_mem / bw
+    pipeline = {}
+    if layout.pipelined:  # one slot of the loop: a chunk (1/v of the stage) on one microbatch
+        chunks = passes * step.repeats
+        pipeline = {
+            "chunk_forward": (fwd_mm + fwd_attn + (fwd_mem + weights) / bw) / chunks,
+            "chunk_backward": (3 * fwd_mm + 3.5 * fwd_attn + (3 * fwd_mem + weights) / bw) / chunks,
+            "head": (3 * head + logits / bw) / passes,  # forward and backward, on the last stage
+            "embedding_gradient": head / passes,  # the one-hot matmul, on the first stage
+        }
     return {
         "forward": forward,
         "backward": backward + recompute,
@@ -270,7 +284,25 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         "attention": 3.5 * fwd_attn,
         "memory_bound": (3 * fwd_mem + logits + 2 * weights) / bw,
         "optimizer": update / bw,
+        **pipeline,
     }
+
+
+def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: bool) -> float:
+    """Seconds of one pass of the pipeline loop (:mod:`jaxscale.parallel.schedules`): each tick as long as
+    its busiest stage's slots.
+
+    A forward slot runs a chunk forward, a backward slot recomputes it and runs its backward; the
+    last virtual stage's backward runs the head and loss too, the first's the embedding gradient.
+    ``masked`` (a stage with mesh axes left to the partitioner): every slot is computed every tick,
+    the head and embedding branches on every stage in the ticks where one needs them.
+    """
+    f, b, head, embed = (comp[k] for k in ("chunk_forward", "chunk_backward", "head", "embedding_gradient"))
+    fk, bk = table.f_kind, table.b_kind
+    if masked:
+        return float((f + b + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
+    busy = f * (fk > IDLE) + b * (bk > IDLE) + head * (bk == LAST) + embed * (bk == FIRST)
+    return float(busy.max(axis=1).sum())
 
 
 # -- communication -------------------------------------------------------------------------
@@ -313,8 +345,11 @@ def step_time(
     model_flops = flops_per_token(m, step.seq_len) * tokens
     comp = _compute(m, params, layout, step, cluster)
     compute = comp["forward"] + comp["backward"] + comp["optimizer"]
-    p = layout.ways(("layers",))
-    bubble = compute * (p - 1) / (step.repeats * step.pipeline_microbatches) if p > 1 else 0.0
+    bubble = 0.0
+    if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
+        loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp,
+                                                 stage_partitioned(m, layout, params or ()))
+        bubble = max(0.0, loop - comp["forward"] - comp["backward"])
     gather_scale = dtype_bytes(m.dtype) / dtype_bytes(m.param_dtype)
     exposed: dict[str, float] = {}
     hidden: dict[tuple[str, bool], list[tuple[str, float]]] = {}
