@@ -13,11 +13,13 @@ from helpers import TINY
 
 from jaxscale.analysis import plan
 from jaxscale.analysis.params import param_table
-from jaxscale.analysis.timing import crosses_nodes, load_cluster
+from jaxscale.analysis.timing import crosses_nodes, load_cluster, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
 from jaxscale.config import load_config
 from jaxscale.layout import KINDS, Rules
+from jaxscale.parallel import schedules
+from jaxscale.parallel.schedules import formula_bubble
 from jaxscale.train import Trainer
 
 TOKENS_4M = 4 * 2**20
@@ -220,7 +222,7 @@ def test_ties_break_on_memory_then_simplicity_and_identical_rows_merge(llama8b):
 
 
 def test_a_loss_too_big_to_fit_is_chunked_and_the_line_says_so(llama8b):
-    # Pipeline stages hold the whole vocabulary's logits on the last stage: the plain loss does not fit there.
+    # The whole vocabulary's logits of a large micro-batch: the plain loss does not fit beside the layers.
     model, params = llama8b
     result = plan.search(model, params, load_cluster("h100"), TOKENS_4M, 8192, top=0)
     chunked = [c for c in result.candidates if c.layout.loss_chunk]
@@ -233,3 +235,60 @@ def test_a_loss_too_big_to_fit_is_chunked_and_the_line_says_so(llama8b):
 
 def test_small_times_print_in_a_unit_that_fits():
     assert plan.unit_for(2.5) == ("s", 1.0) and plan.unit_for(0.004)[0] == "ms" and plan.unit_for(3e-5)[0] == "us"
+
+
+def test_pipelines_try_every_schedule_from_p_to_32p_microbatches():
+    model, _ = _llama("llama3-70b")
+    tried = list(plan._pipelines(model, 64, 16, sequences=512))
+    for p in (2, 4, 8, 16):
+        mine = [(m, v, s) for q, m, v, s in tried if q == p]
+        interleaved = {"interleaved_1f1b"} if model.layers % (2 * p) == 0 else set()  # 80 layers: not on 16
+        assert {s for _, _, s in mine} == {"gpipe", "1f1b"} | interleaved
+        assert min(m for m, _, _ in mine) == p and max(m for m, _, _ in mine) == 32 * p
+        assert all(v == (2 if s == "interleaved_1f1b" else 1) and m % p == 0 for m, v, s in mine)
+    assert max(m for _, m, _, _ in plan._pipelines(model, 64, 16, sequences=64)) == 64  # the batch's limit
+    assert {p for p, *_ in tried} == {1, 2, 4, 8, 16}  # 80 layers: no 32 stages (and at most 16)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_pipeline_time_is_the_tables_ticks(masked):
+    # Without head and embedding work, a skipping loop lasts Table.cost; a masked one every slot of every tick.
+    table = schedules.build("1f1b", 4, 16, 1)
+    comp = {"chunk_forward": 1.0, "chunk_backward": 3.0, "head": 0.0, "embedding_gradient": 0.0}
+    seconds = pipeline_loop(table, comp, masked)
+    assert seconds == (table.ticks * 4.0 if masked else table.cost(1.0, 3.0))
+    head = pipeline_loop(table, {**comp, "head": 0.5}, masked) - seconds
+    if masked:  # on every stage, in each tick where the last stage runs a backward: once per microbatch
+        assert head == 16 * 0.5
+    else:  # the last stage's forward slot is free (its backward runs it): the head hides there in part
+        assert 0 < head < 16 * 0.5
+
+
+def test_pipeline_stash_follows_the_schedule_and_the_bubble_shrinks_with_m():
+    model, params = _llama("llama3-70b")
+    cluster = load_cluster("h100", ["nodes=8"])
+
+    def run(schedule: str, m: int, v: int = 1) -> plan.Candidate:
+        layout = plan.Strategy(data=8, stage=8, micro_batch=1, pipeline_microbatches=m, repeats=v, schedule=schedule,
+                               loss_chunk=1024)
+        return plan.evaluate(model, params, layout, 8192, cluster)
+
+    one, many = run("1f1b", 32), run("1f1b", 128)
+    assert one.memory["activations"] == many.memory["activations"]  # about 2p stage inputs whatever m
+    assert run("gpipe", 128).memory["activations"] > 3 * run("gpipe", 32).memory["activations"]  # m inputs
+    assert many.time["bubble"] / many.time["total"] < one.time["bubble"] / one.time["total"]
+    assert run("interleaved_1f1b", 32, 2).time["bubble"] < one.time["bubble"]
+    # A pure pipeline x data skips idle slots: at most the formula's (p - 1) / (v·m + p - 1) of the loop, less
+    # where the last stage's head fills its free forward slots.
+    share = one.time["bubble"] / (one.time["compute"] + one.time["bubble"])
+    assert 0.25 * formula_bubble(8, 32, 1) < share < formula_bubble(8, 32, 1)
+
+
+def test_plan_70b_on_64_h100_considers_pipelines_and_says_why_the_best_lost():
+    model, params = _llama("llama3-70b")
+    result = plan.search(model, params, load_cluster("h100", ["nodes=8"]), TOKENS_4M, 8192, top=0)
+    piped = [c for c in result.candidates if c.layout.stage > 1]
+    assert piped and {c.layout.schedule for c in piped} >= {"1f1b", "interleaved_1f1b"}
+    assert all(c.time["bubble"] > 0 for c in piped)
+    if result.candidates[0].layout.stage == 1:
+        assert any(r.startswith("best pipeline #") for r in result.reasons), result.reasons
