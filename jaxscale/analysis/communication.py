@@ -32,9 +32,12 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
 * CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, as much backward plus the fp32 key and value
   gradients, which travel c hops (the last brings them home); with CP a gradient is all-reduced over
   the context axes and then over the data axes (two all-reduces, as compiled); PP: a
-  microbatch's b·s·h per loop tick (v·m + p − 1 of them, the bubble's included) each way, and the
-  last stage's outputs all-reduced over the stages forward and their gradient backward (b·s·h
-  each); EP: dispatch + combine all-to-all of
+  microbatch's b·s·h per loop tick (``Table.ticks`` of them, the bubble's included) each way; each
+  stage's copy of the embedding, final norm and head gathered once, its fp32 gradient
+  reduce-scattered over the stage's axes every tick and summed over the stages once
+  (:func:`_pipeline_outer_flows`); with v > 1 the blocks regrouped into chunks (all-to-all);
+  inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
+  where there are any); EP: dispatch + combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md).
 
 Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
