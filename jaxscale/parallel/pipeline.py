@@ -22,8 +22,9 @@ at the end of the tick and wait in slots of the receiver's buffers until used. T
 GPipe, about 2·(p − 1) for 1F1B in lock-step ticks, whatever m) plus, transiently, one chunk's
 residuals inside the backward slot. The logits of one microbatch live only inside the last
 stage's backward slot (none with ``model.loss_chunk``). **One recompute**: each layer runs forward
-twice per microbatch (the forward slot, then the backward slot's ``vjp``), and the layer's own
-``model.remat`` policy is not applied inside a stage, so no layer is recomputed twice.
+twice per microbatch (the forward slot, then the backward slot's ``vjp``); neither ``model.remat``'s
+policy nor ``selective``'s attention checkpoint applies inside a stage (:func:`~jaxscale.models.llama.recomputed`),
+so no layer is recomputed twice.
 
 **What it communicates**, b·s·h the bytes of one microbatch's activations on a device:
 collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
@@ -59,6 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
+from jaxscale.models.llama import recomputed
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
@@ -204,7 +206,7 @@ def objective(
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
-        with use_rules(jax.sharding.get_abstract_mesh(), inner):
+        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed():
             # Embedding and head gathered over the stage's axes once, before the loop (see ``skip``).
             outer = jax.tree.map(
                 lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
