@@ -250,8 +250,9 @@ def test_the_head_matmul_appears_once_in_the_step():
 
 @pytest.mark.parametrize("remat", ["selective", "full"])
 def test_a_layer_is_recomputed_once(remat):
-    """Whatever model.remat says, no checkpoint inside the stage: the backward slot's vjp is the one recompute."""
-    assert not [e for e in eqns(traced_step(f"model.remat={remat}")) if e.primitive.name in ("checkpoint", "remat")]
+    """Whatever model.remat says, no checkpoint (``remat2``) inside the stage: the backward slot's vjp is the
+    one recompute (the same step without a pipeline has one per layer)."""
+    assert not [e for e in eqns(traced_step(f"model.remat={remat}")) if e.primitive.name.startswith("remat")]
 
 
 # -- errors, before anything compiles --------------------------------------------------
