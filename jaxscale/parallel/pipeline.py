@@ -169,8 +169,9 @@ def objective(
     # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
     # SPMD partitioner cannot split the collectives of a conditional whose branch differs between
     # stages (a check fails in spmd_partitioner_util; on CPU a collective-permute in a branch waits
-    # for every device). The head's conditional holds no such collective: its weights are gathered
-    # over the stage's axes before the loop.
+    # for every device). The head (and the embedding's gradient), which one stage needs in some
+    # ticks, then runs in a conditional whose predicate comes from the tick's row of the table: the
+    # same on every stage, so every stage runs it in those ticks and keeps it only where it belongs.
     skip = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in manual)
     steps = layers  # stacked units: blocks, or groups of blocks with one MoE layer each
     tokens_total = tokens.size
@@ -207,7 +208,8 @@ def objective(
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed():
-            # Embedding and head gathered over the stage's axes once, before the loop (see ``skip``).
+            # Embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
+            # partition their lookup or scatter against FSDP shards inside the partly manual region.
             outer = jax.tree.map(
                 lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
