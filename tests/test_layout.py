@@ -133,7 +133,9 @@ def test_pipeline_errors():
            r"^rules 'pp_edited': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage")
     refuse(on(edited("pp", length="context", norm_length="context"), stage=2, context=2),
            r"^rules 'pp_edited': context parallelism \(length on \['context'\]\) inside a pipeline stage")
-    refuse(on("pp", stage=2, data=4), r"^pipeline parallelism \(layers on stage\) cannot carry model\.moe", *MOE)
+    refuse(on("pp", stage=2, data=4), r"^rules 'pp': model\.moe\.impl=shard_map inside a pipeline stage nests a "
+           r"shard_map", *MOE, "model.moe.impl=shard_map")
+    on("pp", stage=2, data=4).validate(tiny_config(*MOE, "model.moe.impl=partitioner"))
 
 
 def test_sequence_parallel_errors():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.extend
 import numpy as np
 import pytest
 import yaml
@@ -222,25 +223,36 @@ def test_1f1b_memory_does_not_grow_with_microbatches_where_gpipe_does():
     assert gpipe[16 * p] - gpipe[4 * p] >= 12 * p * 32 * 64 * 4
 
 
-def head_matmuls(jaxpr) -> int:
-    """dot_generals of the jaxpr (and its sub-jaxprs) that produce [.., vocab] from [.., embed]."""
-    count = 0
+def eqns(jaxpr):
+    """Every equation of the jaxpr and of its sub-jaxprs."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            a, b = (v.aval.shape for v in eqn.invars)
-            out = eqn.outvars[0].aval.shape
-            count += out[-1] == 256 and 64 in (a[-1], b[0])
+        yield eqn
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            count += head_matmuls(sub)
-    return count
+            yield from eqns(sub)
+
+
+def traced_step(*overrides: str):
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), *overrides, rules="pp", mesh=MESHES[2]))
+    with trainer.scope():
+        return jax.make_jaxpr(trainer.loss_and_grads)(trainer.abstract_state().params, trainer.abstract_batch()).jaxpr
 
 
 def test_the_head_matmul_appears_once_in_the_step():
-    """One forward head matmul in the traced step, in the last stage's conditional (once per microbatch)."""
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), rules="pp", mesh=MESHES[2]))
-    with trainer.scope():
-        jaxpr = jax.make_jaxpr(trainer.loss_and_grads)(trainer.abstract_state().params, trainer.abstract_batch())
-    assert head_matmuls(jaxpr.jaxpr) == 1
+    """One forward head matmul ([.., embed] -> [.., vocab]) in the traced step: in the last stage's conditional,
+    which the table takes once per microbatch."""
+    heads = 0
+    for eqn in eqns(traced_step()):
+        if eqn.primitive.name == "dot_general":
+            a, b = (v.aval.shape for v in eqn.invars)
+            heads += eqn.outvars[0].aval.shape[-1] == 256 and 64 in (a[-1], b[0])
+    assert heads == 1
+
+
+@pytest.mark.parametrize("remat", ["selective", "full"])
+def test_a_layer_is_recomputed_once(remat):
+    """Whatever model.remat says, no checkpoint (``remat2``) inside the stage: the backward slot's vjp is the
+    one recompute (the same step without a pipeline has one per layer)."""
+    assert not [e for e in eqns(traced_step(f"model.remat={remat}")) if e.primitive.name.startswith("remat")]
 
 
 # -- errors, before anything compiles --------------------------------------------------

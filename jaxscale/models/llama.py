@@ -25,8 +25,10 @@ their mean over the MoE layers next to the logits.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +94,20 @@ def embed_tokens(
             dims[dest] = [a for a in target[dest] if a in (*dims[dest], axis)]
             x = layout(x)
     return constrain(x, RESIDUAL)
+
+
+_RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxscale_recomputed", default=False)
+
+
+@contextlib.contextmanager
+def recomputed() -> Iterator[None]:
+    """Within this block the caller recomputes whole layers itself (a pipeline's backward slot), so
+    ``model.remat: selective`` recomputes no attention core a second time."""
+    token = _RECOMPUTED.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTED.reset(token)
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:
@@ -191,7 +207,7 @@ class Attention(nnx.Module):
         k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
-        if c.remat == "selective":  # keep q, k, v; recompute the core in the backward
+        if c.remat == "selective" and not _RECOMPUTED.get():  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         out = core(q, k, v)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")

@@ -22,8 +22,9 @@ at the end of the tick and wait in slots of the receiver's buffers until used. T
 GPipe, about 2·(p − 1) for 1F1B in lock-step ticks, whatever m) plus, transiently, one chunk's
 residuals inside the backward slot. The logits of one microbatch live only inside the last
 stage's backward slot (none with ``model.loss_chunk``). **One recompute**: each layer runs forward
-twice per microbatch (the forward slot, then the backward slot's ``vjp``), and the layer's own
-``model.remat`` policy is not applied inside a stage, so no layer is recomputed twice.
+twice per microbatch (the forward slot, then the backward slot's ``vjp``); neither ``model.remat``'s
+policy nor ``selective``'s attention checkpoint applies inside a stage (:func:`~jaxscale.models.llama.recomputed`),
+so no layer is recomputed twice.
 
 **What it communicates**, b·s·h the bytes of one microbatch's activations on a device:
 collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
@@ -59,6 +60,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
+from jaxscale.models.llama import recomputed
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
@@ -167,8 +169,9 @@ def objective(
     # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
     # SPMD partitioner cannot split the collectives of a conditional whose branch differs between
     # stages (a check fails in spmd_partitioner_util; on CPU a collective-permute in a branch waits
-    # for every device). The head's conditional holds no such collective: its weights are gathered
-    # over the stage's axes before the loop.
+    # for every device). The head (and the embedding's gradient), which one stage needs in some
+    # ticks, then runs in a conditional whose predicate comes from the tick's row of the table: the
+    # same on every stage, so every stage runs it in those ticks and keeps it only where it belongs.
     skip = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in manual)
     steps = layers  # stacked units: blocks, or groups of blocks with one MoE layer each
     tokens_total = tokens.size
@@ -204,8 +207,9 @@ def objective(
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
-        with use_rules(jax.sharding.get_abstract_mesh(), inner):
-            # Embedding and head gathered over the stage's axes once, before the loop (see ``skip``).
+        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed():
+            # Embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
+            # partition their lookup or scatter against FSDP shards inside the partly manual region.
             outer = jax.tree.map(
                 lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
