@@ -186,15 +186,14 @@ def _llama(name: str):
 def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node():
     # torchtitan's Llama 3 8B recipe: FSDP over the 8 GPUs, 8192-token sequences (33-39% MFU published).
     model, params = _llama("llama3-8b")
-    # With the lean norms and SwiGLU (models/lean.py) and the bf16 compute copy, fsdp=4 x tensor=2 + SP
-    # without remat fits too and ranks within 1% of it: fsdp=8 is one of the two best, within 2%.
     result = plan.search(model, params, load_cluster("h100"), 2**20, 8192, top=0)
-    top = result.candidates[:2]
-    assert "fsdp=8" in [c.layout.mesh_text for c in top], plan.table(result)
-    fsdp = next(c for c in top if c.layout.mesh_text == "fsdp=8")
-    assert fsdp.time["total"] <= 1.02 * top[0].time["total"]
-    assert 0.3 < fsdp.time["mfu"] < 0.7
+    best = result.candidates[0]
+    assert best.layout.mesh_text == "fsdp=8", plan.table(result)
+    assert 0.3 < best.time["mfu"] < 0.7
     assert "beats #2" in result.reasons[0]
+    # fsdp x tensor + SP fits without remat too: its collectives cost more than FSDP's gathers hidden by compute.
+    tp = [c for c in result.candidates if c.layout.tensor > 1]
+    assert tp and all(c.time["total"] > best.time["total"] for c in tp)
 
 
 def test_llama3_70b_on_64_h100_ranks_tp8_fsdp_near_the_winner():

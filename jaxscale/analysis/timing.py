@@ -191,14 +191,23 @@ def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node
 # -- compute -------------------------------------------------------------------------------
 
 
+def ring_steps(m: ModelConfig, layout: Layout) -> int:
+    """How many pieces a collective matmul (``model.tp_overlap``) cuts each SP projection into: the SP ways, or 1."""
+    return layout.size(layout.sequence_axes) if m.tp_overlap and layout.sequence_axes else 1
+
+
 def _matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
-    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch."""
+    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch.
+
+    Under collective matmuls each projection runs as one matmul per ring step, on 1/t of the tokens.
+    """
     t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
     h, ad, gd = m.embed, m.heads * m.head_dim, m.kv_heads * m.head_dim
-    out = [(1, tokens, ad / t_q, h), (2, tokens, gd / t_kv, h), (1, tokens, h, ad / t_q)]
+    r = ring_steps(m, layout)
+    out = [(r, tokens / r, ad / t_q, h), (2 * r, tokens / r, gd / t_kv, h), (r, tokens / r, h, ad / t_q)]
     moe = m.moe
     if moe is None:
-        return [*out, (2, tokens, m.mlp / t_f, h), (1, tokens, h, m.mlp / t_f)]
+        return [*out, (2 * r, tokens / r, m.mlp / t_f, h), (r, tokens / r, h, m.mlp / t_f)]
     # Routed experts: the device's E/ep experts see ep·M·k/E tokens each; averaged over the MoE layers.
     ep = layout.ways(("expert",))
     f = moe.mlp or m.mlp
@@ -218,6 +227,27 @@ def matmul_seconds(cluster: Cluster, count: float, mm: float, n: float, k: float
     return count * 2 * mm * n * k / (cluster.peak_flops * cluster.matmul_eff((mm * n * k) ** (1 / 3)))
 
 
+def collective_matmul_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """Elements per token a forward of the collective matmuls (``model.tp_overlap``) reads and writes in device
+    memory beyond their matmuls: (per layer, for the output head), 0 without them.
+
+    As :mod:`jaxscale.parallel.collective_matmul` writes them: an all-gather matmul (q, k, v; gate, up; the head
+    under the plain loss) zero-fills its output and copies each step's partial product into its slot (a
+    dynamic-update-slice: write, read, write of the output); a matmul reduce-scatter (attention out, MLP down)
+    slices each step's rows off its input (read, write) and adds its partial sum to the ring's accumulator
+    t − 1 times (2 reads, 1 write of a 1/t piece of b·s·h). The backward's transposes move as many again.
+    """
+    t = ring_steps(m, layout)
+    if t == 1:
+        return 0.0, 0.0
+    t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
+    gathered = (m.heads / t_q + 2 * m.kv_heads / t_kv) * m.head_dim + 2 * m.mlp / t_f
+    scattered_in = m.heads * m.head_dim / t_q + m.mlp / t_f
+    per_layer = 3 * gathered + 2 * scattered_in + 2 * 3 * (t - 1) / t * m.embed
+    head = 0.0 if m.loss_chunk else 3 * m.vocab_size / layout.ways(("vocab",))
+    return per_layer, head
+
+
 def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, step: Step,
              cluster: Cluster) -> dict[str, float]:
     """Seconds of the step's compute on one device: forward, backward and recomputation, by part."""
@@ -232,7 +262,8 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     sp = layout.size(layout.sequence_axes)
 
     fwd_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _matmuls(m, layout, micro))
-    head = passes * matmul_seconds(cluster, 1, micro, m.vocab_size / t_v, m.embed)
+    r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
+    head = passes * matmul_seconds(cluster, r, micro / r, m.vocab_size / t_v, m.embed)
     attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * m.head_dim * layers  # causal: half of QK and PV
     fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
     # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
@@ -240,6 +271,9 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     elems = (10 * m.embed) / sp + 2 * (m.heads / t_q + m.kv_heads / layout.ways(("kv_heads",))) * m.head_dim
     elems += 3 * (m.moe.mlp or m.mlp if m.moe else m.mlp) / layout.ways(("mlp",))
     fwd_mem = tokens * layers * elems * cbytes
+    cm_layer, cm_head = collective_matmul_elements(m, layout)
+    cm_layers = tokens * layers * cm_layer * cbytes  # forward; the backward's transposes as much again
+    fwd_cm = cm_layers + tokens * cm_head * cbytes
     if m.attention not in ("blockwise", "ring", "cudnn"):  # s x s fp32 scores written and read 4 times
         fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
@@ -254,10 +288,10 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         if m.dtype != m.param_dtype:
             weights = passes * held * (pbytes + cbytes)
     bw = cluster.memory_bandwidth
-    forward = fwd_mm + head + fwd_attn + (fwd_mem + logits / 4 + weights) / bw
-    backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + 3 * logits / 4 + weights) / bw
+    forward = fwd_mm + head + fwd_attn + (fwd_mem + fwd_cm + logits / 4 + weights) / bw
+    backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + fwd_cm + 3 * logits / 4 + weights) / bw
     recompute = {"none": 0.0, "save_dots": fwd_mem / bw, "save_named": fwd_mem / bw,
-                 "full": fwd_mm + fwd_attn + fwd_mem / bw}[m.remat]
+                 "full": fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw}[m.remat]
     if m.loss_chunk:  # the chunked loss recomputes each chunk's logits in its backward
         recompute += head
     if layout.pipelined and step.pipeline_remat:  # the stage forward again in the backward
@@ -268,7 +302,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         "recompute": recompute,
         "matmul": 3 * (fwd_mm + head),
         "attention": 3.5 * fwd_attn,
-        "memory_bound": (3 * fwd_mem + logits + 2 * weights) / bw,
+        "memory_bound": (3 * fwd_mem + 2 * fwd_cm + logits + 2 * weights) / bw,
         "optimizer": update / bw,
     }
 
