@@ -230,3 +230,17 @@ def test_a_loss_too_big_to_fit_is_chunked_and_the_line_says_so(llama8b):
 
 def test_small_times_print_in_a_unit_that_fits():
     assert plan.unit_for(2.5) == ("s", 1.0) and plan.unit_for(0.004)[0] == "ms" and plan.unit_for(3e-5)[0] == "us"
+
+
+def test_collective_matmuls_hide_their_permutes_but_pay_their_decomposition():
+    # model.tp_overlap takes SP's collectives off the critical path; its ring steps copy products into
+    # their slots, slice inputs and add partial sums in device memory (analysis.timing.collective_matmul_elements).
+    model, params = _llama("llama3-8b")
+    cluster = load_cluster("h100")
+    base = plan.Strategy(fsdp=4, tensor=2, sequence=True, micro_batch=2, accumulation=16, loss_chunk=1024)
+    plain = plan.evaluate(model, params, base, 8192, cluster).time
+    ring = plan.evaluate(model, params, dataclasses.replace(base, tp_overlap=True), 8192, cluster).time
+    assert ring["exposed.TP"] < 0.1 * plain["exposed.TP"]
+    assert ring["memory_bound"] > 1.5 * plain["memory_bound"]
+    assert ring["matmul"] >= plain["matmul"]  # the same FLOPs, on 1/t of the tokens at a time
+    assert ring["compute"] > plain["compute"] + 0.5 * plain["exposed.TP"]
