@@ -12,8 +12,9 @@ import yaml
 from helpers import TINY
 
 from jaxscale.analysis import plan
+from jaxscale.analysis.communication import Flow
 from jaxscale.analysis.params import param_table
-from jaxscale.analysis.timing import crosses_nodes, load_cluster
+from jaxscale.analysis.timing import collective_seconds, crosses_nodes, load_cluster, members_per_node
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
 from jaxscale.config import load_config
@@ -195,12 +196,35 @@ def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node():
 
 
 def test_llama3_70b_on_64_h100_ranks_tp8_fsdp_near_the_winner():
-    # torchtitan's Llama 3 70B layout: TP 8 within a node x FSDP 8 across (Megatron: 42-47% MFU at this scale).
+    # torchtitan's Llama 3 70B layout: TP 8 within a node x FSDP 8 across. FSDP over all 64 GPUs (MaxText's H100
+    # recipe, NVIDIA/dgxc-benchmarking maxtext/README_70b.md) moves each node's share of the weights once over its
+    # 8 NICs and hides behind compute: it wins; TP 8's collective matmuls pay their decomposition, plain SP its
+    # collectives, so TP 8 x FSDP 8 trails it by about a fifth (NeMo's 70B recipe on 64 H100s: TP 4 x PP 4 x CP 2).
     model, params = _llama("llama3-70b")
     result = plan.search(model, params, load_cluster("h100", ["nodes=8"]), 4 * 2**20, 8192, top=0)
-    best = result.candidates[0].time["total"]
+    best = result.candidates[0]
+    assert best.layout.tensor == 1 and best.layout.fsdp >= 32, plan.table(result)
     tp8 = [c for c in result.candidates if c.layout.tensor == 8 and c.layout.fsdp > 1]
-    assert tp8 and tp8[0].time["total"] <= 1.1 * best, plan.table(result)
+    assert tp8 and tp8[0].time["total"] <= 1.25 * best.time["total"], plan.table(result)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nodes", "seq_len", "measured"),
+    [
+        (["model.vocab_size=32000"], 8, 4096, 6.999),  # Llama 2 70B, FSDP 64, 2 x 4096 tokens per GPU
+        ([], 16, 8192, 15.563),  # Llama 3 70B, FSDP 128, 2 x 8192 tokens per GPU
+    ],
+    ids=["llama2-70b-64gpu", "llama3-70b-128gpu"],
+)
+def test_fsdp_step_time_is_near_maxtexts_measured_on_h100(overrides, nodes, seq_len, measured):
+    # NVIDIA/dgxc-benchmarking maxtext/README_70b.md: MaxText (JAX/XLA) BF16 on DGX H100, FSDP over every GPU,
+    # micro-batch 2, no accumulation, measured seconds per step (remat full: MaxText's default policy). FSDP across
+    # nodes is bound by each node's 8 NICs together, not one GPU's (the flat reading predicted 13.4 s for 7.0 s).
+    config = load_config(None, ["model=llama3-70b", "model.attention=cudnn", *overrides])
+    cluster = load_cluster("h100", [f"nodes={nodes}"])
+    layout = plan.Strategy(fsdp=cluster.devices, micro_batch=2, remat="full")
+    predicted = plan.evaluate(config.model, param_table(config), layout, seq_len, cluster).time["total"]
+    assert predicted == pytest.approx(measured, rel=0.15)
 
 
 def test_ties_break_on_memory_then_simplicity_and_identical_rows_merge(llama8b):
@@ -244,3 +268,18 @@ def test_collective_matmuls_hide_their_permutes_but_pay_their_decomposition():
     assert ring["memory_bound"] > 1.5 * plain["memory_bound"]
     assert ring["matmul"] >= plain["matmul"]  # the same FLOPs, on 1/t of the tokens at a time
     assert ring["compute"] > plain["compute"] + 0.5 * plain["exposed.TP"]
+
+
+def test_a_collective_across_nodes_shares_each_nodes_nics():
+    # A ring over 8 GPUs in each of 8 nodes brings 7/8 of the data into a node once, over its 8 NICs together;
+    # a group with one GPU per node sends all of its bytes through that GPU's own NIC.
+    cluster = load_cluster("h100", ["nodes=8"])
+    mesh = {**{a: 1 for a in plan.MESH_AXES}, "data": 8, "fsdp": 8}
+    assert members_per_node(["fsdp"], mesh, 8) == 8 and members_per_node(["data"], mesh, 8) == 1
+    assert members_per_node(["data", "fsdp"], mesh, 8) == 8
+    gather = Flow("w", "all-gather", ("data", "fsdp"), 1e9, 1, 64, "forward", True)
+    rail = collective_seconds(gather, cluster, True, per_node=8)[0]
+    flat = collective_seconds(gather, cluster, True, per_node=1)[0]
+    assert 6 < flat / rail < 10
+    a2a = Flow("x", "all-to-all", ("data", "fsdp"), 1e9, 1, 64, "forward", False)
+    assert collective_seconds(a2a, cluster, True, per_node=8)[0] > 0.8 * collective_seconds(a2a, cluster, True)[0]

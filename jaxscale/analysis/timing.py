@@ -178,14 +178,30 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
     return cluster
 
 
-def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> bool:
-    """Whether a group over ``axes`` spans nodes: devices are numbered along the mesh, ``tensor`` fastest."""
+def _strides(mesh: Mapping[str, int]) -> dict[str, int]:
+    """Device-id stride of each mesh axis: devices are numbered along the mesh, ``tensor`` fastest."""
     stride_of = {}
     stride = 1
     for axis in reversed(MESH_AXES):
         stride_of[axis] = stride
         stride *= mesh[axis]
+    return stride_of
+
+
+def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> bool:
+    """Whether a group over ``axes`` spans nodes: devices are numbered along the mesh, ``tensor`` fastest."""
+    stride_of = _strides(mesh)
     return any(stride_of[a] * mesh[a] > devices_per_node for a in axes if mesh[a] > 1)
+
+
+def members_per_node(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> int:
+    """How many devices of one group over ``axes`` share a node (each with its own NIC)."""
+    stride_of = _strides(mesh)
+    inside = 1
+    for a in axes:
+        if mesh[a] > 1 and stride_of[a] < devices_per_node:
+            inside *= min(mesh[a], devices_per_node // stride_of[a])
+    return inside
 
 
 # -- compute -------------------------------------------------------------------------------
@@ -235,7 +251,8 @@ def collective_matmul_elements(m: ModelConfig, layout: Layout) -> tuple[float, f
     under the plain loss) zero-fills its output and copies each step's partial product into its slot (a
     dynamic-update-slice: write, read, write of the output); a matmul reduce-scatter (attention out, MLP down)
     slices each step's rows off its input (read, write) and adds its partial sum to the ring's accumulator
-    t − 1 times (2 reads, 1 write of a 1/t piece of b·s·h). The backward's transposes move as many again.
+    t − 1 times, an add XLA folds into the matmul (cuBLAS's C operand, beta = 1: one more read of a 1/t
+    piece of b·s·h). The backward's transposes move as many again.
     """
     t = ring_steps(m, layout)
     if t == 1:
@@ -243,7 +260,7 @@ def collective_matmul_elements(m: ModelConfig, layout: Layout) -> tuple[float, f
     t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
     gathered = (m.heads / t_q + 2 * m.kv_heads / t_kv) * m.head_dim + 2 * m.mlp / t_f
     scattered_in = m.heads * m.head_dim / t_q + m.mlp / t_f
-    per_layer = 3 * gathered + 2 * scattered_in + 2 * 3 * (t - 1) / t * m.embed
+    per_layer = 3 * gathered + 2 * scattered_in + 2 * (t - 1) / t * m.embed
     head = 0.0 if m.loss_chunk else 3 * m.vocab_size / layout.ways(("vocab",))
     return per_layer, head
 
@@ -324,16 +341,36 @@ def flow_kind(f: Flow) -> str:
     return "FSDP gather"
 
 
-def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.0) -> tuple[float, float]:
-    """(seconds of all its runs, seconds of one run) of a flow at its link level; ``scale`` rescales its bytes."""
+def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.0,
+                       per_node: int = 1) -> tuple[float, float]:
+    """(seconds of all its runs, seconds of one run) of a flow at its link level; ``scale`` rescales its bytes.
+
+    Across nodes, a ring all-gather, reduce-scatter or all-reduce over ``per_node`` devices of each of k
+    nodes moves (k − 1)/k of the data into each node once, shared by the node's ``per_node`` NICs, while
+    the rest of each device's wire bytes stay on NVLink / ICI: the slower of the two links sets the time
+    (NCCL's rings enter and leave a node on a different NIC per channel). An all-to-all sends the part
+    for other nodes through each device's own NIC; a permute crossing nodes sends all of it.
+    """
     level = "inter" if inter else "intra"
-    latency = cluster.latency_inter if inter else cluster.latency_intra
-    bandwidth = cluster.inter_bandwidth if inter else cluster.intra_bandwidth
+    wire = f.wire_bytes / f.runs * scale
+    steps = 1 if f.kind == "collective-permute" else math.ceil(math.log2(f.n)) * (2 if f.kind == "all-reduce" else 1)
     measured = (cluster.collectives or {}).get(level, {}).get(f.kind)
     if measured:
         latency, bandwidth = measured
-    steps = 1 if f.kind == "collective-permute" else math.ceil(math.log2(f.n)) * (2 if f.kind == "all-reduce" else 1)
-    one = latency * steps + f.wire_bytes / f.runs * scale / bandwidth
+        one = latency * steps + wire / bandwidth
+    elif not inter:
+        one = cluster.latency_intra * steps + wire / cluster.intra_bandwidth
+    else:
+        g, n = per_node, f.n
+        if f.kind in ("all-gather", "reduce-scatter", "all-reduce"):
+            k = n / g
+            nic = wire * ((k - 1) / k) / ((n - 1) / n) / g
+        elif f.kind == "all-to-all":
+            nic = wire * (n - g) / (n - 1)
+        else:
+            nic = wire
+        one = cluster.latency_inter * steps + max(nic / cluster.inter_bandwidth,
+                                                  (wire - nic) / cluster.intra_bandwidth)
     return one * f.runs, one
 
 
@@ -357,7 +394,8 @@ def step_time(
         inter = crosses_nodes(f.axes, layout.mesh, cluster.devices_per_node)
         kind = flow_kind(f)
         scale = gather_scale if kind == "FSDP gather" else 1.0
-        seconds, one = collective_seconds(f, cluster, inter, scale)
+        per_node = members_per_node(f.axes, layout.mesh, cluster.devices_per_node)
+        seconds, one = collective_seconds(f, cluster, inter, scale, per_node)
         total_comm += seconds
         if not f.overlap:
             exposed[kind] = exposed.get(kind, 0.0) + seconds
