@@ -13,14 +13,18 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
   s x s scores at the memory bandwidth;
 * **memory-bound work** at ``memory_bandwidth``: norms, residual adds, RoPE and SwiGLU's
   elementwise product (forward, backward twice), the cross-entropy's logits, the weights'
-  cast to the compute dtype, the gradient accumulator and the optimizer update;
+  cast to the compute dtype, the gradient accumulator and the optimizer update; under
+  ``model.tp_overlap`` the collective matmuls' slot copies, slices and ring accumulators
+  (:func:`collective_matmul_elements`), whose matmuls run one per ring step on 1/t of the tokens;
 * **recomputation**: ``save_dots`` redoes the memory-bound forward, ``full`` the whole layer
   forward, the pipeline's stage recompute the whole stage forward, the chunked loss
   (``model.loss_chunk``) the head's forward;
 * **collectives** (:func:`collective_seconds`): per run a latency (``latency_intra`` /
   ``latency_inter`` per step of a log2 tree, twice for an all-reduce; one step for a
   permute) plus wire bytes over the bandwidth of the slowest link the group crosses (within
-  a node / ICI, across nodes / DCN); measured per collective kind where the cluster file
+  a node / ICI, across nodes / DCN; across nodes a ring all-gather, reduce-scatter or
+  all-reduce brings each node's share in once over the NICs of all the group's devices in
+  the node, :func:`collective_seconds`); measured per collective kind where the cluster file
   has a ``collectives`` table. Weight all-gathers are costed in the compute dtype (the
   master shard is cast before it is gathered);
 * **overlap**, as XLA's latency-hiding scheduler places it: a flow marked ``overlap``
