@@ -204,8 +204,8 @@ class PrecisionConfig:
     """Mixed precision (``jaxscale/precision.py``) and low-precision matmuls (``jaxscale/fp8.py``).
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
-    updates (auto: ``model.param_dtype``); ``grads_reduce``: the gradient accumulator's dtype under
-    ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
     """
 
     params: CopyDType = "auto"

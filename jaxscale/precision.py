@@ -6,13 +6,17 @@ The policy (config ``precision``) names three dtypes:
   the rules table's parameter rules: whole under DP and ZeRO-1/2, sharded under ZeRO-3.
 - ``master``: the weights the optimizer updates (auto: ``model.param_dtype``), laid out
   with Adam's moments by the table's ``optimizer`` rules: a shard per device from ZeRO-1 on.
-- ``grads_reduce``: the dtype in which gradients are summed over microbatches and summed
-  onto the optimizer's layout. XLA's partitioner places each cross-device sum of a
-  weight gradient right after the matmul that produces it, in that matmul's output
-  dtype, which is the compute copy's: with bf16 compute the cross-device sum of one
-  microbatch is a bf16 reduce-scatter (all-reduce under DP, ZeRO-1), as it was before
-  this policy; float32 makes the microbatch accumulator and everything after it fp32,
-  bfloat16 keeps the accumulator in bf16 too.
+- ``grads_reduce``: the dtype in which gradients are summed across devices and over
+  microbatches. XLA's partitioner places each cross-device sum of a weight gradient right
+  after the matmul that produces it, in that matmul's output dtype. With ``float32`` and
+  bf16 compute, the weight-gradient matmuls produce fp32 (:func:`einsum`: bf16 inputs,
+  ``preferred_element_type=float32``; the embedding's scatter-add likewise, :func:`take`),
+  so each microbatch's reduce-scatter (all-reduce under DP, ZeRO-1) is fp32, 4Ψ bytes
+  where bf16 moves 2Ψ, and the sum is rounded to the compute copy's dtype once, after it;
+  the microbatch accumulator is fp32. Inside ``shard_map`` (sequence parallelism, expert
+  parallelism) the explicit sums are fp32 too (:func:`all_gather`, :func:`vary`), of
+  partial gradients already rounded to bf16. ``bfloat16`` leaves the matmuls to autodiff:
+  bf16 sums, a bf16 accumulator. (The grouped matmuls of dropless experts keep autodiff's.)
 
 When the compute copy and the master have one dtype (fp32 training, or pure bf16) there
 is one copy, the parameters, and ``TrainState.master`` is empty: the step is the plain
@@ -36,12 +40,14 @@ accumulator of 4Ψ, or 4Ψ/N under ZeRO-2/3, with ``train.microbatches`` > 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import Config, ConfigError
 
@@ -73,6 +79,123 @@ def resolve(model: Mapping[str, Any], precision: Mapping[str, Any]) -> Policy:
 def policy(config: Config) -> Policy:
     """The policy of ``config``."""
     return resolve(dataclasses.asdict(config.model), dataclasses.asdict(config.precision))
+
+
+def weight_grads(config: Config) -> jnp.dtype | None:
+    """The dtype the weight-gradient matmuls produce and reduce in: ``precision.grads_reduce`` where it is
+    wider than the compute dtype (``model.dtype``), else None (autodiff's: the compute dtype)."""
+    reduce, compute = jnp.dtype(config.precision.grads_reduce), jnp.dtype(config.model.dtype)
+    return reduce if jnp.finfo(reduce).bits > jnp.finfo(compute).bits else None
+
+
+WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves
+
+
+def einsum(equation: str, x: jax.Array, w: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+    """``jnp.einsum(equation, x, w)`` of activations ``x`` and a weight ``w``, the weight's gradient matmul
+    producing ``grads`` (:func:`weight_grads`; None: autodiff's einsum).
+
+    With ``grads``, a ``custom_vjp``: the input gradient as autodiff computes it, the weight gradient
+    ``einsum(x, g, preferred_element_type=grads)``, summed over the mesh axes ``x`` varies over and
+    ``w`` does not (inside a ``shard_map``: data parallelism's ``psum``), then cast to ``w``'s dtype.
+    Under the partitioner, the cross-device sum XLA puts right after that matmul is in ``grads``.
+    A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
+    without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
+    """
+    if grads is None:
+        return jnp.einsum(equation, x, w)
+    lhs, rhs, out = _letters(equation)
+    y = _weight_einsum(equation, jnp.dtype(grads), x, w)
+    return y if set(lhs) & set(rhs) & set(out) - {"."} else checkpoint_name(y, WEIGHT_DOT)
+
+
+def _letters(equation: str) -> tuple[str, str, str]:
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _weight_einsum(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(equation, x, w)
+
+
+def _weight_einsum_forward(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
+    return jnp.einsum(equation, x, w), (x, w)
+
+
+def _weight_einsum_backward(equation: str, grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, ...]:
+    x, w = saved
+    lhs, rhs, out = _letters(equation)
+    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w), x)
+    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads)
+    summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w).mat.varying))
+    if summed:
+        dw = jax.lax.psum(dw, summed)
+    return x_vjp(g)[0], dw.astype(w.dtype)
+
+
+_weight_einsum.defvjp(_weight_einsum_forward, _weight_einsum_backward)
+
+
+def take(table: jax.Array, ids: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+    """Rows ``table[ids]`` (an embedding lookup), the table's gradient (a scatter-add) summed in ``grads``
+    (None: autodiff's, the table's dtype)."""
+    return jnp.take(table, ids, axis=0) if grads is None else _take(jnp.dtype(grads), table, ids)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _take(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_forward(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> tuple[jax.Array, tuple]:
+    return jnp.take(table, ids, axis=0), (table, ids)
+
+
+def _take_backward(grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+    table, ids = saved
+    d_table = jnp.zeros(table.shape, grads).at[ids].add(g.astype(grads))
+    return d_table.astype(table.dtype), None
+
+
+_take.defvjp(_take_forward, _take_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def all_gather(w: jax.Array, axes: tuple[str, ...], dim: int, grads: jnp.dtype) -> jax.Array:
+    """Inside a ``shard_map``: ``lax.all_gather(w, axes, axis=dim, tiled=True)``, its backward (the gradient's
+    reduce-scatter) in ``grads``."""
+    return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+
+
+def _all_gather_forward(w: jax.Array, axes: tuple[str, ...], dim: int, grads: jnp.dtype) -> tuple[jax.Array, None]:
+    return all_gather(w, axes, dim, grads), None
+
+
+def _all_gather_backward(axes: tuple[str, ...], dim: int, grads: jnp.dtype, _: None, g: jax.Array) -> tuple:
+    return (jax.lax.psum_scatter(g.astype(grads), axes, scatter_dimension=dim, tiled=True).astype(g.dtype),)
+
+
+all_gather.defvjp(_all_gather_forward, _all_gather_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def vary(w: jax.Array, axes: tuple[str, ...], grads: jnp.dtype) -> jax.Array:
+    """Inside a ``shard_map``: ``w`` typed as varying over ``axes`` (``lax.pcast``), its backward (the
+    gradient's ``psum`` over ``axes``) in ``grads``."""
+    return jax.lax.pcast(w, axes, to="varying")
+
+
+def _vary_forward(w: jax.Array, axes: tuple[str, ...], grads: jnp.dtype) -> tuple[jax.Array, None]:
+    return vary(w, axes, grads), None
+
+
+def _vary_backward(axes: tuple[str, ...], grads: jnp.dtype, _: None, g: jax.Array) -> tuple:
+    return (jax.lax.psum(g.astype(grads), axes).astype(g.dtype),)
+
+
+vary.defvjp(_vary_forward, _vary_backward)
 
 
 def cast(tree: Any, dtype: jnp.dtype) -> Any:

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import layout
+from jaxscale import layout, precision
 from jaxscale.config import ConfigError
 from jaxscale.layout import Axes, Layout, is_axes
 
@@ -72,15 +73,21 @@ def shard_count(spec: PartitionSpec, mesh: Mesh) -> list[int]:
     return [math.prod(mesh.shape[n] for n in spec_axes(part)) for part in spec]
 
 
-def gather_shards(w: jax.Array, spec: PartitionSpec, keep: tuple[str, ...] = ()) -> jax.Array:
+def gather_shards(
+    w: jax.Array, spec: PartitionSpec, keep: tuple[str, ...] = (), grads: jnp.dtype | None = None
+) -> jax.Array:
     """Inside a manual ``shard_map``: all-gather ``w`` over every mesh axis of ``spec`` not in ``keep``.
 
-    The FSDP gather of a weight whose other shards (tensor, expert) stay local.
+    The FSDP gather of a weight whose other shards (tensor, expert) stay local; with ``grads``
+    (:func:`jaxscale.precision.weight_grads`), its gradient's reduce-scatter is in that dtype.
     """
     for dim, part in enumerate(spec):
         others = tuple(n for n in spec_axes(part) if n not in keep)
         if others:
-            w = jax.lax.all_gather(w, others, axis=dim, tiled=True)
+            if grads is None:
+                w = jax.lax.all_gather(w, others, axis=dim, tiled=True)
+            else:
+                w = precision.all_gather(w, others, dim, jnp.dtype(grads))
     return w
 
 

@@ -255,7 +255,8 @@ class Trainer:
             fp8_max = fp8.combine(fp8_max, new_fp8)
             return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings), aux_sum, fp8_max), None
 
-        # The accumulator: precision.grads_reduce, in the gradients' layout (a shard per device under ZeRO-2/3).
+        # The accumulator: precision.grads_reduce, in the gradients' layout (a shard per device under ZeRO-2/3;
+        # the loop's carry compiles in the optimizer's layout, a shard under ZeRO-1 too: analysis/memory.py).
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, self.policy.reduce), params), grad_shardings
         )

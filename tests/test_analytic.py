@@ -40,6 +40,7 @@ LAYOUTS = [
     ("dp", {"data": 8}),
     ("dp", {"data": 8}, "model.remat=save_dots"),
     ("zero1", {"data": 8}),
+    ("zero1", {"data": 8}, "train.global_batch=32", "train.microbatches=2"),
     ("zero2", {"data": 8}, "train.global_batch=32", "train.microbatches=2"),
     ("zero3", {"fsdp": 8}),
     ("zero3", {"fsdp": 8}, "model.remat=full"),

@@ -13,7 +13,11 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   so these run ``train.microbatches`` times a step, and ZeRO-1 re-gathers each microbatch's
   reduced gradient to accumulate it. Inside SP's shard_map a weight's gradient is summed over
   the replicas at its gathered size before it is scattered over ``fsdp``, and the gathered
-  weight is kept for the backward (gathered again only under remat);
+  weight is kept for the backward (gathered again only under remat). A gradient is summed in the
+  dtype its matmul makes it (:func:`gradient_bytes`): ``precision.grads_reduce`` where it is wider
+  than the compute dtype (bf16 compute: fp32 sums with ``float32``, bf16 with ``bfloat16``); the
+  ZeRO-1 re-gather moves the accumulator's dtype (``grads_reduce``); gathers of parameters move
+  ``model.param_dtype``;
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
   ids; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
@@ -95,54 +99,61 @@ def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: floa
 
 
 
-def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: int,
+def gradient_bytes(m: ModelConfig, step: Step) -> int:
+    """Bytes of a gradient element as devices sum it: the weight-gradient matmul's output dtype, the wider of
+    the compute dtype and ``precision.grads_reduce`` (:func:`jaxscale.precision.weight_grads`)."""
+    return max(dtype_bytes(m.dtype), dtype_bytes(step.reduce_dtype))
+
+
+def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: int, gbytes: int,
                      sp_axes: Sequence[str], vocab_axes: Sequence[str]) -> list[Flow]:
     """The lookup table: rows are looked up where they live, the activations move (see the module docstring)."""
     micro = step.microbatches
-    table = sp.whole * pbytes
+    table, grad = sp.whole * pbytes, sp.whole * gbytes
     lookup = "embedding lookup: activations"
     out: list[Flow] = []
     if sp_axes:  # the table is gathered whole
-        full = table * layout.size(vocab_axes)
+        full, full_grad = table * layout.size(vocab_axes), grad * layout.size(vocab_axes)
         out += flow("embedding table", "all-gather", sp.gathered, table, 1, layout, "forward", False)
         out += flow("embedding table", "all-gather", vocab_axes, full, 1, layout, "forward", False)
         kind = "reduce-scatter" if sp.gathered else "all-reduce"
-        if sp.scattered and bsh < full:
+        if sp.scattered and bsh < full_grad:
             # ZeRO-1/2 hold a slice of the gradient: the partitioner sends the looked-up activations' gradients
             # to the slice's owners (smaller than the table) and reduces only that slice over the vocabulary.
-            out += flow("embedding gradient", "all-reduce", vocab_axes, full / layout.size(sp.scattered), 1, layout,
-                         "backward", True)
+            out += flow("embedding gradient", "all-reduce", vocab_axes, full_grad / layout.size(sp.scattered), 1,
+                         layout, "backward", True)
             out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward",
                          True)
-            return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full, 1, layout, "backward", True)
+            return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full_grad, 1, layout, "backward",
+                              True)
         # Else the whole table's gradient is reduced over every axis (ZeRO-1/2 then keep their slice of it).
-        out += flow("embedding gradient", "all-reduce", vocab_axes, full, 1, layout, "backward", True)
-        return out + flow("embedding gradient", kind, sp.gathered + sp.scattered + sp.reduced, full, 1, layout,
+        out += flow("embedding gradient", "all-reduce", vocab_axes, full_grad, 1, layout, "backward", True)
+        return out + flow("embedding gradient", kind, sp.gathered + sp.scattered + sp.reduced, full_grad, 1, layout,
                           "backward", True)
     if sp.gathered:
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "forward", False)
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "backward", False)
         if sp.reduced:  # with replicas too (HSDP) the whole table's gradient is all-reduced
-            out += flow("embedding gradient", "all-reduce", sp.gathered + sp.reduced, table, 1, layout, "backward",
+            out += flow("embedding gradient", "all-reduce", sp.gathered + sp.reduced, grad, 1, layout, "backward",
                          True)
         return out
     if sp.scattered:
         out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward", True)
-    shard = table / layout.size(sp.scattered)
+    shard = grad / layout.size(sp.scattered)
     return out + _gradient_all_reduce("embedding gradient", sp.reduced, shard, micro, layout)
 
 
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter."""
-    pbytes = dtype_bytes(m.param_dtype)
+    pbytes, gbytes = dtype_bytes(m.param_dtype), gradient_bytes(m, step)
     sp = split(p, layout, step, m.layers)
     sp_axes = layout.sequence_axes
     out: list[Flow] = []
     if p.is_embedding:
-        out += _embedding_flows(sp, layout, step, bsh, pbytes, sp_axes, layout.mesh_axes(("vocab",)))
+        out += _embedding_flows(sp, layout, step, bsh, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
     else:
-        unit = sp.unit * pbytes
+        unit, grad = sp.unit * pbytes, sp.unit * gbytes
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and p.in_sp_region
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
@@ -158,19 +169,21 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             if p.in_layers and (not in_sp or m.remat != "none"):  # SP's shard_map keeps it, unless recomputed
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
         if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
-            out += flow(p.path + " gradient", "all-reduce", sp.reduced, unit, runs, layout, "backward", True)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, unit, runs, layout,
+            out += flow(p.path + " gradient", "all-reduce", sp.reduced, grad, runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, grad, runs, layout,
                          "backward", True)
         else:
-            shard = unit / layout.size(sp.gathered)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, unit, fsdp_runs, layout, "backward", True)
+            shard = grad / layout.size(sp.gathered)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, grad, fsdp_runs, layout, "backward", True)
             out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, layout, "backward", True)
             held = shard / layout.size(sp.scattered)
             out += _gradient_all_reduce(p.path + " gradient", sp.reduced, held, runs, layout)
     updated = [a for a in layout.mesh_axes(p.axes, "optimizer") if a in layout.token_axes and a not in sp.held]
     shard_all = sp.whole / layout.size(sp.gathered) * pbytes
     if step.microbatches > 1 and not sp.scattered:  # ZeRO-1: each microbatch's sum is re-gathered to accumulate
-        out += flow(p.path + " gradient", "all-gather", updated, shard_all, step.microbatches, layout, "update", False)
+        accumulator = sp.whole / layout.size(sp.gathered) * dtype_bytes(step.reduce_dtype)
+        out += flow(p.path + " gradient", "all-gather", updated, accumulator, step.microbatches, layout, "update",
+                     False)
     return out + flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, layout, "update", False)
 
 

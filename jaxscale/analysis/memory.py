@@ -9,7 +9,10 @@ optimizer state, gradients and parameters in turn):
   (``master``, fp32) and Adam's moments (``optimizer``, 8Ψ in fp32) by the optimizer's; with
   one copy (fp32 training) the parameters are the master and ``master`` is 0; the gradients
   in the compute copy's dtype; with gradient accumulation one more gradient-sized
-  accumulator (``precision.grads_reduce``, fp32) in the gradients' layout;
+  accumulator (``precision.grads_reduce``, fp32), which compiles in the optimizer's layout
+  (XLA shards the loop's carry as the update after the loop reads it: ZeRO-1 too, where the
+  gradients are whole), and under ZeRO-1 each microbatch's sum gathered whole to the
+  gradients' layout before the carry keeps its shard (counted with ``gradients``);
 * activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
@@ -19,8 +22,10 @@ optimizer state, gradients and parameters in turn):
   ``pipeline.remat``, the stage's residuals per tick) and the stage weights' gradient as its carry,
   and the backward recomputes one tick's stage forward;
 * the transient peak: the larger of one layer's backward (its residuals' cotangents and
-  its unreduced weight gradient) and the loss (logits in the compute dtype and fp32, their
-  exponentials and gradient; of ``model.loss_chunk`` tokens per sequence when chunked);
+  its unreduced weight gradient; under full recomputation its recomputed residuals and the
+  gradient buffers at the backward's peak, :func:`recomputed_backward`) and the loss (logits
+  in the compute dtype and fp32, their exponentials and gradient; of ``model.loss_chunk``
+  tokens per sequence when chunked);
 * the output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the
   loss through the layers' backward (the compiled 70B step holds two whole vocab x embed
   tables, tied or not);
@@ -61,11 +66,6 @@ REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, lo
     "mlp_out": ("h", RESIDUAL),
 }
 FLASH_ATTENTION = ("blockwise", "ring", "cudnn")  # no s x s scores kept
-# A layer's backward under full recomputation holds its recomputed residuals, their cotangents and the
-# fp32 temporaries of the lean norms' and SwiGLU's backward (models/lean.py), measured on XLA:CPU against
-# the residuals of a layer without remat: 1.56-1.70x for the tiny test layouts, 1.18x for Llama-3-8B
-# (fsdp x tp, fp32); 1.42 keeps both within 8% (1.0 without recomputation). The factor is a fit, not a count.
-RECOMPUTE = {"full": 1.42}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +135,52 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     return kept
 
 
+def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
+    """What the backward of one fully recomputed layer (``model.remat: full``) holds at its two peaks,
+    besides its weight gradients: the layer's residuals of ``none``, recomputed, and the gradient buffers.
+
+    The backward runs the MLP first, then attention; a residual is freed after its last use. Per token:
+
+    - the MLP's peak: every residual of ``none`` (:func:`layer_residuals`) is alive, and every
+      gradient buffer of the MLP's backward: the block output's (h), SwiGLU's hidden, gate and up
+      (3f), and the normed input's two partial gradients, from the gate and the up projections,
+      before they are summed (2h; under TP each is whole, as XLA reduces them apart):
+      ``none + 3h + 3f``;
+    - the attention's peak: the MLP's residuals are gone (its norm's input, normed input and
+      statistic, gate, up, hidden: 2h + 1 + 3f); the gradients are the residual stream's (h), the
+      attention output's (a·d_h) and, with ``dot`` attention, the probabilities' and the scores'
+      (2·a·s, fp32): ``none − 2h − 1 − 3f + h + a·d_h (+ 2·a·s)``.
+
+    The larger of the two is the layer's backward transient (plus its weight gradients, counted by
+    the caller); without recomputation the residuals are counted with the activations and the
+    transient is their cotangents, ``none`` again. With ``dot`` attention on the tiny test model
+    (h = 64, f = 128, a·d_h = 64, g·d_h = 32, a·s = 256: ``none`` = 1362 elements) the MLP's peak,
+    1362 + 192 + 384 = 1938, is 1.42x ``none``; with flash-style attention at Llama 3 8B's widths,
+    (4h + 3·a·d_h + 2·g·d_h + 3f + 3h + 3f) / (4h + 3·a·d_h + 2·g·d_h + 3f) = 1.75x.
+    """
+    h, a, d = m.embed, m.heads, m.head_dim
+    fe = _mlp_per_token(m)
+    residuals = layer_residuals(m, "none", seq_len)
+    mlp = [
+        *residuals,
+        Activation("output gradient", h, RESIDUAL),
+        Activation("hidden, gate, up gradients", 3 * fe, MLP_AXES),
+        Activation("normed input's gradients from gate and up", 2 * h, HIDDEN),
+    ]
+    attention = [
+        *residuals,
+        Activation("MLP norm input (freed)", -h, RESIDUAL),
+        Activation("MLP normed input (freed)", -h, HIDDEN),
+        Activation("MLP norm statistic (freed)", -1, RESIDUAL[:2], "fp32"),
+        Activation("gate, up, hidden (freed)", -3 * fe, MLP_AXES),
+        Activation("residual gradient", h, RESIDUAL),
+        Activation("attention output gradient", a * d, Q_AXES),
+    ]
+    if m.attention not in FLASH_ATTENTION:
+        attention.append(Activation("probabilities, scores gradients", 2 * a * seq_len, SCORES, "fp32"))
+    return [mlp, attention]
+
+
 def _bytes_of(act: Activation, m: ModelConfig) -> int:
     return 4 if act.dtype == "fp32" else dtype_bytes(m.dtype)
 
@@ -152,8 +198,11 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     """Predicted bytes per device of the compiled step, by part; ``total`` is their sum."""
     compute, master = step.copies(m)
     pbytes, mbytes = dtype_bytes(compute), dtype_bytes(master)  # the compute copy (and gradients), the master
-    cbytes = dtype_bytes(m.dtype)
+    cbytes, rbytes = dtype_bytes(m.dtype), dtype_bytes(step.reduce_dtype)
     grad_kind = "optimizer" if step.microbatches == 1 else "gradients"
+    # ZeRO-1's accumulation: each microbatch's sum is gathered back to the (whole) gradients' layout
+    regathered = sum(p.size / layout.ways(p.axes, "gradients") for p in params
+                     if layout.ways(p.axes, "gradients") < layout.ways(p.axes, "optimizer"))
 
     def state(kind: str, nbytes: int) -> float:
         return sum(p.size / layout.ways(p.axes, kind) for p in params) * nbytes
@@ -171,7 +220,10 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
-    layer_backward = everything * RECOMPUTE.get(m.remat, 1.0) + kept_weights * cbytes
+    if m.remat == "full":
+        everything = max(sum(_per_device(r, rows, step, m, layout) for r in peak)
+                         for peak in recomputed_backward(m, step.seq_len))
+    layer_backward = everything + kept_weights * cbytes
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
@@ -191,8 +243,8 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
         "optimizer": 2 * state("optimizer", mbytes),
-        "gradients": state(grad_kind, pbytes),
-        "accumulator": state("gradients", dtype_bytes(step.reduce_dtype)) if step.microbatches > 1 else 0.0,
+        "gradients": state(grad_kind, pbytes) + (regathered * rbytes if step.microbatches > 1 else 0.0),
+        "accumulator": state("optimizer", rbytes) if step.microbatches > 1 else 0.0,
         # The pipeline loop reuses the stage's weights every tick: their gradient is its carry.
         "pipeline accumulator": sum(p.size / layout.ways(p.axes) for p in params if p.in_layers) * pbytes
         if pipelined else 0.0,

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxscale import precision
 from jaxscale.config import Config, ModelConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.layout import TOKENS
@@ -46,8 +47,11 @@ from jaxscale.parallel import pipeline, sequence
 from jaxscale.sharding import active, constrain
 
 
-def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Rows of ``table`` [vocab, embed] for ``tokens`` [batch, length] in ``dtype``, laid out as the residual stream.
+def embed_tokens(
+    table: jax.Array, tokens: jax.Array, dtype: jnp.dtype, grads: jnp.dtype | None = None
+) -> jax.Array:
+    """Rows of ``table`` [vocab, embed] for ``tokens`` [batch, length] in ``dtype``, laid out as the residual stream;
+    the table's gradient summed in ``grads`` (:func:`jaxscale.precision.take`).
 
     The rows are looked up on the table's shards, so they come out split over the mesh axes of the
     table's ``embed``, for every token that those axes will split the batch or sequence over (the
@@ -66,7 +70,7 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
     moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
     if not hidden or any(target[d][-len(hidden):] == hidden for d in (0, 1)):
         # XLA's own path: one all-to-all moves the table's axes to the minor end of one dimension.
-        return constrain(jnp.take(table, tokens, axis=0).astype(dtype), RESIDUAL)
+        return constrain(precision.take(table, tokens, grads).astype(dtype), RESIDUAL)
     mesh, place = current
     given = [place.mesh_axes((name,)) for name in TOKENS]  # how the token ids arrive
     dims: list[list[str]] = [[], [], list(hidden)]
@@ -81,7 +85,7 @@ def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: jnp.dtype) -> jax.A
         spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    x = layout(jnp.take(table, layout(tokens), axis=0).astype(dtype))
+    x = layout(precision.take(table, layout(tokens), grads).astype(dtype))
     for axis, dest in moves.items():
         if dest is not None:
             dims[2].remove(axis)
@@ -108,7 +112,8 @@ def remat_policy(config: ModelConfig) -> Callable | None:
       ``none``: the a·s scores and probabilities of ``dot`` attention (or the kernel's
       output and statistics, B·a·d_h + 4·a, of a flash-style one) are not kept.
     - ``save_dots``: the layer input and the outputs of the weight matmuls (jax's
-      ``dots_with_no_batch_dims_saveable``) that the backward reads: B·(2h + a·d_h + 2·g·d_h + 2f),
+      ``dots_with_no_batch_dims_saveable``, and the projections of :func:`jaxscale.precision.einsum`,
+      named ``weight_dot``) that the backward reads: B·(2h + a·d_h + 2·g·d_h + 2f),
       namely input, q, k, v, output projection, gate, up; norms, attention and SwiGLU are
       recomputed.
     - ``full``: the layer input, B·h; the whole layer is recomputed.
@@ -119,7 +124,9 @@ def remat_policy(config: ModelConfig) -> Callable | None:
         "none": None,
         "selective": None,
         "full": policies.nothing_saveable,
-        "save_dots": policies.dots_with_no_batch_dims_saveable,
+        "save_dots": policies.save_from_both_policies(
+            policies.dots_with_no_batch_dims_saveable, policies.save_only_these_names(precision.WEIGHT_DOT)
+        ),
         "save_named": policies.save_only_these_names(*config.remat_names),
     }[config.remat]
 
@@ -157,6 +164,7 @@ class Attention(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model
         self.config = c
+        self.grads = precision.weight_grads(config)
         std, pdt = c.init_std, c.param_dtype
         self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
         self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
@@ -176,6 +184,7 @@ class Attention(nnx.Module):
                 ("bse,ehd->bshd", f8("wv", self.wv[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
             ],
             overlap=c.tp_overlap,
+            grads=self.grads,
         )
         q, k, v = f8.grad("q", q), f8.grad("k", k), f8.grad("v", v)
         q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
@@ -188,7 +197,8 @@ class Attention(nnx.Module):
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         wo = f8("wo", self.wo[...]).astype(dt)
         y = sequence.row_parallel(
-            "bshd,hde->bse", f8("out", out), Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL, overlap=c.tp_overlap
+            "bshd,hde->bse", f8("out", out), Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL,
+            overlap=c.tp_overlap, grads=self.grads,
         )
         return checkpoint_name(f8.grad("o", y), "attention_out")
 
@@ -204,6 +214,7 @@ class MLP(nnx.Module):
         f = width or c.mlp
         self.dtype = jnp.dtype(c.dtype)
         self.overlap = c.tp_overlap
+        self.grads = precision.weight_grads(config)
         self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
@@ -219,12 +230,14 @@ class MLP(nnx.Module):
                 ("bse,ef->bsf", f8("w_up", self.w_up[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
             ],
             overlap=self.overlap,
+            grads=self.grads,
         )
         gate, up = f8.grad("gate", gate), f8.grad("up", up)
         hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
         wd = f8("w_down", self.w_down[...]).astype(dt)
         y = sequence.row_parallel(
-            "bsf,fe->bse", f8("hidden", hidden), MLP_AXES, wd, ("mlp", "embed"), RESIDUAL, overlap=self.overlap
+            "bsf,fe->bse", f8("hidden", hidden), MLP_AXES, wd, ("mlp", "embed"), RESIDUAL,
+            overlap=self.overlap, grads=self.grads,
         )
         return checkpoint_name(f8.grad("down", y), "mlp_out")
 
@@ -274,6 +287,7 @@ class Llama(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model
         self.config = c
+        self.grads = precision.weight_grads(config)
         self.embedding = param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
         steps = c.layers // c.moe.every_n_layers if c.moe else c.layers
@@ -300,7 +314,7 @@ class Llama(nnx.Module):
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
-        (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap)
+        (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap, grads=self.grads)
         return logits, aux
 
     def head_weight(self) -> jax.Array:
@@ -312,7 +326,7 @@ class Llama(nnx.Module):
         """The final-normed hidden states [batch, length, embed] (``RESIDUAL`` axes) and the MoE metrics."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        x = embed_tokens(self.embedding[...], tokens, dt)
+        x = embed_tokens(self.embedding[...], tokens, dt, self.grads)
 
         def body(x: jax.Array, block: Block | Group) -> tuple[jax.Array, dict[str, jax.Array]]:
             return block(x, positions)

@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale import precision
 from jaxscale.config import Config, ModelConfig, MoEConfig
 from jaxscale.models import lean
 from jaxscale.models.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
@@ -82,14 +83,19 @@ def aux_objective(aux: dict[str, jax.Array], config: ModelConfig) -> jax.Array |
 
 
 def partitioner_experts(
-    x: jax.Array, routing: Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
+    x: jax.Array,
+    routing: Routing,
+    weights: tuple[jax.Array, ...],
+    moe: MoEConfig,
+    seq_capacity: int,
+    grads: jnp.dtype | None = None,
 ) -> jax.Array:
     """The experts as plain einsums under sharding constraints; XLA's partitioner picks the collectives.
 
     Capacity mode is GShard's one-hot dispatch: ``[b, s, experts, C]`` masks contract the tokens into
     ``[b, experts, C, d]`` buffers laid out by the rules (``expert_batch``, ``expert``), so moving from
     the token layout to the expert layout is the partitioner's resharding. Dropless mode runs the
-    grouped matmuls on the global arrays.
+    grouped matmuls on the global arrays (their weight gradients in autodiff's dtype, not ``grads``).
     """
     if moe.dispatch == "dropless":
         return constrain(dropless(x, routing, *weights), RESIDUAL)
@@ -100,8 +106,9 @@ def partitioner_experts(
     gates = jnp.einsum("bskn,bsk->bsn", slots, routing.gate.astype(x.dtype)).reshape(mask.shape)
     buf = constrain(jnp.einsum("bsec,bsd->becd", mask, x), BUFFER)
     w_gate, w_up, w_down = weights
-    hidden = lean.swiglu(jnp.einsum("becd,edf->becf", buf, w_gate), jnp.einsum("becd,edf->becf", buf, w_up))
-    out = constrain(jnp.einsum("becf,efd->becd", constrain(hidden, BUFFER_HIDDEN), w_down), BUFFER)
+    gate, up = (precision.einsum("becd,edf->becf", buf, w, grads) for w in (w_gate, w_up))
+    hidden = constrain(lean.swiglu(gate, up), BUFFER_HIDDEN)
+    out = constrain(precision.einsum("becf,efd->becd", hidden, w_down, grads), BUFFER)
     return constrain(jnp.einsum("bsec,becd->bsd", gates, out), RESIDUAL)
 
 
@@ -117,6 +124,7 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (moe.experts, c.embed, f), W_IN, std, pdt)
         self.w_down = param(rngs, (moe.experts, f, c.embed), W_OUT, std, pdt)
         self.shared = shared
+        self.grads = precision.weight_grads(config)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         c, moe = self.config, self.config.moe
@@ -126,9 +134,9 @@ class MoE(nnx.Module):
         routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity)
         weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         if moe.impl == "partitioner" or active() is None:
-            y = partitioner_experts(x, routing, weights, moe, seq_capacity)
+            y = partitioner_experts(x, routing, weights, moe, seq_capacity, self.grads)
         else:
-            y = expert.experts(x, routing, weights, moe, seq_capacity)
+            y = expert.experts(x, routing, weights, moe, seq_capacity, self.grads)
         if self.shared is not None:
             y = y + self.shared(x)
         return checkpoint_name(y, "mlp_out"), aux

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxscale import precision
 from jaxscale.config import MoEConfig
 from jaxscale.models import lean
 from jaxscale.sharding import constrain
@@ -68,10 +69,14 @@ def route(logits: jax.Array, moe: MoEConfig, seq_capacity: int) -> tuple[Routing
     return Routing(index.astype(jnp.int32), gate, slot.astype(jnp.int32)), aux
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...]."""
-    hidden = lean.swiglu(jnp.einsum("...ecd,edf->...ecf", x, w_gate), jnp.einsum("...ecd,edf->...ecf", x, w_up))
-    return jnp.einsum("...ecf,efd->...ecd", hidden, w_down)
+def swiglu(
+    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, grads: jnp.dtype | None = None
+) -> jax.Array:
+    """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...];
+    ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.einsum`)."""
+    gate = precision.einsum("...ecd,edf->...ecf", x, w_gate, grads)
+    hidden = lean.swiglu(gate, precision.einsum("...ecd,edf->...ecf", x, w_up, grads))
+    return precision.einsum("...ecf,efd->...ecd", hidden, w_down, grads)
 
 
 def flat_slot(routing: Routing, experts: int, seq_capacity: int) -> jax.Array:

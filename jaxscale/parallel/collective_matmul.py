@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxscale import precision
+
 AxisName = str | tuple[str, ...]
 
 
@@ -62,11 +64,14 @@ def _from_neighbour(x: jax.Array, axis: AxisName, n: int, offset: int) -> jax.Ar
     return lax.ppermute(x, axis, [(j, (j - offset) % n) for j in range(n)])
 
 
-def _varying_like(w: jax.Array, x: jax.Array) -> jax.Array:
+def _varying_like(w: jax.Array, x: jax.Array, grads: jnp.dtype | None) -> jax.Array:
     """``w`` typed as varying over ``x``'s mesh axes too, once: the gradients of its ``t`` uses are then
-    summed before the one reduction over those axes (data parallelism's), instead of reduced one by one."""
+    summed before the one reduction over those axes (data parallelism's, in ``grads`` if given), instead of
+    reduced one by one."""
     missing = tuple(sorted(jax.typeof(x).mat.varying - jax.typeof(w).mat.varying))
-    return lax.pcast(w, missing, to="varying") if missing else w
+    if not missing:
+        return w
+    return lax.pcast(w, missing, to="varying") if grads is None else precision.vary(w, missing, jnp.dtype(grads))
 
 
 def _letters(equation: str) -> tuple[str, str, str]:
@@ -76,12 +81,17 @@ def _letters(equation: str) -> tuple[str, str, str]:
 
 
 def all_gather_matmul(
-    x: jax.Array, weights: Sequence[tuple[str, jax.Array]], axis: AxisName, dim: int
+    x: jax.Array,
+    weights: Sequence[tuple[str, jax.Array]],
+    axis: AxisName,
+    dim: int,
+    grads: jnp.dtype | None = None,
 ) -> list[jax.Array]:
     """``einsum(eq, all_gather(x, axis, dim, tiled), w)`` for each ``(eq, w)``, as ``t`` ring steps.
 
     ``x`` is this device's chunk of dimension ``dim``; each output has the gathered length on
-    the dimension that ``x``'s ``dim`` maps to in its equation.
+    the dimension that ``x``'s ``dim`` maps to in its equation. ``grads``: the weight gradients'
+    dtype (:func:`jaxscale.precision.einsum`).
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
@@ -90,7 +100,7 @@ def all_gather_matmul(
     for eq, _ in weights:
         lhs, _, out = _letters(eq)
         out_dims.append(out.index(lhs[dim]))
-    weights = [(eq, _varying_like(w, x)) for eq, w in weights]
+    weights = [(eq, _varying_like(w, x, grads)) for eq, w in weights]
     outs: list[jax.Array | None] = [None] * len(weights)
     held = x
     for step in range(n):
@@ -98,7 +108,7 @@ def all_gather_matmul(
         following = _from_neighbour(held, axis, n, 1) if step < n - 1 else None
         start = ((me + step) % n) * chunk  # device i holds chunk (i + step) mod n
         for k, ((eq, w), d) in enumerate(zip(weights, out_dims, strict=True)):
-            part = jnp.einsum(eq, held, w)
+            part = precision.einsum(eq, held, w, grads)
             if outs[k] is None:
                 shape = list(part.shape)
                 shape[d] *= n
@@ -108,23 +118,26 @@ def all_gather_matmul(
     return outs
 
 
-def matmul_reduce_scatter(equation: str, h: jax.Array, w: jax.Array, axis: AxisName, dim: int) -> jax.Array:
+def matmul_reduce_scatter(
+    equation: str, h: jax.Array, w: jax.Array, axis: AxisName, dim: int, grads: jnp.dtype | None = None
+) -> jax.Array:
     """``psum_scatter(einsum(equation, h, w), axis, scatter_dimension=dim, tiled)``, as ``t`` ring steps.
 
     ``h`` holds the full length of the output's dimension ``dim`` (and this device's share of the
-    contracted dimensions); the result is this device's chunk of it, summed over ``axis``.
+    contracted dimensions); the result is this device's chunk of it, summed over ``axis``. ``grads``:
+    the weight gradient's dtype (:func:`jaxscale.precision.einsum`).
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
     lhs, _, out = _letters(equation)
     h_dim = lhs.index(out[dim])
     chunk = h.shape[h_dim] // n
-    w = _varying_like(w, h)
+    w = _varying_like(w, h, grads)
     acc = None
     for step in range(n):
         # The accumulator of chunk (i − step − 1) mod n: the last step's is this device's own chunk.
         start = ((me - step - 1) % n) * chunk
-        part = jnp.einsum(equation, lax.dynamic_slice_in_dim(h, start, chunk, h_dim), w)
+        part = precision.einsum(equation, lax.dynamic_slice_in_dim(h, start, chunk, h_dim), w, grads)
         acc = part if acc is None else acc + part
         if step < n - 1:
             acc = _from_neighbour(acc, axis, n, -1)

@@ -49,6 +49,7 @@ checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.config import MoEConfig
@@ -58,9 +59,16 @@ from jaxscale.sharding import active, constrain, gather_shards, spec
 
 
 def experts(
-    x: jax.Array, routing: kernels.Routing, weights: tuple[jax.Array, ...], moe: MoEConfig, seq_capacity: int
+    x: jax.Array,
+    routing: kernels.Routing,
+    weights: tuple[jax.Array, ...],
+    moe: MoEConfig,
+    seq_capacity: int,
+    grads: jnp.dtype | None = None,
 ) -> jax.Array:
-    """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map."""
+    """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map;
+    ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.einsum`; the grouped matmuls of
+    ``dropless`` keep autodiff's)."""
     mesh, place = active()
     ep, mlp = place.expert_axes, place.mesh_axes(("expert_mlp",))
     seq = place.mesh_axes((RESIDUAL[1],))
@@ -72,7 +80,7 @@ def experts(
         # Whole sequences on every device: capacity is counted per sequence.
         if seq:
             x, index, gate, slot = (lax.all_gather(a, seq, axis=1, tiled=True) for a in (x, index, gate, slot))
-        w_gate, w_up, w_down = (gather_shards(w, s, keep) for w, s in zip(ws, w_specs, strict=True))
+        w_gate, w_up, w_down = (gather_shards(w, s, keep, grads) for w, s in zip(ws, w_specs, strict=True))
         if partial:
             # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
             # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.
@@ -82,7 +90,7 @@ def experts(
             buf = kernels.dispatch(x, local, moe.experts, seq_capacity)
             if ep:
                 buf = lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
-            out = kernels.swiglu(buf, w_gate, w_up, w_down)
+            out = kernels.swiglu(buf, w_gate, w_up, w_down, grads)
             if ep:
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
             y = kernels.combine(out, local)

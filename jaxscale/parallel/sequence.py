@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxscale import precision
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
@@ -67,49 +68,63 @@ def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
 
 
 def column_parallel(
-    x: jax.Array, x_axes: Axes, projections: Sequence[tuple[str, jax.Array, Axes, Axes]], overlap: bool = False
+    x: jax.Array,
+    x_axes: Axes,
+    projections: Sequence[tuple[str, jax.Array, Axes, Axes]],
+    overlap: bool = False,
+    grads: jnp.dtype | None = None,
 ) -> list[jax.Array]:
     """All-gather ``x`` on the sequence, then ``einsum(eq, x, w)`` for each ``(eq, w, w_axes, out_axes)``.
 
-    ``overlap`` (``model.tp_overlap``): the gather and the einsums as one collective matmul.
+    ``overlap`` (``model.tp_overlap``): the gather and the einsums as one collective matmul. ``grads``:
+    the weight gradients' dtype (:func:`jaxscale.precision.einsum`).
     """
     manual = sequence_axes()
     if not manual:
-        return [constrain(jnp.einsum(eq, x, w), out) for eq, w, _, out in projections]
+        return [constrain(precision.einsum(eq, x, w, grads), out) for eq, w, _, out in projections]
     _, place = active()
     dim = x_axes.index(SEQUENCE)
     w_specs = [spec(place, w_axes) for _, _, w_axes, _ in projections]
 
     def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
         pairs = zip(projections, ws, w_specs, strict=True)
-        weights = [(eq, gather_shards(w, s, manual)) for (eq, *_), w, s in pairs]
+        weights = [(eq, gather_shards(w, s, manual, grads)) for (eq, *_), w, s in pairs]
         if overlap:
-            return tuple(all_gather_matmul(x, weights, manual, dim))
+            return tuple(all_gather_matmul(x, weights, manual, dim, grads))
         x = lax.all_gather(x, manual, axis=dim, tiled=True)
-        return tuple(jnp.einsum(eq, x, w) for eq, w in weights)
+        return tuple(precision.einsum(eq, x, w, grads) for eq, w in weights)
 
     fn = _shard_map(body, [x_axes, *(a for _, _, a, _ in projections)], [out for *_, out in projections])
     return list(fn(constrain(x, x_axes), *(w for _, w, _, _ in projections)))
 
 
 def row_parallel(
-    equation: str, h: jax.Array, h_axes: Axes, w: jax.Array, w_axes: Axes, out_axes: Axes, overlap: bool = False
+    equation: str,
+    h: jax.Array,
+    h_axes: Axes,
+    w: jax.Array,
+    w_axes: Axes,
+    out_axes: Axes,
+    overlap: bool = False,
+    grads: jnp.dtype | None = None,
 ) -> jax.Array:
     """Leave a tensor-parallel region: ``einsum(equation, h, w)`` reduce-scattered onto the sequence.
 
     ``overlap`` (``model.tp_overlap``): the einsum and the reduce-scatter as one collective matmul.
+    ``grads``: the weight gradient's dtype (:func:`jaxscale.precision.einsum`).
     """
     manual = sequence_axes()
     if not manual:
-        return constrain(jnp.einsum(equation, h, w), out_axes)
+        return constrain(precision.einsum(equation, h, w, grads), out_axes)
     _, place = active()
     w_spec = spec(place, w_axes)
     dim = out_axes.index(SEQUENCE)
 
     def body(h: jax.Array, w: jax.Array) -> jax.Array:
+        w = gather_shards(w, w_spec, manual, grads)
         if overlap:
-            return matmul_reduce_scatter(equation, h, gather_shards(w, w_spec, manual), manual, dim)
-        y = jnp.einsum(equation, h, gather_shards(w, w_spec, manual))
+            return matmul_reduce_scatter(equation, h, w, manual, dim, grads)
+        y = precision.einsum(equation, h, w, grads)
         return lax.psum_scatter(y, manual, scatter_dimension=dim, tiled=True)
 
     return _shard_map(body, [h_axes, w_axes], out_axes)(constrain(h, h_axes), w)
