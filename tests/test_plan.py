@@ -12,8 +12,9 @@ import yaml
 from helpers import TINY
 
 from jaxscale.analysis import plan
+from jaxscale.analysis.communication import Flow
 from jaxscale.analysis.params import param_table
-from jaxscale.analysis.timing import crosses_nodes, load_cluster, pipeline_loop
+from jaxscale.analysis.timing import collective_seconds, crosses_nodes, load_cluster, members_per_node, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
 from jaxscale.config import load_config
@@ -128,9 +129,7 @@ def test_written_plan_compiles_as_predicted(tmp_path):
     rows = verify(result.candidates, tiny_model(), 32)
     for row in rows:
         assert row["memory_predicted"] == pytest.approx(row["memory_compiled"], rel=0.10), row
-        # 5% where the partitioner moves the embedding lookup as communication.py assumes; under SP with
-        # data=2 x tensor=4 and ZeRO-1 it all-reduces instead of the all-to-all (7.4% of this tiny step).
-        assert row["comm_predicted"] == pytest.approx(row["comm_compiled"], rel=0.08), row
+        assert row["comm_predicted"] == pytest.approx(row["comm_compiled"], rel=0.05), row
     assert "verify: compiled on 8 simulated" in format_verify(rows, 8, "cpu")
 
 
@@ -188,24 +187,46 @@ def _llama(name: str):
 def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node():
     # torchtitan's Llama 3 8B recipe: FSDP over the 8 GPUs, 8192-token sequences (33-39% MFU published).
     model, params = _llama("llama3-8b")
-    # With the lean norms and SwiGLU (models/lean.py) and the bf16 compute copy, fsdp=4 x tensor=2 + SP
-    # without remat fits too and ranks within 1% of it: fsdp=8 is one of the two best, within 2%.
     result = plan.search(model, params, load_cluster("h100"), 2**20, 8192, top=0)
-    top = result.candidates[:2]
-    assert "fsdp=8" in [c.layout.mesh_text for c in top], plan.table(result)
-    fsdp = next(c for c in top if c.layout.mesh_text == "fsdp=8")
-    assert fsdp.time["total"] <= 1.02 * top[0].time["total"]
-    assert 0.3 < fsdp.time["mfu"] < 0.7
+    best = result.candidates[0]
+    assert best.layout.mesh_text == "fsdp=8", plan.table(result)
+    assert 0.3 < best.time["mfu"] < 0.7
     assert "beats #2" in result.reasons[0]
+    # fsdp x tensor + SP fits without remat too: its collectives cost more than FSDP's gathers hidden by compute.
+    tp = [c for c in result.candidates if c.layout.tensor > 1]
+    assert tp and all(c.time["total"] > best.time["total"] for c in tp)
 
 
 def test_llama3_70b_on_64_h100_ranks_tp8_fsdp_near_the_winner():
-    # torchtitan's Llama 3 70B layout: TP 8 within a node x FSDP 8 across (Megatron: 42-47% MFU at this scale).
+    # torchtitan's Llama 3 70B layout: TP 8 within a node x FSDP 8 across. FSDP over all 64 GPUs (MaxText's H100
+    # recipe, NVIDIA/dgxc-benchmarking maxtext/README_70b.md) moves each node's share of the weights once over its
+    # 8 NICs and hides behind compute: it wins; TP 8's collective matmuls pay their decomposition, plain SP its
+    # collectives, so TP 8 x FSDP 8 trails it by about a fifth (NeMo's 70B recipe on 64 H100s: TP 4 x PP 4 x CP 2).
     model, params = _llama("llama3-70b")
     result = plan.search(model, params, load_cluster("h100", ["nodes=8"]), 4 * 2**20, 8192, top=0)
-    best = result.candidates[0].time["total"]
+    best = result.candidates[0]
+    assert best.layout.tensor == 1 and best.layout.fsdp >= 32, plan.table(result)
     tp8 = [c for c in result.candidates if c.layout.tensor == 8 and c.layout.fsdp > 1]
-    assert tp8 and tp8[0].time["total"] <= 1.1 * best, plan.table(result)
+    assert tp8 and tp8[0].time["total"] <= 1.25 * best.time["total"], plan.table(result)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "nodes", "seq_len", "measured"),
+    [
+        (["model.vocab_size=32000"], 8, 4096, 6.999),  # Llama 2 70B, FSDP 64, 2 x 4096 tokens per GPU
+        ([], 16, 8192, 15.563),  # Llama 3 70B, FSDP 128, 2 x 8192 tokens per GPU
+    ],
+    ids=["llama2-70b-64gpu", "llama3-70b-128gpu"],
+)
+def test_fsdp_step_time_is_near_maxtexts_measured_on_h100(overrides, nodes, seq_len, measured):
+    # NVIDIA/dgxc-benchmarking maxtext/README_70b.md: MaxText (JAX/XLA) BF16 on DGX H100, FSDP over every GPU,
+    # micro-batch 2, no accumulation, measured seconds per step (remat full: MaxText's default policy). FSDP across
+    # nodes is bound by each node's 8 NICs together, not one GPU's (the flat reading predicted 13.4 s for 7.0 s).
+    config = load_config(None, ["model=llama3-70b", "model.attention=cudnn", *overrides])
+    cluster = load_cluster("h100", [f"nodes={nodes}"])
+    layout = plan.Strategy(fsdp=cluster.devices, micro_batch=2, remat="full")
+    predicted = plan.evaluate(config.model, param_table(config), layout, seq_len, cluster).time["total"]
+    assert predicted == pytest.approx(measured, rel=0.15)
 
 
 def test_ties_break_on_memory_then_simplicity_and_identical_rows_merge(llama8b):
@@ -292,3 +313,32 @@ def test_plan_70b_on_64_h100_considers_pipelines_and_says_why_the_best_lost():
     assert all(c.time["bubble"] > 0 for c in piped)
     if result.candidates[0].layout.stage == 1:
         assert any(r.startswith("best pipeline #") for r in result.reasons), result.reasons
+
+
+def test_collective_matmuls_hide_their_permutes_but_pay_their_decomposition():
+    # model.tp_overlap takes SP's collectives off the critical path; its ring steps copy products into
+    # their slots, slice inputs and add partial sums in device memory (analysis.timing.collective_matmul_elements).
+    model, params = _llama("llama3-8b")
+    cluster = load_cluster("h100")
+    base = plan.Strategy(fsdp=4, tensor=2, sequence=True, micro_batch=2, accumulation=16, loss_chunk=1024)
+    plain = plan.evaluate(model, params, base, 8192, cluster).time
+    ring = plan.evaluate(model, params, dataclasses.replace(base, tp_overlap=True), 8192, cluster).time
+    assert ring["exposed.TP"] < 0.1 * plain["exposed.TP"]
+    assert ring["memory_bound"] > 1.5 * plain["memory_bound"]
+    assert ring["matmul"] >= plain["matmul"]  # the same FLOPs, on 1/t of the tokens at a time
+    assert ring["compute"] > plain["compute"] + 0.5 * plain["exposed.TP"]
+
+
+def test_a_collective_across_nodes_shares_each_nodes_nics():
+    # A ring over 8 GPUs in each of 8 nodes brings 7/8 of the data into a node once, over its 8 NICs together;
+    # a group with one GPU per node sends all of its bytes through that GPU's own NIC.
+    cluster = load_cluster("h100", ["nodes=8"])
+    mesh = {**{a: 1 for a in plan.MESH_AXES}, "data": 8, "fsdp": 8}
+    assert members_per_node(["fsdp"], mesh, 8) == 8 and members_per_node(["data"], mesh, 8) == 1
+    assert members_per_node(["data", "fsdp"], mesh, 8) == 8
+    gather = Flow("w", "all-gather", ("data", "fsdp"), 1e9, 1, 64, "forward", True)
+    rail = collective_seconds(gather, cluster, True, per_node=8)[0]
+    flat = collective_seconds(gather, cluster, True, per_node=1)[0]
+    assert 6 < flat / rail < 10
+    a2a = Flow("x", "all-to-all", ("data", "fsdp"), 1e9, 1, 64, "forward", False)
+    assert collective_seconds(a2a, cluster, True, per_node=8)[0] > 0.8 * collective_seconds(a2a, cluster, True)[0]

@@ -21,7 +21,9 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
   ids; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
-  is gathered over ``tensor`` and its gradient all-reduced; the output head is gathered
+  is gathered over ``tensor`` and its gradient all-reduced (under ZeRO-1/2 too, unless a
+  microbatch's looked-up activations are smaller than the table: then their gradients go
+  to the slice's owners, all-to-all, as the compiled step does); the output head is gathered
   once forward under ZeRO-3 (and reused backward);
 * TP (Megatron): per layer 2 all-reduces of b·s·h forward; backward XLA reduces the input
   gradient of each column-parallel projection separately (q, k, v, gate, up: 5 b·s·h where
@@ -113,18 +115,24 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: 
     table, grad = sp.whole * pbytes, sp.whole * gbytes
     lookup = "embedding lookup: activations"
     out: list[Flow] = []
-    if sp_axes:  # the table is gathered whole, its gradient reduced whole
+    if sp_axes:  # the table is gathered whole
         full, full_grad = table * layout.size(vocab_axes), grad * layout.size(vocab_axes)
         out += flow("embedding table", "all-gather", sp.gathered, table, 1, layout, "forward", False)
         out += flow("embedding table", "all-gather", vocab_axes, full, 1, layout, "forward", False)
-        out += flow("embedding gradient", "all-reduce", vocab_axes, full_grad / layout.size(sp.scattered), 1, layout,
-                     "backward", True)
-        if sp.scattered:
+        kind = "reduce-scatter" if sp.gathered else "all-reduce"
+        if sp.scattered and bsh < full_grad:
+            # ZeRO-1/2 hold a slice of the gradient: the partitioner sends the looked-up activations' gradients
+            # to the slice's owners (smaller than the table) and reduces only that slice over the vocabulary.
+            out += flow("embedding gradient", "all-reduce", vocab_axes, full_grad / layout.size(sp.scattered), 1,
+                         layout, "backward", True)
             out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward",
                          True)
-        kind = "reduce-scatter" if sp.gathered else "all-reduce"
-        return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full_grad, 1, layout, "backward",
-                          True)
+            return out + flow("embedding gradient", kind, sp.gathered + sp.reduced, full_grad, 1, layout, "backward",
+                              True)
+        # Else the whole table's gradient is reduced over every axis (ZeRO-1/2 then keep their slice of it).
+        out += flow("embedding gradient", "all-reduce", vocab_axes, full_grad, 1, layout, "backward", True)
+        return out + flow("embedding gradient", kind, sp.gathered + sp.scattered + sp.reduced, full_grad, 1, layout,
+                          "backward", True)
     if sp.gathered:
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "forward", False)
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "backward", False)

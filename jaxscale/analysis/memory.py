@@ -25,7 +25,12 @@ optimizer state, gradients and parameters in turn):
   its unreduced weight gradient; under full recomputation its recomputed residuals and the
   gradient buffers at the backward's peak, :func:`recomputed_backward`) and the loss (logits
   in the compute dtype and fp32, their exponentials and gradient; of ``model.loss_chunk``
-  tokens per sequence when chunked).
+  tokens per sequence when chunked);
+* the output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the
+  loss through the layers' backward (the compiled 70B step holds two whole vocab x embed
+  tables, tied or not);
+* under SP the embedding table gathered whole (its shard_map looks rows up in the whole
+  table) and its gradient, reduced whole (:mod:`jaxscale.analysis.communication`).
 
 Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`jaxscale.analysis.formulas.korthikanti`)
 count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.models.lean`: a norm's input
@@ -224,6 +229,13 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
+    # The output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the loss through
+    # the layers' backward (its reduce-scatter overlaps them). Under SP the whole embedding table and its
+    # gradient take that place (the compiled SP steps hold those two, not the head's as well).
+    sp = bool(layout.sequence_axes)
+    heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
+    head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, m.layers) for p in heads)
+                                  if s.gathered) * pbytes
     activations = layers * per_layer
     out = {
         "params": state("params", pbytes),
@@ -235,6 +247,10 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "pipeline copies": 0.0,
         "activations": activations,
         "transient": max(layer_backward, loss),
+        # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
+        "embedding": 2 * sum(split(p, layout, step, m.layers).whole * layout.size(layout.mesh_axes(("vocab",)))
+                             for p in params if p.is_embedding) * pbytes if sp else 0.0,
+        "head": head,
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
     if pipelined:

@@ -487,7 +487,7 @@ def table(plan: Plan) -> str:
 
     for i, cand in enumerate(plan.candidates, 1):
         lay, mem, t = cand.layout, cand.memory, cand.time
-        peak = mem["transient"] + mem.get("mask", 0.0)
+        peak = mem["transient"] + mem.get("mask", 0.0) + mem.get("embedding", 0.0) + mem.get("head", 0.0)
         grads = mem["gradients"] + mem["accumulator"] + mem.get("pipeline accumulator", 0.0)
         zero = "/".join([str(lay.zero_stage)] + [s.rsplit("zero", 1)[1] for s in cand.same if "zero" in s])
         lines.append(
@@ -512,7 +512,8 @@ def table(plan: Plan) -> str:
         "copy = the compute copy, master = the fp32 master apart from it (jaxscale/precision.py), adam = the "
         "moments, grads = gradients (+ fp32 accumulator); playbook: ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, "
         "ZeRO-3 16Ψ/N; act = the layers' saved activations and "
-        f"peak = one layer's backward or the loss, whichever is larger, in {plan.dtype} "
+        "peak = one layer's backward or the loss, whichever is larger, + the gathered head and its gradient "
+        f"(ZeRO-3) and the whole embedding table and its gradient (SP), in {plan.dtype} "
         "(--verify compiles in float32 and says so); zero 1/2: identical rows merged.",
         f"time ({unit}): comp = matmuls and attention at the efficiency their shapes reach on "
         f"{c.peak_flops / 1e12:.0f} TFLOP/s, memory-bound ops at {c.memory_bandwidth / 1e9:.0f} GB/s, recompute; "

@@ -13,14 +13,18 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
   s x s scores at the memory bandwidth;
 * **memory-bound work** at ``memory_bandwidth``: norms, residual adds, RoPE and SwiGLU's
   elementwise product (forward, backward twice), the cross-entropy's logits, the weights'
-  cast to the compute dtype, the gradient accumulator and the optimizer update;
+  cast to the compute dtype, the gradient accumulator and the optimizer update; under
+  ``model.tp_overlap`` the collective matmuls' slot copies, slices and ring accumulators
+  (:func:`collective_matmul_elements`), whose matmuls run one per ring step on 1/t of the tokens;
 * **recomputation**: ``save_dots`` redoes the memory-bound forward, ``full`` the whole layer
   forward, the pipeline's stage recompute the whole stage forward, the chunked loss
   (``model.loss_chunk``) the head's forward;
 * **collectives** (:func:`collective_seconds`): per run a latency (``latency_intra`` /
   ``latency_inter`` per step of a log2 tree, twice for an all-reduce; one step for a
   permute) plus wire bytes over the bandwidth of the slowest link the group crosses (within
-  a node / ICI, across nodes / DCN); measured per collective kind where the cluster file
+  a node / ICI, across nodes / DCN; across nodes a ring all-gather, reduce-scatter or
+  all-reduce brings each node's share in once over the NICs of all the group's devices in
+  the node, :func:`collective_seconds`); measured per collective kind where the cluster file
   has a ``collectives`` table. Weight all-gathers are costed in the compute dtype (the
   master shard is cast before it is gathered);
 * **overlap**, as XLA's latency-hiding scheduler places it: a flow marked ``overlap``
@@ -183,27 +187,52 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
     return cluster
 
 
-def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> bool:
-    """Whether a group over ``axes`` spans nodes: devices are numbered along the mesh, ``tensor`` fastest."""
+def _strides(mesh: Mapping[str, int]) -> dict[str, int]:
+    """Device-id stride of each mesh axis: devices are numbered along the mesh, ``tensor`` fastest."""
     stride_of = {}
     stride = 1
     for axis in reversed(MESH_AXES):
         stride_of[axis] = stride
         stride *= mesh[axis]
+    return stride_of
+
+
+def crosses_nodes(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> bool:
+    """Whether a group over ``axes`` spans nodes: devices are numbered along the mesh, ``tensor`` fastest."""
+    stride_of = _strides(mesh)
     return any(stride_of[a] * mesh[a] > devices_per_node for a in axes if mesh[a] > 1)
+
+
+def members_per_node(axes: Sequence[str], mesh: Mapping[str, int], devices_per_node: int) -> int:
+    """How many devices of one group over ``axes`` share a node (each with its own NIC)."""
+    stride_of = _strides(mesh)
+    inside = 1
+    for a in axes:
+        if mesh[a] > 1 and stride_of[a] < devices_per_node:
+            inside *= min(mesh[a], devices_per_node // stride_of[a])
+    return inside
 
 
 # -- compute -------------------------------------------------------------------------------
 
 
+def ring_steps(m: ModelConfig, layout: Layout) -> int:
+    """How many pieces a collective matmul (``model.tp_overlap``) cuts each SP projection into: the SP ways, or 1."""
+    return layout.size(layout.sequence_axes) if m.tp_overlap and layout.sequence_axes else 1
+
+
 def _matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
-    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch."""
+    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch.
+
+    Under collective matmuls each projection runs as one matmul per ring step, on 1/t of the tokens.
+    """
     t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
     h, ad, gd = m.embed, m.heads * m.head_dim, m.kv_heads * m.head_dim
-    out = [(1, tokens, ad / t_q, h), (2, tokens, gd / t_kv, h), (1, tokens, h, ad / t_q)]
+    r = ring_steps(m, layout)
+    out = [(r, tokens / r, ad / t_q, h), (2 * r, tokens / r, gd / t_kv, h), (r, tokens / r, h, ad / t_q)]
     moe = m.moe
     if moe is None:
-        return [*out, (2, tokens, m.mlp / t_f, h), (1, tokens, h, m.mlp / t_f)]
+        return [*out, (2 * r, tokens / r, m.mlp / t_f, h), (r, tokens / r, h, m.mlp / t_f)]
     # Routed experts: the device's E/ep experts see ep·M·k/E tokens each; averaged over the MoE layers.
     ep = layout.ways(("expert",))
     f = moe.mlp or m.mlp
@@ -223,6 +252,28 @@ def matmul_seconds(cluster: Cluster, count: float, mm: float, n: float, k: float
     return count * 2 * mm * n * k / (cluster.peak_flops * cluster.matmul_eff((mm * n * k) ** (1 / 3)))
 
 
+def collective_matmul_elements(m: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """Elements per token a forward of the collective matmuls (``model.tp_overlap``) reads and writes in device
+    memory beyond their matmuls: (per layer, for the output head), 0 without them.
+
+    As :mod:`jaxscale.parallel.collective_matmul` writes them: an all-gather matmul (q, k, v; gate, up; the head
+    under the plain loss) zero-fills its output and copies each step's partial product into its slot (a
+    dynamic-update-slice: write, read, write of the output); a matmul reduce-scatter (attention out, MLP down)
+    slices each step's rows off its input (read, write) and adds its partial sum to the ring's accumulator
+    t − 1 times, an add XLA folds into the matmul (cuBLAS's C operand, beta = 1: one more read of a 1/t
+    piece of b·s·h). The backward's transposes move as many again.
+    """
+    t = ring_steps(m, layout)
+    if t == 1:
+        return 0.0, 0.0
+    t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
+    gathered = (m.heads / t_q + 2 * m.kv_heads / t_kv) * m.head_dim + 2 * m.mlp / t_f
+    scattered_in = m.heads * m.head_dim / t_q + m.mlp / t_f
+    per_layer = 3 * gathered + 2 * scattered_in + 2 * (t - 1) / t * m.embed
+    head = 0.0 if m.loss_chunk else 3 * m.vocab_size / layout.ways(("vocab",))
+    return per_layer, head
+
+
 def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, step: Step,
              cluster: Cluster) -> dict[str, float]:
     """Seconds of the step's compute on one device: forward, backward and recomputation, by part."""
@@ -237,7 +288,8 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     sp = layout.size(layout.sequence_axes)
 
     fwd_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _matmuls(m, layout, micro))
-    head = passes * matmul_seconds(cluster, 1, micro, m.vocab_size / t_v, m.embed)
+    r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
+    head = passes * matmul_seconds(cluster, r, micro / r, m.vocab_size / t_v, m.embed)
     attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * m.head_dim * layers  # causal: half of QK and PV
     fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
     # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
@@ -245,6 +297,9 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     elems = (10 * m.embed) / sp + 2 * (m.heads / t_q + m.kv_heads / layout.ways(("kv_heads",))) * m.head_dim
     elems += 3 * (m.moe.mlp or m.mlp if m.moe else m.mlp) / layout.ways(("mlp",))
     fwd_mem = tokens * layers * elems * cbytes
+    cm_layer, cm_head = collective_matmul_elements(m, layout)
+    cm_layers = tokens * layers * cm_layer * cbytes  # forward; the backward's transposes as much again
+    fwd_cm = cm_layers + tokens * cm_head * cbytes
     if m.attention not in ("blockwise", "ring", "cudnn"):  # s x s fp32 scores written and read 4 times
         fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
@@ -259,20 +314,20 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         if m.dtype != m.param_dtype:
             weights = passes * held * (pbytes + cbytes)
     bw = cluster.memory_bandwidth
-    forward = fwd_mm + head + fwd_attn + (fwd_mem + logits / 4 + weights) / bw
-    backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + 3 * logits / 4 + weights) / bw
+    forward = fwd_mm + head + fwd_attn + (fwd_mem + fwd_cm + logits / 4 + weights) / bw
+    backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + fwd_cm + 3 * logits / 4 + weights) / bw
     recompute = {"none": 0.0, "save_dots": fwd_mem / bw, "save_named": fwd_mem / bw,
-                 "full": fwd_mm + fwd_attn + fwd_mem / bw}[m.remat]
+                 "full": fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw}[m.remat]
     if layout.pipelined:  # the backward slot recomputes its chunk once; no layer remat inside a stage
-        recompute = fwd_mm + fwd_attn + fwd_mem / bw
+        recompute = fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw
     if m.loss_chunk:  # the chunked loss recomputes each chunk's logits in its backward
         recompute += head
     pipeline = {}
     if layout.pipelined:  # one slot of the loop: a chunk (1/v of the stage) on one microbatch
         chunks = passes * step.repeats
         pipeline = {
-            "chunk_forward": (fwd_mm + fwd_attn + (fwd_mem + weights) / bw) / chunks,
-            "chunk_backward": (3 * fwd_mm + 3.5 * fwd_attn + (3 * fwd_mem + weights) / bw) / chunks,
+            "chunk_forward": (fwd_mm + fwd_attn + (fwd_mem + cm_layers + weights) / bw) / chunks,
+            "chunk_backward": (3 * fwd_mm + 3.5 * fwd_attn + (3 * fwd_mem + 2 * cm_layers + weights) / bw) / chunks,
             "head": (3 * head + logits / bw) / passes,  # forward and backward, on the last stage
             "embedding_gradient": head / passes,  # the one-hot matmul, on the first stage
         }
@@ -282,7 +337,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         "recompute": recompute,
         "matmul": 3 * (fwd_mm + head),
         "attention": 3.5 * fwd_attn,
-        "memory_bound": (3 * fwd_mem + logits + 2 * weights) / bw,
+        "memory_bound": (3 * fwd_mem + 2 * fwd_cm + logits + 2 * weights) / bw,
         "optimizer": update / bw,
         **pipeline,
     }
@@ -322,16 +377,36 @@ def flow_kind(f: Flow) -> str:
     return "FSDP gather"
 
 
-def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.0) -> tuple[float, float]:
-    """(seconds of all its runs, seconds of one run) of a flow at its link level; ``scale`` rescales its bytes."""
+def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.0,
+                       per_node: int = 1) -> tuple[float, float]:
+    """(seconds of all its runs, seconds of one run) of a flow at its link level; ``scale`` rescales its bytes.
+
+    Across nodes, a ring all-gather, reduce-scatter or all-reduce over ``per_node`` devices of each of k
+    nodes moves (k − 1)/k of the data into each node once, shared by the node's ``per_node`` NICs, while
+    the rest of each device's wire bytes stay on NVLink / ICI: the slower of the two links sets the time
+    (NCCL's rings enter and leave a node on a different NIC per channel). An all-to-all sends the part
+    for other nodes through each device's own NIC; a permute crossing nodes sends all of it.
+    """
     level = "inter" if inter else "intra"
-    latency = cluster.latency_inter if inter else cluster.latency_intra
-    bandwidth = cluster.inter_bandwidth if inter else cluster.intra_bandwidth
+    wire = f.wire_bytes / f.runs * scale
+    steps = 1 if f.kind == "collective-permute" else math.ceil(math.log2(f.n)) * (2 if f.kind == "all-reduce" else 1)
     measured = (cluster.collectives or {}).get(level, {}).get(f.kind)
     if measured:
         latency, bandwidth = measured
-    steps = 1 if f.kind == "collective-permute" else math.ceil(math.log2(f.n)) * (2 if f.kind == "all-reduce" else 1)
-    one = latency * steps + f.wire_bytes / f.runs * scale / bandwidth
+        one = latency * steps + wire / bandwidth
+    elif not inter:
+        one = cluster.latency_intra * steps + wire / cluster.intra_bandwidth
+    else:
+        g, n = per_node, f.n
+        if f.kind in ("all-gather", "reduce-scatter", "all-reduce"):
+            k = n / g
+            nic = wire * ((k - 1) / k) / ((n - 1) / n) / g
+        elif f.kind == "all-to-all":
+            nic = wire * (n - g) / (n - 1)
+        else:
+            nic = wire
+        one = cluster.latency_inter * steps + max(nic / cluster.inter_bandwidth,
+                                                  (wire - nic) / cluster.intra_bandwidth)
     return one * f.runs, one
 
 
@@ -358,7 +433,8 @@ def step_time(
         inter = crosses_nodes(f.axes, layout.mesh, cluster.devices_per_node)
         kind = flow_kind(f)
         scale = gather_scale if kind == "FSDP gather" else 1.0
-        seconds, one = collective_seconds(f, cluster, inter, scale)
+        per_node = members_per_node(f.axes, layout.mesh, cluster.devices_per_node)
+        seconds, one = collective_seconds(f, cluster, inter, scale, per_node)
         total_comm += seconds
         if not f.overlap:
             exposed[kind] = exposed.get(kind, 0.0) + seconds
