@@ -296,3 +296,4 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     out["transient"] = chunk * none + loss + cotangents + layer_elems(params, layout, reduced=False) * pbytes
     out["pipeline accumulator"] = 4 * held
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
+    out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
