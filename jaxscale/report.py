@@ -17,10 +17,10 @@ from jaxscale.config import ConfigError
 
 # Parts of a memory breakdown, in stacking order, with the keys of jaxscale.analysis.memory.memory they sum.
 MEMORY_PARTS = {
-    "parameters": ("params",),
+    "parameters": ("params", "pipeline copies"),
     "master": ("master",),
     "optimizer": ("optimizer",),
-    "gradients": ("gradients", "accumulator"),
+    "gradients": ("gradients", "accumulator", "pipeline accumulator"),
     "activations": ("activations",),
     "peak transient": ("transient", "mask"),
     "batch": ("batch",),

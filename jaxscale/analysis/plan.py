@@ -263,7 +263,7 @@ def loss_chunk_for(seq_len: int) -> int:
     return max(d for d in _divisors(seq_len) if d <= max(1, seq_len // 8))
 
 
-STATE_PARTS = ("params", "master", "optimizer", "gradients", "accumulator", "pipeline accumulator")
+STATE_PARTS = ("params", "master", "optimizer", "gradients", "accumulator", "pipeline accumulator", "pipeline copies")
 
 
 def state_bytes(mem: dict[str, float]) -> float:
