@@ -36,7 +36,9 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   the context axes and then over the data axes (two all-reduces, as compiled); PP: a
   microbatch's b·s·h per loop tick (``Table.ticks`` of them, the bubble's included) each way; each
   stage's copy of the embedding, final norm and head gathered once, its fp32 gradient
-  reduce-scattered over the stage's axes every tick and summed over the stages once
+  reduce-scattered over the stage's axes inside the conditionals that run the head and the
+  embedding's gradient (m times a step; counted here as the compiled loop's T ticks, the runs
+  :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
   (:func:`_pipeline_outer_flows`); with v > 1 the blocks regrouped into chunks (all-to-all);
   inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
   where there are any); EP: dispatch + combine all-to-all of

@@ -247,25 +247,25 @@ def objective(
             )
 
         def head_grad(
-            last: jax.Array, anywhere: jax.Array, y: jax.Array, targets: jax.Array
+            last: jax.Array, anywhere: jax.Array, y: jax.Array, targets: jax.Array, acc_outer: Any
         ) -> tuple[jax.Array, jax.Array, Any]:
-            """Loss, its gradient in ``y`` and in the head's parameters, on the last virtual stage."""
+            """Loss, its gradient in ``y``, and ``acc_outer`` plus the head parameters' gradient, on the last
+            virtual stage (the sum inside the conditional: a cross-device sum of it runs in these ticks only)."""
 
             def run() -> tuple[jax.Array, jax.Array, Any]:
                 loss, pull = jax.vjp(lambda o, y: loss_of(o, y, targets), outer, y)
                 d_outer, dy = pull(jnp.ones_like(loss))
-                return loss, dy, d_outer
+                return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
 
-            zeros = (jnp.zeros((), jnp.float32), jnp.zeros_like(y), jax.tree.map(jnp.zeros_like, outer))
-            return head(last, anywhere, run, zeros)
+            return head(last, anywhere, run, (jnp.zeros((), jnp.float32), jnp.zeros_like(y), acc_outer))
 
-        def embedding_grad(i: jax.Array, dh: jax.Array) -> jax.Array:
-            """The table's gradient from the first virtual stage's input gradient: one-hot(tokens)ᵀ · dh.
+        def embedding_grad(i: jax.Array, dh: jax.Array, table: jax.Array) -> jax.Array:
+            """``table`` plus the table's gradient from the first virtual stage's input gradient, one-hot(tokens)ᵀ · dh.
 
             A matmul, not the scatter-add that autodiff of the lookup gives: XLA's partitioner cannot
             split a scatter into a sharded operand inside a partly manual ``shard_map``."""
             hot = jax.nn.one_hot(xs["inputs"][i], c.vocab_size, dtype=dh.dtype)
-            return jnp.einsum("bsv,bse->ve", hot, dh, preferred_element_type=jnp.float32)
+            return table + jnp.einsum("bsv,bse->ve", hot, dh, preferred_element_type=jnp.float32)
 
         def forward_slot(
             kind: jax.Array, anywhere: jax.Array, i: jax.Array, ch: jax.Array, src: jax.Array, acts: jax.Array
@@ -285,22 +285,19 @@ def objective(
 
         def backward_slot(
             kind: jax.Array, anywhere: jax.Array, i: jax.Array, ch: jax.Array, src: jax.Array, grad: jax.Array,
-            acts: jax.Array, grads: jax.Array,
+            acts: jax.Array, grads: jax.Array, acc_outer: Any,
         ) -> tuple:
             pc, pos, on = take(params, ch), xs["positions"][i], kind > IDLE
 
             def run() -> tuple:
                 h = stage_input(kind == FIRST, i, src, acts)
                 (y, obj, met), pull = jax.vjp(lambda pc, h: chunk_forward(pc, h, pos), pc, h)
-                loss, dy_head, d_outer = head_grad(kind == LAST, anywhere, y, xs["targets"][i])
+                loss, dy_head, new_outer = head_grad(kind == LAST, anywhere, y, xs["targets"][i], acc_outer)
                 dy = jnp.where(on, jnp.where(kind == LAST, dy_head, grads[grad]), 0)
                 d_pc, dh = pull(_vary((dy, on.astype(obj.dtype), jax.tree.map(jnp.zeros_like, met)), manual))
-                return d_pc, d_outer, dh, loss + obj, met
+                return d_pc, new_outer, dh, loss + obj, met
 
-            zeros = (
-                jax.tree.map(jnp.zeros_like, pc), jax.tree.map(jnp.zeros_like, outer), h0,
-                jnp.zeros((), jnp.float32), zero_metrics,
-            )
+            zeros = (jax.tree.map(jnp.zeros_like, pc), acc_outer, h0, jnp.zeros((), jnp.float32), zero_metrics)
             return when(on, run, zeros)
 
         fwd_perm = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
@@ -314,16 +311,15 @@ def objective(
             )
             if step.train:
                 kind, i, ch = mine["b_kind"], mine["b_micro"], mine["b_chunk"]
-                d_pc, d_outer, dh, b_loss, b_met = backward_slot(
-                    kind, jnp.any(col["b_kind"] == LAST), i, ch, mine["b_src"], mine["b_grad"], acts, grads
+                d_pc, acc_outer, dh, b_loss, b_met = backward_slot(
+                    kind, jnp.any(col["b_kind"] == LAST), i, ch, mine["b_src"], mine["b_grad"], acts, grads, acc_outer
                 )
                 acc = jax.tree.map(
                     lambda a, g: lax.dynamic_update_index_in_dim(a, a[ch] + g.astype(a.dtype), ch, 0), acc, d_pc
                 )
-                acc_outer = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
-                acc_outer["embedding"] = acc_outer["embedding"] + head(
-                    kind == FIRST, jnp.any(col["b_kind"] == FIRST), lambda: embedding_grad(i, dh),
-                    jnp.zeros_like(acc_outer["embedding"]),
+                table_ = acc_outer["embedding"]
+                acc_outer["embedding"] = head(
+                    kind == FIRST, jnp.any(col["b_kind"] == FIRST), lambda: embedding_grad(i, dh, table_), table_
                 )
                 grads = _put(grads, mine["recv_b"], lax.ppermute(dh, AXIS, bwd_perm))
                 loss, metrics = loss + b_loss, jax.tree.map(jnp.add, metrics, b_met)
