@@ -11,7 +11,8 @@ each schedule and (p, m, v) the step on mesh ``stage=p`` x ``data=8/p`` (``rules
   = 3 forwards: the stage recomputed, then its backward), next to (p − 1)/(v·m + p − 1);
 * ``permute_bytes``: collective-permute wire bytes per device per step over ``stage``, next to the
   playbook's 2·v·m·b·s·h·bytes and to 2·ticks·b·s·h·bytes (the bubble's ticks send too);
-* ``stash``: stage inputs a device keeps (the table's activation slots) and their bytes;
+* ``stash``: microbatches a device keeps (the table's activation slots) and the bytes of their
+  layers' inputs;
 * ``memory``: ``compiled.memory_analysis()`` per device;
 * ``step_time``: median seconds of ``--steps`` steps, and its ratio to the step without a pipeline,
   next to (v·m + p − 1)/(v·m) and the issue's goal for 1F1B, (m + p − 1)/m + 0.1.

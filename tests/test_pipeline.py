@@ -142,11 +142,12 @@ def simulate(table: schedules.Table) -> None:
         sent_f, sent_b = [None] * p, [None] * p
         for s in range(p):
             kind, i, c, src = table.f_kind[t, s], table.f_micro[t, s], table.f_chunk[t, s], table.f_src[t, s]
-            if i >= 0:  # a forward (the last virtual stage's keeps its input only, while training)
+            if i >= 0:
                 g = c * p + s
-                assert (kind == FIRST) == (g == 0) and src == (-1 if g == 0 else src)
-                if g > 0:
-                    assert acts[s][src] == ("act", i, g), (t, s)
+                assert (kind == FIRST) == (g == 0) and (kind == LAST) == (g == last) and src >= 0
+                if g == 0:  # the first virtual stage's slot is taken as its forward embeds the tokens
+                    acts[s][src] = ("act", i, 0)
+                assert acts[s][src] == ("act", i, g), (t, s)
                 seen.add(("F", i, g))
                 if g < last:
                     sent_f[(s + 1) % p] = ("act", i, g + 1)
@@ -154,8 +155,7 @@ def simulate(table: schedules.Table) -> None:
             if kind != IDLE:
                 g = c * p + s
                 assert ("F", i, g) in seen and (kind == LAST) == (g == last) and (kind == FIRST) == (g == 0)
-                if g > 0:
-                    assert acts[s][table.b_src[t, s]] == ("act", i, g), (t, s)
+                assert acts[s][table.b_src[t, s]] == ("act", i, g), (t, s)
                 if g < last:
                     assert grads[s][table.b_grad[t, s]] == ("grad", i, g), (t, s)
                 seen.add(("B", i, g))
@@ -180,7 +180,7 @@ def test_table_runs_every_operation_once_with_its_inputs(schedule, p, m, v, trai
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_1f1b_keeps_a_bounded_stash_where_gpipe_keeps_every_microbatch(p):
     for m in (p, 4 * p, 16 * p):
-        assert schedules.build("1f1b", p, m, 1).act_slots <= 2 * p - 1
+        assert schedules.build("1f1b", p, m, 1).act_slots <= 2 * p
         assert schedules.build("gpipe", p, m, 1).act_slots == m
         assert schedules.build("interleaved_1f1b", p, m, 2).act_slots <= 4 * p
 
@@ -198,7 +198,9 @@ def test_the_head_runs_once_per_microbatch_on_the_last_stage():
     for schedule, v in (("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1)):
         table = schedules.build(schedule, 4, 8, v)
         assert (table.b_kind == LAST).sum() == 8 and set(np.nonzero(table.b_kind == LAST)[1]) == {3}
-        assert (table.f_kind == LAST).sum() == 0  # training: the forward slot there only keeps the input
+        # The last chunk's forward keeps its layers' inputs; the head runs in its backward (training)
+        # or in the forward (evaluation).
+        assert (table.f_kind == LAST).sum() == 8
         assert (schedules.build(schedule, 4, 8, v, train=False).f_kind == LAST).sum() == 8
 
 

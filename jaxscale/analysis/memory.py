@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split
+from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stage_partitioned
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
 from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
@@ -271,8 +271,9 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     two buffers per slot across a tick, as compiled), the fp32 gradient accumulators of the stage's
     blocks and of its own copy of the embedding, final norm and head (in the parameters' layout)
     and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged into
-    chunks. ``model.remat`` is not applied inside a stage: the backward slot recomputes its chunk
-    once and holds its ``none`` residuals for one microbatch, the head's loss (the last stage) and
+    chunks. Each slot holds the inputs of the chunk's L/(p·v) layers. ``model.remat`` is not applied
+    inside a stage: the backward slot recomputes one layer at a time from its input and holds that
+    layer's ``none`` residuals for one microbatch, the head's loss (the last stage) and
     the layer backward's gradient buffers (the larger of :func:`recomputed_backward`'s peaks, both
     alive at XLA:CPU's peak), and one layer's gathered weights or unreduced weight gradient.
     """
@@ -292,8 +293,12 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
                 for p in params if not p.in_layers)
-    out["activations"] = 2 * (table.act_slots + table.grad_slots) * x
-    out["transient"] = chunk * none + loss + cotangents + layer_elems(params, layout, reduced=False) * pbytes
+    out["activations"] = 2 * (table.act_slots * chunk + table.grad_slots) * x
+    # Where a stage has partitioner axes (masked slots) XLA gathers the chunk's weights once for the
+    # backward slot's layer loop, not layer by layer: the chunk's gathered weights and one layer's
+    # unreduced gradient; otherwise one layer's weights or gradient.
+    weights = (chunk + 1 if stage_partitioned(m, layout, params) else 1) * layer_elems(params, layout, reduced=False)
+    out["transient"] = none + loss + cotangents + weights * pbytes
     out["pipeline accumulator"] = 4 * held
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above

@@ -12,19 +12,20 @@ microbatches (``pipeline.microbatches``; row r of microbatch i is row r·m + i, 
 rows). Each tick every stage runs at most one *forward slot* and then one *backward slot*, each a
 ``lax.switch`` over {idle, first, middle, last}: an idle slot costs no compute, the first virtual
 stage embeds its microbatch's tokens, the last one runs the final norm, the output head and the
-loss. A backward slot recomputes its chunk from the stashed input under ``jax.vjp`` and adds the
-parameter gradients to fp32 accumulators; its input gradient goes to the previous stage. Both
+loss. The forward slot keeps the input of every layer of its chunk; the backward slot recomputes
+each layer from its input under ``jax.vjp``, last layer first, and adds the parameter gradients to
+fp32 accumulators; its input gradient goes to the previous stage. Both
 messages of a tick (the forward's output, the backward's input gradient) travel by ``ppermute``
 at the end of the tick and wait in slots of the receiver's buffers until used. The schedule
 (``pipeline.schedule``: gpipe, circular, 1f1b, interleaved_1f1b) is only which slot runs what.
 
-**Memory**: a stage keeps the inputs of its in-flight microbatches (``Table.act_slots``: m for
-GPipe, about 2·(p − 1) for 1F1B in lock-step ticks, whatever m) plus, transiently, one chunk's
-residuals inside the backward slot. The logits of one microbatch live only inside the last
-stage's backward slot (none with ``model.loss_chunk``). **One recompute**: each layer runs forward
-twice per microbatch (the forward slot, then the backward slot's ``vjp``); neither ``model.remat``'s
-policy nor ``selective``'s attention checkpoint applies inside a stage (:func:`~jaxscale.models.llama.recomputed`),
-so no layer is recomputed twice.
+**Memory**: a stage keeps the layer inputs of its in-flight microbatches (``Table.act_slots`` of
+them: m for GPipe, at most 2p for 1F1B in lock-step ticks, whatever m; L/(p·v) layers' b·s·h each)
+plus, transiently, one layer's residuals inside the backward slot. The logits of one microbatch
+live only inside the last stage's backward slot (none with ``model.loss_chunk``). **One
+recompute**: each layer runs forward twice per microbatch (the forward slot, then the backward
+slot's ``vjp``); neither ``model.remat``'s policy nor ``selective``'s attention checkpoint applies
+inside a stage (:func:`~jaxscale.models.llama.recomputed`), so no layer is recomputed twice.
 
 **What it communicates**, b·s·h the bytes of one microbatch's activations on a device:
 collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
@@ -32,8 +33,7 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data axes, the block gradients over those axes. Nothing else crosses
 ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other axes
-stay with the partitioner (FSDP gathers, TP all-reduces) or with the nested shard_maps of sequence
-parallelism, ring attention and expert parallelism, which run over the axes left free.
+stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts).
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
@@ -108,10 +108,12 @@ def _check(p: int, m: int, v: int, layers: int, tokens: jax.Array) -> None:
     check_divisible("pipeline microbatch", (rows // m, tokens.shape[1]), TOKENS, spec(place, TOKENS), mesh)
 
 
-def _put(buf: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
-    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1)."""
+def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
+    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part."""
     i = jnp.maximum(slot, 0)
-    return lax.dynamic_update_index_in_dim(buf, jnp.where(slot >= 0, x, buf[i]), i, 0)
+    old = buf[i] if whole else lax.dynamic_slice_in_dim(buf[i], 0, x.shape[0])
+    start = (i, *([0] * (buf.ndim - 1)))
+    return lax.dynamic_update_slice(buf, jnp.where(slot >= 0, x, old)[None], start)
 
 
 def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -193,15 +195,21 @@ def objective(
         nnx.replace_by_pure_dict(state, outer)
         return nnx.merge(graphdef, shapes, state)
 
-    def chunk_forward(pc: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        """One chunk of layers: output, its share of the aux objective, its summed MoE metrics."""
-
-        def layer(h: jax.Array, lp: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return nnx.merge(block_graph, lp)(h, pos)
-
-        y, aux = lax.scan(layer, h, pc)
-        metrics = {k: jnp.sum(a).astype(jnp.float32) for k, a in aux.items()}
+    def layer(lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
+        y, aux = nnx.merge(block_graph, lp)(h, pos)
+        metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
         return _vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
+
+    def chunk_forward(pc: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+        """A chunk of layers: output, the input of every layer, the aux objective's share, the summed metrics."""
+
+        def step_(h: jax.Array, lp: Any) -> tuple[jax.Array, tuple]:
+            y, obj, met = layer(lp, h, pos)
+            return y, (h, obj, met)
+
+        y, (inputs, obj, met) = lax.scan(step_, h, pc)
+        return y, inputs, jnp.sum(obj), jax.tree.map(jnp.sum, met)
 
     def loss_of(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
@@ -232,8 +240,8 @@ def objective(
             return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
 
         def stage_input(first: jax.Array, i: jax.Array, src: jax.Array, acts: jax.Array) -> jax.Array:
-            """The tokens' embedding on the first virtual stage, else the stashed activation."""
-            return when(first, lambda: head_model(outer).embed(xs["inputs"][i]), acts[src])
+            """The tokens' embedding on the first virtual stage, else the activation that arrived."""
+            return when(first, lambda: head_model(outer).embed(xs["inputs"][i]), acts[src, 0])
 
         def head(last: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
             """``f()`` on the stage where ``last`` holds (the head on the last virtual stage, the embedding's
@@ -270,35 +278,71 @@ def objective(
         def forward_slot(
             kind: jax.Array, anywhere: jax.Array, i: jax.Array, ch: jax.Array, src: jax.Array, acts: jax.Array
         ) -> tuple:
+            """The chunk's output (sent on), its layers' inputs (kept), loss share and metrics."""
             pc, pos = take(params, ch), xs["positions"][i]
 
             def run() -> tuple:
-                y, obj, met = chunk_forward(pc, stage_input(kind == FIRST, i, src, acts), pos)
+                y, inputs, obj, met = chunk_forward(pc, stage_input(kind == FIRST, i, src, acts), pos)
                 if not step.train:  # evaluation: the loss on the last virtual stage
                     loss = head(
                         kind == LAST, anywhere, lambda: loss_of(outer, y, xs["targets"][i]), jnp.zeros((), jnp.float32)
                     )
                     obj = obj + loss
-                return y, obj, met
+                return y, inputs, obj, met
 
-            return when(kind > IDLE, run, (h0, jnp.zeros((), jnp.float32), zero_metrics))
+            return when(kind > IDLE, run, (h0, acts[0], jnp.zeros((), jnp.float32), zero_metrics))
 
         def backward_slot(
             kind: jax.Array, anywhere: jax.Array, i: jax.Array, ch: jax.Array, src: jax.Array, grad: jax.Array,
-            acts: jax.Array, grads: jax.Array, acc_outer: Any,
+            acts: jax.Array, grads: jax.Array, acc: Any, acc_outer: Any,
         ) -> tuple:
+            """Each layer of the chunk recomputed from its kept input and differentiated, last layer first
+            (on the last virtual stage its output's gradient comes from the head and loss); each layer's
+            gradient is added to ``acc`` as it comes (an idle slot's cotangents are zero: it adds zeros)."""
             pc, pos, on = take(params, ch), xs["positions"][i], kind > IDLE
+            cot = on.astype(jnp.float32)  # the aux objective's cotangent: 0 in a masked slot
+
+            def pull_layer(lp: Any, x: jax.Array, dy: jax.Array) -> tuple[Any, jax.Array, jax.Array, dict]:
+                (_, obj, met), pull = jax.vjp(lambda lp, x: layer(lp, x, pos), lp, x)
+                d_lp, dx = pull(_vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
+                return d_lp, dx, obj, met
+
+            def add(acc: Any, k: jax.Array, d_lp: Any) -> Any:
+                """``acc`` plus layer ``k``'s gradient, at this chunk's layer k."""
+
+                def one(a: jax.Array, g: jax.Array) -> jax.Array:
+                    start = (ch, k, *([0] * g.ndim))
+                    old = lax.dynamic_slice(a, start, (1, 1, *g.shape))
+                    return lax.dynamic_update_slice(a, old + g.astype(a.dtype)[None, None], start)
+
+                return jax.tree.map(one, acc, d_lp)
 
             def run() -> tuple:
-                h = stage_input(kind == FIRST, i, src, acts)
-                (y, obj, met), pull = jax.vjp(lambda pc, h: chunk_forward(pc, h, pos), pc, h)
+                inputs = acts[src]
+                last_layer = inputs.shape[0] - 1
+                (y, obj, met), pull = jax.vjp(
+                    lambda lp, x: layer(lp, x, pos), jax.tree.map(lambda w: w[-1], pc), inputs[-1]
+                )
                 loss, dy_head, new_outer = head_grad(kind == LAST, anywhere, y, xs["targets"][i], acc_outer)
                 dy = jnp.where(on, jnp.where(kind == LAST, dy_head, grads[grad]), 0)
-                d_pc, dh = pull(_vary((dy, on.astype(obj.dtype), jax.tree.map(jnp.zeros_like, met)), manual))
-                return d_pc, new_outer, dh, loss + obj, met
+                d_top, dx = pull(_vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
 
-            zeros = (jax.tree.map(jnp.zeros_like, pc), acc_outer, h0, jnp.zeros((), jnp.float32), zero_metrics)
-            return when(on, run, zeros)
+                def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
+                    dx, acc = carry
+                    d_lp, dx, o, mt = pull_layer(take(pc, k), inputs[k], dx)
+                    return (dx, add(acc, k, d_lp)), (o, mt)
+
+                (dx, acc_new), (objs, mets) = lax.scan(
+                    down, (dx, add(acc, last_layer, d_top)), jnp.arange(last_layer), reverse=True
+                )
+                met = jax.tree.map(lambda a, b: jnp.sum(a) + b, mets, met)
+                return acc_new, new_outer, dx, loss + obj + jnp.sum(objs), met
+
+            zeros = (acc, acc_outer, h0, jnp.zeros((), jnp.float32), zero_metrics)
+            if skip:
+                return when(on, run, zeros)
+            new_acc, *rest = run()  # masked: the accumulator adds exact zeros, no select needed
+            return new_acc, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[1:])
 
         fwd_perm = [(s, (s + 1) % p) for s in range(p)] if v > 1 else [(s, s + 1) for s in range(p - 1)]
         bwd_perm = [(b, a) for a, b in fwd_perm]
@@ -306,16 +350,16 @@ def objective(
         def tick(carry: tuple, col: dict[str, jax.Array]) -> tuple[tuple, None]:
             acts, grads, acc, acc_outer, loss, metrics = carry
             mine = {k: col[k][stage] for k in col}
-            y, f_loss, f_met = forward_slot(
+            y, inputs, f_loss, f_met = forward_slot(
                 mine["f_kind"], jnp.any(col["f_kind"] == LAST), mine["f_micro"], mine["f_chunk"], mine["f_src"], acts
             )
+            if step.train:  # keep the layers' inputs for the backward, where the chunk's input arrived
+                acts = _put(acts, jnp.where(mine["f_kind"] > IDLE, mine["f_src"], -1), inputs)
             if step.train:
                 kind, i, ch = mine["b_kind"], mine["b_micro"], mine["b_chunk"]
-                d_pc, acc_outer, dh, b_loss, b_met = backward_slot(
-                    kind, jnp.any(col["b_kind"] == LAST), i, ch, mine["b_src"], mine["b_grad"], acts, grads, acc_outer
-                )
-                acc = jax.tree.map(
-                    lambda a, g: lax.dynamic_update_index_in_dim(a, a[ch] + g.astype(a.dtype), ch, 0), acc, d_pc
+                acc, acc_outer, dh, b_loss, b_met = backward_slot(
+                    kind, jnp.any(col["b_kind"] == LAST), i, ch, mine["b_src"], mine["b_grad"], acts, grads, acc,
+                    acc_outer,
                 )
                 table_ = acc_outer["embedding"]
                 acc_outer["embedding"] = head(
@@ -325,13 +369,13 @@ def objective(
                 loss, metrics = loss + b_loss, jax.tree.map(jnp.add, metrics, b_met)
             else:
                 loss, metrics = loss + f_loss, jax.tree.map(jnp.add, metrics, f_met)
-            acts = _put(acts, mine["recv_f"], lax.ppermute(y, AXIS, fwd_perm))
+            acts = _put(acts, mine["recv_f"], lax.ppermute(y, AXIS, fwd_perm)[None], whole=False)
             return (acts, grads, acc, acc_outer, loss, metrics), None
 
         f32 = jnp.float32
         acc = jax.tree.map(lambda w: jnp.zeros(w.shape, f32), params) if step.train else {}
         acc_outer = jax.tree.map(lambda w: jnp.zeros(w.shape, f32), outer) if step.train else {}
-        acts = jnp.zeros((step.act_slots, *h0.shape), dtype)
+        acts = jnp.zeros((step.act_slots, layers // (p * v), *h0.shape), dtype)
         grads = jnp.zeros((step.grad_slots if step.train else 1, *h0.shape), dtype)
         init = _vary((acts, grads, acc, acc_outer, jnp.zeros((), f32), zero_metrics), manual)
         cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}

@@ -21,11 +21,14 @@ and never out of the stage's order. Messages sent in tick t (the forward's outpu
 virtual stage, the backward's input gradient to the previous one) are written into a *slot* of
 the receiver's buffer at the end of tick t and freed when read for the last time; slots are
 reused greedily, so the buffers are as small as the schedule allows: the ``1f1b`` stash stays at
-about p stage inputs whatever m, where ``gpipe`` keeps m.
+at most 2p microbatches whatever m (a message moves one stage a tick, so the round trip from
+stage s to the last and back takes 2·(p − 1 − s) ticks), where ``gpipe`` keeps m.
 
-The backward of the last virtual stage also runs its forward, the output head and the loss (the
-stage is recomputed from its input there anyway), so that stage's forward slot only keeps its input:
-the head runs once per microbatch, on the last stage only, and its logits never outlive the tick.
+A stage keeps, for each microbatch in flight, the inputs of every layer of the chunk (the forward
+slot writes them where its input arrived; the first virtual stage's slot is taken when its forward
+runs), so that its backward recomputes each layer once from its input. The last virtual stage's
+backward also runs the final norm, the output head and the loss: the head runs once per
+microbatch, on the last stage only, and its logits never outlive the tick.
 
 Everything here is NumPy: the tables are built while the step is traced, and the planner and the
 benchmark count ticks, bubble and stash from them without jax.
@@ -86,7 +89,7 @@ class Table:
 
     ``f_kind``/``b_kind``: the branch of the forward/backward slot (IDLE, FIRST: from the tokens,
     MIDDLE, LAST: with head and loss); ``*_micro``, ``*_chunk``: what it works on; ``f_src``,
-    ``b_src``: the activation slot holding its input (the first virtual stage reads the tokens);
+    ``b_src``: the activation slot of its inputs (the first virtual stage's forward embeds the tokens);
     ``b_grad``: the gradient slot holding its output's gradient (the last virtual stage takes the
     loss's); ``recv_f``/``recv_b``: the slot where the message arriving at the end of the tick goes.
     """
@@ -123,8 +126,8 @@ class Table:
     def cost(self, forward: float = 1.0, backward: float = 3.0) -> float:
         """Step time in forward-chunk units: each tick lasts as long as its busiest stage's slots.
 
-        A backward costs ``backward`` (default 3: the stage recomputed from its input, then the
-        backward's two matmuls per forward matmul); the last virtual stage's forward slot is free.
+        A backward costs ``backward`` (default 3: each layer recomputed from its input, then the
+        backward's two matmuls per forward matmul).
         """
         busy = forward * (self.f_kind > IDLE) + backward * (self.b_kind > IDLE)
         return float(busy.max(axis=1).sum())
@@ -136,10 +139,6 @@ class Table:
         as long as one chunk's forward and backward.
         """
         return 1.0 - self.m * self.v * (forward + backward) / self.cost(forward, backward)
-
-    def stash(self) -> int:
-        """Stage inputs a stage holds at most at once (activation slots): what the schedule keeps alive."""
-        return self.act_slots
 
 
 def formula_bubble(p: int, m: int, v: int) -> float:
@@ -226,14 +225,15 @@ def _table(
     f_kind, b_kind = np.zeros((ticks, p), int), np.zeros((ticks, p), int)
     acts, grads = [_Slots() for _ in range(p)], [_Slots() for _ in range(p)]
     act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its input on its stage
-    # Activation slots: written when the previous virtual stage's forward runs, read by the forward
-    # and (training) by the backward, which recomputes the stage from it.
-    inputs = [(done["F", micro, g - 1], done["B" if train else "F", micro, g], micro, g)
-              for (kind, micro, g) in done if kind == "F" and g > 0]
-    act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its input on its stage
+    # Activation slots: written when the previous virtual stage's forward runs (the first virtual
+    # stage's as its own forward starts), read until the backward (training) or the forward.
+    inputs = [(done["F", micro, g - 1] if g else done["F", micro, g] - 1, done["B" if train else "F", micro, g],
+               micro, g) for (kind, micro, g) in done if kind == "F"]
+    act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its inputs on its stage
     for written, reader, micro, g in sorted(inputs):
         act_slot[micro, g] = acts[g % p].take(written, reader)
-        cols["recv_f"][written, g % p] = act_slot[micro, g]
+        if g:
+            cols["recv_f"][written, g % p] = act_slot[micro, g]
     # Gradient slots: written by the next virtual stage's backward, read by this one's.
     outputs = [(done["B", micro, g + 1], done["B", micro, g], micro, g)
                for (kind, micro, g) in done if kind == "B" and g < last]
@@ -247,8 +247,7 @@ def _table(
                 g = op.chunk * p + s
                 branch = FIRST if g == 0 else LAST if g == last else MIDDLE
                 if op.kind == "F":
-                    # Training: the last virtual stage's forward only keeps its input (its backward runs it).
-                    f_kind[t, s] = IDLE if (train and branch == LAST) else branch
+                    f_kind[t, s] = branch
                     cols["f_micro"][t, s], cols["f_chunk"][t, s] = op.micro, op.chunk
                     cols["f_src"][t, s] = act_slot.get((op.micro, g), -1)
                 else:
