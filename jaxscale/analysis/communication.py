@@ -167,11 +167,11 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         if p.in_layers and layout.pipelined:
             # Every tick each slot runs a chunk (1/v of the stage's layers), computed and masked when idle
             # (a stage with partitioner axes), gathering and scattering as it goes: the forward slot gathers
-            # once, the backward slot twice (its recomputed forward, then its backward: the vjp keeps no
-            # gathered weight, as compiled). Over the manual data axes the loop sums the gradient and
-            # reduces it once, after the loop.
+            # once, the backward slot once more (each layer's vjp keeps its gathered weights from its
+            # recomputed forward to its backward, as compiled). Over the manual data axes the loop sums the
+            # gradient and reduces it once, after the loop.
             fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
-            regather = 2
+            regather = 1
         if sp.gathered:
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          True)
@@ -200,17 +200,19 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
 def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int) -> list[Flow]:
     """The embedding, final norm and head of a pipelined model (:mod:`jaxscale.parallel.pipeline`).
 
-    Each stage gets its own copy gathered over the stage's axes once (no lookup traffic); every
-    tick the copy's fp32 gradient is reduce-scattered over them (the head's and the embedding's
-    branches run, masked, on every stage of a stage with partitioner axes); once a step the
-    per-stage accumulators are summed over ``stage`` and then reduced over the data axes.
+    Each stage gets its own copy gathered over the stage's axes once (no lookup traffic); each
+    microbatch's fp32 gradient is summed over them inside the conditional that runs the head or the
+    embedding's gradient (counted T times, as the loop's trip count gives it): the embedding's
+    one-hot matmul all-reduces the whole table, the head's vjp reduce-scatters onto its shards (as
+    compiled); once a step the per-stage accumulators are summed over ``stage`` and then reduced
+    over the data axes.
     """
     micro = step.microbatches
     whole, shard = sp.whole * pbytes, sp.whole / layout.size(sp.gathered) * 4
     ticks = pipeline_ticks(layout, step)
     out = flow(p.path + " (stage copy)", "all-gather", sp.gathered, whole, micro, layout, "forward", False)
-    out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, sp.whole * 4, ticks * micro, layout,
-                "backward", True)
+    kind = "all-reduce" if p.is_embedding else "reduce-scatter"
+    out += flow(p.path + " gradient", kind, sp.gathered, sp.whole * 4, ticks * micro, layout, "backward", True)
     out += flow("PP: " + p.path + " gradient summed over stages", "all-reduce", layout.mesh_axes(("layers",)),
                 shard, micro, layout, "backward", False)
     out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, micro, layout, "backward", True)

@@ -266,16 +266,17 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
               out: dict[str, float]) -> None:
     """A pipelined stage's activations, transient and loop state (:mod:`jaxscale.parallel.pipeline`), into ``out``.
 
-    The loop keeps the stage inputs its schedule has in flight and the gradients waiting for a
-    backward (``Table.act_slots``, ``grad_slots``: one microbatch's [rows, s, h] each; XLA:CPU holds
-    two buffers per slot across a tick, as compiled), the fp32 gradient accumulators of the stage's
-    blocks and of its own copy of the embedding, final norm and head (in the parameters' layout)
-    and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged into
-    chunks. Each slot holds the inputs of the chunk's L/(p·v) layers. ``model.remat`` is not applied
-    inside a stage: the backward slot recomputes one layer at a time from its input and holds that
-    layer's ``none`` residuals for one microbatch, the head's loss (the last stage) and
-    the layer backward's gradient buffers (the larger of :func:`recomputed_backward`'s peaks, both
-    alive at XLA:CPU's peak), and one layer's gathered weights or unreduced weight gradient.
+    The loop keeps, for each microbatch in flight, the inputs of the chunk's L/(p·v) layers, and the
+    gradients waiting for a backward (``Table.act_slots``, ``grad_slots``; XLA:CPU holds two buffers
+    per slot across a tick, as compiled); the fp32 gradient accumulators of the stage's blocks
+    (handed on as the gradients where the stage has no partitioner axes; kept beside them where it
+    has) and of its own copy of the embedding, final norm and head, and that copy, gathered over
+    the stage's axes; with v > 1 the stage's blocks rearranged into chunks. ``model.remat`` is not
+    applied inside a stage: the backward slot recomputes one layer at a time from its input and
+    holds that layer's ``none`` residuals for one microbatch, with either the head's loss (the last
+    layer of the last stage) or the layer backward's gradient buffers (the larger of
+    :func:`recomputed_backward`'s peaks), whichever is larger, and one layer's gathered weights or
+    unreduced weight gradient.
     """
     table = pipeline_table(layout, step)
     compute, _ = step.copies(m)
@@ -294,11 +295,9 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
                 for p in params if not p.in_layers)
     out["activations"] = 2 * (table.act_slots * chunk + table.grad_slots) * x
-    # Where a stage has partitioner axes (masked slots) XLA gathers the chunk's weights once for the
-    # backward slot's layer loop, not layer by layer: the chunk's gathered weights and one layer's
-    # unreduced gradient; otherwise one layer's weights or gradient.
-    weights = (chunk + 1 if stage_partitioned(m, layout, params) else 1) * layer_elems(params, layout, reduced=False)
-    out["transient"] = none + loss + cotangents + weights * pbytes
-    out["pipeline accumulator"] = 4 * held
+    out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
+    # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
+    # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
+    out["pipeline accumulator"] = 4 * held if stage_partitioned(m, layout, params) else 0.0
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above

@@ -302,11 +302,6 @@ def objective(
             pc, pos, on = take(params, ch), xs["positions"][i], kind > IDLE
             cot = on.astype(jnp.float32)  # the aux objective's cotangent: 0 in a masked slot
 
-            def pull_layer(lp: Any, x: jax.Array, dy: jax.Array) -> tuple[Any, jax.Array, jax.Array, dict]:
-                (_, obj, met), pull = jax.vjp(lambda lp, x: layer(lp, x, pos), lp, x)
-                d_lp, dx = pull(_vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
-                return d_lp, dx, obj, met
-
             def add(acc: Any, k: jax.Array, d_lp: Any) -> Any:
                 """``acc`` plus layer ``k``'s gradient, at this chunk's layer k."""
 
@@ -318,25 +313,22 @@ def objective(
                 return jax.tree.map(one, acc, d_lp)
 
             def run() -> tuple:
-                inputs = acts[src]
-                last_layer = inputs.shape[0] - 1
-                (y, obj, met), pull = jax.vjp(
-                    lambda lp, x: layer(lp, x, pos), jax.tree.map(lambda w: w[-1], pc), inputs[-1]
-                )
-                loss, dy_head, new_outer = head_grad(kind == LAST, anywhere, y, xs["targets"][i], acc_outer)
-                dy = jnp.where(on, jnp.where(kind == LAST, dy_head, grads[grad]), 0)
-                d_top, dx = pull(_vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
+                inputs, top = acts[src], acts.shape[1] - 1
 
-                def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
-                    dx, acc = carry
-                    d_lp, dx, o, mt = pull_layer(take(pc, k), inputs[k], dx)
-                    return (dx, add(acc, k, d_lp)), (o, mt)
+                def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
+                    dx, acc, acc_outer, loss = carry
+                    (y, obj, met), pull = jax.vjp(lambda lp, x: layer(lp, x, pos), take(pc, k), inputs[k])
+                    # The top layer's output gradient: the head's on the last virtual stage, else the next's.
+                    head_loss, dy_head, acc_outer = head_grad(
+                        (kind == LAST) & (k == top), anywhere & (k == top), y, xs["targets"][i], acc_outer
+                    )
+                    dy = jnp.where(k == top, jnp.where(on, jnp.where(kind == LAST, dy_head, grads[grad]), 0), dx)
+                    d_lp, dx = pull(_vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
+                    return (dx, add(acc, k, d_lp), acc_outer, loss + head_loss + obj), met
 
-                (dx, acc_new), (objs, mets) = lax.scan(
-                    down, (dx, add(acc, last_layer, d_top)), jnp.arange(last_layer), reverse=True
-                )
-                met = jax.tree.map(lambda a, b: jnp.sum(a) + b, mets, met)
-                return acc_new, new_outer, dx, loss + obj + jnp.sum(objs), met
+                init = _vary((h0, acc, acc_outer, jnp.zeros((), jnp.float32)), manual)
+                (dx, acc_new, new_outer, loss), mets = lax.scan(down, init, jnp.arange(top + 1), reverse=True)
+                return acc_new, new_outer, dx, loss, jax.tree.map(jnp.sum, mets)
 
             zeros = (acc, acc_outer, h0, jnp.zeros((), jnp.float32), zero_metrics)
             if skip:
