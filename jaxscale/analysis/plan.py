@@ -274,8 +274,8 @@ def state_bytes(mem: dict[str, float]) -> float:
 def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_peak: bool) -> str:
     """Why a layout does not fit at micro-batch 1: its largest term and the setting that would shrink it."""
     peak = "the loss" if loss_peak else "one layer's backward"
-    if layout.stage > 1:  # the backward slot: a chunk recomputed without layer remat, the head's loss
-        peak = "a chunk's backward (no remat in a stage)"
+    if layout.stage > 1:  # the backward slot: a layer recomputed from its kept input, the head's loss
+        peak = "a layer's backward in a stage"
     terms = {"model state": state_bytes(mem), "activations": mem["activations"], peak: mem["transient"],
              "the scores mask": mem.get("mask", 0.0)}
     largest = max(terms, key=lambda k: terms[k])
@@ -287,7 +287,7 @@ def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_pe
         fix = (f"a smaller loss chunk than {layout.loss_chunk}" if layout.loss_chunk
                else "chunked loss (model.loss_chunk)") + ", or more tensor ways (the vocabulary splits)"
     elif layout.stage > 1 and largest == peak:
-        fix = "fewer layers a chunk (more stages or repeats), flash attention, or more tensor ways"
+        fix = "flash attention, a loss chunk, or more tensor ways"
     elif largest == "the scores mask":
         fix = "flash attention (--attention cudnn or blockwise)"
     else:
