@@ -281,8 +281,8 @@ def test_pipeline_time_is_the_tables_ticks(masked):
     head = pipeline_loop(table, {**comp, "head": 0.5}, masked) - seconds
     if masked:  # on every stage, in each tick where the last stage runs a backward: once per microbatch
         assert head == 16 * 0.5
-    else:  # the last stage's forward slot is free (its backward runs it): the head hides there in part
-        assert 0 < head < 16 * 0.5
+    else:  # in the last stage's backward slots, once per microbatch, or less where another stage is busier
+        assert 0 < head <= 16 * 0.5
 
 
 def test_pipeline_stash_follows_the_schedule_and_the_bubble_shrinks_with_m():
