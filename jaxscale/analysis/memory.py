@@ -148,8 +148,8 @@ def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
       ``none + 3h + 3f``;
     - the attention's peak: the MLP's residuals are gone (its norm's input, normed input and
       statistic, gate, up, hidden: 2h + 1 + 3f); the gradients are the residual stream's (h), the
-      attention output's (a·d_h) and, with ``dot`` attention, the probabilities' and the scores'
-      (2·a·s, fp32): ``none − 2h − 1 − 3f + h + a·d_h (+ 2·a·s)``.
+      attention output's (a·d_h) and, with ``dot`` attention, the probabilities' turned into the
+      scores' in place (a·s, fp32): ``none − 2h − 1 − 3f + h + a·d_h (+ a·s)``.
 
     The larger of the two is the layer's backward transient (plus its weight gradients, counted by
     the caller); without recomputation the residuals are counted with the activations and the
@@ -177,7 +177,9 @@ def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
         Activation("attention output gradient", a * d, Q_AXES),
     ]
     if m.attention not in FLASH_ATTENTION:
-        attention.append(Activation("probabilities, scores gradients", 2 * a * seq_len, SCORES, "fp32"))
+        # The probabilities' gradient (a dot's output) becomes the scores' in place: the softmax
+        # backward is one elementwise fusion whose output XLA gives the dead operand's buffer.
+        attention.append(Activation("probabilities' then scores' gradient", a * seq_len, SCORES, "fp32"))
     return [mlp, attention]
 
 
