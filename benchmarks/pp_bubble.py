@@ -102,7 +102,7 @@ def measure(schedule: str, p: int, m: int, steps: int, baseline: float) -> dict:
             "formula": 2 * v * m * act,
             "formula_every_tick": 2 * table.ticks * act,
         },
-        "stash": {"stage_inputs": table.act_slots, "bytes": table.act_slots * act},
+        "stash": {"microbatches": table.act_slots, "bytes": table.act_slots * config.model.layers // (p * v) * act},
         "memory": xla.memory(compiled),
         "step_time": {
             "seconds": round(seconds, 4),
