@@ -345,9 +345,9 @@ def objective(
             y, inputs, f_loss, f_met = forward_slot(
                 mine["f_kind"], jnp.any(col["f_kind"] == LAST), mine["f_micro"], mine["f_chunk"], mine["f_src"], acts
             )
-            if step.train:  # keep the layers' inputs for the backward, where the chunk's input arrived
-                acts = _put(acts, jnp.where(mine["f_kind"] > IDLE, mine["f_src"], -1), inputs)
             if step.train:
+                # The layers' inputs kept for the backward, in the slot where the chunk's input arrived.
+                acts = _put(acts, jnp.where(mine["f_kind"] > IDLE, mine["f_src"], -1), inputs)
                 kind, i, ch = mine["b_kind"], mine["b_micro"], mine["b_chunk"]
                 acc, acc_outer, dh, b_loss, b_met = backward_slot(
                     kind, jnp.any(col["b_kind"] == LAST), i, ch, mine["b_src"], mine["b_grad"], acts, grads, acc,
