@@ -40,6 +40,7 @@ from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
 from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.models.llama import Llama
+from jaxscale.models.params import logical_axes
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel.pipeline import use_pipeline
 from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, layout_of, named_params, use_rules
@@ -61,10 +62,7 @@ def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(config.train.seed)))
     graphdef, state, _ = nnx.split(model, nnx.Param, fp8.Fp8Meta)
-    axes = jax.tree.map(
-        lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(axes)
+    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
 
 
 @dataclasses.dataclass

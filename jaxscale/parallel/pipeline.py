@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,9 +60,10 @@ from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.llama import recomputed
+from jaxscale.models.params import logical_axes
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
-from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, spec_axes, use_rules
+from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
 
 AXIS = "stage"
 
@@ -143,11 +143,7 @@ def objective(
     graphdef, blocks_state, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
     block_graph, block_state = nnx.split(model.blocks)
     params = nnx.to_pure_dict(block_state)
-    axes = nnx.to_pure_dict(
-        jax.tree.map(
-            lambda a: a.get_metadata()["out_sharding"], block_state, is_leaf=lambda a: isinstance(a, nnx.Variable)
-        )
-    )
+    axes = logical_axes(block_state)
     layers = jax.tree.leaves(params)[0].shape[0]
     tokens = batch["inputs"]
     _check(p, m, v, layers, tokens)
@@ -162,9 +158,7 @@ def objective(
     # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
     # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    sharding = {a for w_axes in jax.tree.leaves(axes, is_leaf=is_axes) for a in spec_axes(rules.spec(w_axes))}
-    batch_axes = spec_axes(rules.spec(TOKENS)[0])
-    data = () if c.moe else tuple(itertools.takewhile(lambda a: a not in sharding, batch_axes))
+    data = () if c.moe else place.data_axes(jax.tree.leaves(axes, is_leaf=is_axes))
     manual = (AXIS, *data)
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     # A slot that has nothing to do is skipped by a conditional when no mesh axis is left to the
@@ -184,9 +178,7 @@ def objective(
 
     micro = {k: split(batch[k]) for k in ("inputs", "positions", "targets")}
     outer = nnx.to_pure_dict(rest)
-    outer_axes = nnx.to_pure_dict(
-        jax.tree.map(lambda a: a.get_metadata()["out_sharding"], rest, is_leaf=lambda a: isinstance(a, nnx.Variable))
-    )
+    outer_axes = logical_axes(rest)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
     dtype = jnp.dtype(c.dtype)
 
