@@ -243,6 +243,17 @@ class Layout:
         """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
         return self.mesh[STAGE] if self.pipelined else 1
 
+    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+        """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the leading
+        batch axes that split none of the ``blocks``' parameter axes (:mod:`jaxscale.parallel.pipeline`)."""
+        return (STAGE, *(() if moe else self.data_axes(blocks)))
+
+    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool) -> bool:
+        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner, so that the loop
+        computes its idle slots and masks them instead of skipping them."""
+        manual = self.stage_manual_axes(blocks, moe)
+        return any(n > 1 for a, n in self.mesh.items() if a not in manual)
+
     # -- validation ----------------------------------------------------------------------
 
     def validate(self, config: Config) -> None:

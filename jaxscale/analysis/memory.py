@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stage_partitioned
+from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
 from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
@@ -300,6 +300,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    out["pipeline accumulator"] = 4 * held if stage_partitioned(m, layout, params) else 0.0
+    partitioned = layout.stage_partitioned([p.axes for p in params if p.in_layers], m.moe is not None)
+    out["pipeline accumulator"] = 4 * held if partitioned else 0.0
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above

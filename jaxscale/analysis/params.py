@@ -116,15 +116,6 @@ def _table(schedule: str, p: int, m: int, v: int) -> schedules.Table:
     return schedules.build(schedule, p, m, v)
 
 
-def stage_partitioned(m: ModelConfig, layout: Layout, params: Sequence[Param]) -> bool:
-    """Whether a pipeline stage has mesh axes left to the partitioner, so that the loop computes its idle
-    slots (masked) instead of skipping them: any but the stage axes and, for a dense model, the leading
-    batch axes that shard no block parameter (:func:`jaxscale.parallel.pipeline.objective`)."""
-    data = () if m.moe else layout.data_axes([p.axes for p in params if p.in_layers])
-    manual = {*layout.stage_axes, *data}
-    return any(n > 1 for a, n in layout.mesh.items() if a not in manual)
-
-
 def pipeline_ticks(layout: Layout, step: Step) -> int:
     """Iterations of the pipeline loop: every stage runs them all, the bubble's too."""
     return pipeline_table(layout, step).ticks

@@ -56,7 +56,7 @@ from typing import Any
 import yaml
 
 from jaxscale.analysis.communication import Flow
-from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table, stage_partitioned
+from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
 from jaxscale.layout import Layout
@@ -422,8 +422,9 @@ def step_time(
     compute = comp["forward"] + comp["backward"] + comp["optimizer"]
     bubble = 0.0
     if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
+        blocks = [p.axes for p in params or () if p.in_layers]
         loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp,
-                                                 stage_partitioned(m, layout, params or ()))
+                                                 layout.stage_partitioned(blocks, m.moe is not None))
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
     gather_scale = dtype_bytes(m.dtype) / dtype_bytes(m.param_dtype)
     exposed: dict[str, float] = {}

@@ -158,8 +158,9 @@ def objective(
     # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
     # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    data = () if c.moe else place.data_axes(jax.tree.leaves(axes, is_leaf=is_axes))
-    manual = (AXIS, *data)
+    block_axes = jax.tree.leaves(axes, is_leaf=is_axes)
+    manual = place.stage_manual_axes(block_axes, c.moe is not None)
+    data = manual[1:]
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     # A slot that has nothing to do is skipped by a conditional when no mesh axis is left to the
     # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
@@ -168,7 +169,7 @@ def objective(
     # for every device). The head (and the embedding's gradient), which one stage needs in some
     # ticks, then runs in a conditional whose predicate comes from the tick's row of the table: the
     # same on every stage, so every stage runs it in those ticks and keeps it only where it belongs.
-    skip = all(mesh.shape[a] == 1 for a in mesh.axis_names if a not in manual)
+    skip = not place.stage_partitioned(block_axes, c.moe is not None)
     steps = layers  # stacked units: blocks, or groups of blocks with one MoE layer each
     tokens_total = tokens.size
 
