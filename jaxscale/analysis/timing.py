@@ -8,9 +8,11 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
   the axes that shard it), forward once and backward twice, at ``peak_flops`` times the
   efficiency the cluster's ``matmul_efficiency`` table gives for a cube of as many FLOPs
   (side (M·N·K)^(1/3); interpolated in log2, clamped at the ends);
-* **attention** (causal scores and values) at the ``attention_efficiency`` of the sequence
-  block a device holds (``s / context``); dot-product attention also writes and reads its
-  s x s scores at the memory bandwidth;
+* **attention** (causal scores and values): a fused kernel (``cudnn``, ``blockwise``, ``ring``)
+  at the ``attention_efficiency`` of the sequence block a device holds (``s / context``);
+  XLA's ``dot`` attention computes the whole s x s scores (twice the causal FLOPs) as batched
+  matmuls, at the ``matmul_efficiency`` of a layer's batch of them, and writes and reads its
+  scores at the memory bandwidth;
 * **memory-bound work** at ``memory_bandwidth``: norms, residual adds, RoPE and SwiGLU's
   elementwise product (forward, backward twice), the cross-entropy's logits, the weights'
   cast to the compute dtype, the gradient accumulator and the optimizer update; under
@@ -291,7 +293,12 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
     head = passes * matmul_seconds(cluster, r, micro / r, m.vocab_size / t_v, m.embed)
     attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * m.head_dim * layers  # causal: half of QK and PV
-    fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
+    fused = m.attention in ("blockwise", "ring", "cudnn")
+    if fused:
+        fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
+    else:  # the whole square, a microbatch's heads batched: the efficiency of a cube of as many FLOPs
+        side = (micro * s_block * m.heads / t_q * m.head_dim) ** (1 / 3)
+        fwd_attn = 2 * attn_flops / (cluster.peak_flops * cluster.matmul_eff(side))
     # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
     # write), RoPE on q and k (read, write), SwiGLU's silu·product (2 reads, 1 write).
     elems = (10 * m.embed) / sp + 2 * (m.heads / t_q + m.kv_heads / layout.ways(("kv_heads",))) * m.head_dim
@@ -300,7 +307,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     cm_layer, cm_head = collective_matmul_elements(m, layout)
     cm_layers = tokens * layers * cm_layer * cbytes  # forward; the backward's transposes as much again
     fwd_cm = cm_layers + tokens * cm_head * cbytes
-    if m.attention not in ("blockwise", "ring", "cudnn"):  # s x s fp32 scores written and read 4 times
+    if not fused:  # s x s fp32 scores written and read 4 times
         fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
     update = weights = 0.0
