@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
+from jaxscale.checkpoint import check_compatible
+from jaxscale.config import ConfigError
 from jaxscale.parallel import stage_layers
 from jaxscale.train import Trainer
 
@@ -39,18 +41,19 @@ def reference():
 
 
 @pytest.mark.parametrize(
-    "schedule, m, v, counts, rules, mesh",
+    "schedule, m, v, counts, rules, mesh, evaluate",
     [
         # Skipped slots (a conditional): stage 0 runs 3 layers in 4 slots.
-        ("1f1b", 4, 1, [3, 4], "pp", {"stage": 2, "data": 4}),
+        ("1f1b", 4, 1, [3, 4], "pp", {"stage": 2, "data": 4}, False),
         # Interleaved, the first virtual stage lighter: chunks of 2 slots, chunk 0 of stage 0 uses one.
-        ("interleaved_1f1b", 4, 2, [1, 2, 2, 2], "pp", {"stage": 2, "data": 4}),
+        ("interleaved_1f1b", 4, 2, [1, 2, 2, 2], "pp", {"stage": 2, "data": 4}, True),
         # FSDP and TP inside a stage: the unused slot is computed and masked.
-        ("1f1b", 4, 1, [4, 3], "pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}),
+        ("1f1b", 4, 1, [4, 3], "pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, False),
     ],
 )
-def test_uneven_stages_match_single_device(schedule, m, v, counts, rules, mesh, reference):
-    """Loss and every real layer's gradient as one device; the unused slots' gradients exactly zero."""
+def test_uneven_stages_match_single_device(schedule, m, v, counts, rules, mesh, evaluate, reference):
+    """Loss and every real layer's gradient as one device; the unused slots' gradients exactly zero; the
+    evaluation loss (the forward table) too."""
     params, batch, ref_loss, ref_grads = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v, counts), rules=rules, mesh=mesh))
     units = tuple(counts)
@@ -59,8 +62,11 @@ def test_uneven_stages_match_single_device(schedule, m, v, counts, rules, mesh, 
     # Unused slots hold layer 0's weights: a block of zero weights would be the identity anyway.
     padded = {**params, "blocks": jax.tree.map(lambda w: _fill(w, unused), stage_layers.pad(params["blocks"], units))}
     placed = jax.device_put(padded, trainer.param_shardings())
-    loss, grads = trainer.loss_and_grads(placed, jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding)))
+    batch = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
+    loss, grads = trainer.loss_and_grads(placed, batch)
     assert abs(float(loss) - ref_loss) <= RTOL * abs(ref_loss)
+    if evaluate:
+        assert abs(float(trainer.jit_eval_loss(placed, batch)) - ref_loss) <= RTOL * abs(ref_loss)
     grads = jax.device_get(grads)
     assert_trees_close({**grads, "blocks": stage_layers.unpad(grads["blocks"], units)}, ref_grads)
     assert unused.size and all(not np.asarray(g)[unused].any() for g in jax.tree.leaves(grads["blocks"]))
@@ -115,3 +121,12 @@ def test_bad_lists_fail_before_compiling(overrides, rules, mesh, match):
     config = tiny_config(*BASE, *overrides, rules=rules, mesh=mesh)
     with fails_early(match):
         Trainer.build(config)
+
+
+def test_resume_needs_the_same_split():
+    """[3, 4] and [4, 3] both pad to 8 slots: restoring one into the other would move layers silently."""
+    config = tiny_config(*BASE, "pipeline.layers_per_stage=[3, 4]", rules="pp", mesh={"stage": 2, "data": 4})
+    saved = tiny_config(*BASE, "pipeline.layers_per_stage=[4, 3]", rules="pp", mesh={"stage": 2, "data": 4})
+    check_compatible(config.to_dict(), config, 5)
+    with pytest.raises(ConfigError, match=r"^resume: checkpoint step 5 has pipeline\.layers_per_stage=\[4, 3\]"):
+        check_compatible(saved.to_dict(), config, 5)

@@ -5,7 +5,10 @@ When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model i
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
 model, over the data-parallel axes that shard no block parameter). Stage s stores layers
 ``[s·L/p, (s+1)·L/p)``; with v chunks per stage (``pipeline.repeats``) it runs layer groups
-``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring.
+``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring. With
+``pipeline.layers_per_stage`` the virtual stages differ in size: each is a chunk of as many slots as
+the largest, its unused slots the identity (:mod:`jaxscale.parallel.stage_layers`); a tick then
+lasts as long as the largest chunk, whose slots every stage keeps room for.
 
 **The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data): the batch is cut into m
 microbatches (``pipeline.microbatches``; row r of microbatch i is row r·m + i, so no device changes
