@@ -18,9 +18,10 @@ list is checked in :func:`jaxscale.config.validate_stage_layers` and by the layo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from jaxscale.config import Config, ModelConfig, PipelineConfig
@@ -48,6 +49,23 @@ def stack_size(config: Config) -> int:
     return len(listed) * max(listed) // unit(config.model)
 
 
+def lighter_ends(layers: int, chunks: int) -> tuple[int, ...]:
+    """``layers`` over ``chunks`` virtual stages, as even as it goes, the first and last ones lighter
+    (they also run the embedding and the head): ⌈layers/chunks⌉ each, one fewer on stages 0, G−1, 1,
+    G−2, ... for the remainder (Megatron's first/last-stage layers, by one)."""
+    top = math.ceil(layers / chunks)
+    out = [top] * chunks
+    ends = [g for pair in zip(range(chunks), reversed(range(chunks)), strict=True) for g in pair]
+    for g in list(dict.fromkeys(ends))[: top * chunks - layers]:
+        out[g] -= 1
+    return tuple(out)
+
+
+def _map(f: Callable[[Any], Any], tree: Any) -> Any:
+    """``f`` on every array of a tree of nested mappings (the pure dicts parameters come as)."""
+    return {k: _map(f, v) for k, v in tree.items()} if isinstance(tree, dict) else f(tree)
+
+
 def slots(counts: tuple[int, ...]) -> np.ndarray:
     """The slot of each real unit, in order: unit j of chunk g sits at g·Lmax + j."""
     top = max(counts)
@@ -63,10 +81,10 @@ def pad(stacked: Any, counts: tuple[int, ...]) -> Any:
         out[where] = np.asarray(w)
         return out
 
-    return jax.tree.map(one, stacked)
+    return _map(one, stacked)
 
 
 def unpad(stacked: Any, counts: tuple[int, ...]) -> Any:
     """The real units of a padded [G·Lmax, ...] stack, in order: [units, ...]."""
     where = slots(counts)
-    return jax.tree.map(lambda w: np.asarray(w)[where], stacked)
+    return _map(lambda w: np.asarray(w)[where], stacked)
