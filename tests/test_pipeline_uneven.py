@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
-from jaxscale.checkpoint import check_compatible
+from jaxscale.checkpoint import check_compatible, init_state_from
 from jaxscale.config import ConfigError
 from jaxscale.parallel import stage_layers
 from jaxscale.train import Trainer
@@ -130,3 +130,10 @@ def test_resume_needs_the_same_split():
     check_compatible(config.to_dict(), config, 5)
     with pytest.raises(ConfigError, match=r"^resume: checkpoint step 5 has pipeline\.layers_per_stage=\[4, 3\]"):
         check_compatible(saved.to_dict(), config, 5)
+
+
+def test_init_from_a_model_into_padded_slots_is_refused(tmp_path):
+    trainer = Trainer.build(tiny_config(*BASE, "pipeline.microbatches=2", "pipeline.layers_per_stage=[3, 4]",
+                                        rules="pp", mesh={"stage": 2, "data": 4}))
+    with pytest.raises(ConfigError, match=r"^checkpoint\.init_from with pipeline\.layers_per_stage is not supported"):
+        init_state_from(trainer, tmp_path)
