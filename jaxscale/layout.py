@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxscale.config import MESH_AXES, Config, ConfigError, _read_yaml, resolve_named
+from jaxscale.config import MESH_AXES, Config, ConfigError, _read_yaml, check_stage_layers, resolve_named
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -267,6 +267,7 @@ class Layout:
             )
         if self.pipelined:
             self._check_pipeline(config)
+        self._check_stage_layers(config)
         self._check_sequence(config)
         if model.attention in ("blockwise", "ring"):
             self._check_attention(config)
@@ -297,6 +298,17 @@ class Layout:
                 f"{where}: model.moe.impl=shard_map inside a pipeline stage {nested}; "
                 "model.moe.impl=partitioner runs the experts (and expert parallelism) there"
             )
+
+    def _check_stage_layers(self, config: Config) -> None:
+        """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
+        if config.pipeline.layers_per_stage is None:
+            return
+        if not self.pipelined:
+            raise ConfigError(
+                f"pipeline.layers_per_stage: rules '{self.name}' on this mesh run no pipeline "
+                f"(layers on '{STAGE}' of size > 1)"
+            )
+        check_stage_layers(config.pipeline, self.stages)
 
     def _check_sequence(self, config: Config) -> None:
         where, manual, moe = f"rules '{self.name}'", self.sequence_axes, config.model.moe

@@ -55,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from jaxscale.analysis.communication import Flow
@@ -350,20 +351,28 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     }
 
 
-def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: bool) -> float:
+def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: bool,
+                  chunks: Sequence[int] | None = None) -> float:
     """Seconds of one pass of the pipeline loop (:mod:`jaxscale.parallel.schedules`): each tick as long as
     its busiest stage's slots.
 
     A forward slot runs a chunk forward, a backward slot recomputes it and runs its backward; the
     last virtual stage's backward runs the head and loss too, the first's the embedding gradient.
     ``masked`` (a stage with mesh axes left to the partitioner): every slot is computed every tick,
-    the head and embedding branches on every stage in the ticks where one needs them.
+    the head and embedding branches on every stage in the ticks where one needs them. ``chunks``: the
+    layers of each virtual stage where they differ (``comp``'s chunk is the average one): a slot skips
+    its chunk's unused layer slots, or computes them all (as many as the largest chunk's) when masked.
     """
     f, b, head, embed = (comp[k] for k in ("chunk_forward", "chunk_backward", "head", "embedding_gradient"))
     fk, bk = table.f_kind, table.b_kind
+    sizes = np.asarray(chunks if chunks is not None else [1] * (table.p * table.v), float)
+    sizes /= sizes.mean()
     if masked:
-        return float((f + b + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
-    busy = f * (fk > IDLE) + b * (bk > IDLE) + head * (bk == LAST) + embed * (bk == FIRST)
+        top = sizes.max()
+        return float((top * (f + b) + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
+    stage = np.arange(table.p)
+    f_size, b_size = (sizes[np.maximum(chunk, 0) * table.p + stage] for chunk in (table.f_chunk, table.b_chunk))
+    busy = f * f_size * (fk > IDLE) + b * b_size * (bk > IDLE) + head * (bk == LAST) + embed * (bk == FIRST)
     return float(busy.max(axis=1).sum())
 
 
@@ -431,7 +440,8 @@ def step_time(
     if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
         blocks = [p.axes for p in params or () if p.in_layers]
         loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp,
-                                                 layout.stage_partitioned(blocks, m.moe is not None))
+                                                 layout.stage_partitioned(blocks, m.moe is not None),
+                                                 step.layers_per_stage)
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
     gather_scale = dtype_bytes(m.dtype) / dtype_bytes(m.param_dtype)
     exposed: dict[str, float] = {}
