@@ -110,6 +110,20 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, reference):
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
 
 
+@pytest.mark.parametrize("mesh", [{"stage": 2, "context": 2, "tensor": 2}, {"stage": 2, "context": 2, "data": 2}])
+def test_context_parallelism_inside_a_stage(mesh, reference):
+    """Ring attention over context inside each stage (the loop manual over stage, data and context; heads, MLP
+    and vocabulary over tensor with the partitioner) equals one device: the sequence in the ring's order."""
+    initial, batches, ref_loss, ref_grads, *_ = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules="pp_tp_cp", mesh=mesh))
+    order = trainer.sequence_order
+    assert order is not None and sorted(order) == list(range(32))
+    params = jax.device_put(initial.params, trainer.param_shardings())
+    loss, grads = trainer.loss_and_grads(params, placed(trainer, {k: v[:, order] for k, v in batches[0].items()}))
+    assert close(loss, ref_loss)
+    assert_trees_close(grads, ref_grads)
+
+
 def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
     """MoE blocks (partitioner experts, experts over ``expert``) in a 1F1B pipeline equal one device with
     the same microbatches (the routing statistics are per microbatch), aux losses included."""

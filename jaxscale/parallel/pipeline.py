@@ -61,7 +61,7 @@ from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.llama import recomputed
 from jaxscale.models.params import logical_axes
-from jaxscale.parallel import schedules
+from jaxscale.parallel import ring_attention, schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
 
@@ -160,7 +160,11 @@ def objective(
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
     block_axes = jax.tree.leaves(axes, is_leaf=is_axes)
     manual = place.stage_manual_axes(block_axes, c.moe is not None)
-    data = manual[1:]
+    # Context axes are manual too (a dense model): each device holds its blocks of every sequence, ring
+    # attention passes keys and values round them inside the stage, and the loss and gradients are sums
+    # over them as over the manual data axes.
+    context = tuple(a for a in manual if a in place.stage_context_axes)
+    data, summed = tuple(a for a in manual[1:] if a not in context), manual[1:]
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     # A slot that has nothing to do is skipped by a conditional when no mesh axis is left to the
     # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
@@ -208,7 +212,7 @@ def objective(
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
-        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed():
+        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed(), ring_attention.manual_ring(context):
             # Embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
             # partition their lookup or scatter against FSDP shards inside the partly manual region.
             outer = jax.tree.map(
@@ -366,14 +370,15 @@ def objective(
         cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}
         (_, _, acc, acc_outer, loss, metrics), _ = lax.scan(tick, init, cols)
         metrics = jax.tree.map(lambda a: a / (steps * m), metrics)
+        if summed:
+            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), summed)
         if data:
-            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), data)
             metrics = jax.tree.map(lambda a: lax.psum(a, data) / place.size(data), metrics)
         loss, metrics = lax.psum((loss, metrics), AXIS)
         return (loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)) if step.train else (loss, metrics)
 
     param_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
-    batch_spec = PartitionSpec(None, data or None)
+    batch_spec = PartitionSpec(None, data or None, context or None)
     xs_specs = dict.fromkeys(micro, batch_spec)
 
     def run(step: Table, outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[Any, ...]:
