@@ -110,12 +110,14 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, reference):
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
 
 
-@pytest.mark.parametrize("mesh", [{"stage": 2, "context": 2, "tensor": 2}, {"stage": 2, "context": 2, "data": 2}])
-def test_context_parallelism_inside_a_stage(mesh, reference):
-    """Ring attention over context inside each stage (the loop manual over stage, data and context; heads, MLP
-    and vocabulary over tensor with the partitioner) equals one device: the sequence in the ring's order."""
+@pytest.mark.parametrize("rules, mesh", [("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}),
+                                         ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2})])
+def test_context_parallelism_inside_a_stage(rules, mesh, reference):
+    """Ring attention over context inside each stage (the loop manual over stage and context; tensor, or FSDP's
+    fsdp between stage and context in the mesh order, with the partitioner) equals one device, the sequence
+    in the ring's order."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules="pp_tp_cp", mesh=mesh))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules=rules, mesh=mesh))
     order = trainer.sequence_order
     assert order is not None and sorted(order) == list(range(32))
     params = jax.device_put(initial.params, trainer.param_shardings())
@@ -342,15 +344,15 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
         ({"norm_length": "tensor"}, [], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage nests a "
          r"shard_map"),
-        ({"length": "context", "norm_length": "context", "heads": None, "kv_heads": None, "mlp": None,
-          "vocab": None}, ["model.attention=ring"], {"stage": 2, "context": 2, "fsdp": 2},
-         r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage nests a shard_map"),
+        ({"length": "context", "norm_length": "context"}, [], {"stage": 2, "context": 2, "fsdp": 2},
+         r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
+         r"model\.attention=ring"),
         ({}, ["model.moe.experts=4", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
          r"model\.moe\.impl=partitioner runs the experts"),
     ],
 )
-def test_nested_shard_maps_inside_a_stage_are_refused(warm, tmp_path, changes, overrides, mesh, match):
+def test_what_a_stage_cannot_run_is_refused(warm, tmp_path, changes, overrides, mesh, match):
     config = tiny_config(*pipe("1f1b", 2), *overrides, rules=write_rules(tmp_path, "x", **changes), mesh=mesh)
     with fails_early(match):
         Trainer.build(config)
