@@ -259,8 +259,12 @@ class Layout:
         """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner, or a ring inside it
         (context axes), so that the loop computes its idle slots and masks them instead of skipping them:
         the ring's collective-permutes in a conditional taken by some stages only come out wrong (CPU)."""
+        return bool(self.stage_context_axes or self.stage_free_axes(blocks, moe))
+
+    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
         manual = self.stage_manual_axes(blocks, moe)
-        return bool(self.stage_context_axes) or any(n > 1 for a, n in self.mesh.items() if a not in manual)
+        return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
 
     # -- validation ----------------------------------------------------------------------
 
