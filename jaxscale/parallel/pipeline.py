@@ -3,9 +3,11 @@
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the data-parallel axes that shard no block parameter). Stage s stores layers
-``[s·L/p, (s+1)·L/p)``; with v chunks per stage (``pipeline.repeats``) it runs layer groups
-``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring.
+model, over the data-parallel axes that shard no block parameter and the context axes, whose ring
+attention then runs its per-device kernel inside the loop,
+:func:`~jaxscale.parallel.ring_attention.manual_ring`). Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
+with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
+*virtual stages* a microbatch visits in turn round the ring.
 
 **The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data): the batch is cut into m
 microbatches (``pipeline.microbatches``; row r of microbatch i is row r·m + i, so no device changes
@@ -31,9 +33,10 @@ inside a stage (:func:`~jaxscale.models.llama.recomputed`), so no layer is recom
 collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
 where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an SPMD loop must);
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
-``stage`` and, for the manual data axes, the block gradients over those axes. Nothing else crosses
-``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other axes
-stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts).
+``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
+crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
+axes stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts); the ring's
+key/value blocks travel over ``context`` in every layer.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only

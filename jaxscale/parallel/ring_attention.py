@@ -37,6 +37,11 @@ RoPE sees the true positions.
 
 With a ring of one device the same kernel is blockwise (flash) attention on
 one device: ``model.attention: blockwise``.
+
+Inside a ``shard_map`` that is already manual over the ring's axes (a pipeline stage's loop,
+:func:`manual_ring`) the kernel runs directly on each device's blocks: a ``shard_map`` of its own
+nested in that partly manual loop does not lower (Shardy: "manual axes must come before free
+axes" for its residuals, whose leading dimension spans the loop's free axes, e.g. fsdp).
 """
 
 from __future__ import annotations
