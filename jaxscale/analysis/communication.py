@@ -278,12 +278,17 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     context = layout.context_axes
     if context:
         c = layout.size(context)
-        kv = rows * s_local * m.kv_heads * m.head_dim
+        kv = rows * s_local * m.kv_heads / layout.ways(("kv_heads",)) * m.head_dim
         for phase in ("forward", "backward"):
             flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
                            layout, phase, True)
         flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
                        2 * kv * 4, c * runs, layout, "backward", True)
+        if stage_remat and c > 2:
+            # The backward slot's recomputed forward passes K and V round the ring again; with c = 2 its one
+            # hop sends what the backward's first hop sends, and XLA keeps one of the two (compiled step).
+            flows += flow("CP ring: recomputed keys, values", "collective-permute", context, 2 * kv * cbytes,
+                           (c - 1) * runs, layout, "backward", True)
 
     stages = layout.mesh_axes(("layers",))
     if stages:

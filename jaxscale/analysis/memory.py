@@ -302,7 +302,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    partitioned = layout.stage_partitioned([p.axes for p in params if p.in_layers], m.moe is not None)
+    partitioned = layout.stage_free_axes([p.axes for p in params if p.in_layers], m.moe is not None)
     out["pipeline accumulator"] = 4 * held if partitioned else 0.0
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above

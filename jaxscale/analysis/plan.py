@@ -261,7 +261,8 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     for t, (sp, ov), c, e, (p, mb, v, schedule, split) in itertools.product(
         tensors, sp_options, contexts, experts, _pipelines(m, devices, max_stages, sequences)
     ):
-        if (sp and t == 1) or (p > 1 and (sp or c > 1)):  # the pipeline runs neither SP nor CP in a stage
+        # The pipeline runs no SP in a stage, and CP (ring attention) in a stage for a dense model only.
+        if (sp and t == 1) or (p > 1 and (sp or (c > 1 and moe is not None))):
             continue
         if ov and (m.moe is not None or c > 1):  # collective matmuls: dense layers, no ring attention
             continue

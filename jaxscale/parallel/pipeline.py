@@ -3,12 +3,14 @@
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the data-parallel axes that shard no block parameter). Stage s stores layers
-``[s·L/p, (s+1)·L/p)``; with v chunks per stage (``pipeline.repeats``) it runs layer groups
-``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring. With
-``pipeline.layers_per_stage`` the virtual stages differ in size: each is a chunk of as many slots as
-the largest, its unused slots the identity (:mod:`jaxscale.parallel.stage_layers`); a tick then
-lasts as long as the largest chunk, whose slots every stage keeps room for.
+model, over the data-parallel axes that shard no block parameter and the context axes, whose ring
+attention then runs its per-device kernel inside the loop,
+:func:`~jaxscale.parallel.ring_attention.manual_ring`). Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
+with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
+*virtual stages* a microbatch visits in turn round the ring. With ``pipeline.layers_per_stage`` the
+virtual stages differ in size: each is a chunk of as many slots as the largest, its unused slots the
+identity (:mod:`jaxscale.parallel.stage_layers`); a tick then lasts as long as the largest chunk,
+whose slots every stage keeps room for.
 
 **The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data): the batch is cut into m
 microbatches (``pipeline.microbatches``; row r of microbatch i is row r·m + i, so no device changes
@@ -34,9 +36,10 @@ inside a stage (:func:`~jaxscale.models.llama.recomputed`), so no layer is recom
 collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
 where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an SPMD loop must);
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
-``stage`` and, for the manual data axes, the block gradients over those axes. Nothing else crosses
-``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other axes
-stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts).
+``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
+crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
+axes stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts); the ring's
+key/value blocks travel over ``context`` in every layer.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
@@ -64,7 +67,7 @@ from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.llama import recomputed
 from jaxscale.models.params import logical_axes
-from jaxscale.parallel import schedules, stage_layers
+from jaxscale.parallel import ring_attention, schedules, stage_layers
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
 
@@ -168,7 +171,11 @@ def objective(
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
     block_axes = jax.tree.leaves(axes, is_leaf=is_axes)
     manual = place.stage_manual_axes(block_axes, c.moe is not None)
-    data = manual[1:]
+    # Context axes are manual too (a dense model): each device holds its blocks of every sequence, ring
+    # attention passes keys and values round them inside the stage, and the loss and gradients are sums
+    # over them as over the manual data axes.
+    context = tuple(a for a in manual if a in place.stage_context_axes)
+    data, summed = tuple(a for a in manual[1:] if a not in context), manual[1:]
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     # A slot that has nothing to do is skipped by a conditional when no mesh axis is left to the
     # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
@@ -230,7 +237,7 @@ def objective(
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
-        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed():
+        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed(), ring_attention.manual_ring(context):
             # Embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
             # partition their lookup or scatter against FSDP shards inside the partly manual region.
             outer = jax.tree.map(
@@ -392,14 +399,15 @@ def objective(
         cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}
         (_, _, acc, acc_outer, loss, metrics), _ = lax.scan(tick, init, cols)
         metrics = jax.tree.map(lambda a: a / (steps * m), metrics)
+        if summed:
+            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), summed)
         if data:
-            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), data)
             metrics = jax.tree.map(lambda a: lax.psum(a, data) / place.size(data), metrics)
         loss, metrics = lax.psum((loss, metrics), AXIS)
         return (loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)) if step.train else (loss, metrics)
 
     param_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
-    batch_spec = PartitionSpec(None, data or None)
+    batch_spec = PartitionSpec(None, data or None, context or None)
     xs_specs = dict.fromkeys(micro, batch_spec)
 
     def run(step: Table, outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[Any, ...]:
