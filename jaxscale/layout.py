@@ -292,12 +292,14 @@ class Layout:
             raise ConfigError(
                 f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
             )
-        # Sequence parallelism and shard_map experts are shard_maps of their own; XLA (Shardy and GSPMD
-        # alike) cannot lower them nested in the pipeline's partly manual loop.
+        # Collective matmuls and shard_map experts are shard_maps of their own; XLA (Shardy and GSPMD
+        # alike) cannot lower them nested in the pipeline's partly manual loop. (Sequence parallelism runs
+        # there by the partitioner: jaxscale.parallel.sequence.by_partitioner.)
         nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
-        if self.sequence_axes:
+        if config.model.tp_overlap:
             raise ConfigError(
-                f"{where}: sequence parallelism (norm_length on {self.sequence_axes}) inside a pipeline stage {nested}"
+                f"{where}: model.tp_overlap (collective matmuls) inside a pipeline stage {nested}; sequence "
+                "parallelism without it runs there (model.tp_overlap=false)"
             )
         self._check_stage_context(config)
         moe = config.model.moe

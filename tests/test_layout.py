@@ -146,7 +146,8 @@ def test_pipeline_errors():
     refuse(on(edited("pp", layers=["stage", "data"]), stage=2, data=2, tensor=2),
            r"^rules 'pp_edited': layers maps to \['stage', 'data'\]; a pipeline needs layers on 'stage' alone$")
     refuse(on(edited("pp", norm_length="tensor"), stage=2, tensor=2),
-           r"^rules 'pp_edited': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage")
+           r"^rules 'pp_edited': model\.tp_overlap \(collective matmuls\) inside a pipeline stage",
+           "model.tp_overlap=true")
     cp = r"^rules 'pp_edited': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
     refuse(on(edited("pp", length="context", norm_length="context"), stage=2, context=2),
            cp + r"model\.attention=ring: the loop is manual over the context axes, so model\.attention=dot would")

@@ -127,6 +127,21 @@ def test_context_parallelism_inside_a_stage(rules, mesh, reference):
     assert_trees_close(grads, ref_grads)
 
 
+def test_sequence_parallelism_inside_a_stage(reference):
+    """TP + SP inside each stage (pp_tp_sp, by the partitioner) equals one device, and the residual stream
+    is split on the sequence over tensor inside the stage: each tick's message is half a microbatch's tokens."""
+    initial, batches, ref_loss, ref_grads, *_ = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), rules="pp_tp_sp",
+                                        mesh={"stage": 2, "tensor": 2, "data": 2}))
+    params = jax.device_put(initial.params, trainer.param_shardings())
+    loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
+    assert close(loss, ref_loss)
+    assert_trees_close(grads, ref_grads)
+    found = hlo.collectives(xla.compile_step(trainer).as_text(), trainer.mesh)
+    permutes = {c.shapes for c in found if c.kind == "collective-permute" and c.axes == ("stage",)}
+    assert permutes == {(("f32", (4, 16, 64)),)}  # 32 rows / 4 microbatches / data 2; 32 tokens / tensor 2
+
+
 def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
     """MoE blocks (partitioner experts, experts over ``expert``) in a 1F1B pipeline equal one device with
     the same microbatches (the routing statistics are per microbatch), aux losses included."""
@@ -342,9 +357,8 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
 @pytest.mark.parametrize(
     "changes, overrides, mesh, match",
     [
-        ({"norm_length": "tensor"}, [], {"stage": 2, "fsdp": 2, "tensor": 2},
-         r"^rules 'x': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage nests a "
-         r"shard_map"),
+        ({"norm_length": "tensor"}, ["model.tp_overlap=true"], {"stage": 2, "fsdp": 2, "tensor": 2},
+         r"^rules 'x': model\.tp_overlap \(collective matmuls\) inside a pipeline stage nests a shard_map"),
         ({"length": "context", "norm_length": "context"}, [], {"stage": 2, "context": 2, "fsdp": 2},
          r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
          r"model\.attention=ring"),

@@ -67,7 +67,7 @@ from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.llama import recomputed
 from jaxscale.models.params import logical_axes
-from jaxscale.parallel import ring_attention, schedules, stage_layers
+from jaxscale.parallel import ring_attention, schedules, sequence, stage_layers
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
 
@@ -237,7 +237,12 @@ def objective(
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
-        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed(), ring_attention.manual_ring(context):
+        with (
+            use_rules(jax.sharding.get_abstract_mesh(), inner),
+            recomputed(),
+            ring_attention.manual_ring(context),
+            sequence.by_partitioner(),
+        ):
             # Embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
             # partition their lookup or scatter against FSDP shards inside the partly manual region.
             outer = jax.tree.map(

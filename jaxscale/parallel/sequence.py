@@ -38,11 +38,22 @@ einsum + reduce-scatter become collective matmuls
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU.
 It needs SP axes (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one
 ring over their product.
+
+**Inside a pipeline stage** (:func:`by_partitioner`, entered by :mod:`jaxscale.parallel.pipeline`) the
+``shard_map`` cannot nest in the loop's partly manual one, so the same layout is left to the
+partitioner: both functions are the plain einsums, and the constraints (the rules put ``norm_length``
+on the SP axes) make XLA gather the sequence before a column-parallel matmul and scatter the partial
+sums onto it after a row-parallel one. The activations between regions are 1/t as above; the bytes
+are the same on GPU and TPU, whose pipelines write the reduce-scatter; XLA:CPU runs it as an
+all-reduce and a slice. Collective matmuls (``model.tp_overlap``) need the ``shard_map``: a stage
+refuses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +64,24 @@ from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
 SEQUENCE = "norm_length"
+_PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar("sequence_by_partitioner", default=False)
+
+
+@contextlib.contextmanager
+def by_partitioner() -> Iterator[None]:
+    """Inside: SP by the partitioner's constraints instead of explicit collectives (a pipeline stage)."""
+    token = _PARTITIONED.set(True)
+    try:
+        yield
+    finally:
+        _PARTITIONED.reset(token)
 
 
 def sequence_axes() -> tuple[str, ...]:
-    """SP axes under the active rules: mesh axes of size > 1 that shard ``norm_length`` but not ``length``."""
+    """SP axes under the active rules that this module's collectives run over: mesh axes of size > 1 that
+    shard ``norm_length`` but not ``length``; none under :func:`by_partitioner`."""
     current = active()
-    return current[1].sequence_axes if current is not None else ()
+    return current[1].sequence_axes if current is not None and not _PARTITIONED.get() else ()
 
 
 def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
