@@ -200,14 +200,15 @@ def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node():
 def test_llama3_70b_on_64_h100_ranks_tp8_fsdp_near_the_winner():
     # torchtitan's Llama 3 70B layout: TP 8 within a node x FSDP 8 across. FSDP over all 64 GPUs (MaxText's H100
     # recipe, NVIDIA/dgxc-benchmarking maxtext/README_70b.md) moves each node's share of the weights once over its
-    # 8 NICs and hides behind compute: it wins; TP 8's collective matmuls pay their decomposition, plain SP its
-    # collectives, so TP 8 x FSDP 8 trails it by about a fifth (NeMo's 70B recipe on 64 H100s: TP 4 x PP 4 x CP 2).
+    # 8 NICs and hides behind compute: it wins; TP 8's collective matmuls pay their decomposition (slot copies,
+    # matmuls on 1/8 of the tokens), plain SP its collectives, so TP 8 x FSDP 8 trails it: by 13.7% with the
+    # H100's measured compute figures (NeMo's 70B recipe on 64 H100s: TP 4 x PP 4 x CP 2).
     model, params = _llama("llama3-70b")
     result = plan.search(model, params, load_cluster("h100", ["nodes=8"]), 4 * 2**20, 8192, top=0)
     best = result.candidates[0]
     assert best.layout.tensor == 1 and best.layout.fsdp >= 32, plan.table(result)
     tp8 = [c for c in result.candidates if c.layout.tensor == 8 and c.layout.fsdp > 1]
-    assert tp8 and tp8[0].time["total"] <= 1.25 * best.time["total"], plan.table(result)
+    assert tp8 and tp8[0].time["total"] <= 1.15 * best.time["total"], plan.table(result)
 
 
 @pytest.mark.parametrize(
