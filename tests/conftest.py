@@ -1,4 +1,4 @@
-"""Eight simulated CPU devices for every test, set before jax is imported; the session's fixtures."""
+"""Eight simulated CPU devices and fast compiles for every test, set before jax is imported; the session's fixtures."""
 
 import os
 
@@ -7,6 +7,11 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLVM's expensive passes off, here and in the jaxscale processes tests start (they inherit the environment):
+# compiles take about half the CPU time; the optimised HLO (partitioning, collectives, buffers) is the same,
+# and every result is checked against a run compiled the same way. tests/test_calibrate.py, which times
+# steps, turns them back on. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimised.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
 import pytest
