@@ -18,7 +18,10 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from helpers import Run, Trainers, run_steps  # noqa: E402  (after the devices are set up)
+# After the devices are set up:
+from helpers import CURVE, CURVE_STEPS, Curve, Run, Trainers, loss_curve, run_steps, tiny_config  # noqa: E402
+
+from jaxscale.train import Trainer  # noqa: E402
 
 
 @pytest.fixture
@@ -36,3 +39,17 @@ def trainers() -> Trainers:
 def one_device(trainers) -> Run:
     """The test model (rules dp) on one device, two steps: the run every layout must reproduce."""
     return run_steps(*trainers.step(devices=1))
+
+
+@pytest.fixture(scope="session")
+def curve_batches() -> list:
+    """The batches of the loss curves (:data:`helpers.CURVE`), on one device."""
+    trainer = Trainer.build(tiny_config(*CURVE), jax.devices()[:1])
+    return [trainer.batch(k) for k in range(CURVE_STEPS)]
+
+
+@pytest.fixture(scope="session")
+def bf16_curve(curve_batches) -> Curve:
+    """The test model's bf16 curve (compute copy and fp32 master, no fp8): what test_fp8 and test_precision
+    hold their variants to."""
+    return loss_curve(batches=curve_batches)
