@@ -10,7 +10,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # LLVM's expensive passes off, here and in the jaxscale processes tests start (they inherit the environment):
 # compiles take about half the CPU time; the optimised HLO (partitioning, collectives, buffers) is the same,
 # and every result is checked against a run compiled the same way. tests/test_calibrate.py, which times
-# steps, turns them back on. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimised.
+# steps, turns them back on where it times. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimised.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax

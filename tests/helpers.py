@@ -180,11 +180,26 @@ class Curve(NamedTuple):
     state: Any  # after the last step
 
 
+@contextlib.contextmanager
+def optimized_codegen() -> Iterator[None]:
+    """LLVM's expensive passes on for what compiles inside the block (conftest.py turns them off)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
 def loss_curve(*overrides: str, batches: list[dict[str, jax.Array]]) -> Curve:
-    """:data:`CURVE` with ``overrides`` on one device, a step on each of ``batches``."""
+    """:data:`CURVE` with ``overrides`` on one device, a step on each of ``batches``. The step runs 200 times:
+    compiled with LLVM's optimisations, it takes less CPU time in all (on 2 cores: 7 s to compile, 4 s for
+    the steps, against 4 s and 11 s without)."""
     trainer = Trainer.build(tiny_config(*CURVE, *overrides), jax.devices()[:1])
+    with optimized_codegen():
+        step = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, losses = trainer.init_state(), []
     for batch in batches:
-        state, metrics = trainer.step(state, batch)
+        state, metrics = step(state, batch)
         losses.append(metrics["loss"])
     return Curve(np.asarray(jax.device_get(losses), np.float64), state)

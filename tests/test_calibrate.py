@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from helpers import optimized_codegen
 
 from jaxscale.analysis import plan
 from jaxscale.analysis.params import param_table
@@ -35,19 +36,11 @@ LAYOUTS = [  # 32 sequences of 4 tokens on 8 devices; batch split and accumulati
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def optimized_codegen():
-    """This module times compiled code: LLVM's passes back on (tests/conftest.py turns them off)."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 @pytest.fixture(scope="module")
 def cluster_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("calibrate") / "cpu.yaml"
-    assert main(["plan", "--calibrate", str(path)]) == 0
+    with optimized_codegen():  # what is timed is compiled as jaxscale compiles it
+        assert main(["plan", "--calibrate", str(path)]) == 0
     return path
 
 
@@ -75,7 +68,8 @@ def _measured(layout: plan.Strategy, start: tuple[Any, Any]) -> float:
     trainer = Trainer.build(plan.config_for(layout, MODEL, SEQ), jax.devices()[: layout.devices])
     state = jax.device_put(start[0], trainer.state_shardings)
     batch = jax.device_put(start[1], dict.fromkeys(start[1], trainer.batch_sharding))
-    step = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
+    with optimized_codegen():
+        step = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
     state, out = step(state, batch)
     jax.block_until_ready(out)
     best = np.inf
