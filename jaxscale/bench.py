@@ -46,6 +46,12 @@ How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
    ``host_overhead_blocked_s`` = ``step_time_blocked_s`` − ``device_step_time_s``: the gap per step
    when the host waits for each step (dispatch, launch and the wait's round trip).
 
+With ``--predict CLUSTER`` each row also carries the analytic model's figures for the same trainer
+(:func:`jaxscale.analysis.predict.predict_trainer` on that cluster file): ``predicted_step_time_s``,
+``predicted_mfu``, the predicted parts (``predicted``: matmuls, attention, memory-bound work,
+optimizer, recompute, exposed communication) and ``predicted_ratio`` = predicted / measured step time:
+how far the plan's cost model is from these devices (``jaxscale plan --calibrate`` writes the file).
+
 MaxText times each step on the host from one step's completion to the next
 (``step_time_delta``; its metrics are written one step behind so that the host does not block);
 Levanter logs a step's wall ``duration`` next to the host's ``loading_time`` and ``hook_time``; both
@@ -79,7 +85,8 @@ from jaxscale.train import Trainer
 SCHEMA = "jaxscale.bench/1"
 SUITES_FILE = CONFIG_DIR / "bench" / "suites.yaml"
 BASE_CONFIG = CONFIG_DIR / "experiments" / "bench.yaml"
-SUITES = ("quick", "full", "compile", "options")
+SUITES = ("quick", "full", "compile", "options", "calibration")
+PARTS = ("matmul", "attention", "memory_bound", "optimizer", "recompute", "exposed", "bubble")
 TIMES = (
     "step_time_s", "step_time_blocked_s", "device_step_time_s", "dispatch_time_s", "tokens_per_s",
     "tflops_per_device", "mfu", "host_overhead_s", "host_overhead_blocked_s", "loss",
@@ -265,11 +272,28 @@ def _describe(trainer: Trainer) -> dict[str, Any]:
     }
 
 
+def predicted(trainer: Trainer, cluster: str | Path, step_time: float) -> dict[str, Any]:
+    """The analytic model's step time, MFU and parts for ``trainer`` on the cluster file, against ``step_time``."""
+    from jaxscale.analysis.predict import predict_trainer
+    from jaxscale.analysis.timing import load_cluster
+
+    time_ = predict_trainer(trainer, load_cluster(str(cluster))).time
+    assert time_ is not None
+    return {
+        "predicted_step_time_s": time_["total"],
+        "predicted_mfu": time_["mfu"],
+        "predicted_ratio": time_["total"] / step_time,
+        "predicted": {k: time_[k] for k in PARTS},
+    }
+
+
 def run_one(
-    suite: str, run: Run, config: str | Path | None, steps: int, warmup: int, rounds: int = 1
+    suite: str, run: Run, config: str | Path | None, steps: int, warmup: int, rounds: int = 1,
+    cluster: str | Path | None = None,
 ) -> dict[str, Any]:
     """One result row, on as many of the devices as the mesh asks for (all where an axis is -1); a rejected
-    config is ``skipped``, any other failure ``error``, with its message."""
+    config is ``skipped``, any other failure ``error``, with its message; with a ``cluster`` file, the
+    analytic model's prediction beside the measurement (:func:`predicted`)."""
     row: dict[str, Any] = {
         "suite": suite, "name": run.name, "model": None, "params": None, "overrides": run.overrides,
         "mesh": None, "rules": None, "global_batch": None, "seq_len": None,
@@ -282,7 +306,7 @@ def run_one(
         cfg = load_config(config, run.overrides)
         fresh = xla_flags.environment(cfg.xla, os.environ)
         if any(os.environ.get(var) != value for var, value in fresh.items()):
-            return _in_fresh_process(row, suite, run, config, steps, warmup, rounds, fresh)
+            return _in_fresh_process(row, suite, run, config, steps, warmup, rounds, fresh, cluster)
         trainer = Trainer.build(cfg, jax.devices()[: requested_devices(cfg.mesh) or None])
         row.update(_describe(trainer))
         if run.compile_only:
@@ -290,6 +314,8 @@ def run_one(
             row.update(times, memory=_memory(compiled, trainer))
         else:
             row.update(measure(trainer, steps, warmup, rounds))
+            if cluster is not None:
+                row.update(predicted(trainer, cluster, row["step_time_s"]))
     except ConfigError as e:
         row.update(status="skipped", error=str(e))
     except Exception as e:  # one failing run (out of memory, an op the backend lacks) must not end the suite
@@ -301,14 +327,14 @@ def run_one(
 
 def _in_fresh_process(
     row: dict[str, Any], suite: str, run: Run, config: str | Path | None, steps: int, warmup: int, rounds: int,
-    flags: dict[str, str],
+    flags: dict[str, str], cluster: str | Path | None,
 ) -> dict[str, Any]:
     """``run`` measured by a child process started with ``flags`` in its environment: XLA reads its flags
     once, when the backend starts, so a row with other flags (``xla.preset``, ``xla.flags``) than this
     process's cannot run here."""
     request = json.dumps({"suite": suite, "name": run.name, "overrides": run.overrides, "compile_only":
                           run.compile_only, "config": None if config is None else str(config), "steps": steps,
-                          "warmup": warmup, "rounds": rounds})
+                          "warmup": warmup, "rounds": rounds, "cluster": None if cluster is None else str(cluster)})
     done = subprocess.run([sys.executable, "-m", "jaxscale.bench", request], env={**os.environ, **flags},
                           capture_output=True, text=True)
     if done.returncode:
@@ -332,8 +358,10 @@ def run_suite(
     warmup: int | None = None,
     rounds: int | None = None,
     suites: str | Path = SUITES_FILE,
+    cluster: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Run a suite on the present devices; the report object (``schema`` ``jaxscale.bench/1``)."""
+    """Run a suite on the present devices; the report object (``schema`` ``jaxscale.bench/1``); with a
+    ``cluster`` file, each row's prediction too."""
     table = load_suites(suites)
     runs = plan(suite, overrides or [], table, models, variants, layers)
     spec = table[suite]
@@ -355,7 +383,8 @@ def run_suite(
         "devices": jax.device_count(),
         "jax_version": jax.__version__,
         "config": str(config) if config is not None else None,
-        "results": [run_one(suite, run, config, steps, warmup, rounds) for run in runs],
+        "cluster": str(cluster) if cluster is not None else None,
+        "results": [run_one(suite, run, config, steps, warmup, rounds, cluster) for run in runs],
     }
 
 
@@ -385,7 +414,8 @@ def table(report: dict[str, Any]) -> str:
         f"jaxscale bench: {report['devices']} x {report['device_kind']} ({report['backend']}), "
         f"jax {report['jax_version']}",
         f"{'name':<22} {'status':<8} {'params':>9} {'step ms':>9} {'blocked':>9} {'device':>9} {'host ms':>8} "
-        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'lower s':>8} {'comp. s':>8}",
+        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'lower s':>8} {'comp. s':>8}"
+        + (f" {'pred ms':>9} {'pred MFU':>8} {'pred/meas':>9}" if report.get("cluster") else ""),
     ]
     for r in report["results"]:
         if r["status"] != "ok":
@@ -397,6 +427,8 @@ def table(report: dict[str, Any]) -> str:
             f"{_num(r['host_overhead_s'], 1e3):>8} {_num(r['tokens_per_s'], 1, '.0f'):>10} "
             f"{_num(r['tflops_per_device'], 1, '.3f'):>8} {_num(r['mfu'], 100, '.1f'):>6} "
             f"{r['lower_time_s']:>8.2f} {r['compile_time_s']:>8.2f}"
+            + (f" {_num(r['predicted_step_time_s'], 1e3):>9} {_num(r['predicted_mfu'], 100, '.1f'):>8} "
+               f"{_num(r['predicted_ratio']):>9}" if "predicted_step_time_s" in r else "")
         )
     ratio = compile_ratio(report)
     if ratio is not None:
@@ -421,4 +453,4 @@ if __name__ == "__main__":  # one row, for _in_fresh_process: the request as JSO
     _request = json.loads(sys.argv[1])
     _run = Run(_request["name"], _request["overrides"], _request["compile_only"])
     print(json.dumps(run_one(_request["suite"], _run, _request["config"], _request["steps"], _request["warmup"],
-                             _request["rounds"])))
+                             _request["rounds"], _request["cluster"])))

@@ -337,6 +337,13 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
                 f"resume: checkpoint step {step} has model.{key}={saved['model'].get(key)!r}, "
                 f"the config has {current[key]!r}"
             )
+    split = saved.get("pipeline", {}).get("layers_per_stage")
+    if split != config.pipeline.layers_per_stage:
+        raise ConfigError(
+            f"resume: checkpoint step {step} has pipeline.layers_per_stage={split!r}, the config has "
+            f"{config.pipeline.layers_per_stage!r} (the layer stack's padded slots differ: "
+            "jaxscale.parallel.stage_layers.pad/unpad map one to the other)"
+        )
     fp8.check_resume(saved, config.precision, step)
     precision.check_resume(saved, config, step)
     t = saved["train"]
@@ -422,6 +429,11 @@ def params_source(path: str | Path) -> ParamsSource:
     if step is None:
         raise ConfigError(
             f"{root}: not a parameters checkpoint ({PARAMS_DIR}/ and {MODEL_FILE}) nor a run's checkpoint directory"
+        )
+    if saved.get("pipeline", {}).get("layers_per_stage") is not None:
+        raise ConfigError(
+            f"{root}: a run with pipeline.layers_per_stage stores its layers in padded slots; reading them as "
+            "a model's parameters is not supported yet (jaxscale.parallel.stage_layers.unpad maps them back)"
         )
     # The full-precision weights: the master where the run kept one apart from its compute copy.
     kept = saved.get("precision", {})
@@ -522,6 +534,11 @@ def restore_params(source: ParamsSource, abstract_params: Any) -> Any:
 
 def init_state_from(trainer: Any, path: str | Path) -> Any:
     """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``)."""
+    if trainer.config.pipeline.layers_per_stage is not None:
+        raise ConfigError(
+            "checkpoint.init_from with pipeline.layers_per_stage is not supported yet: the layer stack is padded "
+            "(jaxscale.parallel.stage_layers.pad maps a model's parameters into it)"
+        )
     source = params_source(path)
     abstract = trainer.abstract_state()
     # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.

@@ -223,6 +223,8 @@ def _bench(args: argparse.Namespace) -> int:
     layers = names(args.layers)
     if layers is not None and not all(n.isdigit() and int(n) > 0 for n in layers):
         raise ConfigError(f"--layers {args.layers}: expected positive integers separated by commas")
+    if args.predict is not None:
+        load_cluster(args.predict)  # a bad cluster file fails before anything compiles
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     # Imports jax: after the device count is in the environment.
     from jaxscale import bench
@@ -230,7 +232,7 @@ def _bench(args: argparse.Namespace) -> int:
     result = bench.run_suite(
         args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
         layers=None if layers is None else [int(n) for n in layers], steps=args.steps, warmup=args.warmup,
-        rounds=args.rounds, suites=args.suites,
+        rounds=args.rounds, suites=args.suites, cluster=args.predict,
     )
     print(bench.table(result))
     print(f"wrote {bench.write(result, args.out)}")
@@ -331,7 +333,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = _command(commands, "bench", _bench, "benchmark the train step: time, throughput, MFU, compile, overhead")
     _experiment_args(bench, str(CONFIG_DIR / "experiments" / "bench.yaml"),
                      "override config keys of every run (several after one --set, or repeated)")
-    bench.add_argument("--suite", default="quick", help="quick | full | compile | options (configs/bench/suites.yaml)")
+    bench.add_argument("--suite", default="quick", help="quick | full | compile | options | calibration "
+                       "(configs/bench/suites.yaml)")
     bench.add_argument("--models", help="comma-separated runs of the suite to keep (quick, full)")
     bench.add_argument("--variants", help="comma-separated variants of the suite to keep (options)")
     bench.add_argument("--layers", help="comma-separated layer counts to compile (compile; default 2,8,32)")
@@ -340,6 +343,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=int, help="timed rounds; each figure is the best (default: the suite's)")
     bench.add_argument("--suites", default=str(CONFIG_DIR / "bench" / "suites.yaml"), help="the suites table")
     bench.add_argument("--out", default="bench.json", help="the JSON report to write")
+    bench.add_argument("--predict", metavar="CLUSTER", help="a cluster YAML (path, or a name in configs/clusters/): "
+                       "each row also gets the plan's predicted step time and MFU on it")
     return parser
 
 

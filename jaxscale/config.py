@@ -187,12 +187,16 @@ class PipelineConfig:
 
     ``schedule``: gpipe or 1f1b (v = 1), circular or interleaved_1f1b (``repeats`` = v ≥ 2 chunks
     per stage); every schedule keeps each in-flight microbatch's stage input and recomputes the
-    stage once in its backward (:mod:`jaxscale.parallel.pipeline`).
+    stage once in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
+    of each virtual stage 0..p·v−1 (e.g. the first and last one lighter: they also hold the embedding
+    and the head), summing to ``model.layers``; None splits them evenly
+    (:mod:`jaxscale.parallel.stage_layers`: the stack then holds p·v·max slots).
     """
 
     microbatches: int | None = None  # None: as many as there are stages
     repeats: int = 1
     schedule: Schedule = "1f1b"
+    layers_per_stage: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -441,6 +445,7 @@ def validate(config: Config) -> None:
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
     validate_pipeline(config.pipeline)
+    validate_stage_layers(config)
     validate_xla(config.xla)
     validate_precision(config.precision)
     _validate_copies(config)
@@ -505,6 +510,34 @@ def validate_pipeline(p: PipelineConfig) -> None:
         )
     if p.schedule in interleaved and p.repeats < 2:
         raise ConfigError(f"pipeline.schedule={p.schedule} needs pipeline.repeats >= 2 (with 1 it is gpipe or 1f1b)")
+
+
+def validate_stage_layers(config: Config) -> None:
+    """``pipeline.layers_per_stage`` against the model: positive entries, multiples of the stacked unit
+    (``model.moe.every_n_layers``), summing to the layers; and one per virtual stage where ``mesh.stage`` is known."""
+    listed, model = config.pipeline.layers_per_stage, config.model
+    if listed is None:
+        return
+    where = f"pipeline.layers_per_stage {listed}"
+    if not listed or any(n < 1 for n in listed):
+        raise ConfigError(f"{where}: every virtual stage needs at least one layer")
+    if sum(listed) != model.layers:
+        raise ConfigError(f"{where}: sums to {sum(listed)}, not model.layers ({model.layers})")
+    unit = model.moe.every_n_layers if model.moe else 1
+    if any(n % unit for n in listed):
+        raise ConfigError(f"{where}: each entry must be a multiple of model.moe.every_n_layers ({unit})")
+    if config.mesh.stage > 0:
+        check_stage_layers(config.pipeline, config.mesh.stage * (config.mesh.dcn.stage if config.mesh.dcn else 1))
+
+
+def check_stage_layers(pipeline: PipelineConfig, stages: int) -> None:
+    """One entry of ``pipeline.layers_per_stage`` per virtual stage: stages x ``pipeline.repeats`` of them."""
+    listed = pipeline.layers_per_stage
+    if listed is not None and len(listed) != stages * pipeline.repeats:
+        raise ConfigError(
+            f"pipeline.layers_per_stage has {len(listed)} entries; it needs one per virtual stage, "
+            f"mesh.stage ({stages}) x pipeline.repeats ({pipeline.repeats}) = {stages * pipeline.repeats}"
+        )
 
 
 def validate_xla(xla: XlaConfig) -> None:

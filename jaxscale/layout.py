@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxscale.config import MESH_AXES, Config, ConfigError, _read_yaml, resolve_named
+from jaxscale.config import MESH_AXES, Config, ConfigError, _read_yaml, check_stage_layers, resolve_named
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -43,6 +43,7 @@ Table = Mapping[str, tuple[str, ...]]  # logical name -> mesh axes
 KINDS = ("params", "optimizer", "gradients")
 TOKENS = ("batch", "length")  # the logical axes of a batch of token ids
 STAGE = "stage"  # the mesh axis a pipeline runs over
+BLOCK_AXES = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp")  # a dense block's parameters' axes
 
 
 def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
@@ -245,14 +246,25 @@ class Layout:
 
     def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
         """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the leading
-        batch axes that split none of the ``blocks``' parameter axes (:mod:`jaxscale.parallel.pipeline`)."""
-        return (STAGE, *(() if moe else self.data_axes(blocks)))
+        batch axes that split none of the ``blocks``' parameter axes and the context axes, whose ring
+        attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`)."""
+        return (STAGE, *(() if moe else (*self.data_axes(blocks), *self.stage_context_axes)))
+
+    @property
+    def stage_context_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that split ``length`` in a pipeline (:meth:`_check_stage_context`)."""
+        return self.mesh_axes(("length",)) if self.pipelined else ()
 
     def stage_partitioned(self, blocks: Iterable[Axes], moe: bool) -> bool:
-        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner, so that the loop
-        computes its idle slots and masks them instead of skipping them."""
+        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner, or a ring inside it
+        (context axes), so that the loop computes its idle slots and masks them instead of skipping them:
+        the ring's collective-permutes in a conditional taken by some stages only come out wrong (CPU)."""
+        return bool(self.stage_context_axes or self.stage_free_axes(blocks, moe))
+
+    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
         manual = self.stage_manual_axes(blocks, moe)
-        return any(n > 1 for a, n in self.mesh.items() if a not in manual)
+        return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
 
     # -- validation ----------------------------------------------------------------------
 
@@ -267,6 +279,7 @@ class Layout:
             )
         if self.pipelined:
             self._check_pipeline(config)
+        self._check_stage_layers(config)
         self._check_sequence(config)
         if model.attention in ("blockwise", "ring"):
             self._check_attention(config)
@@ -279,23 +292,55 @@ class Layout:
             raise ConfigError(
                 f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
             )
-        # Sequence parallelism, ring attention and shard_map experts are shard_maps of their own; XLA
-        # (Shardy and GSPMD alike) cannot lower them nested in the pipeline's partly manual loop.
+        # Sequence parallelism and shard_map experts are shard_maps of their own; XLA (Shardy and GSPMD
+        # alike) cannot lower them nested in the pipeline's partly manual loop.
         nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
         if self.sequence_axes:
             raise ConfigError(
                 f"{where}: sequence parallelism (norm_length on {self.sequence_axes}) inside a pipeline stage {nested}"
             )
-        context = self.mesh_axes(("length",))
-        if context:
-            raise ConfigError(
-                f"{where}: context parallelism (length on {list(context)}) inside a pipeline stage {nested}"
-            )
+        self._check_stage_context(config)
         moe = config.model.moe
         if moe is not None and moe.impl == "shard_map":
             raise ConfigError(
                 f"{where}: model.moe.impl=shard_map inside a pipeline stage {nested}; "
                 "model.moe.impl=partitioner runs the experts (and expert parallelism) there"
+            )
+
+    def _check_stage_layers(self, config: Config) -> None:
+        """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
+        if config.pipeline.layers_per_stage is None:
+            return
+        if not self.pipelined:
+            raise ConfigError(
+                f"pipeline.layers_per_stage: rules '{self.name}' on this mesh run no pipeline "
+                f"(layers on '{STAGE}' of size > 1)"
+            )
+        check_stage_layers(config.pipeline, self.stages)
+
+    def _check_stage_context(self, config: Config) -> None:
+        """Context parallelism inside a pipeline stage: the loop is manual over the context axes and runs
+        ring attention's kernel there. (A ring's own shard_map nested in the partly manual loop does not
+        lower: Shardy wants its residuals' manual axes before the loop's free ones, e.g. fsdp.)"""
+        context = self.stage_context_axes
+        if not context:
+            return
+        where, cp = f"rules '{self.name}'", f"context parallelism (length on {list(context)}) inside a pipeline stage"
+        if config.model.moe is not None:
+            raise ConfigError(
+                f"{where}: {cp} needs a dense model: the loop is manual over the context axes, and an MoE "
+                "layer's routing statistics span the whole microbatch"
+            )
+        if config.model.attention != "ring":
+            raise ConfigError(
+                f"{where}: {cp} needs model.attention=ring: the loop is manual over the context axes, so "
+                f"model.attention={config.model.attention} would see only each device's blocks of the sequence"
+            )
+        held = sorted({a for name in BLOCK_AXES for a in self.axes_of(name)} & set(context))
+        if held:
+            raise ConfigError(
+                f"{where}: {cp} needs the block parameters unsplit over {held}: the loop is manual over them "
+                "and would gather the parameters whole on entry"
             )
 
     def _check_sequence(self, config: Config) -> None:

@@ -4,7 +4,7 @@ LAYOUTS is the table of compiled checks: one line per layout (rules preset, mesh
 overrides), each compiled once on 8 simulated devices (fp32: XLA:CPU runs bf16 matmuls in f32) and
 held to the analytic memory within 10% of ``compiled.memory_analysis()`` and the analytic wire
 bytes within 5% of the collectives inspected in the HLO (reduce-scatter reading): ZeRO 0 to 3, TP,
-SP, CP (ring attention), PP (alone, with FSDP, with FSDP and TP; 1F1B, GPipe and interleaved
+SP, CP (ring attention), PP (alone, with FSDP, with FSDP and TP, with CP; 1F1B, GPipe and interleaved
 1F1B) and EP, remat on and off. The pipelined lines run two layers per chunk: with one, XLA hoists
 the stage's FSDP gathers out of the loop (the model counts them per tick).
 """
@@ -24,9 +24,10 @@ from helpers import Trainers, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.analysis.communication import flow
+from jaxscale.analysis.communication import communication, flow
 from jaxscale.analysis.formulas import state_formula
 from jaxscale.analysis.memory import layer_residuals
+from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.timing import crosses_nodes, load_cluster
 from jaxscale.config import CONFIG_DIR, ConfigError
@@ -59,6 +60,7 @@ LAYOUTS = [
     ("pp", {"stage": 2, "data": 4}, "model.layers=4", "pipeline.schedule=gpipe", "pipeline.microbatches=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=8", "pipeline.schedule=interleaved_1f1b",
      "pipeline.repeats=2"),
+    ("pp_tp_cp", {"stage": 2, "context": 4}, "model.layers=4", "model.attention=ring"),
 ]
 
 
@@ -136,6 +138,19 @@ def test_flows_count_wire_bytes_like_inspect():
     (cp,) = flow("x", "collective-permute", ["data"], 800.0, 2, place, "forward", True)
     assert (ar.wire_bytes, ag.wire_bytes, cp.wire_bytes) == (2 * 7 / 8 * 800 * 3, 7 / 8 * 800, 1600)
     assert flow("x", "all-reduce", ["tensor"], 800.0, 1, place, "backward", True) == []
+
+
+def test_the_ring_passes_the_kv_heads_of_its_tensor_shard():
+    """Keys and values round the ring are the device's kv heads: half of them with kv_heads over tensor = 2."""
+    config = tiny_config("model.attention=ring", rules="fsdp_tp_cp", mesh={"context": 2, "tensor": 2})
+    params, step, m = param_table(config), Step.from_config(config), config.model
+    rules = Rules.load("fsdp_tp_cp")
+
+    def ring(tensor: int) -> float:
+        flows = communication(m, params, Layout(rules, {"context": 2, "tensor": tensor}), step)
+        return sum(f.size for f in flows if f.what.startswith("CP ring"))
+
+    assert ring(2) == ring(1) / 2 and ring(1) > 0
 
 
 def test_groups_cross_nodes_from_the_inner_axes_out():

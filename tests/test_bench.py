@@ -21,7 +21,7 @@ from jaxscale.train import Trainer
 NUM = (int, float)
 OPT_NUM = (int, float, type(None))
 TOP = {"schema": str, "created": str, "backend": str, "device_kind": str, "devices": int, "jax_version": str,
-       "config": (str, type(None)), "results": list}
+       "config": (str, type(None)), "cluster": (str, type(None)), "results": list}
 MODEL = {"layers": int, "embed": int, "heads": int, "kv_heads": int, "head_dim": int, "mlp": int,
          "vocab_size": int, "dtype": str, "remat": str, "attention": str}
 MEMORY = {"argument": int, "output": int, "alias": int, "temp": int, "generated_code": int, "total": int,
@@ -37,6 +37,7 @@ RESULT = {
     "host_overhead_s": OPT_NUM, "host_overhead_blocked_s": OPT_NUM, "loss": OPT_NUM,
     "memory": (dict, type(None)), "status": str, "error": (str, type(None)),
 }
+PREDICTED = {"predicted_step_time_s": NUM, "predicted_mfu": NUM, "predicted_ratio": NUM, "predicted": dict}
 RUN_FIGURES = ("step_time_s", "step_time_blocked_s", "device_step_time_s", "dispatch_time_s", "tokens_per_s",
                "tflops_per_device", "mfu", "host_overhead_s", "host_overhead_blocked_s", "loss")
 
@@ -54,7 +55,8 @@ def check_report(report: dict) -> None:
     assert report["schema"] == "jaxscale.bench/1"
     for i, row in enumerate(report["results"]):
         where = f"results[{i}]"
-        check(row, RESULT, where)
+        predicted = report["cluster"] is not None and row["status"] == "ok" and row["steps"] > 0
+        check(row, RESULT | PREDICTED if predicted else RESULT, where)
         assert row["status"] in ("ok", "skipped", "error")
         assert all(isinstance(o, str) for o in row["overrides"])
         if row["status"] != "ok":
@@ -74,12 +76,13 @@ def sets(overrides: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """``jaxscale bench --suite quick`` on the test model: the report and what the command printed."""
+    """``jaxscale bench --suite quick`` on the test model, with the plan's prediction on the H100 cluster file: the
+    report and what the command printed."""
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         code = main(["bench", "--suite", "quick", "--steps", "2", "--warmup", "1", "--rounds", "2", "--out", str(out),
-                     *sets(TINY)])
+                     "--predict", "h100", *sets(TINY)])
     assert code == 0
     return json.loads(out.read_text()), printed.getvalue()
 
@@ -107,6 +110,27 @@ def test_quick_suite_report_schema_and_figures(quick):
     assert 0 < row["loss"] < np.log(256) + 0.5  # 15 updates: 1 + the loop's untimed 2 + 2 rounds of 3 x 2
     assert row["memory"]["total"] >= row["memory"]["argument"] > 0
     assert "tiny" in printed and "meaningless" in printed and "wrote" in printed
+
+
+def test_quick_suite_carries_the_plans_prediction(quick):
+    """``--predict``: the analytic model's step time for the same trainer on the cluster file, next to the measured."""
+    from jaxscale.analysis.predict import predict_trainer
+    from jaxscale.analysis.timing import load_cluster
+
+    report, printed = quick
+    (row,) = report["results"]
+    expected = predict_trainer(Trainer.build(load_config(bench.BASE_CONFIG, TINY)), load_cluster("h100")).time
+    assert row["predicted_step_time_s"] == pytest.approx(expected["total"])
+    assert row["predicted_mfu"] == pytest.approx(expected["mfu"])
+    assert row["predicted_ratio"] == pytest.approx(expected["total"] / row["step_time_s"])
+    assert set(row["predicted"]) == set(bench.PARTS) and sum(row["predicted"].values()) <= expected["total"] * 1.001
+    assert "pred/meas" in printed
+
+
+def test_predict_needs_a_readable_cluster_file(tmp_path, capsys):
+    """A cluster file that is not there: one line and exit code 2, before anything compiles."""
+    assert main(["bench", "--suite", "quick", "--predict", str(tmp_path / "missing.yaml"), *sets(TINY)]) == 2
+    assert "no cluster named" in capsys.readouterr().err
 
 
 def test_compile_suite_by_depth():

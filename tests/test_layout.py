@@ -109,6 +109,8 @@ def test_part_axes():
         ("fsdp_tp_cp", {"fsdp": 2, "context": 2, "tensor": 2}, ["model.attention=ring"]),
         ("ep_fsdp_tp", {"fsdp": 2, "expert": 2, "tensor": 2}, [*MOE, "model.attention=blockwise"]),
         ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, []),
+        ("pp_tp_cp", {"stage": 4, "context": 2, "tensor": 4}, ["model.attention=ring", "model.layers=4"]),
+        ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2, "tensor": 2}, ["model.attention=ring"]),
     ],
 )
 def test_presets_validate(rules, mesh, overrides):
@@ -121,6 +123,20 @@ def refuse(layout: Layout, match: str, *overrides: str) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_context_parallelism_inside_a_stage_is_manual_and_masks_idle_slots():
+    """The loop is manual over stage, the pure batch axes and context; a ring inside a stage masks idle slots
+    (its collective-permutes in a conditional taken by some stages only come out wrong) even with no
+    partitioner axis left, and FSDP's fsdp, which holds block parameters, stays with the partitioner."""
+    blocks = [("layers", "embed", "heads", "head_dim")]
+    layout = on("pp_tp_cp", stage=2, data=2, context=2)
+    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context")
+    assert layout.stage_partitioned(blocks, moe=False)
+    assert not on("pp", stage=2, data=4).stage_partitioned(blocks, moe=False)
+    layout = on("pp_fsdp_tp_cp", stage=2, fsdp=2, context=2)
+    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "context")
+    assert on("pp_fsdp_tp", stage=2, context=2).stage_manual_axes(blocks, moe=False) == ("stage", "data")
+
+
 def test_fp8_with_a_pipeline():
     refuse(on("pp", stage=2, data=4), r"^precision\.fp8=current: not supported with pipeline parallelism "
            r"\(rules 'pp' put layers on \['stage'\]\)", "precision.fp8=current")
@@ -131,8 +147,13 @@ def test_pipeline_errors():
            r"^rules 'pp_edited': layers maps to \['stage', 'data'\]; a pipeline needs layers on 'stage' alone$")
     refuse(on(edited("pp", norm_length="tensor"), stage=2, tensor=2),
            r"^rules 'pp_edited': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage")
+    cp = r"^rules 'pp_edited': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
     refuse(on(edited("pp", length="context", norm_length="context"), stage=2, context=2),
-           r"^rules 'pp_edited': context parallelism \(length on \['context'\]\) inside a pipeline stage")
+           cp + r"model\.attention=ring: the loop is manual over the context axes, so model\.attention=dot would")
+    refuse(on(edited("pp", length="context", norm_length="context"), stage=2, context=2),
+           cp + r"a dense model", *MOE, "model.moe.impl=partitioner", "model.attention=ring")
+    refuse(on(edited("pp", length="context", norm_length="context", embed="context"), stage=2, context=2),
+           cp + r"the block parameters unsplit over \['context'\]", "model.attention=ring")
     refuse(on("pp", stage=2, data=4), r"^rules 'pp': model\.moe\.impl=shard_map inside a pipeline stage nests a "
            r"shard_map", *MOE, "model.moe.impl=shard_map")
     on("pp", stage=2, data=4).validate(tiny_config(*MOE, "model.moe.impl=partitioner"))

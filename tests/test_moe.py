@@ -259,17 +259,23 @@ PRESET_MESHES = {
 # A pipeline runs MoE blocks with the partitioner experts; the shard_map experts cannot nest in its loop.
 PIPELINE_MESHES = {"pp": {"stage": 2, "data": 4}, "pp_fsdp": {"stage": 2, "fsdp": 4},
                    "pp_fsdp_tp": {"stage": 2, "fsdp": 2, "tensor": 2}}
+# Context parallelism inside a stage runs dense blocks only (the loop is manual over context).
+CP_PIPELINE_MESHES = {"pp_tp_cp": {"stage": 2, "context": 2, "tensor": 2},
+                      "pp_fsdp_tp_cp": {"stage": 2, "fsdp": 2, "context": 2}}
 
 
 def test_every_rules_preset_lays_out_the_moe_model():
     presets = {p.stem for p in (CONFIG_DIR / "rules").glob("*.yaml")}
-    assert set(PRESET_MESHES) | set(PIPELINE_MESHES) == presets
+    assert set(PRESET_MESHES) | set(PIPELINE_MESHES) | set(CP_PIPELINE_MESHES) == presets
     for rules, mesh in PRESET_MESHES.items():
         Trainer.build(tiny_config(*MOE, rules=rules, mesh=mesh))  # traces the whole step
     for rules, mesh in PIPELINE_MESHES.items():
         Trainer.build(tiny_config(*MOE, "model.moe.impl=partitioner", rules=rules, mesh=mesh))
         with pytest.raises(ConfigError, match=r"model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map"):
             Trainer.build(tiny_config(*MOE, "model.moe.impl=shard_map", rules=rules, mesh=mesh))
+    for rules, mesh in CP_PIPELINE_MESHES.items():
+        with pytest.raises(ConfigError, match=r"inside a pipeline stage needs a dense model"):
+            Trainer.build(tiny_config(*MOE, "model.moe.impl=partitioner", rules=rules, mesh=mesh))
 
 
 def test_experiment_and_full_size_configs():

@@ -70,13 +70,14 @@ def test_evaluation_runs_the_forward_table(reference):
     assert close(trainer.jit_eval_loss(params, placed(trainer, batches[0])), ref_loss)
 
 
-@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
-def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, reference):
-    """Two steps of pp x fsdp x tp (2 x 2 x 2), masked slots: only messages and per-step sums cross stage."""
+@pytest.mark.parametrize("schedule, v, attention", [("1f1b", 1, "dot"), ("interleaved_1f1b", 2, "blockwise")])
+def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, reference):
+    """Two steps of pp x fsdp x tp (2 x 2 x 2), masked slots: only messages and per-step sums cross stage.
+    The blockwise kernel runs inside the stage's loop as it is, no shard_map of its own."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), rules="pp_fsdp_tp",
-                                        mesh={"stage": 2, "fsdp": 2, "tensor": 2}))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
+                                        rules="pp_fsdp_tp", mesh={"stage": 2, "fsdp": 2, "tensor": 2}))
     compiled = xla.compile_step(trainer)
     state = jax.device_put(initial, trainer.state_shardings)
     for batch, ref_out in zip(batches, ref_outs, strict=True):
@@ -98,6 +99,22 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, reference):
         if c.kind != "collective-permute":
             assert c.runs == 1 and c.result_bytes <= outer, c
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
+
+
+@pytest.mark.parametrize("rules, mesh", [("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}),
+                                         ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2})])
+def test_context_parallelism_inside_a_stage(rules, mesh, reference):
+    """Ring attention over context inside each stage (the loop manual over stage and context; tensor, or FSDP's
+    fsdp between stage and context in the mesh order, with the partitioner) equals one device, the sequence
+    in the ring's order."""
+    initial, batches, ref_loss, ref_grads, *_ = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules=rules, mesh=mesh))
+    order = trainer.sequence_order
+    assert order is not None and sorted(order) == list(range(32))
+    params = jax.device_put(initial.params, trainer.param_shardings())
+    loss, grads = trainer.loss_and_grads(params, placed(trainer, {k: v[:, order] for k, v in batches[0].items()}))
+    assert close(loss, ref_loss)
+    assert_trees_close(grads, ref_grads)
 
 
 def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
@@ -318,15 +335,15 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
         ({"norm_length": "tensor"}, [], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': sequence parallelism \(norm_length on \('tensor',\)\) inside a pipeline stage nests a "
          r"shard_map"),
-        ({"length": "context", "norm_length": "context", "heads": None, "kv_heads": None, "mlp": None,
-          "vocab": None}, ["model.attention=ring"], {"stage": 2, "context": 2, "fsdp": 2},
-         r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage nests a shard_map"),
+        ({"length": "context", "norm_length": "context"}, [], {"stage": 2, "context": 2, "fsdp": 2},
+         r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
+         r"model\.attention=ring"),
         ({}, ["model.moe.experts=4", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
          r"model\.moe\.impl=partitioner runs the experts"),
     ],
 )
-def test_nested_shard_maps_inside_a_stage_are_refused(warm, tmp_path, changes, overrides, mesh, match):
+def test_what_a_stage_cannot_run_is_refused(warm, tmp_path, changes, overrides, mesh, match):
     config = tiny_config(*pipe("1f1b", 2), *overrides, rules=write_rules(tmp_path, "x", **changes), mesh=mesh)
     with fails_early(match):
         Trainer.build(config)

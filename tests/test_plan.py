@@ -262,13 +262,39 @@ def test_pipelines_try_every_schedule_from_p_to_32p_microbatches():
     model, _ = _llama("llama3-70b")
     tried = list(plan._pipelines(model, 64, 16, sequences=512))
     for p in (2, 4, 8, 16):
-        mine = [(m, v, s) for q, m, v, s in tried if q == p]
-        interleaved = {"interleaved_1f1b"} if model.layers % (2 * p) == 0 else set()  # 80 layers: not on 16
-        assert {s for _, _, s in mine} == {"gpipe", "1f1b"} | interleaved
-        assert min(m for m, _, _ in mine) == p and max(m for m, _, _ in mine) == 32 * p
-        assert all(v == (2 if s == "interleaved_1f1b" else 1) and m % p == 0 for m, v, s in mine)
-    assert max(m for _, m, _, _ in plan._pipelines(model, 64, 16, sequences=64)) == 64  # the batch's limit
-    assert {p for p, *_ in tried} == {1, 2, 4, 8, 16}  # 80 layers: no 32 stages (and at most 16)
+        mine = [(m, v, s, split) for q, m, v, s, split in tried if q == p]
+        assert {s for _, _, s, _ in mine} == {"gpipe", "1f1b", "interleaved_1f1b"}
+        assert min(m for m, *_ in mine) == p and max(m for m, *_ in mine) == 32 * p
+        assert all(v == (2 if s == "interleaved_1f1b" else 1) and m % p == 0 for m, v, s, _ in mine)
+        # 80 layers split evenly but over 16 x 2 virtual stages: there 2 or 3 each, the ends lighter.
+        for _, v, _, split in mine:
+            assert split is None if 80 % (v * p) == 0 else (sum(split) == 80 and len(split) == v * p
+                                                            and split[0] == split[-1] == min(split) < max(split))
+    assert max(m for _, m, *_ in plan._pipelines(model, 64, 16, sequences=64)) == 64  # the batch's limit
+    assert {p for p, *_ in tried} == {1, 2, 4, 8, 16}  # at most 16 stages
+
+
+def test_uneven_stages_are_planned_where_layers_do_not_divide():
+    """126 layers (no even split over 4 stages): the first and last stages one lighter, the stack padded to 4 x 32
+    slots, as much memory as 128 layers. Each tick lasts as long as its busiest stage: with the ends heavier
+    (they also run the embedding and the head) the loop is as long as 128 layers'; with them lighter, shorter."""
+    def run(layers: int, split: tuple[int, ...] | None) -> plan.Candidate:
+        config = load_config(None, ["model=llama3-70b", f"model.layers={layers}"])
+        layout = plan.Strategy(data=16, stage=4, micro_batch=1, pipeline_microbatches=16, schedule="1f1b",
+                               loss_chunk=1024, layers_per_stage=split)
+        return plan.evaluate(config.model, param_table(config), layout, 8192, load_cluster("h100", ["nodes=8"]))
+
+    model = load_config(None, ["model=llama3-70b", "model.layers=126"]).model
+    assert plan.stage_split(model, 4) == (31, 32, 32, 31) and plan.stage_split(model, 2) is None
+    lighter, heavier, even = run(126, (31, 32, 32, 31)), run(126, (32, 31, 31, 32)), run(128, None)
+    for part in ("params", "optimizer", "activations", "total"):  # 32 slots a stage, 32 layers' inputs kept
+        assert lighter.memory[part] == heavier.memory[part] == even.memory[part], part
+    assert lighter.time["compute"] == heavier.time["compute"] < even.time["compute"]  # 126 layers' work
+    loop = {k: c.time["compute"] + c.time["bubble"] for k, c in (("l", lighter), ("h", heavier), ("e", even))}
+    assert abs(loop["h"] - loop["e"]) < 1e-3 * loop["e"]
+    assert loop["l"] < loop["h"] - 0.5 * (even.time["compute"] - lighter.time["compute"])
+    exp = plan.experiment(lighter.layout, {"layers": 126}, 8192, "r.yaml")
+    assert exp["pipeline"]["layers_per_stage"] == [31, 32, 32, 31]
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -278,6 +304,11 @@ def test_pipeline_time_is_the_tables_ticks(masked):
     comp = {"chunk_forward": 1.0, "chunk_backward": 3.0, "head": 0.0, "embedding_gradient": 0.0}
     seconds = pipeline_loop(table, comp, masked)
     assert seconds == (table.ticks * 4.0 if masked else table.cost(1.0, 3.0))
+    assert pipeline_loop(table, comp, masked, (5, 5, 5, 5)) == seconds
+    # Uneven stages: masked, every slot as long as the largest chunk's (1.5 the average); skipped, the
+    # busiest stage's in each tick: longer than even, shorter than the largest chunk everywhere.
+    uneven = pipeline_loop(table, comp, masked, (2, 4, 4, 6))
+    assert uneven == 1.5 * seconds if masked else seconds < uneven < 1.5 * seconds
     head = pipeline_loop(table, {**comp, "head": 0.5}, masked) - seconds
     if masked:  # on every stage, in each tick where the last stage runs a backward: once per microbatch
         assert head == 16 * 0.5

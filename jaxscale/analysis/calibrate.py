@@ -5,11 +5,18 @@ is measured is what one device gets while the others run too (on simulated CPU d
 they share the host's cores). Each figure is the best of a few runs of a compiled loop of
 ``repeats`` iterations:
 
-* matmuls: (d, d) x (d, d) in the compute dtype for a few d; FLOP/s over ``peak_flops``
-  (the published peak of the device kind, :data:`jaxscale.flops.PEAK_FLOPS`; on a CPU, which
-  has none, the best measured) is the ``matmul_efficiency`` table;
-* an attention block: causal ``jax.nn.dot_product_attention`` forward and backward at a few
-  sequence lengths, its FLOPs counted as :mod:`jaxscale.analysis.timing` counts them;
+* matmuls: (d, d) x (d, d) in the compute dtype for a few d, on normally distributed data (constant
+  operands let a GPU clock higher than real weights do); FLOP/s over ``peak_flops`` (the published
+  peak of the device kind, :data:`jaxscale.flops.PEAK_FLOPS`; on a CPU, which has none, the best
+  measured) is the ``matmul_efficiency`` table. The ``repeats`` matmuls are unrolled into one
+  straight-line program: a loop's per-iteration overhead (on a GPU, a host round trip for the
+  loop's predicate) would otherwise be timed as part of a small matmul;
+* an attention block: causal fused attention forward and backward at a few sequence lengths, on
+  as many sequences as make ``tokens`` tokens (a microbatch's worth), in the kernel a fused
+  ``model.attention`` runs on this platform (cuDNN's on a GPU, XLA's elsewhere), its FLOPs
+  counted as :mod:`jaxscale.analysis.timing` counts them. The ``attention_efficiency`` table is
+  what the plan applies to fused attention (``cudnn``, ``blockwise``, ``ring``); XLA's ``dot``
+  attention is costed as batched matmuls plus its scores' memory traffic;
 * memory bandwidth: an elementwise update of a large array (one read, one write);
 * collectives: all-reduce, all-gather, reduce-scatter, all-to-all and a ring permute over the
   devices of this process (``intra``) and, with several processes, across them (``inter``),
@@ -45,6 +52,10 @@ SIZES = {  # (matmul dims, attention sequence lengths, memory elements, small/la
     "cpu": ((32, 64, 128, 256), (64, 128, 256), 2**20, (2**10, 2**18)),
     "accelerator": ((256, 512, 1024, 2048, 4096, 8192), (512, 1024, 2048, 4096, 8192), 2**28, (2**12, 2**28)),
 }
+ATTENTION = {  # (tokens per device, heads, head_dim) of the attention block
+    "cpu": (256, 4, 64),
+    "accelerator": (16384, 8, 128),
+}
 
 
 def clock() -> Callable[[], float]:
@@ -66,49 +77,60 @@ def _best(fn: Callable[[], Any], rounds: int = 3) -> float:
 
 
 def _everywhere(mesh: Mesh, axis: str, body: Callable[[jax.Array], jax.Array], local: tuple[int, ...],
-                dtype: Any, repeats: int) -> float:
-    """Seconds per iteration of ``body`` run ``repeats`` times on each device's own ``local`` array."""
+                dtype: Any, repeats: int, unroll: bool = True) -> float:
+    """Seconds per iteration of ``body`` run on each device's own ``local`` array of normally distributed data;
+    ``unroll`` writes the iterations out (elementwise bodies must not: XLA would fuse them). On an accelerator
+    the figure is the difference between ``2·repeats`` and ``repeats`` iterations, so that a call's fixed cost
+    (dispatch, launch, the wait for the result: tens of microseconds) does not count against a small body."""
     n = mesh.shape[axis]
     spec = PartitionSpec(axis)
 
-    @jax.jit
-    @partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-    def loop(x: jax.Array) -> jax.Array:
-        return jax.lax.fori_loop(0, repeats, lambda _, y: body(y), x)
+    def timed(count: int) -> float:
+        @jax.jit
+        @partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        def loop(x: jax.Array) -> jax.Array:
+            return jax.lax.fori_loop(0, count, lambda _, y: body(y), x, unroll=unroll)
 
-    x = jax.device_put(jnp.ones((n * local[0], *local[1:]), dtype), jax.NamedSharding(mesh, spec))
-    return _best(lambda: loop(x)) / repeats
+        return _best(lambda: loop(x))
+
+    data = jax.random.normal(jax.random.key(0), (n * local[0], *local[1:]), jnp.float32).astype(dtype)
+    x = jax.device_put(data, jax.NamedSharding(mesh, spec))
+    if mesh.devices.flat[0].platform == "cpu":
+        return timed(repeats) / repeats
+    return max(timed(2 * repeats) - timed(repeats), 1e-12) / repeats
 
 
 def matmuls(mesh: Mesh, dims: tuple[int, ...], dtype: Any, repeats: int) -> dict[int, float]:
     """FLOP/s of one device's (d, d) x (d, d) matmul, by d."""
     out = {}
     for d in dims:
-        w = jnp.full((d, d), 1.0 / d, dtype)
+        w = (jax.random.normal(jax.random.key(d), (d, d), jnp.float32) / math.sqrt(d)).astype(dtype)
         seconds = _everywhere(mesh, "x", lambda x, w=w: (x @ w).astype(x.dtype), (d, d), dtype, repeats)
         out[d] = 2 * d**3 / seconds
     return out
 
 
-def attention(mesh: Mesh, lengths: tuple[int, ...], dtype: Any, repeats: int, heads: int = 4,
-              head_dim: int = 64) -> dict[int, float]:
-    """Model FLOP/s of causal attention forward + backward on one sequence per device, by sequence length."""
+def attention(mesh: Mesh, lengths: tuple[int, ...], dtype: Any, repeats: int, tokens: int, heads: int,
+              head_dim: int, implementation: str | None) -> dict[int, float]:
+    """Model FLOP/s of causal attention forward + backward on ``tokens`` tokens per device, by sequence length."""
     out = {}
     for s in lengths:
         def step(x: jax.Array) -> jax.Array:
             def loss(q: jax.Array) -> jax.Array:
-                return jax.nn.dot_product_attention(q, q, q, is_causal=True).astype(jnp.float32).sum()
+                o = jax.nn.dot_product_attention(q, q, q, is_causal=True, implementation=implementation)
+                return o.astype(jnp.float32).sum()
 
             return (x - 1e-3 * jax.grad(loss)(x)).astype(x.dtype)
 
-        seconds = _everywhere(mesh, "x", step, (1, s, heads, head_dim), dtype, repeats)
-        out[s] = 7 * s * s * heads * head_dim / seconds  # forward 2·s²·a·d (causal half), backward 2.5x that
+        batch = max(1, tokens // s)
+        seconds = _everywhere(mesh, "x", step, (batch, s, heads, head_dim), dtype, repeats)
+        out[s] = 7 * batch * s * s * heads * head_dim / seconds  # forward 2·s²·a·d (causal half), backward 2.5x
     return out
 
 
 def bandwidth(mesh: Mesh, elems: int, repeats: int) -> float:
     """Bytes/s of one device's memory: an elementwise update reads and writes each element once."""
-    seconds = _everywhere(mesh, "x", lambda x: x * 0.999 + 1e-3, (elems,), jnp.float32, repeats)
+    seconds = _everywhere(mesh, "x", lambda x: x * 0.999 + 1e-3, (elems,), jnp.float32, repeats, unroll=False)
     return 2 * 4 * elems / seconds
 
 
@@ -143,7 +165,13 @@ def collectives(mesh: Mesh, axis: str, sizes: tuple[int, int], repeats: int) -> 
 
 
 def _table(rates: dict[int, float], peak: float) -> list[list[float]]:
-    return [[int(k), float(f"{min(1.0, v / peak):.3g}")] for k, v in sorted(rates.items())]
+    """[[size, fraction of peak], ...], never falling with size: a larger matmul (or sequence) can always run
+    as pieces of a smaller one, so a dip is noise of the measurement (clocks, power), not a property."""
+    out, best = [], 0.0
+    for k, v in sorted(rates.items()):
+        best = max(best, min(1.0, v / peak))
+        out.append([int(k), float(f"{best:.3g}")])
+    return out
 
 
 def _device_memory(device: Any, count: int) -> float:
@@ -159,12 +187,14 @@ def calibrate(repeats: int = 0) -> dict[str, Any]:
     local = jax.local_devices()
     first = devices[0]
     cpu = first.platform == "cpu"
-    dims, lengths, elems, sizes = SIZES["cpu" if cpu else "accelerator"]
+    platform = "cpu" if cpu else "accelerator"
+    dims, lengths, elems, sizes = SIZES[platform]
     repeats = repeats or (4 if cpu else 20)
     dtype = jnp.float32 if cpu else jnp.bfloat16
     flat = Mesh(np.array(devices), ("x",))
     mm = matmuls(flat, dims, dtype, repeats)
-    att = attention(flat, lengths, dtype, repeats)
+    fused = "cudnn" if first.platform == "gpu" else None  # model.attention=cudnn on a GPU; XLA's kernel elsewhere
+    att = attention(flat, lengths, dtype, repeats, *ATTENTION[platform], fused)
     peak = max(mm.values()) if cpu else peak_flops(first)
     if not cpu and peak == PEAK_FLOPS["cpu"]:
         peak = max(mm.values())  # a device kind without a published peak: the best measured
@@ -202,7 +232,8 @@ def write(data: dict[str, Any], path: str | Path) -> Path:
     """The cluster file, with a header saying how it was made."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# {data['source']}.\n# Efficiencies are fractions of peak_flops by the smallest matmul dimension / "
-              "attention sequence length;\n# collectives: level -> kind -> [latency per step (s), wire bytes/s].\n")
+    header = (f"# {data['source']}.\n# Efficiencies are fractions of peak_flops by the side of a square matmul "
+              "(a cube of as many FLOPs) / attention sequence length;\n"
+              "# collectives: level -> kind -> [latency per step (s), wire bytes/s].\n")
     path.write_text(header + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
     return path

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxscale.analysis.hlo import wire_bytes
-from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split
+from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split, stack_layers
 from jaxscale.config import ModelConfig
 from jaxscale.layout import Layout
 
@@ -152,7 +152,7 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter."""
     pbytes, gbytes = dtype_bytes(m.param_dtype), gradient_bytes(m, step)
-    sp = split(p, layout, step, m.layers)
+    sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
     out: list[Flow] = []
     if layout.pipelined and not p.in_layers:
@@ -227,7 +227,7 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     s_local = step.seq_len / layout.ways(("length",))
     bsh = rows * s_local * m.embed * cbytes  # one microbatch's hidden states on a device
     micro = step.microbatches
-    layers = m.layers / layout.ways(("layers",))
+    layers = stack_layers(m, step) / layout.ways(("layers",))  # uneven stages: the slots, as masked ones run
     flows: list[Flow] = []
     for p in params:
         flows += _param_flows(p, m, layout, step, bsh)
@@ -278,12 +278,17 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     context = layout.context_axes
     if context:
         c = layout.size(context)
-        kv = rows * s_local * m.kv_heads * m.head_dim
+        kv = rows * s_local * m.kv_heads / layout.ways(("kv_heads",)) * m.head_dim
         for phase in ("forward", "backward"):
             flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
                            layout, phase, True)
         flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
                        2 * kv * 4, c * runs, layout, "backward", True)
+        if stage_remat and c > 2:
+            # The backward slot's recomputed forward passes K and V round the ring again; with c = 2 its one
+            # hop sends what the backward's first hop sends, and XLA keeps one of the two (compiled step).
+            flows += flow("CP ring: recomputed keys, values", "collective-permute", context, 2 * kv * cbytes,
+                           (c - 1) * runs, layout, "backward", True)
 
     stages = layout.mesh_axes(("layers",))
     if stages:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split
+from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
 from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
@@ -192,8 +192,9 @@ def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout
     return rows * step.seq_len * act.per_token * _bytes_of(act, m) / layout.ways(act.axes)
 
 
-def _layers_here(m: ModelConfig, layout: Layout) -> float:
-    return m.layers / layout.ways(("layers",))
+def _layers_here(m: ModelConfig, layout: Layout, step: Step) -> float:
+    """Layers held on a device: of the padded stack with uneven pipeline stages."""
+    return stack_layers(m, step) / layout.ways(("layers",))
 
 
 def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> dict[str, float]:
@@ -212,12 +213,13 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     micro_rows = step.global_batch / step.microbatches  # sequences in one forward/backward, all devices
     pipelined = layout.pipelined
     rows = micro_rows / step.pipeline_microbatches if pipelined else micro_rows  # through a layer at once
-    layers = _layers_here(m, layout)
+    layers = _layers_here(m, layout, step)
+    stack = stack_layers(m, step)
     residuals = layer_residuals(m, m.remat, step.seq_len)
     per_layer = sum(_per_device(r, rows, step, m, layout) for r in residuals)
     kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
     if m.remat == "none" and layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
-        kept_weights = sum(split(p, layout, step, m.layers).unit for p in params if p.in_layers and p.in_sp_region)
+        kept_weights = sum(split(p, layout, step, stack).unit for p in params if p.in_layers and p.in_sp_region)
     elif m.remat == "none" and m.dtype != compute:  # the weights cast to the compute dtype
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
@@ -236,7 +238,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     # gradient take that place (the compiled SP steps hold those two, not the head's as well).
     sp = bool(layout.sequence_axes)
     heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
-    head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, m.layers) for p in heads)
+    head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, stack) for p in heads)
                                   if s.gathered) * pbytes
     activations = layers * per_layer
     out = {
@@ -250,7 +252,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "activations": activations,
         "transient": max(layer_backward, loss),
         # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
-        "embedding": 2 * sum(split(p, layout, step, m.layers).whole * layout.size(layout.mesh_axes(("vocab",)))
+        "embedding": 2 * sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
                              for p in params if p.is_embedding) * pbytes if sp else 0.0,
         "head": head,
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
@@ -287,7 +289,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     none = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
     cotangents = max(sum(_per_device(r, rows, step, m, layout) for r in peak)
                      for peak in recomputed_backward(m, step.seq_len)) - none
-    chunk = _layers_here(m, layout) / step.repeats
+    chunk = _layers_here(m, layout, step) / step.repeats  # the largest chunk's: every stage keeps room for it
     logits = _per_device(Activation("logits", m.vocab_size, LOGITS), rows, step, m, layout)
     loss = logits * (dtype_bytes(m.dtype) + 12) / dtype_bytes(m.dtype)
     if m.loss_chunk:
@@ -300,7 +302,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    partitioned = layout.stage_partitioned([p.axes for p in params if p.in_layers], m.moe is not None)
+    partitioned = layout.stage_free_axes([p.axes for p in params if p.in_layers], m.moe is not None)
     out["pipeline accumulator"] = 4 * held if partitioned else 0.0
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above

@@ -85,18 +85,46 @@ class Step:
     params_dtype: str = "auto"  # precision.params: the compute copy (auto: model.dtype)
     master_dtype: str = "auto"  # precision.master: the weights the optimizer updates (auto: model.param_dtype)
     reduce_dtype: str = "float32"  # precision.grads_reduce: the accumulator's
+    layers_per_stage: tuple[int, ...] | None = None  # pipeline.layers_per_stage: uneven virtual stages
 
     @classmethod
     def from_config(cls, config: Config, stages: int = 1) -> Step:
         """The step of an experiment; ``stages`` is the resolved size of the ``stage`` mesh axis."""
         pipeline, t, p = config.pipeline, config.train, config.precision
+        split = tuple(pipeline.layers_per_stage) if pipeline.layers_per_stage is not None else None
         return cls(t.global_batch, t.seq_len, t.microbatches, pipeline.microbatches or stages, pipeline.repeats,
-                   pipeline.schedule, p.params, p.master, p.grads_reduce)
+                   pipeline.schedule, p.params, p.master, p.grads_reduce, split)
 
     def copies(self, m: ModelConfig) -> tuple[str, str]:
         """The dtypes of the compute copy and of the master (:mod:`jaxscale.precision`; equal: one copy)."""
         return (m.dtype if self.params_dtype == "auto" else self.params_dtype,
                 m.param_dtype if self.master_dtype == "auto" else self.master_dtype)
+
+
+def stack_layers(m: ModelConfig, step: Step) -> int:
+    """Layers the stacked blocks hold: ``model.layers``, or with uneven stages p·v chunks of the largest one's
+    slots (:mod:`jaxscale.parallel.stage_layers`): held in memory, and computed where a stage masks its slots."""
+    split = step.layers_per_stage
+    return m.layers if split is None else len(split) * max(split)
+
+
+def chunk_layers(m: ModelConfig, step: Step, chunks: int) -> tuple[int, ...]:
+    """The layers of each of the ``chunks`` virtual stages."""
+    return step.layers_per_stage or (m.layers // chunks,) * chunks
+
+
+def stacked(params: Sequence[Param], m: ModelConfig, step: Step) -> list[Param]:
+    """``params`` with the layer stack as the step's uneven stages pad it (unchanged when even or padded)."""
+    unit = m.moe.every_n_layers if m.moe else 1
+    real, slots = m.layers // unit, stack_layers(m, step) // unit
+
+    def one(p: Param) -> Param:
+        if not p.in_layers or p.shape[p.axes.index("layers")] != real:
+            return p
+        i = p.axes.index("layers")
+        return dataclasses.replace(p, shape=(*p.shape[:i], slots, *p.shape[i + 1 :]))
+
+    return [one(p) for p in params]
 
 
 def trainer_inputs(trainer: Any) -> tuple[list[Param], Layout, Step]:

@@ -37,11 +37,12 @@ import yaml
 
 from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
-from jaxscale.analysis.params import Param, Step
+from jaxscale.analysis.params import Param, Step, stacked
 from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml, load_config
 from jaxscale.layout import Layout, Rules
 from jaxscale.parallel.schedules import formula_bubble
+from jaxscale.parallel.stage_layers import lighter_ends
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
@@ -67,6 +68,7 @@ class Strategy:
     repeats: int = 1
     schedule: str = "1f1b"  # pipeline.schedule when stage > 1
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
+    layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
 
     def mesh(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
@@ -106,6 +108,8 @@ class Strategy:
         if self.stage > 1:
             text += f" {self.schedule} m={self.pipeline_microbatches}" + (f" v={self.repeats}" if self.repeats > 1
                                                                           else "")
+            if self.layers_per_stage:
+                text += f" layers {min(self.layers_per_stage)}-{max(self.layers_per_stage)}"
         if self.loss_chunk:
             text += f" loss_chunk={self.loss_chunk}"
         return text
@@ -163,7 +167,8 @@ def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
 def step_for(layout: Strategy, seq_len: int) -> Step:
     rows = layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
     return Step(rows * layout.data * layout.fsdp * layout.expert, seq_len, layout.accumulation,
-                layout.pipeline_microbatches, layout.repeats, layout.schedule)
+                layout.pipeline_microbatches, layout.repeats, layout.schedule,
+                layers_per_stage=layout.layers_per_stage)
 
 
 def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_len: int) -> str | None:
@@ -177,9 +182,6 @@ def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_le
     for name in ("length", "norm_length"):
         if seq_len % place.ways((name,)):
             return f"sequence length {seq_len} not divisible by {place.ways((name,))}"
-    layers = place.ways(("layers",))
-    if m.layers % layers:
-        return f"{m.layers} layers not divisible by {layers} stages"
     return None
 
 
@@ -216,18 +218,34 @@ PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))  # (sc
 MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 
 
-def _pipelines(m: ModelConfig, devices: int, max_stages: int, sequences: int) -> Iterator[tuple[int, int, int, str]]:
-    """(stages, pipeline microbatches, repeats, schedule): GPipe, 1F1B and interleaved 1F1B (v = 2) with
-    m = p, 2p, ... up to 32p and the batch's sequences."""
-    yield 1, 1, 1, "1f1b"
+def stage_split(m: ModelConfig, chunks: int) -> tuple[int, ...] | None:
+    """``pipeline.layers_per_stage`` for ``chunks`` virtual stages: None where the layers split evenly, else the
+    first and last stages lighter (:func:`jaxscale.parallel.stage_layers.lighter_ends`, in whole MoE groups)."""
+    unit = m.moe.every_n_layers if m.moe else 1
+    units = m.layers // unit
+    if units % chunks == 0:
+        return None
+    if units < chunks:
+        return ()  # fewer layers than virtual stages
+    return tuple(n * unit for n in lighter_ends(units, chunks))
+
+
+def _pipelines(
+    m: ModelConfig, devices: int, max_stages: int, sequences: int
+) -> Iterator[tuple[int, int, int, str, tuple[int, ...] | None]]:
+    """(stages, pipeline microbatches, repeats, schedule, layers per virtual stage): GPipe, 1F1B and interleaved
+    1F1B (v = 2) with m = p, 2p, ... up to 32p and the batch's sequences; where the layers do not divide
+    p·v, the first and last virtual stages a layer lighter (:func:`stage_split`)."""
+    yield 1, 1, 1, "1f1b", None
     for p in _divisors(devices):
-        if p == 1 or p > max_stages or m.layers % p:
+        if p == 1 or p > max_stages:
             continue
         mult = 1
         while mult <= MAX_MICROBATCHES and mult * p <= sequences:
             for schedule, v in PIPELINE_SCHEDULES:
-                if m.layers % (v * p) == 0:
-                    yield p, mult * p, v, schedule
+                split = stage_split(m, v * p)
+                if split != ():
+                    yield p, mult * p, v, schedule, split
             mult *= 2
 
 
@@ -240,10 +258,11 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
     sp_options = ((False, False), (True, False), (True, True))  # (sequence parallelism, collective matmuls)
-    for t, (sp, ov), c, e, (p, mb, v, schedule) in itertools.product(
+    for t, (sp, ov), c, e, (p, mb, v, schedule, split) in itertools.product(
         tensors, sp_options, contexts, experts, _pipelines(m, devices, max_stages, sequences)
     ):
-        if (sp and t == 1) or (p > 1 and (sp or c > 1)):  # the pipeline runs neither SP nor CP in a stage
+        # The pipeline runs no SP in a stage, and CP (ring attention) in a stage for a dense model only.
+        if (sp and t == 1) or (p > 1 and (sp or (c > 1 and moe is not None))):
             continue
         if ov and (m.moe is not None or c > 1):  # collective matmuls: dense layers, no ring attention
             continue
@@ -255,7 +274,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             # A stage applies no layer remat (its backward recomputes each chunk once): one policy there.
             remats = ("none",) if p > 1 else REMATS
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
-                yield Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule)
+                yield Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
 
 
 def loss_chunk_for(seq_len: int) -> int:
@@ -322,6 +341,7 @@ def evaluate(m: ModelConfig, params: Sequence[Param], layout: Strategy, seq_len:
     """The prediction for one sized layout: its memory, collectives and step time on ``cluster``."""
     place = place or placement(layout)
     model, step = model_for(m, layout), step_for(layout, seq_len)
+    params = stacked(params, model, step)
     mem = mem or memory(model, params, place, step)
     flows = communication(model, params, place, step)
     return Candidate(layout, mem, summarize_flows(flows), step_time(model, flows, place, step, cluster, params))
@@ -355,7 +375,8 @@ def search(
     for layout in layouts(m, cluster, seq_len, sequences=sequences):
         searched += 1
         place = placement(layout, base)
-        problem = shape_problem(params, place, model_for(m, layout), seq_len)
+        padded = stacked(params, m, step_for(layout, seq_len))  # the layer stack of uneven stages
+        problem = shape_problem(padded, place, model_for(m, layout), seq_len)
         if problem:
             reject(layout, math.inf, problem)
             continue
@@ -371,7 +392,7 @@ def search(
             for chunk in chunks:
                 sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b, loss_chunk=chunk)
                 model, step = model_for(m, sized), step_for(sized, seq_len)
-                mem = memory(model, params, place, step)
+                mem = memory(model, padded, place, step)
                 if mem["total"] <= cluster.budget:
                     found.append(evaluate(m, params, sized, seq_len, cluster, place, mem))
                     fitted = True
@@ -567,6 +588,8 @@ def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path
             "repeats": layout.repeats,
             "schedule": layout.schedule,
         }
+        if layout.layers_per_stage:
+            out["pipeline"]["layers_per_stage"] = list(layout.layers_per_stage)
     return out
 
 

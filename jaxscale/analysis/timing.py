@@ -8,9 +8,11 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
   the axes that shard it), forward once and backward twice, at ``peak_flops`` times the
   efficiency the cluster's ``matmul_efficiency`` table gives for a cube of as many FLOPs
   (side (M·N·K)^(1/3); interpolated in log2, clamped at the ends);
-* **attention** (causal scores and values) at the ``attention_efficiency`` of the sequence
-  block a device holds (``s / context``); dot-product attention also writes and reads its
-  s x s scores at the memory bandwidth;
+* **attention** (causal scores and values): a fused kernel (``cudnn``, ``blockwise``, ``ring``)
+  at the ``attention_efficiency`` of the sequence block a device holds (``s / context``);
+  XLA's ``dot`` attention computes the whole s x s scores (twice the causal FLOPs) as batched
+  matmuls, at the ``matmul_efficiency`` of a layer's batch of them, and writes and reads its
+  scores at the memory bandwidth;
 * **memory-bound work** at ``memory_bandwidth``: norms, residual adds, RoPE and SwiGLU's
   elementwise product (forward, backward twice), the cross-entropy's logits, the weights'
   cast to the compute dtype, the gradient accumulator and the optimizer update; under
@@ -53,6 +55,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from jaxscale.analysis.communication import Flow
@@ -291,7 +294,12 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
     head = passes * matmul_seconds(cluster, r, micro / r, m.vocab_size / t_v, m.embed)
     attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * m.head_dim * layers  # causal: half of QK and PV
-    fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
+    fused = m.attention in ("blockwise", "ring", "cudnn")
+    if fused:
+        fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
+    else:  # the whole square, a microbatch's heads batched: the efficiency of a cube of as many FLOPs
+        side = (micro * s_block * m.heads / t_q * m.head_dim) ** (1 / 3)
+        fwd_attn = 2 * attn_flops / (cluster.peak_flops * cluster.matmul_eff(side))
     # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
     # write), RoPE on q and k (read, write), SwiGLU's silu·product (2 reads, 1 write).
     elems = (10 * m.embed) / sp + 2 * (m.heads / t_q + m.kv_heads / layout.ways(("kv_heads",))) * m.head_dim
@@ -300,7 +308,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     cm_layer, cm_head = collective_matmul_elements(m, layout)
     cm_layers = tokens * layers * cm_layer * cbytes  # forward; the backward's transposes as much again
     fwd_cm = cm_layers + tokens * cm_head * cbytes
-    if m.attention not in ("blockwise", "ring", "cudnn"):  # s x s fp32 scores written and read 4 times
+    if not fused:  # s x s fp32 scores written and read 4 times
         fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
     update = weights = 0.0
@@ -343,20 +351,28 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     }
 
 
-def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: bool) -> float:
+def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: bool,
+                  chunks: Sequence[int] | None = None) -> float:
     """Seconds of one pass of the pipeline loop (:mod:`jaxscale.parallel.schedules`): each tick as long as
     its busiest stage's slots.
 
     A forward slot runs a chunk forward, a backward slot recomputes it and runs its backward; the
     last virtual stage's backward runs the head and loss too, the first's the embedding gradient.
     ``masked`` (a stage with mesh axes left to the partitioner): every slot is computed every tick,
-    the head and embedding branches on every stage in the ticks where one needs them.
+    the head and embedding branches on every stage in the ticks where one needs them. ``chunks``: the
+    layers of each virtual stage where they differ (``comp``'s chunk is the average one): a slot skips
+    its chunk's unused layer slots, or computes them all (as many as the largest chunk's) when masked.
     """
     f, b, head, embed = (comp[k] for k in ("chunk_forward", "chunk_backward", "head", "embedding_gradient"))
     fk, bk = table.f_kind, table.b_kind
+    sizes = np.asarray(chunks if chunks is not None else [1] * (table.p * table.v), float)
+    sizes /= sizes.mean()
     if masked:
-        return float((f + b + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
-    busy = f * (fk > IDLE) + b * (bk > IDLE) + head * (bk == LAST) + embed * (bk == FIRST)
+        top = sizes.max()
+        return float((top * (f + b) + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
+    stage = np.arange(table.p)
+    f_size, b_size = (sizes[np.maximum(chunk, 0) * table.p + stage] for chunk in (table.f_chunk, table.b_chunk))
+    busy = f * f_size * (fk > IDLE) + b * b_size * (bk > IDLE) + head * (bk == LAST) + embed * (bk == FIRST)
     return float(busy.max(axis=1).sum())
 
 
@@ -424,7 +440,8 @@ def step_time(
     if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
         blocks = [p.axes for p in params or () if p.in_layers]
         loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp,
-                                                 layout.stage_partitioned(blocks, m.moe is not None))
+                                                 layout.stage_partitioned(blocks, m.moe is not None),
+                                                 step.layers_per_stage)
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
     gather_scale = dtype_bytes(m.dtype) / dtype_bytes(m.param_dtype)
     exposed: dict[str, float] = {}

@@ -45,7 +45,7 @@ from jaxscale.models.attention import attention
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
-from jaxscale.parallel import sequence
+from jaxscale.parallel import sequence, stage_layers
 from jaxscale.sharding import active, constrain
 
 
@@ -306,7 +306,7 @@ class Llama(nnx.Module):
         self.grads = precision.weight_grads(config)
         self.embedding = param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
-        steps = c.layers // c.moe.every_n_layers if c.moe else c.layers
+        steps = stage_layers.stack_size(config)  # uneven pipeline stages: padded slots
 
         @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

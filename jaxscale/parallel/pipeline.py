@@ -3,9 +3,14 @@
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the data-parallel axes that shard no block parameter). Stage s stores layers
-``[s·L/p, (s+1)·L/p)``; with v chunks per stage (``pipeline.repeats``) it runs layer groups
-``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring.
+model, over the data-parallel axes that shard no block parameter and the context axes, whose ring
+attention then runs its per-device kernel inside the loop,
+:func:`~jaxscale.parallel.ring_attention.manual_ring`). Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
+with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
+*virtual stages* a microbatch visits in turn round the ring. With ``pipeline.layers_per_stage`` the
+virtual stages differ in size: each is a chunk of as many slots as the largest, its unused slots the
+identity (:mod:`jaxscale.parallel.stage_layers`); a tick then lasts as long as the largest chunk,
+whose slots every stage keeps room for.
 
 **The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data): the batch is cut into m
 microbatches (``pipeline.microbatches``; row r of microbatch i is row r·m + i, so no device changes
@@ -31,9 +36,10 @@ inside a stage (:func:`~jaxscale.models.llama.recomputed`), so no layer is recom
 collective-permute of 2 messages per tick (forward and backward), 2·ticks·b·s·h bytes in all,
 where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an SPMD loop must);
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
-``stage`` and, for the manual data axes, the block gradients over those axes. Nothing else crosses
-``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other axes
-stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts).
+``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
+crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
+axes stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts); the ring's
+key/value blocks travel over ``context`` in every layer.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
@@ -61,7 +67,7 @@ from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.llama import recomputed
 from jaxscale.models.params import logical_axes
-from jaxscale.parallel import schedules
+from jaxscale.parallel import ring_attention, schedules, stage_layers
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
 
@@ -95,9 +101,12 @@ def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
         raise ConfigError(str(e)) from None
 
 
-def _check(p: int, m: int, v: int, layers: int, tokens: jax.Array) -> None:
-    if layers % (p * v):
-        raise ConfigError(f"model.layers ({layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats ({v})")
+def _check(p: int, m: int, v: int, layers: int, tokens: jax.Array, uneven: bool) -> None:
+    if layers % (p * v) and not uneven:
+        raise ConfigError(
+            f"model.layers ({layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats ({v}); "
+            "pipeline.layers_per_stage splits them unevenly"
+        )
     rows = tokens.shape[0]
     if rows % m:
         raise ConfigError(
@@ -144,9 +153,11 @@ def objective(
     block_graph, block_state = nnx.split(model.blocks)
     params = nnx.to_pure_dict(block_state)
     axes = logical_axes(block_state)
-    layers = jax.tree.leaves(params)[0].shape[0]
+    layers = jax.tree.leaves(params)[0].shape[0]  # stacked slots (padded with uneven stages)
     tokens = batch["inputs"]
-    _check(p, m, v, layers, tokens)
+    _check(p, m, v, layers, tokens, config.layers_per_stage is not None)
+    counts = stage_layers.counts(config, c, p)  # units of each virtual stage
+    uneven = len(set(counts)) > 1
     rules = place.rules
 
     def by_repeat(w: jax.Array, w_axes: tuple) -> jax.Array:
@@ -160,7 +171,11 @@ def objective(
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
     block_axes = jax.tree.leaves(axes, is_leaf=is_axes)
     manual = place.stage_manual_axes(block_axes, c.moe is not None)
-    data = manual[1:]
+    # Context axes are manual too (a dense model): each device holds its blocks of every sequence, ring
+    # attention passes keys and values round them inside the stage, and the loss and gradients are sums
+    # over them as over the manual data axes.
+    context = tuple(a for a in manual if a in place.stage_context_axes)
+    data, summed = tuple(a for a in manual[1:] if a not in context), manual[1:]
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     # A slot that has nothing to do is skipped by a conditional when no mesh axis is left to the
     # partitioner inside a stage. Otherwise it computes on zeros and its results are masked: XLA's
@@ -170,7 +185,7 @@ def objective(
     # ticks, then runs in a conditional whose predicate comes from the tick's row of the table: the
     # same on every stage, so every stage runs it in those ticks and keeps it only where it belongs.
     skip = not place.stage_partitioned(block_axes, c.moe is not None)
-    steps = layers  # stacked units: blocks, or groups of blocks with one MoE layer each
+    steps = sum(counts)  # stacked units: blocks, or groups of blocks with one MoE layer each
     tokens_total = tokens.size
 
     def split(x: jax.Array) -> jax.Array:
@@ -194,21 +209,35 @@ def objective(
         metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
         return _vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
 
-    def chunk_forward(pc: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
-        """A chunk of layers: output, the input of every layer, the aux objective's share, the summed metrics."""
+    def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
+        """A layer slot of a chunk: the layer where ``real``, else the identity (uneven stages' unused slots:
+        skipped by a conditional where idle slots are, else computed and masked; zero gradient either way)."""
+        if not uneven:
+            return layer(lp, h, pos)
+        met = {k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}
+        passed = _vary((h, jnp.zeros((), jnp.float32), met), manual)
+        if skip:
+            return lax.cond(real, lambda: layer(lp, h, pos), lambda: passed)
+        return jax.tree.map(lambda o, z: jnp.where(real, o, z), layer(lp, h, pos), passed)
 
-        def step_(h: jax.Array, lp: Any) -> tuple[jax.Array, tuple]:
-            y, obj, met = layer(lp, h, pos)
+    def chunk_forward(
+        pc: Any, h: jax.Array, pos: jax.Array, n: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array, dict]:
+        """A chunk of n layers in its slots: output, the input of every slot, the aux objective's share, the
+        summed metrics."""
+
+        def step_(h: jax.Array, lk: tuple) -> tuple[jax.Array, tuple]:
+            y, obj, met = slot(lk[0], h, pos, lk[1] < n)
             return y, (h, obj, met)
 
-        y, (inputs, obj, met) = lax.scan(step_, h, pc)
+        y, (inputs, obj, met) = lax.scan(step_, h, (pc, jnp.arange(layers // (p * v))))
         return y, inputs, jnp.sum(obj), jax.tree.map(jnp.sum, met)
 
     def loss_of(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
         return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
-        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed():
+        with use_rules(jax.sharding.get_abstract_mesh(), inner), recomputed(), ring_attention.manual_ring(context):
             # Embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
             # partition their lookup or scatter against FSDP shards inside the partly manual region.
             outer = jax.tree.map(
@@ -225,6 +254,10 @@ def objective(
 
         def take(pc_all: Any, chunk_: jax.Array) -> Any:
             return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, chunk_, keepdims=False), pc_all)
+
+        def count(chunk_: jax.Array) -> jax.Array:
+            """The layers (stacked units) of this stage's chunk ``chunk_``: of virtual stage chunk_·p + stage."""
+            return jnp.asarray(counts)[jnp.clip(chunk_ * p + stage, 0, p * v - 1)]
 
         def when(pred: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
             """``f()`` where ``pred``, else ``zeros``: skipped by a conditional, or computed and masked."""
@@ -275,7 +308,7 @@ def objective(
             pc, pos = take(params, ch), xs["positions"][i]
 
             def run() -> tuple:
-                y, inputs, obj, met = chunk_forward(pc, stage_input(kind == FIRST, i, src, acts), pos)
+                y, inputs, obj, met = chunk_forward(pc, stage_input(kind == FIRST, i, src, acts), pos, count(ch))
                 if not step.train:  # evaluation: the loss on the last virtual stage
                     loss = head(
                         kind == LAST, anywhere, lambda: loss_of(outer, y, xs["targets"][i]), jnp.zeros((), jnp.float32)
@@ -292,7 +325,7 @@ def objective(
             """Each layer of the chunk recomputed from its kept input and differentiated, last layer first
             (on the last virtual stage its output's gradient comes from the head and loss); each layer's
             gradient is added to ``acc`` as it comes (an idle slot's cotangents are zero: it adds zeros)."""
-            pc, pos, on = take(params, ch), xs["positions"][i], kind > IDLE
+            pc, pos, on, n = take(params, ch), xs["positions"][i], kind > IDLE, count(ch)
             cot = on.astype(jnp.float32)  # the aux objective's cotangent: 0 in a masked slot
 
             def add(acc: Any, k: jax.Array, d_lp: Any) -> Any:
@@ -310,7 +343,7 @@ def objective(
 
                 def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
                     dx, acc, acc_outer, loss = carry
-                    (y, obj, met), pull = jax.vjp(lambda lp, x: layer(lp, x, pos), take(pc, k), inputs[k])
+                    (y, obj, met), pull = jax.vjp(lambda lp, x: slot(lp, x, pos, k < n), take(pc, k), inputs[k])
                     # The top layer's output gradient: the head's on the last virtual stage, else the next's.
                     head_loss, dy_head, acc_outer = head_grad(
                         (kind == LAST) & (k == top), anywhere & (k == top), y, xs["targets"][i], acc_outer
@@ -366,14 +399,15 @@ def objective(
         cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}
         (_, _, acc, acc_outer, loss, metrics), _ = lax.scan(tick, init, cols)
         metrics = jax.tree.map(lambda a: a / (steps * m), metrics)
+        if summed:
+            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), summed)
         if data:
-            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), data)
             metrics = jax.tree.map(lambda a: lax.psum(a, data) / place.size(data), metrics)
         loss, metrics = lax.psum((loss, metrics), AXIS)
         return (loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)) if step.train else (loss, metrics)
 
     param_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), params)
-    batch_spec = PartitionSpec(None, data or None)
+    batch_spec = PartitionSpec(None, data or None, context or None)
     xs_specs = dict.fromkeys(micro, batch_spec)
 
     def run(step: Table, outer: Any, params: Any, xs: dict[str, jax.Array]) -> tuple[Any, ...]:

@@ -37,12 +37,20 @@ RoPE sees the true positions.
 
 With a ring of one device the same kernel is blockwise (flash) attention on
 one device: ``model.attention: blockwise``.
+
+Inside a ``shard_map`` that is already manual over the ring's axes (a pipeline stage's loop,
+:func:`manual_ring`) the kernel runs directly on each device's blocks: a ``shard_map`` of its own
+nested in that partly manual loop does not lower (Shardy: "manual axes must come before free
+axes" for its residuals, whose leading dimension spans the loop's free axes, e.g. fsdp).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
+from collections.abc import Iterator
 from functools import partial
 
 import jax
@@ -56,6 +64,20 @@ from jaxscale.sharding import Axes, active, spec, spec_axes
 SKIP, DIAGONAL, FULL = 0, 1, 2
 LAYOUTS = ("zigzag", "contiguous")
 _NEG = float(np.finfo(np.float32).min)
+_MANUAL: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("jaxscale_ring_manual", default=None)
+
+
+@contextlib.contextmanager
+def manual_ring(axes: tuple[str, ...]) -> Iterator[None]:
+    """Within this block the caller is a ``shard_map`` already manual over the ring's mesh axes ``axes``
+    (possibly none: the sequence is whole on each device): :func:`attention` runs its per-device kernel
+    directly, no ``shard_map`` of its own, and leaves the other axes (heads on ``tensor``) to the partitioner.
+    A pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`) is such a caller."""
+    token = _MANUAL.set(axes)
+    try:
+        yield
+    finally:
+        _MANUAL.reset(token)
 
 
 def chunk_layout(cp: int, layout: str = "zigzag") -> np.ndarray:
@@ -332,7 +354,9 @@ def attention(
     sequence must be in :func:`sequence_order` when causal). Without ``ring``,
     or outside ``use_rules``, it is blockwise attention over the whole sequence.
     """
-    current = active()
+    current, manual = active(), _MANUAL.get()
+    if manual is not None:
+        return _in_manual(q, k, v, manual, causal=causal, block=block, ring=ring, layout=layout)
     if current is None:
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
     mesh, place = current
@@ -345,3 +369,21 @@ def attention(
     plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
     fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
     return fn(q, k, v)
+
+
+def _in_manual(
+    q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], *, causal: bool, block: int, ring: bool,
+    layout: str,
+) -> jax.Array:
+    """:func:`attention` inside a ``shard_map`` manual over the ring's ``axes``: each device's blocks
+    are its own already (the sequence in :func:`sequence_order` when causal)."""
+    if axes and not ring:
+        raise ValueError(f"the sequence is split over the manual mesh axes {axes}: only ring attention sees all of it")
+    mesh = jax.sharding.get_abstract_mesh()
+    if not set(axes) <= set(mesh.manual_axes):
+        raise ValueError(f"ring attention over {axes}: not manual axes of the enclosing shard_map {mesh.manual_axes}")
+    cp = math.prod(mesh.shape[a] for a in axes)
+    seq_len = q.shape[1] * cp
+    varying = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))))
+    plan = _plan(seq_len, cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
+    return _local(plan, q, k, v)

@@ -1,0 +1,139 @@
+"""Uneven pipeline stages (``pipeline.layers_per_stage``): equal to one device; the padded stack; errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import RTOL, assert_trees_close, fails_early, tiny_config
+
+from jaxscale.checkpoint import check_compatible, init_state_from
+from jaxscale.config import ConfigError
+from jaxscale.parallel import stage_layers
+from jaxscale.train import Trainer
+
+# Seven layers: no even split over 2 stages, nor over 2 stages x 2 chunks.
+BASE = ("train.global_batch=32", "model.layers=7")
+
+
+def pipe(schedule: str, m: int, v: int, counts: list[int]) -> list[str]:
+    return [f"pipeline.microbatches={m}", f"pipeline.repeats={v}", f"pipeline.schedule={schedule}",
+            f"pipeline.layers_per_stage={counts}"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fast_codegen():
+    """LLVM's expensive passes off for this module's compilations, as in test_pipeline.py."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """One device, seven layers, no pipeline: initial parameters, a batch (host copies), loss and gradients."""
+    trainer = Trainer.build(tiny_config(*BASE), jax.devices()[:1])
+    params = trainer.init_state().params
+    batch = jax.device_get(trainer.batch(0))
+    loss, grads = trainer.loss_and_grads(params, trainer.batch(0))
+    return jax.device_get(params), batch, float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize(
+    "schedule, m, v, counts, rules, mesh, evaluate",
+    [
+        # Skipped slots (a conditional): stage 0 runs 3 layers in 4 slots.
+        ("1f1b", 4, 1, [3, 4], "pp", {"stage": 2, "data": 4}, False),
+        # Interleaved, the first virtual stage lighter: chunks of 2 slots, chunk 0 of stage 0 uses one.
+        ("interleaved_1f1b", 4, 2, [1, 2, 2, 2], "pp", {"stage": 2, "data": 4}, True),
+        # FSDP and TP inside a stage: the unused slot is computed and masked.
+        ("1f1b", 4, 1, [4, 3], "pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, False),
+    ],
+)
+def test_uneven_stages_match_single_device(schedule, m, v, counts, rules, mesh, evaluate, reference):
+    """Loss and every real layer's gradient as one device; the unused slots' gradients exactly zero; the
+    evaluation loss (the forward table) too."""
+    params, batch, ref_loss, ref_grads = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v, counts), rules=rules, mesh=mesh))
+    units = tuple(counts)
+    assert jax.tree.leaves(trainer.abstract_params["blocks"])[0].shape[0] == len(counts) * max(counts)
+    unused = np.setdiff1d(np.arange(len(counts) * max(counts)), stage_layers.slots(units))
+    # Unused slots hold layer 0's weights: a block of zero weights would be the identity anyway.
+    padded = {**params, "blocks": jax.tree.map(lambda w: _fill(w, unused), stage_layers.pad(params["blocks"], units))}
+    placed = jax.device_put(padded, trainer.param_shardings())
+    batch = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
+    loss, grads = trainer.loss_and_grads(placed, batch)
+    assert abs(float(loss) - ref_loss) <= RTOL * abs(ref_loss)
+    if evaluate:
+        assert abs(float(trainer.jit_eval_loss(placed, batch)) - ref_loss) <= RTOL * abs(ref_loss)
+    grads = jax.device_get(grads)
+    assert_trees_close({**grads, "blocks": stage_layers.unpad(grads["blocks"], units)}, ref_grads)
+    assert unused.size and all(not np.asarray(g)[unused].any() for g in jax.tree.leaves(grads["blocks"]))
+
+
+def _fill(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``w`` with slot 0's values in ``rows``."""
+    w = w.copy()
+    w[rows] = w[0]
+    return w
+
+
+def test_pad_and_unpad_are_inverse():
+    stacked = {"w": np.arange(7 * 3, dtype=np.float32).reshape(7, 3)}
+    padded = stage_layers.pad(stacked, (1, 2, 2, 2))
+    assert padded["w"].shape == (8, 3) and not padded["w"][1].any()
+    np.testing.assert_array_equal(stage_layers.unpad(padded, (1, 2, 2, 2))["w"], stacked["w"])
+
+
+@pytest.mark.parametrize(
+    "overrides, mesh, match",
+    [
+        (["pipeline.layers_per_stage=[3, 3]"], {"stage": 2, "data": 4},
+         r"^pipeline\.layers_per_stage \[3, 3\]: sums to 6, not model\.layers \(7\)$"),
+        (["pipeline.layers_per_stage=[7, 0]"], {"stage": 2, "data": 4},
+         r"^pipeline\.layers_per_stage \[7, 0\]: every virtual stage needs at least one layer$"),
+        (["pipeline.layers_per_stage=[8, -1]"], {"stage": 2, "data": 4},
+         r"^pipeline\.layers_per_stage \[8, -1\]: every virtual stage needs at least one layer$"),
+        (["pipeline.layers_per_stage=[1, 2, 4]"], {"stage": 2, "data": 4},
+         r"^pipeline\.layers_per_stage has 3 entries; it needs one per virtual stage, mesh\.stage \(2\) x "
+         r"pipeline\.repeats \(1\) = 2$"),
+    ],
+)
+def test_bad_lists_fail_in_the_config(overrides, mesh, match):
+    with fails_early(match):
+        tiny_config(*BASE, *overrides, rules="pp", mesh=mesh)
+
+
+@pytest.mark.parametrize(
+    "overrides, rules, mesh, match",
+    [
+        # mesh.stage=-1: the length is checked against the resolved mesh.
+        (["pipeline.layers_per_stage=[1, 2, 4]"], "pp", {"data": 2, "stage": -1},
+         r"^pipeline\.layers_per_stage has 3 entries; it needs one per virtual stage, mesh\.stage \(4\)"),
+        # No pipeline: the rules leave the layers whole.
+        (["pipeline.layers_per_stage=[3, 4]"], "dp", {"data": 4, "stage": 2},
+         r"^pipeline\.layers_per_stage: rules 'dp' on this mesh run no pipeline"),
+    ],
+)
+def test_bad_lists_fail_before_compiling(overrides, rules, mesh, match):
+    Trainer.build(tiny_config("pipeline.microbatches=2", rules="pp", mesh={"stage": 2, "data": 4}))  # warm
+    config = tiny_config(*BASE, *overrides, rules=rules, mesh=mesh)
+    with fails_early(match):
+        Trainer.build(config)
+
+
+def test_resume_needs_the_same_split():
+    """[3, 4] and [4, 3] both pad to 8 slots: restoring one into the other would move layers silently."""
+    config = tiny_config(*BASE, "pipeline.layers_per_stage=[3, 4]", rules="pp", mesh={"stage": 2, "data": 4})
+    saved = tiny_config(*BASE, "pipeline.layers_per_stage=[4, 3]", rules="pp", mesh={"stage": 2, "data": 4})
+    check_compatible(config.to_dict(), config, 5)
+    with pytest.raises(ConfigError, match=r"^resume: checkpoint step 5 has pipeline\.layers_per_stage=\[4, 3\]"):
+        check_compatible(saved.to_dict(), config, 5)
+
+
+def test_init_from_a_model_into_padded_slots_is_refused(tmp_path):
+    trainer = Trainer.build(tiny_config(*BASE, "pipeline.microbatches=2", "pipeline.layers_per_stage=[3, 4]",
+                                        rules="pp", mesh={"stage": 2, "data": 4}))
+    with pytest.raises(ConfigError, match=r"^checkpoint\.init_from with pipeline\.layers_per_stage is not supported"):
+        init_state_from(trainer, tmp_path)
