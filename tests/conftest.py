@@ -1,4 +1,4 @@
-"""Eight simulated CPU devices for every test, set before jax is imported; the session's fixtures."""
+"""Eight simulated CPU devices and fast compiles for every test, set before jax is imported; the session's fixtures."""
 
 import os
 
@@ -7,13 +7,21 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# LLVM's expensive passes off, here and in the jaxscale processes tests start (they inherit the environment):
+# compiles take about half the CPU time; the optimised HLO (partitioning, collectives, buffers) is the same,
+# and every result is checked against a run compiled the same way. tests/test_calibrate.py, which times
+# steps, turns them back on where it times. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimised.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from helpers import Run, Trainers, run_steps  # noqa: E402  (after the devices are set up)
+# After the devices are set up:
+from helpers import CURVE, CURVE_STEPS, Curve, Run, Trainers, loss_curve, run_steps, tiny_config  # noqa: E402
+
+from jaxscale.train import Trainer  # noqa: E402
 
 
 @pytest.fixture
@@ -31,3 +39,17 @@ def trainers() -> Trainers:
 def one_device(trainers) -> Run:
     """The test model (rules dp) on one device, two steps: the run every layout must reproduce."""
     return run_steps(*trainers.step(devices=1))
+
+
+@pytest.fixture(scope="session")
+def curve_batches() -> list:
+    """The batches of the loss curves (:data:`helpers.CURVE`), on one device."""
+    trainer = Trainer.build(tiny_config(*CURVE), jax.devices()[:1])
+    return [trainer.batch(k) for k in range(CURVE_STEPS)]
+
+
+@pytest.fixture(scope="session")
+def bf16_curve(curve_batches) -> Curve:
+    """The test model's bf16 curve (compute copy and fp32 master, no fp8): what test_fp8 and test_precision
+    hold their variants to."""
+    return loss_curve(batches=curve_batches)

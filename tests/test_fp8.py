@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import loss_curve, tiny_config
 
 from jaxscale import fp8
 from jaxscale.config import ConfigError
@@ -99,7 +99,7 @@ def test_fp8_state_is_replicated_and_not_optimized(trainers):
 
 # -- 200 steps of the tiny model: fp8 follows bf16 --------------------------------------------
 
-STEPS, WINDOW = 200, 20
+WINDOW = 20
 # Measured: the bf16 loss falls from 5.55 to 2.36 (20-step mean 2.36); the 20-step means of fp8 stay
 # within 0.020 (delayed) and 0.019 (current) of it, single steps within 0.07.
 SMOOTHED_TOL = 0.05
@@ -109,31 +109,15 @@ def smooth(losses: np.ndarray) -> np.ndarray:
     return np.convolve(losses, np.ones(WINDOW) / WINDOW, mode="valid")
 
 
-@pytest.fixture(scope="module")
-def curves():
-    """Per-step losses of 200 steps in bf16 and with fp8 (delayed, current), on the same batches."""
-    out, batches = {}, None
-    for mode in ("off", "delayed", "current"):
-        settings = (f"train.steps={STEPS}", "train.learning_rate=0.003", "train.warmup_steps=10")
-        config = tiny_config(f"precision.fp8={mode}", "model.dtype=bfloat16", *settings)
-        trainer = Trainer.build(config, jax.devices()[:1])
-        batches = batches or [trainer.batch(k) for k in range(STEPS)]
-        state, losses = trainer.init_state(), []
-        for batch in batches:
-            state, metrics = trainer.step(state, batch)
-            losses.append(metrics["loss"])
-        out[mode] = np.asarray(jax.device_get(losses), np.float64)
-        out[mode + "_state"] = state.fp8
-    return out
-
-
 @pytest.mark.parametrize("mode", ["delayed", "current"])
-def test_fp8_follows_bf16_loss_curve(mode, curves):
-    bf16, low = curves["off"], curves[mode]
+def test_fp8_follows_bf16_loss_curve(mode, bf16_curve, curve_batches):
+    """200 steps with fp8 (delayed or current scaling) against the same steps in bf16 (conftest.py's
+    ``bf16_curve``), on the same batches."""
+    bf16, (low, fp8_state) = bf16_curve.losses, loss_curve(f"precision.fp8={mode}", batches=curve_batches)
     assert bf16[0] - smooth(bf16)[-1] > 2.0  # it learns
     assert not np.array_equal(low, bf16)  # fp8 changes the numerics
     gap = np.abs(smooth(low) - smooth(bf16))
     assert gap.max() <= SMOOTHED_TOL, f"{mode}: smoothed loss {gap.max():.3f} from bf16 at step {gap.argmax()}"
     # The histories hold the amaxes of the last steps: nonzero, finite.
-    for h in jax.tree.leaves(curves[mode + "_state"]):
+    for h in jax.tree.leaves(fp8_state.fp8):
         assert np.all(np.isfinite(h)) and np.all(np.asarray(h) > 0)

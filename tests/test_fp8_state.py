@@ -2,7 +2,8 @@
 
 import jax
 import numpy as np
-from helpers import assert_trees_close, tiny_config
+import pytest
+from helpers import assert_trees_close, optimized_codegen, tiny_config
 
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.loop import fit
@@ -19,6 +20,15 @@ RTOL = 1e-5
 PARAM_RTOL = 3e-2
 
 
+@pytest.fixture
+def optimized():
+    """Compiled as jaxscale compiles (tests/conftest.py turns LLVM's passes off): without them the sharded
+    step's fp32 values land on other sides of fp8 rounding boundaries, and the second step's amax histories
+    differ from one device's by 2e-3."""
+    with optimized_codegen():
+        yield
+
+
 def run(config, devices=None, steps: int = 2):
     """The loss of the first step (at the initial parameters, fresh fp8 state) and the state after ``steps``."""
     trainer = Trainer.build(config, devices)
@@ -29,7 +39,7 @@ def run(config, devices=None, steps: int = 2):
     return losses[0], jax.device_get(state)
 
 
-def test_fp8_layout_matches_single_device():
+def test_fp8_layout_matches_single_device(optimized):
     ref_loss, ref_state = run(tiny_config("precision.fp8=current"), jax.devices()[:1])
     loss, state = run(tiny_config("precision.fp8=current", rules="fsdp_tp_sp", mesh=MESH))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)

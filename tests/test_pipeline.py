@@ -28,16 +28,6 @@ def pipe(schedule: str, m: int, v: int = 1) -> list[str]:
     return [f"pipeline.microbatches={m}", f"pipeline.repeats={v}", f"pipeline.schedule={schedule}"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_codegen():
-    """LLVM's expensive passes off for this module's compilations: halves compile time; the HLO (partitioning,
-    collectives) is unchanged and every result is still checked against one device."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """One device, no pipeline: the initial state and two batches (host copies), loss and gradients, two steps."""

@@ -21,15 +21,6 @@ def pipe(schedule: str, m: int, v: int, counts: list[int]) -> list[str]:
             f"pipeline.layers_per_stage={counts}"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_codegen():
-    """LLVM's expensive passes off for this module's compilations, as in test_pipeline.py."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
-
-
 @pytest.fixture(scope="module")
 def reference():
     """One device, seven layers, no pipeline: initial parameters, a batch (host copies), loss and gradients."""

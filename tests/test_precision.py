@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import loss_curve, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import precision
@@ -184,24 +184,17 @@ def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
         one_copy.fit(progress=False)
 
 
-STEPS, WINDOW, SMOOTHED_TOL = 200, 20, 0.05
+WINDOW, SMOOTHED_TOL = 20, 0.05
 
 
 @pytest.mark.slow
-def test_two_copies_follow_the_one_copy_bf16_curve():
-    """200 steps of the tiny model in bf16: the bf16 compute copy with an fp32 master stays within 0.05 nats
-    (20-step means) of one fp32 copy cast to bf16 in the model (how jaxscale kept bf16 training before the
-    policy). Measured: 0.007 apart; and 0.010 from the curve of the code before the policy and the lean
-    norm and SwiGLU (20-step mean 2.364 at step 200, against 2.370 now)."""
-    curves = {}
-    for params in ("auto", "float32"):
-        settings = (f"train.steps={STEPS}", "train.learning_rate=0.003", "train.warmup_steps=10")
-        trainer = Trainer.build(tiny_config(BF16, f"precision.params={params}", *settings), jax.devices()[:1])
-        state, losses = trainer.init_state(), []
-        for k in range(STEPS):
-            state, metrics = trainer.step(state, trainer.batch(k))
-            losses.append(metrics["loss"])
-        curves[params] = np.asarray(jax.device_get(losses), np.float64)
+def test_two_copies_follow_the_one_copy_bf16_curve(bf16_curve, curve_batches):
+    """200 steps of the tiny model in bf16: the bf16 compute copy with an fp32 master (conftest.py's
+    ``bf16_curve``) stays within 0.05 nats (20-step means) of one fp32 copy cast to bf16 in the model (how
+    jaxscale kept bf16 training before the policy). Measured: 0.007 apart; and 0.010 from the curve of the
+    code before the policy and the lean norm and SwiGLU (20-step mean 2.364 at step 200, against 2.370 now)."""
+    one_copy = loss_curve("precision.params=float32", batches=curve_batches)
+    curves = {"auto": bf16_curve.losses, "float32": one_copy.losses}
 
     def smooth(x: np.ndarray) -> np.ndarray:
         return np.convolve(x, np.ones(WINDOW) / WINDOW, mode="valid")
