@@ -79,11 +79,15 @@ def _best(fn: Callable[[], Any], rounds: int = 3) -> float:
 def _everywhere(mesh: Mesh, axis: str, body: Callable[[jax.Array], jax.Array], local: tuple[int, ...],
                 dtype: Any, repeats: int, unroll: bool = True) -> float:
     """Seconds per iteration of ``body`` run on each device's own ``local`` array of normally distributed data;
-    ``unroll`` writes the iterations out (elementwise bodies must not: XLA would fuse them). On an accelerator
-    the figure is the difference between ``2·repeats`` and ``repeats`` iterations, so that a call's fixed cost
-    (dispatch, launch, the wait for the result: tens of microseconds) does not count against a small body."""
+    ``unroll`` writes the iterations out on an accelerator, where a loop's iteration costs a host round trip
+    (elementwise bodies must not: XLA would fuse them; on a CPU the loop costs next to nothing and unrolling
+    only lengthens compilation). On an accelerator the figure is the difference between ``2·repeats`` and
+    ``repeats`` iterations, so that a call's fixed cost (dispatch, launch, the wait for the result: tens of
+    microseconds) does not count against a small body."""
     n = mesh.shape[axis]
     spec = PartitionSpec(axis)
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    unroll = unroll and not cpu
 
     def timed(count: int) -> float:
         @jax.jit
@@ -95,7 +99,7 @@ def _everywhere(mesh: Mesh, axis: str, body: Callable[[jax.Array], jax.Array], l
 
     data = jax.random.normal(jax.random.key(0), (n * local[0], *local[1:]), jnp.float32).astype(dtype)
     x = jax.device_put(data, jax.NamedSharding(mesh, spec))
-    if mesh.devices.flat[0].platform == "cpu":
+    if cpu:
         return timed(repeats) / repeats
     return max(timed(2 * repeats) - timed(repeats), 1e-12) / repeats
 
