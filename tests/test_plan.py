@@ -103,10 +103,15 @@ def test_more_memory_buys_larger_micro_batches(llama8b, plan_8b):
     assert all(big >= small for small, big in pairs) and any(big > small for small, big in pairs)
 
 
-def test_plan_70b_on_64_gpus_keeps_tensor_parallelism_in_a_node():
-    config = load_config(None, ["model=llama3-70b"])
-    cluster = load_cluster("h100", ["nodes=8"])
-    result = plan.search(config.model, param_table(config), cluster, TOKENS_4M, 8192)
+@pytest.fixture(scope="module")
+def plan70b():
+    """Llama 3 70B (flash attention) on 8 nodes of 8 H100s, 4M tokens of 8192: the whole ranked search, once."""
+    model, params = _llama("llama3-70b")
+    return plan.search(model, params, load_cluster("h100", ["nodes=8"]), TOKENS_4M, 8192, top=0)
+
+
+def test_plan_70b_on_64_gpus_keeps_tensor_parallelism_in_a_node(plan70b):
+    result, cluster = plan70b, plan70b.cluster
     assert result.candidates and all(c.layout.devices == 64 for c in result.candidates)
     for c in result.candidates:
         assert c.layout.tensor <= cluster.devices_per_node
@@ -197,14 +202,13 @@ def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node():
     assert tp and all(c.time["total"] > best.time["total"] for c in tp)
 
 
-def test_llama3_70b_on_64_h100_ranks_tp8_fsdp_near_the_winner():
+def test_llama3_70b_on_64_h100_ranks_tp8_fsdp_near_the_winner(plan70b):
     # torchtitan's Llama 3 70B layout: TP 8 within a node x FSDP 8 across. FSDP over all 64 GPUs (MaxText's H100
     # recipe, NVIDIA/dgxc-benchmarking maxtext/README_70b.md) moves each node's share of the weights once over its
     # 8 NICs and hides behind compute: it wins; TP 8's collective matmuls pay their decomposition (slot copies,
     # matmuls on 1/8 of the tokens), plain SP its collectives, so TP 8 x FSDP 8 trails it: by 13.7% with the
     # H100's measured compute figures (NeMo's 70B recipe on 64 H100s: TP 4 x PP 4 x CP 2).
-    model, params = _llama("llama3-70b")
-    result = plan.search(model, params, load_cluster("h100", ["nodes=8"]), 4 * 2**20, 8192, top=0)
+    result = plan70b
     best = result.candidates[0]
     assert best.layout.tensor == 1 and best.layout.fsdp >= 32, plan.table(result)
     tp8 = [c for c in result.candidates if c.layout.tensor == 8 and c.layout.fsdp > 1]
@@ -337,9 +341,8 @@ def test_pipeline_stash_follows_the_schedule_and_the_bubble_shrinks_with_m():
     assert 0.25 * formula_bubble(8, 32, 1) < share < formula_bubble(8, 32, 1)
 
 
-def test_plan_70b_on_64_h100_considers_pipelines_and_says_why_the_best_lost():
-    model, params = _llama("llama3-70b")
-    result = plan.search(model, params, load_cluster("h100", ["nodes=8"]), TOKENS_4M, 8192, top=0)
+def test_plan_70b_on_64_h100_considers_pipelines_and_says_why_the_best_lost(plan70b):
+    result = plan70b
     piped = [c for c in result.candidates if c.layout.stage > 1]
     assert piped and {c.layout.schedule for c in piped} >= {"1f1b", "interleaved_1f1b"}
     assert all(c.time["bubble"] > 0 for c in piped)
