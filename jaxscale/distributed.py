@@ -320,8 +320,8 @@ def _exit_lost(lost: str, detail: str = "") -> None:
     """Print one line naming the lost processes and leave at once (the first caller wins)."""
     import jax
 
-    if not _EXITING.acquire(blocking=False):
-        time.sleep(60)
+    if not _EXITING.acquire(blocking=False):  # another thread is printing and leaving: never a second line
+        threading.Event().wait()
     tail = f": {detail}" if detail else ""
     print(f"jaxscale: error: process {jax.process_index()} lost {lost}{tail}", file=sys.stderr, flush=True)
     os._exit(1)
