@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -23,6 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxscale import layout, precision
 from jaxscale.config import ConfigError
 from jaxscale.layout import Axes, Layout, is_axes
+from jaxscale.scoped import scoped
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
 
@@ -106,14 +106,9 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh | AbstractMesh, Layout] | None] = con
 )
 
 
-@contextlib.contextmanager
-def use_rules(mesh: Mesh | AbstractMesh, rules: layout.Rules) -> Iterator[None]:
+def use_rules(mesh: Mesh | AbstractMesh, rules: layout.Rules) -> contextlib.AbstractContextManager[None]:
     """Within this block, :func:`constrain` shards activations by ``rules`` on ``mesh``."""
-    token = _ACTIVE.set((mesh, layout_of(mesh, rules)))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    return scoped(_ACTIVE, (mesh, layout_of(mesh, rules)))
 
 
 def active() -> tuple[Mesh | AbstractMesh, Layout] | None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence, stage_layers
+from jaxscale.scoped import scoped
 from jaxscale.sharding import active, constrain
 
 
@@ -99,15 +100,10 @@ def embed_tokens(
 _RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxscale_recomputed", default=False)
 
 
-@contextlib.contextmanager
-def recomputed() -> Iterator[None]:
+def recomputed() -> contextlib.AbstractContextManager[None]:
     """Within this block the caller recomputes whole layers itself (a pipeline's backward slot), so
     ``model.remat: selective`` recomputes no attention core a second time."""
-    token = _RECOMPUTED.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTED.reset(token)
+    return scoped(_RECOMPUTED, True)
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:

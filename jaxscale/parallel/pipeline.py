@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -69,6 +69,7 @@ from jaxscale.models.llama import recomputed
 from jaxscale.models.params import logical_axes
 from jaxscale.parallel import ring_attention, schedules, sequence, stage_layers
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
+from jaxscale.scoped import scoped
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
 
 AXIS = "stage"
@@ -76,14 +77,9 @@ AXIS = "stage"
 _CONFIG: contextvars.ContextVar[PipelineConfig | None] = contextvars.ContextVar("jaxscale_pipeline", default=None)
 
 
-@contextlib.contextmanager
-def use_pipeline(config: PipelineConfig) -> Iterator[None]:
+def use_pipeline(config: PipelineConfig) -> contextlib.AbstractContextManager[None]:
     """Within this block, a pipelined model runs with these microbatches, repeats and schedule."""
-    token = _CONFIG.set(config)
-    try:
-        yield
-    finally:
-        _CONFIG.reset(token)
+    return scoped(_CONFIG, config)
 
 
 def stages() -> int:

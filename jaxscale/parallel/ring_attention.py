@@ -50,7 +50,6 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator
 from functools import partial
 
 import jax
@@ -59,6 +58,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxscale.scoped import scoped
 from jaxscale.sharding import Axes, active, spec, spec_axes
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
@@ -67,17 +67,12 @@ _NEG = float(np.finfo(np.float32).min)
 _MANUAL: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("jaxscale_ring_manual", default=None)
 
 
-@contextlib.contextmanager
-def manual_ring(axes: tuple[str, ...]) -> Iterator[None]:
+def manual_ring(axes: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
     """Within this block the caller is a ``shard_map`` already manual over the ring's mesh axes ``axes``
     (possibly none: the sequence is whole on each device): :func:`attention` runs its per-device kernel
     directly, no ``shard_map`` of its own, and leaves the other axes (heads on ``tensor``) to the partitioner.
     A pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`) is such a caller."""
-    token = _MANUAL.set(axes)
-    try:
-        yield
-    finally:
-        _MANUAL.reset(token)
+    return scoped(_MANUAL, axes)
 
 
 def chunk_layout(cp: int, layout: str = "zigzag") -> np.ndarray:

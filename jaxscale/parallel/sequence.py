@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,20 +61,16 @@ from jax import lax
 
 from jaxscale import precision
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from jaxscale.scoped import scoped
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
 SEQUENCE = "norm_length"
 _PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar("sequence_by_partitioner", default=False)
 
 
-@contextlib.contextmanager
-def by_partitioner() -> Iterator[None]:
+def by_partitioner() -> contextlib.AbstractContextManager[None]:
     """Inside: SP by the partitioner's constraints instead of explicit collectives (a pipeline stage)."""
-    token = _PARTITIONED.set(True)
-    try:
-        yield
-    finally:
-        _PARTITIONED.reset(token)
+    return scoped(_PARTITIONED, True)
 
 
 def sequence_axes() -> tuple[str, ...]:
