@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxscale.config import Config, ModelConfig
 from jaxscale.layout import Layout
-from jaxscale.parallel import schedules
+from jaxscale.parallel import schedules, stage_layers
 
 
 def dtype_bytes(name: str) -> int:
@@ -115,7 +115,7 @@ def chunk_layers(m: ModelConfig, step: Step, chunks: int) -> tuple[int, ...]:
 
 def stacked(params: Sequence[Param], m: ModelConfig, step: Step) -> list[Param]:
     """``params`` with the layer stack as the step's uneven stages pad it (unchanged when even or padded)."""
-    unit = m.moe.every_n_layers if m.moe else 1
+    unit = stage_layers.unit(m)
     real, slots = m.layers // unit, stack_layers(m, step) // unit
 
     def one(p: Param) -> Param:

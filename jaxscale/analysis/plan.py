@@ -42,7 +42,7 @@ from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml, load_config
 from jaxscale.layout import Layout, Rules
 from jaxscale.parallel.schedules import formula_bubble
-from jaxscale.parallel.stage_layers import lighter_ends
+from jaxscale.parallel.stage_layers import lighter_ends, unit
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
@@ -221,13 +221,13 @@ MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 def stage_split(m: ModelConfig, chunks: int) -> tuple[int, ...] | None:
     """``pipeline.layers_per_stage`` for ``chunks`` virtual stages: None where the layers split evenly, else the
     first and last stages lighter (:func:`jaxscale.parallel.stage_layers.lighter_ends`, in whole MoE groups)."""
-    unit = m.moe.every_n_layers if m.moe else 1
-    units = m.layers // unit
+    per_unit = unit(m)
+    units = m.layers // per_unit
     if units % chunks == 0:
         return None
     if units < chunks:
         return ()  # fewer layers than virtual stages
-    return tuple(n * unit for n in lighter_ends(units, chunks))
+    return tuple(n * per_unit for n in lighter_ends(units, chunks))
 
 
 def _pipelines(
