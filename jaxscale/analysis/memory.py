@@ -291,10 +291,12 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     transpose read; in the backward, the exponentials, the probabilities' gradient as its matmul
     writes it and transposed to the scores' layout. The causal mask is one bool s x s from an iota,
     fused into the select and its transpose: not the mask broadcast to the scores and the select's
-    fp32 output that the layer scan keeps (:func:`memory`'s ``mask``). With 2^19 score elements per
-    device or fewer (the test model at seq_len 128, or 256 with one sequence per device and
-    microbatch; fused from 2^20, seq_len 256 to 1024) XLA:CPU leaves that division out of the softmax
-    backward's fusion and holds a fourth fp32 score-sized buffer, not counted: the model is low by it.
+    fp32 output that the layer scan keeps (:func:`memory`'s ``mask``). Where XLA:CPU puts the backward's
+    division by the sum in the loop fusion that transposes the probabilities' gradient instead of in
+    the softmax backward's YNNPACK fusion, a fourth fp32 score-sized buffer is live, not counted (the
+    model is then low by one: 0.80 to 0.92 of compiled on the test model). The shapes decide: with two
+    sequences per device and microbatch the YNNPACK fusion takes it at seq_len 256 to 1024, not at 128
+    or 192; with one, at 512, not at 256 or 384; with four, at 192.
     """
     table = pipeline_table(layout, step)
     compute, _ = step.copies(m)
