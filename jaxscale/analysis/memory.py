@@ -294,9 +294,9 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     fp32 output that the layer scan keeps (:func:`memory`'s ``mask``). Where XLA:CPU puts the backward's
     division by the sum in the loop fusion that transposes the probabilities' gradient instead of in
     the softmax backward's YNNPACK fusion, a fourth fp32 score-sized buffer is live, not counted (the
-    model is then low by one: 0.80 to 0.92 of compiled on the test model). The shapes decide: with two
-    sequences per device and microbatch the YNNPACK fusion takes it at seq_len 256 to 1024, not at 128
-    or 192; with one, at 512, not at 256 or 384; with four, at 192.
+    model is then low by one: 0.80 to 0.92 of compiled on the test model at seq_len 128 to 384). The
+    shapes decide: with two sequences per device and microbatch the YNNPACK fusion takes it at
+    seq_len 256 to 1024, not at 128 or 192; with one, at 512, not at 256 or 384; with four, at 192.
     """
     table = pipeline_table(layout, step)
     compute, _ = step.copies(m)
