@@ -16,7 +16,7 @@ optimizer state, gradients and parameters in turn):
 * activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
-  scores mask of dot-product attention once; the batch;
+  scores mask of dot-product attention once (under PP one bool s x s); the batch;
 * under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
   loop keeps the stage inputs its schedule has in flight (``Table.act_slots``) and fp32 gradient
   accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
@@ -257,11 +257,12 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "head": head,
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
+    if m.attention not in FLASH_ATTENTION:
+        # The layer scan keeps the causal mask broadcast to the scores (bool) and the select's output (fp32).
+        mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
+        out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4
     if pipelined:
         _pipeline(m, params, layout, step, rows, out)
-    if m.attention not in FLASH_ATTENTION:
-        mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
-        out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4  # fp32 where + bool
     out["total"] = sum(out.values())
     return out
 
@@ -281,6 +282,21 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     layer of the last stage) or the layer backward's gradient buffers (the larger of
     :func:`recomputed_backward`'s peaks), whichever is larger, and one layer's gathered weights or
     unreduced weight gradient.
+
+    What XLA keeps of ``dot`` attention's s x s buffers there (the recomputed forward and the backward
+    are one computation, so nothing is a saved residual): three fp32 of one microbatch's scores at
+    once, counted as ``none``'s scores and probabilities and the attention peak's scores' gradient. In
+    the forward, the softmax's exponentials (held to the backward, the division by their sum fused
+    into the readers) and the probabilities in the two layouts that the value matmul and its
+    transpose read; in the backward, the exponentials, the probabilities' gradient as its matmul
+    writes it and transposed to the scores' layout. The causal mask is one bool s x s from an iota,
+    fused into the select and its transpose: not the mask broadcast to the scores and the select's
+    fp32 output that the layer scan keeps (:func:`memory`'s ``mask``). Where XLA:CPU puts the backward's
+    division by the sum in the loop fusion that transposes the probabilities' gradient instead of in
+    the softmax backward's YNNPACK fusion, a fourth fp32 score-sized buffer is live, not counted (the
+    model is then low by one: 0.80 to 0.92 of compiled on the test model at seq_len 128 to 384). The
+    shapes decide: with two sequences per device and microbatch the YNNPACK fusion takes it at
+    seq_len 256 to 1024, not at 128 or 192; with one, at 512, not at 256 or 384; with four, at 192.
     """
     table = pipeline_table(layout, step)
     compute, _ = step.copies(m)
@@ -306,3 +322,5 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     out["pipeline accumulator"] = 4 * held if partitioned else 0.0
     out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
+    if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
+        out["mask"] = float(step.seq_len**2)
