@@ -183,6 +183,36 @@ def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
     return [mlp, attention]
 
 
+def attention_tile(m: ModelConfig, layout: Layout, seq_len: int) -> int:
+    """The tokens per side of the score tile that blockwise and ring attention compute at once
+    (:func:`jaxscale.parallel.ring_attention._plan`): ``model.attention_block``, or the ring's chunk
+    (``s/2c`` on a causal ring of ``c`` devices, the whole sequence without one) when that is shorter."""
+    ring = layout.ring_size if m.attention == "ring" else 1
+    return min(m.attention_block, seq_len // (2 * ring) if ring > 1 else seq_len)
+
+
+def tile_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
+    """Bytes per device of the score tiles blockwise and ring attention hold at once, at their peak: the
+    backward of one tile (:func:`jaxscale.parallel.ring_attention._grad_tile`) of ``rows`` sequences
+    (of the whole mesh), ``[rows, heads, tile, tile]`` each, all query heads (a kv head's group
+    in one einsum), on the device's batch and head shards (TP splits heads; CP splits neither, the
+    tile is a chunk's).
+
+    Four are live as the scores' gradient is written: the probabilities recomputed from the scores
+    and the log-sum-exp (fp32; the scores' buffer is free by then), the probabilities' gradient
+    (fp32, a matmul's output) and the scores' gradient in the two layouts the matmuls for ``dq`` and
+    ``dk`` read (one fusion each, the cast to the compute dtype in it). The forward of a tile holds
+    two at most (scores and masked scores, or scores and probabilities): never the larger. None for
+    ``dot`` (its s x s buffers are residuals and the attention peak's gradient) and ``cudnn`` (its
+    tiles stay on chip).
+    """
+    if m.attention not in ("blockwise", "ring"):
+        return 0.0
+    tile = attention_tile(m, layout, step.seq_len)
+    per_tile = rows * m.heads * tile * tile / layout.ways(("batch", "heads"))
+    return per_tile * (2 * 4 + 2 * dtype_bytes(m.dtype))
+
+
 def _bytes_of(act: Activation, m: ModelConfig) -> int:
     return 4 if act.dtype == "fp32" else dtype_bytes(m.dtype)
 
@@ -190,6 +220,14 @@ def _bytes_of(act: Activation, m: ModelConfig) -> int:
 def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout: Layout) -> float:
     """Bytes on one device of an activation of ``rows`` sequences (of the whole mesh) kept once."""
     return rows * step.seq_len * act.per_token * _bytes_of(act, m) / layout.ways(act.axes)
+
+
+def _recomputed_peak(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
+    """Bytes per device at the larger of :func:`recomputed_backward`'s peaks, the attention's with the
+    kernel's score tiles (:func:`tile_buffers`)."""
+    mlp, attention = (sum(_per_device(r, rows, step, m, layout) for r in peak)
+                      for peak in recomputed_backward(m, step.seq_len))
+    return max(mlp, attention + tile_buffers(m, layout, step, rows))
 
 
 def _layers_here(m: ModelConfig, layout: Layout, step: Step) -> float:
@@ -224,9 +262,11 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    tiles = tile_buffers(m, layout, step, rows)
     if m.remat == "full":
-        everything = max(sum(_per_device(r, rows, step, m, layout) for r in peak)
-                         for peak in recomputed_backward(m, step.seq_len))
+        everything = _recomputed_peak(m, layout, step, rows)
+    else:  # the tiles beside the layer's cotangents (the MLP's among them: an upper bound)
+        everything += tiles
     layer_backward = everything + kept_weights * cbytes
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
@@ -303,8 +343,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     pbytes = dtype_bytes(compute)
     x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, layout)
     none = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
-    cotangents = max(sum(_per_device(r, rows, step, m, layout) for r in peak)
-                     for peak in recomputed_backward(m, step.seq_len)) - none
+    cotangents = _recomputed_peak(m, layout, step, rows) - none
     chunk = _layers_here(m, layout, step) / step.repeats  # the largest chunk's: every stage keeps room for it
     logits = _per_device(Activation("logits", m.vocab_size, LOGITS), rows, step, m, layout)
     loss = logits * (dtype_bytes(m.dtype) + 12) / dtype_bytes(m.dtype)
