@@ -23,7 +23,8 @@ optimizer state, gradients and parameters in turn):
   with no remat inside (:func:`_pipeline`);
 * the transient peak: the larger of one layer's backward (its residuals' cotangents and
   its unreduced weight gradient; under full recomputation its recomputed residuals and the
-  gradient buffers at the backward's peak, :func:`recomputed_backward`) and the loss (logits
+  gradient buffers at the backward's peak, :func:`recomputed_backward`; with blockwise or ring
+  attention the kernel's score tiles at its attention peak, :func:`tile_buffers`) and the loss (logits
   in the compute dtype and fp32, their exponentials and gradient; of ``model.loss_chunk``
   tokens per sequence when chunked);
 * the output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the
@@ -320,7 +321,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     applied inside a stage: the backward slot recomputes one layer at a time from its input and
     holds that layer's ``none`` residuals for one microbatch, with either the head's loss (the last
     layer of the last stage) or the layer backward's gradient buffers (the larger of
-    :func:`recomputed_backward`'s peaks), whichever is larger, and one layer's gathered weights or
+    :func:`recomputed_backward`'s peaks, the attention's with blockwise or ring attention's score
+    tiles, :func:`tile_buffers`), whichever is larger, and one layer's gathered weights or
     unreduced weight gradient.
 
     What XLA keeps of ``dot`` attention's s x s buffers there (the recomputed forward and the backward

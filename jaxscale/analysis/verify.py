@@ -4,7 +4,8 @@ Compute is float32 (XLA:CPU runs bf16 matmuls in f32, so only fp32 compares like
 layout wider than the devices is scaled down on its data-parallel axes (:func:`scaled`). Each row
 holds the predicted and compiled memory per device and wire bytes per device per step, the latter
 in the reduce-scatter reading (:attr:`jaxscale.analysis.hlo.Collective.rs_wire_bytes`). cuDNN
-attention compiles as ``blockwise`` (GPU only, and not in float32; it keeps no s x s scores either).
+attention compiles as ``blockwise`` (GPU only, and not in float32; it keeps no s x s scores either), predicted
+as ``blockwise`` too (its score tiles, which cuDNN keeps on chip, counted).
 """
 
 from __future__ import annotations
