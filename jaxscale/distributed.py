@@ -177,7 +177,9 @@ def _filter(read: int, out: int, process_id: int | None) -> None:
     In place of JAX's fatal log (the coordinator is lost) write ``jaxscale: error: process I lost
     process 0 ...``; of such lines (the trainer's own, from a failed collective, may come too) only
     the first goes on. Text without a line end (a progress bar) goes on at once unless its first
-    character may begin one of those logs."""
+    character may begin one of those logs or a lost-peer line: a line that reaches the pipe in two
+    reads is judged whole (passed on in pieces, the trainer's line once slipped past the one-line rule,
+    and a survivor wrote two)."""
     pending, said = b"", False
     while chunk := os.read(read, 1 << 16):
         pending += chunk
@@ -195,7 +197,7 @@ def _filter(read: int, out: int, process_id: int | None) -> None:
                 said = True
             elif not _NOISE.match(line):
                 os.write(out, line)
-        if pending[:1] not in b"FEW \t*:A":
+        if pending[:1] not in b"FEW \t*:Aj":
             os.write(out, pending)
             pending = b""
     if pending:

@@ -321,3 +321,29 @@ def test_the_stderr_filter_replaces_jax_fatal_log_by_one_line():
             "step 3 loss 5.1\njaxscale: error: process 1 lost process 0 (the coordinator): UNAVAILABLE: Failed to "
             "send RPC to coordination service\n\rtrain: 10%"
         )
+
+
+def test_the_stderr_filter_judges_a_line_split_across_reads_whole():
+    """The trainer's lost-peer line arrives in two reads, then JAX's fatal log: one line goes on, not two."""
+    import os
+    import threading
+    import time
+
+    from jaxscale.distributed import _filter
+
+    read, write = os.pipe()
+    out_read, out_write = os.pipe()
+    worker = threading.Thread(target=_filter, args=(read, out_write, 1))
+    worker.start()
+    for piece in (b"jaxscale: error: process 1 lost process 0 (the coordinator): Gloo all-reduce",
+                  b" failed\n",
+                  b"F1123 21:47:51.7 client.cc:12] Terminating process because the JAX distributed service detected "
+                  b"fatal errors. absl::Status: UNAVAILABLE: Failed to send RPC to coordination service\n"):
+        os.write(write, piece)
+        time.sleep(0.2)  # each piece is a read of its own
+    os.close(write)
+    worker.join(timeout=10)
+    os.close(out_write)
+    with os.fdopen(out_read, "rb") as f:
+        one = "jaxscale: error: process 1 lost process 0 (the coordinator): Gloo all-reduce failed\n"
+        assert f.read().decode() == one

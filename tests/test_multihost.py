@@ -94,9 +94,8 @@ def test_a_lost_process_makes_the_other_exit_with_its_name(tmp_path, victim, nam
     assert time.monotonic() - killed_at < 15
     assert survivor.returncode != 0
     lines = [line for line in err.splitlines() if not line.startswith("[Gloo]")]
-    # One error, naming the lost process. (Once in three clean CI runs the survivor wrote the line twice, with
-    # the two failed collectives' messages, though one lock admits one writer; not understood yet.)
-    assert lines and all(line.startswith(f"jaxscale: error: process {1 - victim} lost {name}: ") for line in lines), err
+    # One error, naming the lost process (tests/test_faults.py: also when the line reaches the filter in pieces).
+    assert len(lines) == 1 and lines[0].startswith(f"jaxscale: error: process {1 - victim} lost {name}: "), err
     procs[victim].communicate()
 
 
