@@ -136,38 +136,72 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     return kept
 
 
+def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
+    """The buffers a layer's backward holds at its MLP's peak besides the layer's residuals (per token).
+
+    As compiled: each RMSNorm's backward recomputes its normalized input and materialises its statistic
+    broadcast to the width (fp32, 2h per norm; the attention norm's are made at the layer backward's start,
+    so both norms' are live: 4h); the block output's gradient and its copy transposed for the down
+    projection's weight gradient (gathered whole under SP); SwiGLU's backward: the hidden's gradient, the
+    gate's and the up's each in the layout of the matmul for the input's gradient and transposed for the
+    weight's, and the sigmoid recomputed (6f); and with blockwise or ring attention the attention
+    backward's zero-initialised fp32 accumulators, which XLA schedules before the MLP's backward: ``dq``
+    and the per-tile ``dk`` and ``dv`` it sums after the loop (a·d_h + 2·g·d_h).
+    """
+    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    fe = _mlp_per_token(m)
+    held = [
+        Activation("norms' normalized inputs and broadcast statistics", 4 * h, RESIDUAL, "fp32"),
+        Activation("block output's gradient", h, RESIDUAL),
+        Activation("block output's gradient, transposed (gathered under SP)", h, HIDDEN),
+        Activation("hidden's, gate's and up's gradients, the latter two in two layouts", 5 * fe, MLP_AXES),
+        Activation("sigmoid of the gate", fe, MLP_AXES, "fp32"),
+    ]
+    if m.attention in ("blockwise", "ring"):
+        held += [Activation("dq accumulator", a * d, Q_AXES, "fp32"),
+                 Activation("per-tile dk, dv accumulators", 2 * g * d, KV_AXES, "fp32")]
+    return held
+
+
+def sliced_backward(m: ModelConfig, seq_len: int) -> list[Activation]:
+    """What the backward of a layer without remat (``model.remat: none``) holds at its MLP's peak beside
+    the scan's stack of residuals: the residuals XLA copies out of the stack for the layer, which are the
+    attention's own and the normed inputs (the norms' inputs and statistics, gate, up and hidden are read
+    in place), and :func:`_mlp_backward_buffers`.
+
+    On the test model with blockwise attention (h = 64, f = 128, a·d_h = 64, g·d_h = 32, a = 8) that is
+    2h + 3·a·d_h + 2·g·d_h + a + 4h + 2h + 6f + a·d_h + 2·g·d_h = 1672 elements per token, the
+    compiled step's 1608 and a transposed gradient XLA:CPU frees before the peak (dp, seq_len 2048).
+    """
+    in_place = {"norm inputs", "norm statistics", "gate, up, hidden"}
+    sliced = [r for r in layer_residuals(m, "none", seq_len) if r.name not in in_place]
+    return sliced + _mlp_backward_buffers(m)
+
+
 def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
     """What the backward of one fully recomputed layer (``model.remat: full``) holds at its two peaks,
     besides its weight gradients: the layer's residuals of ``none``, recomputed, and the gradient buffers.
 
     The backward runs the MLP first, then attention; a residual is freed after its last use. Per token:
 
-    - the MLP's peak: every residual of ``none`` (:func:`layer_residuals`) is alive, and every
-      gradient buffer of the MLP's backward: the block output's (h), SwiGLU's hidden, gate and up
-      (3f), and the normed input's two partial gradients, from the gate and the up projections,
-      before they are summed (2h; under TP each is whole, as XLA reduces them apart):
-      ``none + 3h + 3f``;
+    - the MLP's peak: every residual of ``none`` (:func:`layer_residuals`) is alive but the layer input
+      (the remat stack's slice, read in place), with :func:`_mlp_backward_buffers`:
+      ``none − h + 4h + 2h + 6f (+ a·d_h + 2·g·d_h)``;
     - the attention's peak: the MLP's residuals are gone (its norm's input, normed input and
       statistic, gate, up, hidden: 2h + 1 + 3f); the gradients are the residual stream's (h), the
       attention output's (a·d_h) and, with ``dot`` attention, the probabilities' turned into the
       scores' in place (a·s, fp32): ``none − 2h − 1 − 3f + h + a·d_h (+ a·s)``.
 
     The larger of the two is the layer's backward transient (plus its weight gradients, counted by
-    the caller); without recomputation the residuals are counted with the activations and the
-    transient is their cotangents, ``none`` again. With ``dot`` attention on the tiny test model
-    (h = 64, f = 128, a·d_h = 64, g·d_h = 32, a·s = 256: ``none`` = 1362 elements) the MLP's peak,
-    1362 + 192 + 384 = 1938, is 1.42x ``none``; with flash-style attention at Llama 3 8B's widths,
-    (4h + 3·a·d_h + 2·g·d_h + 3f + 3h + 3f) / (4h + 3·a·d_h + 2·g·d_h + 3f) = 1.75x.
+    the caller). With blockwise attention on the tiny test model (h = 64, f = 128, a·d_h = 64,
+    g·d_h = 32, a = 8: ``none`` = 906 elements) the MLP's peak is 906 − 64 + 256 + 128 + 768 + 128 =
+    2122, against 2085 compiled (zero3, seq_len 2048: 9f of SwiGLU's, 13 buffers of h or a·d_h, 4 of
+    g·d_h); at Llama 3 8B's widths (h = 4096, f = 14336, a·d_h = 4096, g·d_h = 1024) it is 2.4x ``none``.
     """
     h, a, d = m.embed, m.heads, m.head_dim
     fe = _mlp_per_token(m)
     residuals = layer_residuals(m, "none", seq_len)
-    mlp = [
-        *residuals,
-        Activation("output gradient", h, RESIDUAL),
-        Activation("hidden, gate, up gradients", 3 * fe, MLP_AXES),
-        Activation("normed input's gradients from gate and up", 2 * h, HIDDEN),
-    ]
+    mlp = [*residuals, Activation("layer input (the stack's)", -h, RESIDUAL), *_mlp_backward_buffers(m)]
     attention = [
         *residuals,
         Activation("MLP norm input (freed)", -h, RESIDUAL),
@@ -223,12 +257,12 @@ def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout
     return rows * step.seq_len * act.per_token * _bytes_of(act, m) / layout.ways(act.axes)
 
 
-def _recomputed_peak(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
+def _recomputed_peak(m: ModelConfig, layout: Layout, step: Step, rows: float, select: float = 0.0) -> float:
     """Bytes per device at the larger of :func:`recomputed_backward`'s peaks, the attention's with the
-    kernel's score tiles (:func:`tile_buffers`)."""
+    kernel's score tiles (:func:`tile_buffers`) and ``select`` (dot attention's masked scores)."""
     mlp, attention = (sum(_per_device(r, rows, step, m, layout) for r in peak)
                       for peak in recomputed_backward(m, step.seq_len))
-    return max(mlp, attention + tile_buffers(m, layout, step, rows))
+    return max(mlp, attention + tile_buffers(m, layout, step, rows) + select)
 
 
 def _layers_here(m: ModelConfig, layout: Layout, step: Step) -> float:
@@ -263,11 +297,18 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    # dot attention's causal mask: broadcast to the scores (bool) and, at the attention's peak, the select's fp32
+    # output; recomputed under full remat, where the step keeps one bool s x s from an iota
+    select = 0.0 if m.attention in FLASH_ATTENTION else _per_device(
+        Activation("mask", m.heads * step.seq_len, SCORES, "fp32"), rows, step, m, layout)
     tiles = tile_buffers(m, layout, step, rows)
     if m.remat == "full":
-        everything = _recomputed_peak(m, layout, step, rows)
-    else:  # the tiles beside the layer's cotangents (the MLP's among them: an upper bound)
-        everything += tiles
+        everything = _recomputed_peak(m, layout, step, rows, select)
+    else:  # the tiles beside the layer's cotangents (an upper bound of the attention's peak), or the MLP's peak
+        everything += tiles + select
+        if m.remat == "none":
+            everything = max(everything, sum(_per_device(r, rows, step, m, layout)
+                                             for r in sliced_backward(m, step.seq_len)))
     layer_backward = everything + kept_weights * cbytes
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
@@ -282,6 +323,12 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, stack) for p in heads)
                                   if s.gathered) * pbytes
     activations = layers * per_layer
+    # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
+    table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
+                for p in params if p.is_embedding) * pbytes if sp else 0.0
+    # Of the two tables, the gradient is held through the layers' backward, the gathered copy at the loss only
+    # (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient).
+    loss += (head + 2 * table) / 2
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
@@ -292,16 +339,12 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "pipeline copies": 0.0,
         "activations": activations,
         "transient": max(layer_backward, loss),
-        # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
-        "embedding": 2 * sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
-                             for p in params if p.is_embedding) * pbytes if sp else 0.0,
-        "head": head,
+        "embedding": table,
+        "head": head / 2,
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
     if m.attention not in FLASH_ATTENTION:
-        # The layer scan keeps the causal mask broadcast to the scores (bool) and the select's output (fp32).
-        mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
-        out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4
+        out["mask"] = float(step.seq_len**2) if m.remat == "full" else select / 4
     if pipelined:
         _pipeline(m, params, layout, step, rows, out)
     out["total"] = sum(out.values())
