@@ -351,6 +351,30 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     return out
 
 
+def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
+    """What the last stage's top layer holds at the loss in its backward slot beyond its ``none`` residuals,
+    per token. Its recomputed forward is linearized: each of its two norms keeps its normalized input (fp32,
+    2h); the final norm keeps its input (the layer's output), normalized input and output (3h); SwiGLU the
+    gate's sigmoid and silu (2f; 5f in all); the residual stream's cotangent is zero-initialised (h); and
+    blockwise and ring attention's backward zero-initialises its fp32 ``dq`` and per-tile ``dk``, ``dv``,
+    scheduled before the loss.
+
+    As compiled (pp; seq_len 32, 512: these; at 2048 XLA:CPU's YNNPACK reductions also materialise each of
+    the three norms' statistic and scale broadcast to the width, 6h more, not counted)."""
+    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    fe = _mlp_per_token(m)
+    held = [
+        Activation("norms' normalized inputs", 2 * h, RESIDUAL, "fp32"),
+        Activation("final norm's input, normalized input, output", 3 * h, RESIDUAL, "fp32"),
+        Activation("gate's sigmoid and silu", 2 * fe, MLP_AXES, "fp32"),
+        Activation("residual stream's zero cotangent", h, RESIDUAL),
+    ]
+    if m.attention in ("blockwise", "ring"):
+        held += [Activation("dq accumulator", a * d, Q_AXES, "fp32"),
+                 Activation("per-tile dk, dv accumulators", 2 * g * d, KV_AXES, "fp32")]
+    return held
+
+
 def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float,
               out: dict[str, float]) -> None:
     """A pipelined stage's activations, transient and loop state (:mod:`jaxscale.parallel.pipeline`), into ``out``.
@@ -391,14 +415,16 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     cotangents = _recomputed_peak(m, layout, step, rows) - none
     chunk = _layers_here(m, layout, step) / step.repeats  # the largest chunk's: every stage keeps room for it
     logits = _per_device(Activation("logits", m.vocab_size, LOGITS), rows, step, m, layout)
-    loss = logits * (dtype_bytes(m.dtype) + 12) / dtype_bytes(m.dtype)
+    loss = logits * (dtype_bytes(m.dtype) + 8) / dtype_bytes(m.dtype)
     if m.loss_chunk:
         loss *= m.loss_chunk / step.seq_len
+    loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
                 for p in params if not p.in_layers)
-    out["activations"] = 2 * (table.act_slots * chunk + table.grad_slots) * x
+    # the backward slot copies its chunk's inputs out of the stash, held through the slot
+    out["activations"] = (2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
