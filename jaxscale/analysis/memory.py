@@ -21,17 +21,20 @@ optimizer state, gradients and parameters in turn):
   loop keeps the stage inputs its schedule has in flight (``Table.act_slots``) and fp32 gradient
   accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
   with no remat inside (:func:`_pipeline`);
-* the transient peak: the larger of one layer's backward (its residuals' cotangents and
-  its unreduced weight gradient; under full recomputation its recomputed residuals and the
-  gradient buffers at the backward's peak, :func:`recomputed_backward`; with blockwise or ring
-  attention the kernel's score tiles at its attention peak, :func:`tile_buffers`) and the loss (logits
-  in the compute dtype and fp32, their exponentials and gradient; of ``model.loss_chunk``
-  tokens per sequence when chunked);
-* the output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the
-  loss through the layers' backward (the compiled 70B step holds two whole vocab x embed
-  tables, tied or not);
-* under SP the embedding table gathered whole (its shard_map looks rows up in the whole
-  table) and its gradient, reduced whole (:mod:`jaxscale.analysis.communication`).
+* the transient peak: the larger of one layer's backward and the loss. The layer backward: its
+  unreduced weight gradient and the larger of its MLP's peak (without remat the residuals copied
+  out of the stack, :func:`sliced_backward`; under full recomputation its recomputed residuals,
+  :func:`recomputed_backward`; both with the norms' recomputed pieces and SwiGLU's gradient buffers,
+  :func:`_mlp_backward_buffers`) and its attention's (its residuals' cotangents, with blockwise or
+  ring attention the kernel's score tiles, :func:`tile_buffers`, with ``dot`` the masked scores).
+  The loss: logits in the compute dtype and fp32, their exponentials and gradient (of
+  ``model.loss_chunk`` tokens per sequence when chunked), and the gathered head or SP's gathered
+  embedding table (below);
+* the output head gathered over the token axes (ZeRO-3) and its whole gradient; under SP the
+  embedding table gathered whole (its shard_map looks rows up in the whole table) and its gradient,
+  reduced whole (:mod:`jaxscale.analysis.communication`). The gradient is held through the layers'
+  backward, the gathered table at the loss (as compiled on the test model: one vocab x embed buffer
+  at the layer backward's peak);
 
 Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`jaxscale.analysis.formulas.korthikanti`)
 count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.models.lean`: a norm's input
@@ -195,8 +198,9 @@ def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
     The larger of the two is the layer's backward transient (plus its weight gradients, counted by
     the caller). With blockwise attention on the tiny test model (h = 64, f = 128, a·d_h = 64,
     g·d_h = 32, a = 8: ``none`` = 906 elements) the MLP's peak is 906 − 64 + 256 + 128 + 768 + 128 =
-    2122, against 2085 compiled (zero3, seq_len 2048: 9f of SwiGLU's, 13 buffers of h or a·d_h, 4 of
-    g·d_h); at Llama 3 8B's widths (h = 4096, f = 14336, a·d_h = 4096, g·d_h = 1024) it is 2.4x ``none``.
+    2122, against 2085 compiled (zero3, seq_len 2048: 9f of SwiGLU's, 12 buffers of h or a·d_h, 4 of
+    g·d_h); at Llama 3 8B's widths (h = 4096, f = 14336, a·d_h = 4096, g·d_h = 1024) it is 2.4x ``none``
+    (cudnn) to 2.5x (blockwise).
     """
     h, a, d = m.embed, m.heads, m.head_dim
     fe = _mlp_per_token(m)
@@ -315,9 +319,8 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
-    # The output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the loss through
-    # the layers' backward (its reduce-scatter overlaps them). Under SP the whole embedding table and its
-    # gradient take that place (the compiled SP steps hold those two, not the head's as well).
+    # The output head gathered over the token axes (ZeRO-3) and its whole gradient (its reduce-scatter overlaps
+    # the layers' backward). Under SP the whole embedding table and its gradient take that place.
     sp = bool(layout.sequence_axes)
     heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
     head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, stack) for p in heads)
@@ -381,16 +384,17 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
 
     The loop keeps, for each microbatch in flight, the inputs of the chunk's L/(p·v) layers, and the
     gradients waiting for a backward (``Table.act_slots``, ``grad_slots``; XLA:CPU holds two buffers
-    per slot across a tick, as compiled); the fp32 gradient accumulators of the stage's blocks
-    (handed on as the gradients where the stage has no partitioner axes; kept beside them where it
-    has) and of its own copy of the embedding, final norm and head, and that copy, gathered over
-    the stage's axes; with v > 1 the stage's blocks rearranged into chunks. ``model.remat`` is not
-    applied inside a stage: the backward slot recomputes one layer at a time from its input and
-    holds that layer's ``none`` residuals for one microbatch, with either the head's loss (the last
-    layer of the last stage) or the layer backward's gradient buffers (the larger of
-    :func:`recomputed_backward`'s peaks, the attention's with blockwise or ring attention's score
-    tiles, :func:`tile_buffers`), whichever is larger, and one layer's gathered weights or
-    unreduced weight gradient.
+    per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; the fp32
+    gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
+    partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
+    and head, and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged
+    into chunks. ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
+    at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
+    the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
+    the gradient and its transpose, and :func:`_top_layer_at_loss`) or the layer backward's gradient
+    buffers (the larger of :func:`recomputed_backward`'s peaks, the attention's with blockwise or ring
+    attention's score tiles, :func:`tile_buffers`), whichever is larger, and one layer's gathered
+    weights or unreduced weight gradient.
 
     What XLA keeps of ``dot`` attention's s x s buffers there (the recomputed forward and the backward
     are one computation, so nothing is a saved residual): three fp32 of one microbatch's scores at
