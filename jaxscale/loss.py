@@ -38,7 +38,9 @@ plain head reduce-scatters). The head gradient is accumulated per batch shard
 floats per device, the size of the plain path's unreduced head gradient) and
 summed over the shards once after the loop: a partial sum carried through
 the loop would be all-reduced by XLA in every chunk, ``s / chunk`` times the
-head's gradient reduction.
+head's gradient reduction. The sum lands in the weight's own layout: under
+HSDP over the fsdp shards first (a reduce-scatter), then over the replicas
+(:func:`_sum_shards`), as the plain head's gradient is reduced.
 """
 
 from __future__ import annotations
@@ -48,14 +50,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.axes import HIDDEN, LOGITS
 from jaxscale.parallel import pipeline
-from jaxscale.sharding import active, constrain
+from jaxscale.sharding import active, constrain, spec
 
-HEAD = (None, "vocab")  # the head weight [embed, vocab], gathered on embed for the loop
+WEIGHT = ("embed", "vocab")  # the head weight [embed, vocab] as its parameter is laid out
+HEAD = (None, "vocab")  # ... gathered on embed for the loop
 SHARD_HEAD = ("batch", None, "vocab")  # partial head gradients, one per batch shard
 
 
@@ -82,7 +86,7 @@ def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Mean loss and the log-sum-exp of every token, chunked as :func:`_chunks`."""
+    """Mean loss and the log-sum-exp of every token, chunked as :func:`_chunks`; ``w`` gathered (``HEAD``)."""
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
         h, t = xs
@@ -102,10 +106,11 @@ def _batch_shards() -> int:
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    return _forward(hidden, w, targets, chunk)[0]
+    return _forward(hidden, constrain(w, HEAD), targets, chunk)[0]
 
 
 def _cross_entropy_fwd(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, Any]:
+    w = constrain(w, HEAD)  # gathered once: the backward reuses it
     loss, lse = _forward(hidden, w, targets, chunk)
     return loss, (hidden, w, targets, lse)
 
@@ -129,9 +134,40 @@ def _cross_entropy_bwd(chunk: int, residuals: Any, g: jax.Array) -> tuple[jax.Ar
         dw = dw + jnp.einsum("sbce,sbcv->sev", by_shard(h), by_shard(dlogits), preferred_element_type=jnp.float32)
         return constrain(dw, SHARD_HEAD), constrain(dh.astype(hidden.dtype), HIDDEN)
 
-    dw0 = constrain(jnp.zeros((shards, *w.shape), jnp.float32), SHARD_HEAD)
+    dw0 = _varying_like(constrain(jnp.zeros((shards, *w.shape), jnp.float32), SHARD_HEAD), hidden, w)
     dw, dh = jax.lax.scan(body, dw0, (_chunks(hidden, chunk), _chunks(targets, chunk), lse))
-    return _unchunk(dh), constrain(jnp.sum(dw, axis=0).astype(w.dtype), HEAD), None
+    return _unchunk(dh), _sum_shards(dw).astype(w.dtype), None
+
+
+def _varying_like(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the manual mesh axes ``like`` vary over (inside a pipeline stage's
+    ``shard_map``: the scan's carry must match its body's output); unchanged outside one."""
+    axes = tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))))
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _sum_shards(dw: jax.Array) -> jax.Array:
+    """The batch shards' head gradients [shards, e, V] summed into the weight's layout (``WEIGHT``).
+
+    Summed at once, XLA all-reduces the whole gradient over every batch axis. Where some batch axes also
+    split the weight (HSDP: batch over data x fsdp, embed over fsdp) the sum runs over those first (a
+    reduce-scatter onto each device's slice), then over the others (an all-reduce of the slice), as the
+    layers' gradients are reduced.
+    """
+    current = active()
+    if current is None:
+        return jnp.sum(dw, axis=0)
+    mesh, place = current
+    batch, held = place.batch_axes, place.mesh_axes(WEIGHT)
+    rest = tuple(a for a in batch if a not in held)
+    if len(rest) in (0, len(batch)):
+        return constrain(jnp.sum(dw, axis=0), WEIGHT)
+    embed, vocab = spec(place, WEIGHT)
+    dw = dw.reshape(*(mesh.shape[a] for a in batch), *dw.shape[1:])  # a dimension per batch axis
+    dw = jax.lax.with_sharding_constraint(dw, NamedSharding(mesh, PartitionSpec(*batch, None, vocab)))
+    dw = jnp.sum(dw, axis=tuple(i for i, a in enumerate(batch) if a in held))
+    dw = jax.lax.with_sharding_constraint(dw, NamedSharding(mesh, PartitionSpec(*rest, embed, vocab)))
+    return constrain(jnp.sum(dw, axis=tuple(range(len(rest)))), WEIGHT)
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
@@ -149,7 +185,7 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
     if chunk <= 0 or s % chunk:
         raise ValueError(f"chunk {chunk} does not divide the sequence length {s}")
     hidden = constrain(hidden, HIDDEN)
-    return _cross_entropy(hidden, constrain(w, HEAD), constrain(targets, TOKENS), chunk)
+    return _cross_entropy(hidden, constrain(w, WEIGHT), constrain(targets, TOKENS), chunk)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -39,6 +39,8 @@ from jaxscale.train import Trainer
 
 MEMORY_RTOL = 0.10
 COMM_RTOL = 0.05
+# HSDP with one sequence per device in each microbatch, and the chunked loss
+HSDP_ONE_ROW = ("zero3", {"data": 2, "fsdp": 4}, "train.global_batch=16", "train.microbatches=2", "model.loss_chunk=8")
 LAYOUTS = [
     ("dp", {"data": 8}),
     ("dp", {"data": 8}, "model.remat=save_dots"),
@@ -48,6 +50,7 @@ LAYOUTS = [
     ("zero3", {"fsdp": 8}),
     ("zero3", {"fsdp": 8}, "model.remat=full"),
     ("zero3", {"data": 2, "fsdp": 4}),
+    HSDP_ONE_ROW,
     ("tp", {"data": 2, "tensor": 4}),
     ("tp", {"data": 2, "tensor": 4}, "model.remat=full"),
     ("tp_sp", {"data": 2, "tensor": 4}),
@@ -94,6 +97,20 @@ def test_analytic_matches_compiled(layout, trainers):
     assert prediction.memory["total"] == pytest.approx(memory, rel=MEMORY_RTOL)
     wire = hlo.summarize(hlo.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
     assert prediction.comm["total"] == pytest.approx(wire, rel=COMM_RTOL)
+
+
+def test_hsdp_gathers_no_whole_activation(trainers):
+    """No collective of the step gives a device a whole microbatch's [sequences, length, embed] activations.
+
+    Left to the partitioner, the embedding lookup's backward under HSDP with one sequence per device
+    gathered them on every device ("involuntary full rematerialization") to scatter them into the table.
+    """
+    trainer, step = compile_layout(trainers, HSDP_ONE_ROW)
+    t, m = trainer.config.train, trainer.config.model
+    whole = (t.global_batch // t.microbatches, t.seq_len, m.embed)
+    found = hlo.collectives(step.as_text(), trainer.mesh)
+    assert found
+    assert [(c.kind, c.op_name) for c in found if any(dims == whole for _, dims in c.shapes)] == []
 
 
 def test_state_is_exact_and_follows_the_zero_stages(trainers):

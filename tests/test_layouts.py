@@ -37,10 +37,19 @@ def reference_batch32():
     return run_steps(Trainer.build(tiny_config("train.global_batch=32", rules="dp"), jax.devices()[:1]))
 
 
-@pytest.mark.parametrize("rules", ["zero2", "fsdp_tp_sp"])
-def test_gradient_accumulation_equals_whole_batch(rules, reference_batch32):
+@pytest.mark.parametrize(
+    ("rules", "mesh", "overrides"),
+    [
+        ("zero2", LAYOUTS["zero2"], ()),
+        ("fsdp_tp_sp", LAYOUTS["fsdp_tp_sp"], ()),
+        # HSDP, one sequence per device in each microbatch, the chunked loss
+        ("zero3", {"data": 2, "fsdp": 4}, ("model.loss_chunk=8",)),
+    ],
+    ids=["zero2", "fsdp_tp_sp", "zero3-hsdp-chunked"],
+)
+def test_gradient_accumulation_equals_whole_batch(rules, mesh, overrides, reference_batch32):
     _, ref_loss, ref_grads, ref_params, *_ = reference_batch32
-    config = tiny_config("train.global_batch=32", "train.microbatches=4", rules=rules, mesh=LAYOUTS[rules])
+    config = tiny_config("train.global_batch=32", "train.microbatches=4", *overrides, rules=rules, mesh=mesh)
     _, loss, grads, params, *_ = run_steps(Trainer.build(config))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
     assert_trees_close(grads, ref_grads)

@@ -62,6 +62,18 @@ def test_pipeline_matches_single_device(schedule, p, m, v, reference):
     assert_trees_close(grads, ref_grads)
 
 
+@pytest.mark.parametrize("rules, mesh", [("pp", MESHES[2]), ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2})])
+def test_the_chunked_loss_inside_a_stage_matches_single_device(rules, mesh, reference):
+    """``model.loss_chunk`` on the last stage (the plan proposes it with pipelines): the chunked head's scan
+    carries its gradient typed as varying over the stage's manual axes; loss and gradients equal one device."""
+    initial, batches, ref_loss, ref_grads, *_ = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.loss_chunk=8", rules=rules, mesh=mesh))
+    params = jax.device_put(initial.params, trainer.param_shardings())
+    loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
+    assert close(loss, ref_loss)
+    assert_trees_close(grads, ref_grads)
+
+
 def test_evaluation_runs_the_forward_table(reference):
     """Without a gradient the loop runs the forwards only, the loss in the last stage's forward slot."""
     initial, batches, ref_loss, *_ = reference

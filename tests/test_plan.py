@@ -118,15 +118,34 @@ def test_plan_70b_on_64_gpus_keeps_tensor_parallelism_in_a_node(plan70b):
         assert not crosses_nodes(["tensor"], c.layout.mesh(), cluster.devices_per_node)
 
 
+SMALL = {"device": "small", "memory_bytes": 4.0e6, "peak_flops": 1.0e12, "intra_bandwidth": 1.0e11,
+         "inter_bandwidth": 1.0e10, "devices_per_node": 8}  # a made-up device the test model nearly fills
+
+
+def test_every_family_the_plan_writes_traces(tmp_path):
+    # One layout of each family (and collective-matmul choice) the plan ranks for the test model, each also with
+    # the chunked loss, and context parallelism alone and inside a stage (CP needs 512 tokens per device in a
+    # search): each lowers as the trainer builds it. The chunked loss inside a stage once failed to trace.
+    cluster_file = tmp_path / "small.yaml"
+    cluster_file.write_text(yaml.safe_dump(SMALL))
+    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))
+    config = load_config(None, [f"model={tmp_path / 'tiny.yaml'}"])
+    result = plan.search(config.model, param_table(config), load_cluster(str(cluster_file)), 16 * 32, 32, top=0)
+    one = {(c.layout.family, c.layout.tp_overlap): c.layout for c in result.candidates}
+    assert any(lay.stage > 1 for lay in one.values()) and len(one) >= 12
+    layouts = [*one.values(), plan.Strategy(data=2, context=4, micro_batch=2),
+               plan.Strategy(stage=2, context=2, tensor=2, pipeline_microbatches=2, micro_batch=4)]
+    for layout in layouts + [dataclasses.replace(lay, loss_chunk=8) for lay in layouts]:
+        trainer = Trainer.build(plan.config_for(layout, tiny_model(), 32), jax.devices()[: layout.devices])
+        trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch())
+
+
 @pytest.mark.slow
 def test_written_plan_compiles_as_predicted(tmp_path):
     # Step 1-3 on the test model for a made-up small device, then the compiled check of the best two.
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))
     cluster_file = tmp_path / "small.yaml"
-    cluster_file.write_text(yaml.safe_dump({
-        "device": "small", "memory_bytes": 4.0e6, "peak_flops": 1.0e12, "intra_bandwidth": 1.0e11,
-        "inter_bandwidth": 1.0e10, "devices_per_node": 8,
-    }))
+    cluster_file.write_text(yaml.safe_dump(SMALL))
     config = load_config(None, [f"model={tmp_path / 'tiny.yaml'}"])
     params = param_table(config)
     result = plan.search(config.model, params, load_cluster(str(cluster_file)), 16 * 32, 32, top=2)

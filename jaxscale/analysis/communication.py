@@ -20,7 +20,8 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   ``model.param_dtype``;
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
-  ids; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
+  ids; each device's slice of the table's gradient is all-reduced over the replicas (HSDP) each
+  microbatch; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
   is gathered over ``tensor`` and its gradient all-reduced (under ZeRO-1/2 too, unless a
   microbatch's looked-up activations are smaller than the table: then their gradients go
   to the slice's owners, all-to-all, as the compiled step does); the output head is gathered
@@ -138,10 +139,9 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: 
     if sp.gathered:
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "forward", False)
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "backward", False)
-        if sp.reduced:  # with replicas too (HSDP) the whole table's gradient is all-reduced
-            out += flow("embedding gradient", "all-reduce", sp.gathered + sp.reduced, grad, 1, layout, "backward",
-                         True)
-        return out
+        # Each device scatters its rows' gradients into its slice of the table: summed over the replicas (HSDP).
+        return out + _gradient_all_reduce("embedding gradient", sp.reduced, grad / layout.size(sp.gathered), micro,
+                                          layout)
     if sp.scattered:
         out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward", True)
     shard = grad / layout.size(sp.scattered)

@@ -60,21 +60,26 @@ def embed_tokens(
     table's ``embed``, for every token that those axes will split the batch or sequence over (the
     token ids are gathered there: 4 bytes a token). Each such mesh axis then moves on its own, from
     the hidden dimension to the batch or sequence dimension the rules give it (one all-to-all per
-    axis, forward and backward). Left to find the path in one step, XLA finds none when the tokens
-    and the table are split over different sets of axes (``ep_fsdp``: batch over fsdp x expert,
-    embed over fsdp; ``fsdp_cp``: embed over fsdp x context, the sequence over context) and
-    replicates the whole activation ("involuntary full rematerialization"). Where the table's axes
-    are the minor end of one dimension's (``zero3``, ``fsdp_tp``: embed over fsdp, batch over data x
-    fsdp), one all-to-all does it and XLA finds it: the lookup is left to the partitioner.
+    axis, forward and backward); the backward's constraints bring the rows' gradients back to the
+    table's layout, where each device scatters them into its slice of the table (summed over the
+    replicas of HSDP's ``data`` once per microbatch). Left to find the path in one step, XLA finds
+    none when the tokens and the table are split over different sets of axes (``ep_fsdp``: batch
+    over fsdp x expert, embed over fsdp; ``fsdp_cp``: embed over fsdp x context, the sequence over
+    context) and replicates the whole activation ("involuntary full rematerialization"), nor, in the
+    backward, when the batch has replicas besides (HSDP, ``zero3`` and ``fsdp_tp`` with ``data`` > 1:
+    it gathers the whole activation on every device, or all-reduces the whole table's gradient over
+    every device). Where a dimension is split over the table's axes alone (batch over fsdp, embed
+    over fsdp), one all-to-all does it and XLA finds it; under sequence parallelism XLA gathers the
+    whole table (over ``fsdp`` and ``tensor``): the lookup is left to the partitioner.
     """
     current = active()
     hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
     target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
-    moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
-    if not hidden or any(target[d][-len(hidden):] == hidden for d in (0, 1)):
-        # XLA's own path: one all-to-all moves the table's axes to the minor end of one dimension.
+    if not hidden or hidden in target[:2] or current[1].sequence_axes:
+        # XLA's own path: one all-to-all moves the table's axes to the dimension they alone split.
         return constrain(precision.take(table, tokens, grads).astype(dtype), RESIDUAL)
     mesh, place = current
+    moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
     given = [place.mesh_axes((name,)) for name in TOKENS]  # how the token ids arrive
     dims: list[list[str]] = [[], [], list(hidden)]
     for d in (0, 1):  # the token ids stay split over the axes that come before any moving one
