@@ -7,7 +7,8 @@ bytes within 5% of the collectives inspected in the HLO (reduce-scatter reading)
 SP, CP (ring attention), PP (alone, with FSDP, with FSDP and TP, with CP; 1F1B, GPipe and interleaved
 1F1B) and EP, remat on and off. The pipelined lines run two layers per chunk: with one, XLA hoists
 the stage's FSDP gathers out of the loop (the model counts them per tick). One runs at seq_len 256,
-where dot attention's s x s buffers in the backward slot are most of the step (at 32 they are not).
+where dot attention's s x s buffers in the backward slot are most of the step (at 32 they are not); one
+at seq_len 2048 under full remat, where a recomputed layer's MLP backward is most of the step.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ LAYOUTS = [
     ("pp", {"stage": 2, "data": 4}, "model.layers=4", "train.seq_len=256", "model.attention=blockwise"),
     ("tp_sp", {"data": 2, "tensor": 4}, "model.layers=4", "train.seq_len=512", "model.attention=blockwise",
      "model.attention_block=128"),
+    # a recomputed layer's MLP backward past its attention's tiles (0.73x compiled when SwiGLU's counted 6f, not 9f)
+    ("dp", {"data": 8}, "model.layers=4", "train.seq_len=2048", "model.attention=blockwise",
+     "model.attention_block=128", "model.remat=full"),
 ]
 
 

@@ -21,17 +21,20 @@ optimizer state, gradients and parameters in turn):
   loop keeps the stage inputs its schedule has in flight (``Table.act_slots``) and fp32 gradient
   accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
   with no remat inside (:func:`_pipeline`);
-* the transient peak: the larger of one layer's backward (its residuals' cotangents and
-  its unreduced weight gradient; under full recomputation its recomputed residuals and the
-  gradient buffers at the backward's peak, :func:`recomputed_backward`; with blockwise or ring
-  attention the kernel's score tiles at its attention peak, :func:`tile_buffers`) and the loss (logits
-  in the compute dtype and fp32, their exponentials and gradient; of ``model.loss_chunk``
-  tokens per sequence when chunked);
-* the output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the
-  loss through the layers' backward (the compiled 70B step holds two whole vocab x embed
-  tables, tied or not);
-* under SP the embedding table gathered whole (its shard_map looks rows up in the whole
-  table) and its gradient, reduced whole (:mod:`jaxscale.analysis.communication`).
+* the transient peak: the larger of one layer's backward and the loss. The layer backward: its
+  unreduced weight gradient and the larger of its MLP's peak (without remat the residuals copied
+  out of the stack, :func:`sliced_backward`; under full recomputation its recomputed residuals,
+  :func:`recomputed_backward`; both with the norms' recomputed pieces and SwiGLU's gradient buffers,
+  :func:`_mlp_backward_buffers`) and its attention's (its residuals' cotangents, with blockwise or
+  ring attention the kernel's score tiles, :func:`tile_buffers`, with ``dot`` the masked scores).
+  The loss: logits in the compute dtype and fp32, their exponentials and gradient (of
+  ``model.loss_chunk`` tokens per sequence when chunked), and the gathered head or SP's gathered
+  embedding table (below);
+* the output head gathered over the token axes (ZeRO-3) and its whole gradient; under SP the
+  embedding table gathered whole (its shard_map looks rows up in the whole table) and its gradient,
+  reduced whole (:mod:`jaxscale.analysis.communication`). The gradient is held through the layers'
+  backward, the gathered table at the loss (as compiled on the test model: one vocab x embed buffer
+  at the layer backward's peak);
 
 Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`jaxscale.analysis.formulas.korthikanti`)
 count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.models.lean`: a norm's input
@@ -136,38 +139,84 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     return kept
 
 
+def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
+    """The buffers a layer's backward holds at its MLP's peak besides the layer's residuals (per token).
+
+    As compiled: each RMSNorm's backward recomputes its normalized input and materialises its statistic
+    broadcast to the width (fp32, 2h per norm; the attention norm's are made at the layer backward's start,
+    so both norms' are live: 4h); the block output's gradient and its copy transposed for the down
+    projection's weight gradient (gathered whole under SP); SwiGLU's backward: the hidden's gradient, the
+    gate's and the up's each in the layout of the matmul for the input's gradient and transposed for the
+    weight's, and the sigmoid recomputed (6f); and with blockwise or ring attention the attention
+    backward's zero-initialised fp32 accumulators, which XLA schedules before the MLP's backward: ``dq``
+    and the per-tile ``dk`` and ``dv`` it sums after the loop (a·d_h + 2·g·d_h).
+    """
+    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    fe = _mlp_per_token(m)
+    held = [
+        Activation("norms' normalized inputs and broadcast statistics", 4 * h, RESIDUAL, "fp32"),
+        Activation("block output's gradient", h, RESIDUAL),
+        Activation("block output's gradient, transposed (gathered under SP)", h, HIDDEN),
+        Activation("hidden's, gate's and up's gradients, the latter two in two layouts", 5 * fe, MLP_AXES),
+        Activation("sigmoid of the gate", fe, MLP_AXES, "fp32"),
+    ]
+    if m.attention in ("blockwise", "ring"):
+        held += [Activation("dq accumulator", a * d, Q_AXES, "fp32"),
+                 Activation("per-tile dk, dv accumulators", 2 * g * d, KV_AXES, "fp32")]
+    return held
+
+
+def sliced_backward(m: ModelConfig, seq_len: int) -> list[Activation]:
+    """What the backward of a layer without remat (``model.remat: none``) holds at its MLP's peak beside
+    the scan's stack of residuals: the residuals XLA copies out of the stack for the layer, which are the
+    attention's own and the normed inputs (the norms' inputs and statistics, gate, up and hidden are read
+    in place), and :func:`_mlp_backward_buffers`.
+
+    On the test model with blockwise attention (h = 64, f = 128, a·d_h = 64, g·d_h = 32, a = 8) that is
+    2h + 3·a·d_h + 2·g·d_h + a + 4h + 2h + 6f + a·d_h + 2·g·d_h = 1672 elements per token, the
+    compiled step's 1608 and a transposed gradient XLA:CPU frees before the peak (dp, seq_len 2048).
+    """
+    in_place = {"norm inputs", "norm statistics", "gate, up, hidden"}
+    sliced = [r for r in layer_residuals(m, "none", seq_len) if r.name not in in_place]
+    return sliced + _mlp_backward_buffers(m)
+
+
+def saved_dots_backward(m: ModelConfig, seq_len: int) -> list[Activation]:
+    """What the backward of a layer under ``model.remat: save_dots`` holds at its MLP's peak beside the scan's
+    stack: :func:`recomputed_backward`'s MLP peak less what the stack holds beyond the layer input (q, k, v,
+    the attention projection, gate and up are read from it, not recomputed).
+
+    On the test model with blockwise attention: 2122 − 448 = 1674 elements per token against 1616 compiled
+    (dp, seq_len 2048: 6f of SwiGLU's, 10 buffers of h or a·d_h, 6 of g·d_h, the kernel's statistics)."""
+    saved = [r for r in layer_residuals(m, "save_dots", seq_len) if r.name != "layer input"]
+    return recomputed_backward(m, seq_len)[0] + [dataclasses.replace(r, per_token=-r.per_token) for r in saved]
+
+
 def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
     """What the backward of one fully recomputed layer (``model.remat: full``) holds at its two peaks,
     besides its weight gradients: the layer's residuals of ``none``, recomputed, and the gradient buffers.
 
     The backward runs the MLP first, then attention; a residual is freed after its last use. Per token:
 
-    - the MLP's peak: every residual of ``none`` (:func:`layer_residuals`) is alive, and every
-      gradient buffer of the MLP's backward: the block output's (h), SwiGLU's hidden, gate and up
-      (3f), and the normed input's two partial gradients, from the gate and the up projections,
-      before they are summed (2h; under TP each is whole, as XLA reduces them apart):
-      ``none + 3h + 3f``;
+    - the MLP's peak: every residual of ``none`` (:func:`layer_residuals`) is alive but the layer input
+      (the remat stack's slice, read in place), with :func:`_mlp_backward_buffers`:
+      ``none − h + 4h + 2h + 6f (+ a·d_h + 2·g·d_h)``;
     - the attention's peak: the MLP's residuals are gone (its norm's input, normed input and
       statistic, gate, up, hidden: 2h + 1 + 3f); the gradients are the residual stream's (h), the
       attention output's (a·d_h) and, with ``dot`` attention, the probabilities' turned into the
       scores' in place (a·s, fp32): ``none − 2h − 1 − 3f + h + a·d_h (+ a·s)``.
 
     The larger of the two is the layer's backward transient (plus its weight gradients, counted by
-    the caller); without recomputation the residuals are counted with the activations and the
-    transient is their cotangents, ``none`` again. With ``dot`` attention on the tiny test model
-    (h = 64, f = 128, a·d_h = 64, g·d_h = 32, a·s = 256: ``none`` = 1362 elements) the MLP's peak,
-    1362 + 192 + 384 = 1938, is 1.42x ``none``; with flash-style attention at Llama 3 8B's widths,
-    (4h + 3·a·d_h + 2·g·d_h + 3f + 3h + 3f) / (4h + 3·a·d_h + 2·g·d_h + 3f) = 1.75x.
+    the caller). With blockwise attention on the tiny test model (h = 64, f = 128, a·d_h = 64,
+    g·d_h = 32, a = 8: ``none`` = 906 elements) the MLP's peak is 906 − 64 + 256 + 128 + 768 + 128 =
+    2122, against 2085 compiled (zero3, seq_len 2048: 9f of SwiGLU's, 12 buffers of h or a·d_h, 4 of
+    g·d_h); at Llama 3 8B's widths (h = 4096, f = 14336, a·d_h = 4096, g·d_h = 1024) it is 2.4x ``none``
+    (cudnn) to 2.5x (blockwise).
     """
     h, a, d = m.embed, m.heads, m.head_dim
     fe = _mlp_per_token(m)
     residuals = layer_residuals(m, "none", seq_len)
-    mlp = [
-        *residuals,
-        Activation("output gradient", h, RESIDUAL),
-        Activation("hidden, gate, up gradients", 3 * fe, MLP_AXES),
-        Activation("normed input's gradients from gate and up", 2 * h, HIDDEN),
-    ]
+    mlp = [*residuals, Activation("layer input (the stack's)", -h, RESIDUAL), *_mlp_backward_buffers(m)]
     attention = [
         *residuals,
         Activation("MLP norm input (freed)", -h, RESIDUAL),
@@ -223,12 +272,12 @@ def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout
     return rows * step.seq_len * act.per_token * _bytes_of(act, m) / layout.ways(act.axes)
 
 
-def _recomputed_peak(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
+def _recomputed_peak(m: ModelConfig, layout: Layout, step: Step, rows: float, select: float = 0.0) -> float:
     """Bytes per device at the larger of :func:`recomputed_backward`'s peaks, the attention's with the
-    kernel's score tiles (:func:`tile_buffers`)."""
+    kernel's score tiles (:func:`tile_buffers`) and ``select`` (dot attention's masked scores)."""
     mlp, attention = (sum(_per_device(r, rows, step, m, layout) for r in peak)
                       for peak in recomputed_backward(m, step.seq_len))
-    return max(mlp, attention + tile_buffers(m, layout, step, rows))
+    return max(mlp, attention + tile_buffers(m, layout, step, rows) + select)
 
 
 def _layers_here(m: ModelConfig, layout: Layout, step: Step) -> float:
@@ -263,25 +312,37 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         kept_weights = layer_elems(params, layout, reduced=True)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    # dot attention's causal mask: broadcast to the scores (bool) and, at the attention's peak, the select's fp32
+    # output; recomputed under full remat, where the step keeps one bool s x s from an iota
+    select = 0.0 if m.attention in FLASH_ATTENTION else _per_device(
+        Activation("mask", m.heads * step.seq_len, SCORES, "fp32"), rows, step, m, layout)
     tiles = tile_buffers(m, layout, step, rows)
     if m.remat == "full":
-        everything = _recomputed_peak(m, layout, step, rows)
-    else:  # the tiles beside the layer's cotangents (the MLP's among them: an upper bound)
-        everything += tiles
+        everything = _recomputed_peak(m, layout, step, rows, select)
+    else:  # the tiles beside the layer's cotangents (an upper bound of the attention's peak), or the MLP's peak
+        everything += tiles + select
+        mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": saved_dots_backward(m, step.seq_len)}
+        if m.remat in mlp:
+            everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
     layer_backward = everything + kept_weights * cbytes
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
-    # The output head gathered over the token axes (ZeRO-3) and its whole gradient, held from the loss through
-    # the layers' backward (its reduce-scatter overlaps them). Under SP the whole embedding table and its
-    # gradient take that place (the compiled SP steps hold those two, not the head's as well).
+    # The output head gathered over the token axes (ZeRO-3) and its whole gradient (its reduce-scatter overlaps
+    # the layers' backward). Under SP the whole embedding table and its gradient take that place.
     sp = bool(layout.sequence_axes)
     heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
     head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, stack) for p in heads)
                                   if s.gathered) * pbytes
     activations = layers * per_layer
+    # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
+    table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
+                for p in params if p.is_embedding) * pbytes if sp else 0.0
+    # Of the two tables, the gradient is held through the layers' backward, the gathered copy at the loss only
+    # (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient).
+    loss += (head + 2 * table) / 2
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
@@ -292,20 +353,40 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "pipeline copies": 0.0,
         "activations": activations,
         "transient": max(layer_backward, loss),
-        # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
-        "embedding": 2 * sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
-                             for p in params if p.is_embedding) * pbytes if sp else 0.0,
-        "head": head,
+        "embedding": table,
+        "head": head / 2,
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
     if m.attention not in FLASH_ATTENTION:
-        # The layer scan keeps the causal mask broadcast to the scores (bool) and the select's output (fp32).
-        mask = Activation("mask", m.heads * step.seq_len, SCORES, "fp32")
-        out["mask"] = _per_device(mask, rows, step, m, layout) * 5 / 4
+        out["mask"] = float(step.seq_len**2) if m.remat == "full" else select / 4
     if pipelined:
         _pipeline(m, params, layout, step, rows, out)
     out["total"] = sum(out.values())
     return out
+
+
+def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
+    """What the last stage's top layer holds at the loss in its backward slot beyond its ``none`` residuals,
+    per token. Its recomputed forward is linearized: each of its two norms keeps its normalized input (fp32,
+    2h); the final norm keeps its input (the layer's output), normalized input and output (3h); SwiGLU the
+    gate's sigmoid and silu (2f; 5f in all); the residual stream's cotangent is zero-initialised (h); and
+    blockwise and ring attention's backward zero-initialises its fp32 ``dq`` and per-tile ``dk``, ``dv``,
+    scheduled before the loss.
+
+    As compiled (pp; seq_len 32, 512: these; at 2048 XLA:CPU's YNNPACK reductions also materialise each of
+    the three norms' statistic and scale broadcast to the width, 6h more, not counted)."""
+    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
+    fe = _mlp_per_token(m)
+    held = [
+        Activation("norms' normalized inputs", 2 * h, RESIDUAL, "fp32"),
+        Activation("final norm's input, normalized input, output", 3 * h, RESIDUAL, "fp32"),
+        Activation("gate's sigmoid and silu", 2 * fe, MLP_AXES, "fp32"),
+        Activation("residual stream's zero cotangent", h, RESIDUAL),
+    ]
+    if m.attention in ("blockwise", "ring"):
+        held += [Activation("dq accumulator", a * d, Q_AXES, "fp32"),
+                 Activation("per-tile dk, dv accumulators", 2 * g * d, KV_AXES, "fp32")]
+    return held
 
 
 def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float,
@@ -314,16 +395,17 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
 
     The loop keeps, for each microbatch in flight, the inputs of the chunk's L/(p·v) layers, and the
     gradients waiting for a backward (``Table.act_slots``, ``grad_slots``; XLA:CPU holds two buffers
-    per slot across a tick, as compiled); the fp32 gradient accumulators of the stage's blocks
-    (handed on as the gradients where the stage has no partitioner axes; kept beside them where it
-    has) and of its own copy of the embedding, final norm and head, and that copy, gathered over
-    the stage's axes; with v > 1 the stage's blocks rearranged into chunks. ``model.remat`` is not
-    applied inside a stage: the backward slot recomputes one layer at a time from its input and
-    holds that layer's ``none`` residuals for one microbatch, with either the head's loss (the last
-    layer of the last stage) or the layer backward's gradient buffers (the larger of
-    :func:`recomputed_backward`'s peaks, the attention's with blockwise or ring attention's score
-    tiles, :func:`tile_buffers`), whichever is larger, and one layer's gathered weights or
-    unreduced weight gradient.
+    per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; the fp32
+    gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
+    partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
+    and head, and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged
+    into chunks. ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
+    at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
+    the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
+    the gradient and its transpose, and :func:`_top_layer_at_loss`) or the layer backward's gradient
+    buffers (the larger of :func:`recomputed_backward`'s peaks, the attention's with blockwise or ring
+    attention's score tiles, :func:`tile_buffers`), whichever is larger, and one layer's gathered
+    weights or unreduced weight gradient.
 
     What XLA keeps of ``dot`` attention's s x s buffers there (the recomputed forward and the backward
     are one computation, so nothing is a saved residual): three fp32 of one microbatch's scores at
@@ -348,14 +430,16 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     cotangents = _recomputed_peak(m, layout, step, rows) - none
     chunk = _layers_here(m, layout, step) / step.repeats  # the largest chunk's: every stage keeps room for it
     logits = _per_device(Activation("logits", m.vocab_size, LOGITS), rows, step, m, layout)
-    loss = logits * (dtype_bytes(m.dtype) + 12) / dtype_bytes(m.dtype)
+    loss = logits * (dtype_bytes(m.dtype) + 8) / dtype_bytes(m.dtype)
     if m.loss_chunk:
         loss *= m.loss_chunk / step.seq_len
+    loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
                 for p in params if not p.in_layers)
-    out["activations"] = 2 * (table.act_slots * chunk + table.grad_slots) * x
+    # the backward slot copies its chunk's inputs out of the stash, held through the slot
+    out["activations"] = (2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
