@@ -21,8 +21,11 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
   ids; each device's slice of the table's gradient is all-reduced over the replicas (HSDP) each
-  microbatch; under TP a vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself
-  is gathered over ``tensor`` and its gradient all-reduced (under ZeRO-1/2 too, unless a
+  microbatch; unless the table is small next to the activations (ZeRO-3 at long sequences: the
+  partitioner keeps the way with the smaller largest buffer, :func:`_gathers_table`): then the
+  table is gathered once and its gradient reduce-scattered each microbatch; under TP a
+  vocabulary-parallel lookup all-reduces b·s·h, under SP the table itself is gathered over
+  ``tensor`` and its gradient all-reduced (under ZeRO-1/2 too, unless a
   microbatch's looked-up activations are smaller than the table: then their gradients go
   to the slice's owners, all-to-all, as the compiled step does); the output head is gathered
   once forward under ZeRO-3 (and reused backward);
@@ -111,9 +114,25 @@ def gradient_bytes(m: ModelConfig, step: Step) -> int:
     return max(dtype_bytes(m.dtype), dtype_bytes(step.reduce_dtype))
 
 
-def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: int, gbytes: int,
+def _gathers_table(table: float, bsh: float, ids: float, n: int) -> bool:
+    """Whether XLA's partitioner gathers the table sharded over ``n`` devices to look rows up, rather than look
+    them up on the shards and move the activations (all-to-all).
+
+    It dry-runs each way of partitioning the lookup (``GatherPartitionMethodsOrderedByCost`` in XLA's
+    gather_scatter_handler.cc) and keeps the one whose largest buffer is smallest, a buffer's cost being one
+    instruction's result plus its operands (``SpmdPartitioner::MemoryCostInBytes``): on the shards, the lookup
+    (the table's shard, every device's ids, ``bsh``) or the all-to-all (``bsh`` in and out); gathered, the
+    all-gather (shard and table) or the lookup (table, the device's ids, ``bsh``). Ties keep the shards.
+    """
+    on_shards = max(table / n + n * ids + bsh, 2 * bsh)
+    gathered = table + max(table / n, ids + bsh)
+    return gathered < on_shards
+
+
+def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: float, pbytes: int, gbytes: int,
                      sp_axes: Sequence[str], vocab_axes: Sequence[str]) -> list[Flow]:
-    """The lookup table: rows are looked up where they live, the activations move (see the module docstring)."""
+    """The lookup table: rows are looked up where they live, the activations move, or where the table is small
+    next to them it is gathered (:func:`_gathers_table`; see the module docstring)."""
     micro = step.microbatches
     table, grad = sp.whole * pbytes, sp.whole * gbytes
     lookup = "embedding lookup: activations"
@@ -136,6 +155,12 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, pbytes: 
         out += flow("embedding gradient", "all-reduce", vocab_axes, full_grad, 1, layout, "backward", True)
         return out + flow("embedding gradient", kind, sp.gathered + sp.scattered + sp.reduced, full_grad, 1, layout,
                           "backward", True)
+    if sp.gathered and not sp.reduced and _gathers_table(table, bsh, ids, layout.size(sp.gathered)):
+        # The table is gathered (once) and looked up locally; its whole gradient is reduce-scattered onto the
+        # shards each microbatch (an all-reduce sliced to 1/n on XLA:CPU). Under HSDP (the table replicated over
+        # axes that split the ids) the compiled step kept the all-to-all where this rule would gather: not modelled.
+        out += flow("embedding table", "all-gather", sp.gathered, table, 1, layout, "forward", False)
+        return out + flow("embedding gradient", "reduce-scatter", sp.gathered, grad, micro, layout, "backward", True)
     if sp.gathered:
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "forward", False)
         out += flow(lookup, "all-to-all", sp.gathered, bsh, micro, layout, "backward", False)
@@ -158,7 +183,8 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
     if layout.pipelined and not p.in_layers:
         out += _pipeline_outer_flows(p, sp, layout, step, pbytes)
     elif p.is_embedding:
-        out += _embedding_flows(sp, layout, step, bsh, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
+        ids = bsh / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
+        out += _embedding_flows(sp, layout, step, bsh, ids, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
     else:
         unit, grad = sp.unit * pbytes, sp.unit * gbytes
         runs = step.microbatches * sp.count
