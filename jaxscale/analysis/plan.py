@@ -458,7 +458,7 @@ def reasons(ranked: Sequence[Candidate]) -> list[str]:
                 line += f"; beats #{i + 2} by {100 * gap / total:.1f}% ({_time(gap)}): {_time(diffs[why])} less {why}"
             elif c.memory["total"] < nxt.memory["total"] - 1e6:
                 line += (f"; ties #{i + 2} on time (within 0.1%), needs less memory "
-                         f"({_gb(c.memory['total'])} vs {_gb(nxt.memory['total'])} GB)")
+                         f"({c.memory['total'] / 1e9:.2f} vs {nxt.memory['total'] / 1e9:.2f} GB)")
             else:
                 line += f"; ties #{i + 2} on time and memory, the simpler layout"
         lines.append(line + _bubble_note(c))
