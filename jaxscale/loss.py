@@ -134,16 +134,11 @@ def _cross_entropy_bwd(chunk: int, residuals: Any, g: jax.Array) -> tuple[jax.Ar
         dw = dw + jnp.einsum("sbce,sbcv->sev", by_shard(h), by_shard(dlogits), preferred_element_type=jnp.float32)
         return constrain(dw, SHARD_HEAD), constrain(dh.astype(hidden.dtype), HIDDEN)
 
-    dw0 = _varying_like(constrain(jnp.zeros((shards, *w.shape), jnp.float32), SHARD_HEAD), hidden, w)
+    # Inside a pipeline stage's shard_map the scan's carry is typed as varying as its body's output.
+    manual = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (hidden, w)))))
+    dw0 = pipeline.vary(constrain(jnp.zeros((shards, *w.shape), jnp.float32), SHARD_HEAD), manual)
     dw, dh = jax.lax.scan(body, dw0, (_chunks(hidden, chunk), _chunks(targets, chunk), lse))
     return _unchunk(dh), _sum_shards(dw).astype(w.dtype), None
-
-
-def _varying_like(x: jax.Array, *like: jax.Array) -> jax.Array:
-    """``x`` typed as varying over the manual mesh axes ``like`` vary over (inside a pipeline stage's
-    ``shard_map``: the scan's carry must match its body's output); unchanged outside one."""
-    axes = tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))))
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def _sum_shards(dw: jax.Array) -> jax.Array:

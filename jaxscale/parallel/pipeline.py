@@ -121,7 +121,7 @@ def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> j
     return lax.dynamic_update_slice(buf, jnp.where(slot >= 0, x, old)[None], start)
 
 
-def _vary(tree: Any, axes: tuple[str, ...]) -> Any:
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
     """``tree`` typed as varying over ``axes`` (each device's own values: no sum is inserted in autodiff)."""
 
     def cast(x: jax.Array) -> jax.Array:
@@ -203,7 +203,7 @@ def objective(
         """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
         y, aux = nnx.merge(block_graph, lp)(h, pos)
         metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
-        return _vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
+        return vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
 
     def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """A layer slot of a chunk: the layer where ``real``, else the identity (uneven stages' unused slots:
@@ -211,7 +211,7 @@ def objective(
         if not uneven:
             return layer(lp, h, pos)
         met = {k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}
-        passed = _vary((h, jnp.zeros((), jnp.float32), met), manual)
+        passed = vary((h, jnp.zeros((), jnp.float32), met), manual)
         if skip:
             return lax.cond(real, lambda: layer(lp, h, pos), lambda: passed)
         return jax.tree.map(lambda o, z: jnp.where(real, o, z), layer(lp, h, pos), passed)
@@ -245,13 +245,13 @@ def objective(
                 lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
-            return _loop(*_vary((outer, params, xs), manual), step)
+            return _loop(*vary((outer, params, xs), manual), step)
 
     def _loop(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         stage = lax.axis_index(AXIS)
         rows, length = xs["inputs"].shape[1:]
-        h0 = _vary(jnp.zeros((rows, length, c.embed), dtype), manual)
-        zero_metrics = _vary({k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}, manual)
+        h0 = vary(jnp.zeros((rows, length, c.embed), dtype), manual)
+        zero_metrics = vary({k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}, manual)
 
         def take(pc_all: Any, chunk_: jax.Array) -> Any:
             return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, chunk_, keepdims=False), pc_all)
@@ -263,7 +263,7 @@ def objective(
         def when(pred: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
             """``f()`` where ``pred``, else ``zeros``: skipped by a conditional, or computed and masked."""
             if skip:
-                return lax.cond(pred, lambda: _vary(f(), manual), lambda: _vary(zeros, manual))
+                return lax.cond(pred, lambda: vary(f(), manual), lambda: vary(zeros, manual))
             return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
 
         def stage_input(first: jax.Array, i: jax.Array, src: jax.Array, acts: jax.Array) -> jax.Array:
@@ -276,9 +276,9 @@ def objective(
             every stage: ``f`` then runs on every stage in the ticks where one stage needs it (``anywhere``),
             masked elsewhere."""
             if skip:
-                return lax.cond(last, lambda: _vary(f(), manual), lambda: _vary(zeros, manual))
+                return lax.cond(last, lambda: vary(f(), manual), lambda: vary(zeros, manual))
             return lax.cond(
-                anywhere, lambda: _vary(when(last, f, zeros), manual), lambda: _vary(zeros, manual)
+                anywhere, lambda: vary(when(last, f, zeros), manual), lambda: vary(zeros, manual)
             )
 
         def head_grad(
@@ -350,10 +350,10 @@ def objective(
                         (kind == LAST) & (k == top), anywhere & (k == top), y, xs["targets"][i], acc_outer
                     )
                     dy = jnp.where(k == top, jnp.where(on, jnp.where(kind == LAST, dy_head, grads[grad]), 0), dx)
-                    d_lp, dx = pull(_vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
+                    d_lp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), manual))
                     return (dx, add(acc, k, d_lp), acc_outer, loss + head_loss + obj), met
 
-                init = _vary((h0, acc, acc_outer, jnp.zeros((), jnp.float32)), manual)
+                init = vary((h0, acc, acc_outer, jnp.zeros((), jnp.float32)), manual)
                 (dx, acc_new, new_outer, loss), mets = lax.scan(down, init, jnp.arange(top + 1), reverse=True)
                 return acc_new, new_outer, dx, loss, jax.tree.map(jnp.sum, mets)
 
@@ -396,7 +396,7 @@ def objective(
         acc_outer = jax.tree.map(lambda w: jnp.zeros(w.shape, f32), outer) if step.train else {}
         acts = jnp.zeros((step.act_slots, layers // (p * v), *h0.shape), dtype)
         grads = jnp.zeros((step.grad_slots if step.train else 1, *h0.shape), dtype)
-        init = _vary((acts, grads, acc, acc_outer, jnp.zeros((), f32), zero_metrics), manual)
+        init = vary((acts, grads, acc, acc_outer, jnp.zeros((), f32), zero_metrics), manual)
         cols = {k: jnp.asarray(a) for k, a in step.arrays().items()}
         (_, _, acc, acc_outer, loss, metrics), _ = lax.scan(tick, init, cols)
         metrics = jax.tree.map(lambda a: a / (steps * m), metrics)
