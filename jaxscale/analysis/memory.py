@@ -70,6 +70,7 @@ REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, lo
     "mlp_out": ("h", RESIDUAL),
 }
 FLASH_ATTENTION = ("blockwise", "ring", "cudnn")  # no s x s scores kept
+TILED_ATTENTION = ("blockwise", "ring")  # ... their score tiles in device memory (cudnn keeps them on chip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +140,16 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     return kept
 
 
+def _attention_accumulators(m: ModelConfig) -> list[Activation]:
+    """Blockwise and ring attention's backward's zero-initialised fp32 accumulators, which XLA schedules
+    early (before the MLP's backward; before the loss in a pipeline's last slot): ``dq`` and the per-tile
+    ``dk``, ``dv`` it sums after the loop (per token)."""
+    if m.attention not in TILED_ATTENTION:
+        return []
+    return [Activation("dq accumulator", m.heads * m.head_dim, Q_AXES, "fp32"),
+            Activation("per-tile dk, dv accumulators", 2 * m.kv_heads * m.head_dim, KV_AXES, "fp32")]
+
+
 def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
     """The buffers a layer's backward holds at its MLP's peak besides the layer's residuals (per token).
 
@@ -148,11 +159,9 @@ def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
     projection's weight gradient (gathered whole under SP); SwiGLU's backward: the hidden's gradient, the
     gate's and the up's each in the layout of the matmul for the input's gradient and transposed for the
     weight's, and the sigmoid recomputed (6f); and with blockwise or ring attention the attention
-    backward's zero-initialised fp32 accumulators, which XLA schedules before the MLP's backward: ``dq``
-    and the per-tile ``dk`` and ``dv`` it sums after the loop (a·d_h + 2·g·d_h).
+    backward's accumulators (:func:`_attention_accumulators`, a·d_h + 2·g·d_h).
     """
-    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
-    fe = _mlp_per_token(m)
+    h, fe = m.embed, _mlp_per_token(m)
     held = [
         Activation("norms' normalized inputs and broadcast statistics", 4 * h, RESIDUAL, "fp32"),
         Activation("block output's gradient", h, RESIDUAL),
@@ -160,10 +169,7 @@ def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
         Activation("hidden's, gate's and up's gradients, the latter two in two layouts", 5 * fe, MLP_AXES),
         Activation("sigmoid of the gate", fe, MLP_AXES, "fp32"),
     ]
-    if m.attention in ("blockwise", "ring"):
-        held += [Activation("dq accumulator", a * d, Q_AXES, "fp32"),
-                 Activation("per-tile dk, dv accumulators", 2 * g * d, KV_AXES, "fp32")]
-    return held
+    return held + _attention_accumulators(m)
 
 
 def sliced_backward(m: ModelConfig, seq_len: int) -> list[Activation]:
@@ -256,7 +262,7 @@ def tile_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> flo
     ``dot`` (its s x s buffers are residuals and the attention peak's gradient) and ``cudnn`` (its
     tiles stay on chip).
     """
-    if m.attention not in ("blockwise", "ring"):
+    if m.attention not in TILED_ATTENTION:
         return 0.0
     tile = attention_tile(m, layout, step.seq_len)
     per_tile = rows * m.heads * tile * tile / layout.ways(("batch", "heads"))
@@ -330,19 +336,17 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
-    # The output head gathered over the token axes (ZeRO-3) and its whole gradient (its reduce-scatter overlaps
-    # the layers' backward). Under SP the whole embedding table and its gradient take that place.
+    # One whole vocab x embed table: the output head gathered over the token axes (ZeRO-3), or under SP the
+    # embedding table gathered whole to look rows up. Its whole gradient is held through the layers' backward
+    # (its reduction overlaps them), the gathered copy at the loss only (as compiled at the layer backward's
+    # peak: one vocab x embed buffer, the gradient).
     sp = bool(layout.sequence_axes)
     heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
-    head = 0.0 if sp else 2 * sum(s.whole for s in (split(p, layout, step, stack) for p in heads)
-                                  if s.gathered) * pbytes
-    activations = layers * per_layer
-    # SP gathers the whole embedding table to look rows up, and reduces its gradient whole.
+    head = 0.0 if sp else sum(s.whole for s in (split(p, layout, step, stack) for p in heads) if s.gathered) * pbytes
     table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
                 for p in params if p.is_embedding) * pbytes if sp else 0.0
-    # Of the two tables, the gradient is held through the layers' backward, the gathered copy at the loss only
-    # (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient).
-    loss += (head + 2 * table) / 2
+    loss += head + table
+    activations = layers * per_layer
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
@@ -354,7 +358,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         "activations": activations,
         "transient": max(layer_backward, loss),
         "embedding": table,
-        "head": head / 2,
+        "head": head,
         "batch": 3 * 4 * step.global_batch * step.seq_len / layout.ways(TOKENS),
     }
     if m.attention not in FLASH_ATTENTION:
@@ -370,23 +374,18 @@ def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
     per token. Its recomputed forward is linearized: each of its two norms keeps its normalized input (fp32,
     2h); the final norm keeps its input (the layer's output), normalized input and output (3h); SwiGLU the
     gate's sigmoid and silu (2f; 5f in all); the residual stream's cotangent is zero-initialised (h); and
-    blockwise and ring attention's backward zero-initialises its fp32 ``dq`` and per-tile ``dk``, ``dv``,
-    scheduled before the loss.
+    blockwise and ring attention's backward accumulators (:func:`_attention_accumulators`).
 
     As compiled (pp; seq_len 32, 512: these; at 2048 XLA:CPU's YNNPACK reductions also materialise each of
     the three norms' statistic and scale broadcast to the width, 6h more, not counted)."""
-    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
-    fe = _mlp_per_token(m)
+    h, fe = m.embed, _mlp_per_token(m)
     held = [
         Activation("norms' normalized inputs", 2 * h, RESIDUAL, "fp32"),
         Activation("final norm's input, normalized input, output", 3 * h, RESIDUAL, "fp32"),
         Activation("gate's sigmoid and silu", 2 * fe, MLP_AXES, "fp32"),
         Activation("residual stream's zero cotangent", h, RESIDUAL),
     ]
-    if m.attention in ("blockwise", "ring"):
-        held += [Activation("dq accumulator", a * d, Q_AXES, "fp32"),
-                 Activation("per-tile dk, dv accumulators", 2 * g * d, KV_AXES, "fp32")]
-    return held
+    return held + _attention_accumulators(m)
 
 
 def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float,
