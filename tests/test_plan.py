@@ -160,10 +160,7 @@ def test_written_plan_compiles_as_predicted(tmp_path):
 def test_cli_plan_with_cudnn_attention_verifies_on_cpu(tmp_path, capsys):
     # cuDNN attention is GPU-only and refuses float32: --verify compiles it as blockwise, and exits 0.
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump({**tiny_model(), "dtype": "bfloat16"}))
-    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump({
-        "device": "small GPU", "memory_bytes": 4.0e6, "peak_flops": 1.0e12, "intra_bandwidth": 1.0e11,
-        "inter_bandwidth": 1.0e10, "devices_per_node": 8,
-    }))
+    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump({**SMALL, "device": "small GPU"}))
     out = tmp_path / "plans" / "best.yaml"
     argv = ["plan", "--model", str(tmp_path / "tiny.yaml"), "--cluster", str(tmp_path / "gpu.yaml"),
             "--global-batch-tokens", "512", "--seq-len", "32", "--attention", "cudnn", "--verify", "1",
