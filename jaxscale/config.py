@@ -36,7 +36,7 @@ MoEDispatch = Literal["capacity", "dropless"]
 MoERouter = Literal["softmax", "sigmoid"]
 # shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
 MoEImpl = Literal["shard_map", "partitioner"]
-DataSource = Literal["stdlib", "tokens"]
+DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
@@ -151,13 +151,14 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
-    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
+    """Where tokens come from: ``builtin`` (the bytes of the corpus shipped with jaxscale), ``stdlib``
+    (the bytes of this Python's standard library sources) or ``tokens`` (a directory written by
+    ``jaxscale prepare-data``, named by ``path``)."""
 
-    source: DataSource = "stdlib"
+    source: DataSource = "builtin"
     path: str | None = None
     max_bytes: int = 8_000_000
-    eval_bytes: int = 400_000
+    eval_bytes: int = 60_000
 
 
 @dataclasses.dataclass
@@ -428,8 +429,9 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
-    if config.data.source == "stdlib" and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
+    if config.data.source in ("builtin", "stdlib") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of "
+                          f"data.source={config.data.source}")
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
