@@ -129,6 +129,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.png:
+        report.check_pyplot()
     config = load_config(args.config, args.overrides)
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     xla_flags.apply(config.xla)
@@ -150,6 +152,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.png:
+        report.check_pyplot()
     if args.calibrate:
         _simulate_cpu_devices(DEFAULT_CPU_DEVICES)  # on a CPU-only host (unless XLA_FLAGS says otherwise)
         # Imports jax: after the simulated device count is in the environment.

@@ -25,7 +25,16 @@ from typing import Any, Literal
 
 import yaml
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+def config_dir() -> Path:
+    """The YAML configs (models, rules, clusters, experiments, bench suites): ``jaxscale/configs`` in an
+    installed wheel (setup.py installs the top-level ``configs/`` there), else a source checkout's ``configs/``."""
+    package = Path(importlib.util.find_spec("jaxscale").origin).parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = config_dir()
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -364,7 +373,10 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read an experiment file (or the defaults), apply ``KEY=VALUE`` overrides, validate."""
+    """Read an experiment (a YAML path, or a name in ``configs/experiments/``; none: the defaults), apply
+    ``KEY=VALUE`` overrides, validate."""
+    if path is not None and not Path(path).exists() and Path(path).suffix not in (".yaml", ".yml"):
+        path = resolve_named(str(path), "experiments")
     raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
     for key in ("rules", "model"):  # a relative path in an experiment file is relative to that file
         value = raw.get(key)
