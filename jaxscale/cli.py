@@ -236,9 +236,10 @@ def _bench(args: argparse.Namespace) -> int:
     result = bench.run_suite(
         args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
         layers=None if layers is None else [int(n) for n in layers], steps=args.steps, warmup=args.warmup,
-        rounds=args.rounds, suites=args.suites, cluster=args.predict,
+        rounds=args.rounds, suites=args.suites, cluster=args.predict, stream=sys.stdout,
     )
-    print(bench.table(result))
+    for line in bench.footer(result):
+        print(line)
     print(f"wrote {bench.write(result, args.out)}")
     return 0
 
