@@ -36,7 +36,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale import precision
+from jaxscale import precision, stage_layers
 from jaxscale.config import Config, ModelConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.layout import TOKENS
@@ -45,7 +45,7 @@ from jaxscale.models.attention import attention
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
-from jaxscale.parallel import sequence, stage_layers
+from jaxscale.parallel import sequence
 from jaxscale.scoped import scoped
 from jaxscale.sharding import active, constrain
 
