@@ -10,6 +10,7 @@ the stage's FSDP gathers out of the loop (the model counts them per tick). One r
 where dot attention's s x s buffers in the backward slot are most of the step (at 32 they are not); one
 at seq_len 2048 under full remat, where a recomputed layer's MLP backward is most of the step; ZeRO-3 at
 seq_len 256, where the partitioner gathers the embedding table rather than move the looked-up activations.
+A bf16 ZeRO-3 step's all-gathers are held to the partitioned HLO (the compiled CPU text runs them in f32).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import dataclasses
 import io
 import math
 import re
+import tempfile
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +102,29 @@ def test_analytic_matches_compiled(layout, trainers):
     assert prediction.memory["total"] == pytest.approx(memory, rel=MEMORY_RTOL)
     wire = hlo.summarize(hlo.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
     assert prediction.comm["total"] == pytest.approx(wire, rel=COMM_RTOL)
+
+
+def partitioned_hlo(trainer: Trainer) -> str:
+    """The train step's HLO right after SPMD partitioning: the collectives in the dtypes the model asks for
+    (XLA:CPU's later passes run bf16 collectives in f32, so the compiled text would show fp32 bytes)."""
+    with tempfile.TemporaryDirectory() as dump:
+        options = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^spmd-partitioning$"}
+        trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile(compiler_options=options)
+        (after,) = Path(dump).glob("*train_step*after_spmd-partitioning*.txt")
+        return after.read_text()
+
+
+def test_bf16_gathers_move_the_compute_copy():
+    """ZeRO-3 of a bf16 model (fp32 master) gathers the bf16 compute copy: the analytic all-gather bytes within
+    5% of the partitioned HLO's, and half the fp32 model's (they were counted in model.param_dtype: 1.97x)."""
+    def gathered(trainer: Trainer) -> float:
+        return sum(f.wire_bytes for f in predict_trainer(trainer).flows if f.kind == "all-gather")
+
+    bf16 = Trainer.build(tiny_config("model.dtype=bfloat16", rules="zero3", mesh={"fsdp": 8}))
+    found = hlo.summarize(hlo.collectives(partitioned_hlo(bf16), bf16.mesh))["by_kind"]["all-gather"]["wire_bytes"]
+    assert gathered(bf16) == pytest.approx(found, rel=COMM_RTOL)
+    fp32 = Trainer.build(tiny_config(rules="zero3", mesh={"fsdp": 8}))  # compiled in LAYOUTS
+    assert gathered(bf16) == pytest.approx(gathered(fp32) / 2, rel=0.02)
 
 
 def test_hsdp_gathers_no_whole_activation(trainers):
