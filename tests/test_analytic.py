@@ -20,13 +20,11 @@ import dataclasses
 import io
 import math
 import re
-import tempfile
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Trainers, tiny_config
+from helpers import Trainers, partitioned_hlo, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, xla
@@ -104,25 +102,15 @@ def test_analytic_matches_compiled(layout, trainers):
     assert prediction.comm["total"] == pytest.approx(wire, rel=COMM_RTOL)
 
 
-def partitioned_hlo(trainer: Trainer) -> str:
-    """The train step's HLO right after SPMD partitioning: the collectives in the dtypes the model asks for
-    (XLA:CPU's later passes run bf16 collectives in f32, so the compiled text would show fp32 bytes)."""
-    with tempfile.TemporaryDirectory() as dump:
-        options = {"xla_dump_to": dump, "xla_dump_hlo_pass_re": "^spmd-partitioning$"}
-        trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile(compiler_options=options)
-        (after,) = Path(dump).glob("*train_step*after_spmd-partitioning*.txt")
-        return after.read_text()
-
-
-def test_bf16_gathers_move_the_compute_copy():
+def test_bf16_gathers_move_the_compute_copy(tmp_path):
     """ZeRO-3 of a bf16 model (fp32 master) gathers the bf16 compute copy: the analytic all-gather bytes within
     5% of the partitioned HLO's, and half the fp32 model's (they were counted in model.param_dtype: 1.97x)."""
     def gathered(trainer: Trainer) -> float:
         return sum(f.wire_bytes for f in predict_trainer(trainer).flows if f.kind == "all-gather")
 
     bf16 = Trainer.build(tiny_config("model.dtype=bfloat16", rules="zero3", mesh={"fsdp": 8}))
-    found = hlo.summarize(hlo.collectives(partitioned_hlo(bf16), bf16.mesh))["by_kind"]["all-gather"]["wire_bytes"]
-    assert gathered(bf16) == pytest.approx(found, rel=COMM_RTOL)
+    found = hlo.summarize(hlo.collectives(partitioned_hlo(bf16, tmp_path), bf16.mesh))["by_kind"]["all-gather"]
+    assert gathered(bf16) == pytest.approx(found["wire_bytes"], rel=COMM_RTOL)
     fp32 = Trainer.build(tiny_config(rules="zero3", mesh={"fsdp": 8}))  # compiled in LAYOUTS
     assert gathered(bf16) == pytest.approx(gathered(fp32) / 2, rel=0.02)
 
