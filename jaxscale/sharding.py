@@ -149,13 +149,18 @@ def lookup(
     backward, when the batch has replicas besides (HSDP, ``zero3`` and ``fsdp_tp`` with ``data`` > 1:
     it gathers the whole activation on every device, or all-reduces the whole table's gradient over
     every device). Where a dimension is split over the table's axes alone (batch over fsdp, embed
-    over fsdp), one all-to-all does it and XLA finds it; under sequence parallelism XLA gathers the
-    whole table (over ``fsdp`` and ``tensor``): the lookup is left to the partitioner.
+    over fsdp) and the vocabulary is not split, one all-to-all does it and XLA finds it; under
+    sequence parallelism XLA gathers the whole table (over ``fsdp`` and ``tensor``): the lookup is
+    left to the partitioner. With the vocabulary split as well (``fsdp_tp``), jax 0.12's partitioner
+    costs each way of splitting the lookup on a dry run, one of which replicates the rows (the
+    "involuntary full rematerialization" warning, for a way it then discards), and in the backward
+    sums a table-sized gradient over ``fsdp`` in place of the all-to-all: that case is routed here.
     """
     current = active()
     hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
     target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
-    if not hidden or hidden in target[:2] or current[1].sequence_axes:
+    vocab = current[1].mesh_axes(("vocab",)) if current is not None else ()
+    if not hidden or (hidden in target[:2] and not vocab) or current[1].sequence_axes:
         # XLA's own path: one all-to-all moves the table's axes to the dimension they alone split.
         return constrain(precision.take(table, tokens, grads).astype(dtype), RESIDUAL)
     mesh, place = current
