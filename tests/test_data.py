@@ -51,7 +51,7 @@ def decoded_documents(directory: Path, split: str) -> list[str]:
 
 
 def assert_round_trip(directory: Path, val_fraction: float) -> None:
-    held_out = [is_held_out(i, val_fraction) for i in range(len(DOCS))]
+    held_out = [i > 0 and is_held_out(doc, val_fraction) for i, doc in enumerate(DOCS)]  # the first one trains
     assert any(held_out) and not all(held_out)
     assert decoded_documents(directory, "train") == [d for d, h in zip(DOCS, held_out, strict=True) if not h]
     assert decoded_documents(directory, "val") == [d for d, h in zip(DOCS, held_out, strict=True) if h]
