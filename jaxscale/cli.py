@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("jaxscale: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
+    except OSError as e:  # storage the command could not use (a full disk, a lost mount): one line, not a traceback
+        where = f" {e.filename}" if e.filename else ""
+        print(f"jaxscale: error:{where}: {e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 def _simulate_cpu_devices(count: int) -> None:
@@ -179,6 +183,9 @@ def _plan(args: argparse.Namespace) -> int:
                if not getattr(args, k)]
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
+    for name in ("global_batch_tokens", "seq_len", "top"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
     model_dict = _read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])
