@@ -123,9 +123,11 @@ def test_a_real_run_is_locked_and_ctrl_c_saves_at_the_step_boundary(tmp_path, ca
     run = tmp_path / "run"
     args = [sys.executable, "-m", "jaxscale", "train", "--no-progress",
             *sets(*ONE_DEVICE, "train.steps=100000", "checkpoint.every=50", f"run_dir={run}")]
-    first = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # No XLA_FLAGS: the command line makes the one CPU device the mesh asks for.
+    first = subprocess.Popen(args, env=subprocess_env(None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: (run / "checkpoints" / "50").is_dir())
+        wait_for(lambda: (run / "checkpoints" / "50").is_dir() or first.poll() is not None)
+        assert first.poll() is None, first.communicate()[1]
         before = digest(run / "checkpoints" / "50")
         code = timed_main(["train", "--no-progress", *sets(*ONE_DEVICE, f"run_dir={run}")])
         one_line(capsys, code, f"in use by another run (process {first.pid} on ")
