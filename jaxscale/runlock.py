@@ -5,8 +5,8 @@ ends, however it ends) and holding the holder's ``pid host`` for messages. A sec
 directory gets one line naming the first run's process, at once (nothing waits). A lock file that
 still names a process but is not locked was left by a run that died (kill -9): it is taken over and
 :func:`hold` says so in a warning line. On release the file is emptied; a directory that this run
-created and that holds nothing but the lock is removed again (a run refused before it wrote anything
-leaves nothing behind). Locks are counted per process, so the command line and
+created (with its parents) and that holds nothing but the lock is removed again (a run refused
+before it wrote anything leaves nothing behind). Locks are counted per process, so the command line and
 :func:`jaxscale.loop.fit` may both hold the same directory. Needs a file system with ``flock``
 (local disks, NFSv4, Lustre); this module does not import jax.
 """
@@ -30,7 +30,7 @@ LOCK_FILE = ".jaxscale.lock"
 @dataclasses.dataclass
 class _Held:
     fd: int
-    created: bool  # whether this process made the directory
+    created: Path | None  # the highest directory of the path this process made, if any
     count: int = 1
 
 
@@ -77,7 +77,8 @@ def acquire(directory: str | Path, key: str = "run_dir") -> None:
         return
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{key} {root} is a file, not a directory")
-    created = not root.exists()
+    missing = [p for p in (root, *root.parents) if not p.exists()]
+    created = missing[-1] if missing else None
     try:
         root.mkdir(parents=True, exist_ok=True)
         fd, before = _open_locked(root / LOCK_FILE, key)
@@ -108,7 +109,10 @@ def release(directory: str | Path) -> None:
         os.ftruncate(held.fd, 0)
         if held.created and [p.name for p in root.iterdir()] == [LOCK_FILE]:
             (root / LOCK_FILE).unlink()
-            root.rmdir()
+            for path in (root, *root.parents):  # up to the highest directory made: each one now empty
+                path.rmdir()
+                if path == held.created:
+                    break
     os.close(held.fd)
 
 
