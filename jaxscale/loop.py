@@ -25,8 +25,8 @@ A non-finite loss or gradient norm is counted (``skipped_updates`` in every
 record; that step's record is always logged) under ``train.nonfinite=skip``
 (more than ``train.max_consecutive_skips`` in a row raise :class:`NonFiniteError`),
 and raises :class:`NonFiniteError` naming the step under ``stop``. A non-finite value at the
-first step of a fresh run is no spike to skip but a configuration or data problem: it raises under
-either policy, naming the keys likely at fault.
+first step of a fresh run (not resumed, not handed a state) is no spike to skip but a configuration
+or data problem: it raises under either policy, naming the keys likely at fault.
 
 Resume (``checkpoint.resume=auto``; ``required``, the command line's
 ``--resume``, is an error without a checkpoint) starts from the latest
@@ -115,9 +115,11 @@ def _fit(
     checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume != "off" else None
     with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
         try:
+            given = state is not None
             state, counters, resumed, removed, damaged = _start(trainer, checkpointer, state)
             last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
             run = _Run(trainer, checkpointer, counters, int(state.step), last, progress, resumed)
+            run.fresh = not (given or resumed)
             for line in damaged:
                 run.logger.log({"step": int(state.step), "event": "damaged_checkpoint", "message": line})
                 if jax.process_index() == 0:
@@ -190,6 +192,7 @@ class _Run:
         self.in_a_row = int(counters.get("skipped_in_a_row", 0))  # consecutive skipped updates
         self.save_started: dict[int, float] = {}  # saves not yet committed: step -> start time
         self.first, self.last = first, last
+        self.fresh = False  # started from the run's own initial (or init_from) parameters
         self.tokens_per_step = t.global_batch * t.seq_len
         self.flops_per_step = flops.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
         self.peak = flops.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
@@ -243,7 +246,7 @@ class _Run:
         out = jax.device_get(out)
         finite = bool(out["finite"])
         if not finite:
-            if step == 0:
+            if step == 0 and self.fresh:
                 raise NonFiniteError(self.first_step_message(out))
             if t.nonfinite == "stop":
                 raise NonFiniteError(
