@@ -1,6 +1,6 @@
 """The range of every numeric config key, as data, and the check that reads it.
 
-:data:`RANGES` maps a dotted key to its :class:`Range`; :func:`check_ranges` refuses a value outside
+:data:`RANGES` maps a dotted key to its :class:`Range`; :func:`out_of_range` finds a value outside
 it (NaN and infinities included: a float must be finite) in one line naming the key and the range.
 A key whose section is switched off (``model.moe: null``) or whose value is null (``train.peak_flops``)
 is not checked. The mesh sizes are not here: -1 (the rest of the devices) is a size, not a range
