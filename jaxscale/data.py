@@ -195,8 +195,14 @@ def _loader(config: Config, split: str) -> Loader:
 
 
 def check_data(config: Config) -> TokenDir | None:
-    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length."""
+    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length;
+    for ``stdlib``: the byte counts against the sequence length."""
     if config.data.source != "tokens":
+        d, need = config.data, config.train.seq_len + 2  # a window of seq_len + 1 at one offset or more
+        for key, count in (("data.max_bytes", d.max_bytes), ("data.eval_bytes", d.eval_bytes)):
+            if count < need and (key == "data.max_bytes" or config.train.eval_every):
+                raise ConfigError(f"{key} ({count}) is too few bytes for train.seq_len={config.train.seq_len} "
+                                  f"(at least {need})")
         return None
     tokens = TokenDir.open(config.data.path)
     splits = ("train", "val") if config.train.eval_every else ("train",)
