@@ -208,7 +208,7 @@ def run_kinds() -> list[Kind]:
                                                               "model.vocab_size=200")(tmp), ("model.vocab_size",),
              _prepare),
         Kind("data.path missing", train("data.source=tokens", "data.path={tmp}/none"), ("data.path",)),
-        Kind("seq_len longer than the data", train("data.max_bytes=100"), ("train.seq_len",)),
+        Kind("seq_len longer than the data", train("data.max_bytes=100"), ("data.max_bytes", "train.seq_len")),
         Kind("init_from missing", train("checkpoint.init_from={tmp}/none"), ("not a parameters checkpoint",)),
         Kind("inspect bad key", lambda tmp: ["inspect", "--set", "train.stpes=1"], ("train.stpes",)),
     ]

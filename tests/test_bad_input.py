@@ -278,6 +278,11 @@ def test_out_of_range_and_accidental_settings_are_one_line(override, match):
         tiny_config(override)
 
 
+def test_too_few_bytes_for_a_sequence_name_the_byte_key():
+    with fails_early(r"^data\.max_bytes \(20\) is too few bytes for train\.seq_len=32 \(at least 34\)$"):
+        Trainer.build(tiny_config("data.max_bytes=20"), jax.devices()[:1])
+
+
 def test_every_float_range_refuses_nan():
     from jaxscale.bounds import RANGES
 
