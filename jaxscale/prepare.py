@@ -4,9 +4,9 @@ Inputs are plain text files (one document each) or JSONL files (``.jsonl``:
 one document per line, its text in a string field, ``text`` by default). The
 tokenizer is either ``byte`` (built in: the UTF-8 bytes 0-255, end-of-document
 256) or a local Hugging Face ``tokenizer.json``, read by the ``tokenizers``
-package (nothing is downloaded). A held-out share of the documents, chosen by a
-hash of each document's text (below ``val_fraction`` of its range; the first document
-always trains, so one input file works), goes to the ``val`` split. The directory holds::
+package (nothing is downloaded). round(n x ``val_fraction``) of the n documents (at most
+n - 1, so one input file works), those whose text hashes lowest, go to the ``val`` split
+(whatever their position; a first pass over the inputs reads the hashes). The directory holds::
 
     meta.json          tokenizer, vocab_size, eod_id, dtype, per-split counts, fingerprint
     tokenizer.json     (Hugging Face tokenizers) a copy, so the directory decodes on its own
@@ -132,12 +132,17 @@ def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> Ite
             raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
-def is_held_out(text: str, val_fraction: float) -> bool:
-    """Whether a document belongs to the validation split: a hash of its text, read as a number in
-    [0, 1), is below ``val_fraction`` (its position among the inputs plays no part, and copies of
-    one document land in the same split)."""
-    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2**64 < val_fraction
+def document_hash(text: str) -> int:
+    """A 64-bit hash of a document's text: what decides its split."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def held_out_below(hashes: Sequence[int], val_fraction: float) -> int:
+    """The hash below which a document is held out: round(n x ``val_fraction``) of the ``n`` documents
+    (at most n - 1: one always trains), those of the smallest hashes. Position plays no part, and
+    copies of one document land in the same split."""
+    held = min(round(len(hashes) * val_fraction), len(hashes) - 1)
+    return sorted(hashes)[held] if held > 0 else 0
 
 
 class _SplitWriter:
@@ -227,12 +232,13 @@ def _write(
     writers = {split: _SplitWriter(out, split, dtype, tok.eod_id) for split in SPLITS}
     count = 0
 
+    # A first pass reads the documents for their hashes only: the held-out ones are chosen among all.
+    cutoff = held_out_below([document_hash(t) for t in read_documents(inputs, text_field) if t], val_fraction)
+
     def flush(batch: list[str]) -> None:
         nonlocal count
         for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
-            # Held out by its hash, once the train split has a document (one input file trains).
-            held = writers["train"].starts and is_held_out(text, val_fraction)
-            writers["val" if held else "train"].add(ids)
+            writers["val" if document_hash(text) < cutoff else "train"].add(ids)
             count += 1
 
     pending: list[str] = []
