@@ -431,6 +431,7 @@ def test_convert_to_an_existing_file_and_nan_weights_are_one_line(hf_dir, tmp_pa
 
 
 def test_report_reads_past_a_torn_last_line_and_names_a_bad_one(tmp_path, capsys):
+    from jaxscale.metrics import MetricsLogger
     from jaxscale.report import read_metrics
 
     good = [{"step": 0, "loss": 5.0}, {"step": 1, "loss": 4.0}]
@@ -439,6 +440,9 @@ def test_report_reads_past_a_torn_last_line_and_names_a_bad_one(tmp_path, capsys
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n')
     with fails_early(r"metrics\.jsonl: line 2 is not a metrics record: '\{\"step\": 1, \"lo'$"):
         read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(good[0]) + '\n{"step": 1, "lo')
+    MetricsLogger(tmp_path, 4, enabled=True, bar=False, resume_step=1).close()  # a resume cuts the torn line
+    assert read_metrics(tmp_path) == [good[0], {"step": 1, "event": "resumed"}]
 
 
 @pytest.mark.parametrize("kind", ["file", "unwritable"])
