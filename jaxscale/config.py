@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxscale import dtypes, stage_layers
+from jaxscale import bounds, dtypes, stage_layers, strict
 from jaxscale.schema import (  # the schema, importable from here
     DEFAULT_SCHEDULE,
     INTERLEAVED,
@@ -179,11 +179,13 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML file's top-level mapping (safe load; empty: {}), or a one-line :class:`ConfigError`."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = strict.load_yaml(path.read_bytes())
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -215,7 +217,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = strict.load_yaml(raw) if raw else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{item}': value is not valid YAML") from e
     return key.split("."), value
@@ -247,6 +249,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         keys, value = parse_override(item)
         if keys[0] == "model" and len(keys) == 1 and isinstance(value, str):
             value = read_yaml(resolve_named(value, "models"))
+        off = strict.check_switched_on(raw, keys)
+        if off:
+            raise ConfigError(off)
         _set_dotted(raw, keys, value)
     config = _build(Config, raw)
     validate(config)
@@ -328,6 +333,9 @@ def validate(config: Config) -> None:
     for axis, size in (config.mesh.dcn.sizes() if config.mesh.dcn else {}).items():
         if size < 1:
             raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
+    outside = bounds.out_of_range(config)
+    if outside:
+        raise ConfigError(outside)
 
 
 def _validate_loop(config: Config) -> None:
