@@ -148,6 +148,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.png:
+        report.check_pyplot()
     config = load_config(args.config, args.overrides)
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     xla_flags.apply(config.xla)
@@ -169,6 +171,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.png:
+        report.check_pyplot()
     if args.calibrate:
         _simulate_cpu_devices(DEFAULT_CPU_DEVICES)  # on a CPU-only host (unless XLA_FLAGS says otherwise)
         # Imports jax: after the simulated device count is in the environment.
@@ -254,9 +258,10 @@ def _bench(args: argparse.Namespace) -> int:
     result = bench.run_suite(
         args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
         layers=None if layers is None else [int(n) for n in layers], steps=args.steps, warmup=args.warmup,
-        rounds=args.rounds, suites=args.suites, cluster=args.predict,
+        rounds=args.rounds, suites=args.suites, cluster=args.predict, stream=sys.stdout,
     )
-    print(bench.table(result))
+    for line in bench.footer(result):
+        print(line)
     print(f"wrote {bench.write(result, args.out)}")
     return 0
 

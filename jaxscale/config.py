@@ -110,7 +110,17 @@ __all__ = [
     "validate_xla"
 ]
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_dir() -> Path:
+    """The YAML configs (models, rules, clusters, experiments, bench suites): ``jaxscale/configs`` in an
+    installed wheel (setup.py installs the top-level ``configs/`` there), else a source checkout's ``configs/``."""
+    package = Path(importlib.util.find_spec("jaxscale").origin).parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = config_dir()
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
@@ -234,7 +244,10 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read an experiment file (or the defaults), apply ``KEY=VALUE`` overrides, validate."""
+    """Read an experiment (a YAML path, or a name in ``configs/experiments/``; none: the defaults), apply
+    ``KEY=VALUE`` overrides, validate."""
+    if path is not None and not Path(path).exists() and Path(path).suffix not in (".yaml", ".yml"):
+        path = resolve_named(str(path), "experiments")
     raw: dict[str, Any] = read_yaml(Path(path)) if path is not None else {}
     for key in ("rules", "model"):  # a relative path in an experiment file is relative to that file
         value = raw.get(key)
@@ -302,8 +315,9 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
-    if config.data.source == "stdlib" and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
+    if config.data.source in ("builtin", "stdlib") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of "
+                          f"data.source={config.data.source}")
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)

@@ -1,13 +1,16 @@
 """Token data: deterministic global batches, each process reading only its own rows.
 
-Two sources, chosen by ``data.source``:
+Three sources, chosen by ``data.source``:
 
-- ``stdlib`` (the default): the Python standard library's own ``.py`` files,
-  read in sorted order and tokenised as bytes (vocabulary 256), so the default
-  model trains on real text with nothing downloaded. Row ``r`` of step ``s`` is
-  a window of ``seq_len + 1`` bytes at an offset drawn from ``(seed, s)``. The
-  held-out stream is the ``eval_bytes`` of sources that follow the training
-  bytes.
+- ``builtin`` (the default) and ``stdlib``: a stream of bytes (vocabulary 256),
+  so the default model trains on real text with nothing downloaded. ``builtin``
+  is the corpus shipped in ``jaxscale/corpus/``: jaxscale's own Markdown docs
+  and Python sources at commit 58adbe3, in path order (620 KB), the same on
+  every machine. ``stdlib`` is this Python's standard library ``.py`` files in
+  sorted order (larger, but it differs between Python versions). The stream is
+  the first ``max_bytes + eval_bytes`` bytes of the source (all of them if
+  fewer); its last ``eval_bytes`` are held out. Row ``r`` of step ``s`` is a
+  window of ``seq_len + 1`` bytes at an offset drawn from ``(seed, s)``.
 - ``tokens``: a directory written by ``jaxscale prepare-data`` (see
   :mod:`jaxscale.prepare`). Its ``train`` tokens (documents packed, each
   followed by the end-of-document token) are cut into sequences of
@@ -30,6 +33,7 @@ rows its own devices hold (:func:`process_rows`) and hands them to
 from __future__ import annotations
 
 import abc
+import gzip
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,6 +48,7 @@ from jaxscale.config import Config, ConfigError
 from jaxscale.prepare import TokenDir
 
 BYTE_VOCAB = 256
+CORPUS = Path(__file__).resolve().parent / "corpus" / "jaxscale-58adbe3.txt.gz"
 # The config keys behind the loader's identity (the rest, such as the sequence count, follow from them).
 CONFIG_KEYS = {
     "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
@@ -51,10 +56,10 @@ CONFIG_KEYS = {
 }
 
 
-def stdlib_bytes(max_bytes: int, skip: int = 0) -> np.ndarray:
-    """Up to ``max_bytes`` bytes of the standard library's Python sources after the first ``skip``, as uint8."""
+def stdlib_bytes(max_bytes: int) -> np.ndarray:
+    """Up to ``max_bytes`` bytes of the standard library's Python sources, in sorted path order, as uint8."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, seen, total = [], 0, 0
+    chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
             continue
@@ -62,16 +67,27 @@ def stdlib_bytes(max_bytes: int, skip: int = 0) -> np.ndarray:
             data = path.read_bytes()
         except OSError:
             continue
-        if seen + len(data) <= skip:
-            seen += len(data)
-            continue
-        data = data[max(skip - seen, 0) :]
-        seen = skip
         chunks.append(data[: max_bytes - total])
         total += len(chunks[-1])
         if total >= max_bytes:
             break
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def builtin_bytes(max_bytes: int) -> np.ndarray:
+    """Up to ``max_bytes`` bytes of the corpus shipped with jaxscale, as uint8."""
+    with gzip.open(CORPUS) as f:
+        return np.frombuffer(f.read(max_bytes), dtype=np.uint8)
+
+
+def byte_streams(source: str, max_bytes: int, eval_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The training and held-out bytes of ``source`` (``builtin`` or ``stdlib``): its first
+    ``max_bytes + eval_bytes`` bytes (all of them if fewer), the last ``eval_bytes`` held out."""
+    stream = (builtin_bytes if source == "builtin" else stdlib_bytes)(max_bytes + eval_bytes)
+    if eval_bytes >= len(stream):
+        raise ConfigError(f"data.eval_bytes ({eval_bytes}) leaves no training bytes of the {len(stream)} bytes "
+                          f"of data.source={source}")
+    return stream[: len(stream) - eval_bytes], stream[len(stream) - eval_bytes :]
 
 
 class Loader(abc.ABC):
@@ -121,7 +137,7 @@ class Loader(abc.ABC):
 
 
 class Batches(Loader):
-    """Windows at offsets drawn from ``(seed, step)`` in one token stream (the ``stdlib`` source)."""
+    """Windows at offsets drawn from ``(seed, step)`` in one token stream (the ``builtin`` and ``stdlib`` sources)."""
 
     def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, identity: dict | None = None):
         if len(tokens) <= seq_len + 1:
@@ -181,11 +197,11 @@ def make_loader(config: Config, split: str = "train", order: np.ndarray | None =
 
 def _loader(config: Config, split: str) -> Loader:
     d, t = config.data, config.train
-    if d.source == "stdlib":
-        identity = {"source": "stdlib", "max_bytes": d.max_bytes}
+    if d.source in ("builtin", "stdlib"):
+        identity = {"source": d.source, "max_bytes": d.max_bytes}
+        train, held_out = byte_streams(d.source, d.max_bytes, d.eval_bytes)
         if split == "train":
-            return Batches(stdlib_bytes(d.max_bytes), t.global_batch, t.seq_len, t.seed, identity)
-        held_out = stdlib_bytes(d.eval_bytes, skip=d.max_bytes)
+            return Batches(train, t.global_batch, t.seq_len, t.seed, identity)
         return Batches(held_out, t.global_batch, t.seq_len, t.seed, {**identity, "split": split})
     tokens = check_data(config)
     identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}

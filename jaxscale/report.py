@@ -8,6 +8,7 @@ event files (no TensorFlow, no torch), so runs can log where only jax is install
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,11 +29,17 @@ MEMORY_PARTS = {
 RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory"))
 
 
+def check_pyplot() -> None:
+    """Raise :class:`ConfigError` when matplotlib (the ``plot`` extra) is missing: before a command that will
+    draw a picture runs anything."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("pictures need matplotlib: pip install 'jaxscale[plot]' (from a checkout: '.[plot]')")
+
+
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ConfigError("pictures need matplotlib: pip install 'jaxscale[plot]'") from e
+    check_pyplot()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
