@@ -11,7 +11,7 @@ from helpers import tiny_config
 from jaxscale.config import MESH_AXES, ConfigError
 from jaxscale.layout import Layout, Rules, part_axes
 
-MOE = ("model.moe.experts=8", "model.moe.top_k=2")
+MOE = ("model.moe={experts: 8, top_k: 2}",)
 
 
 def on(rules: str | Rules, **sizes: int) -> Layout:
