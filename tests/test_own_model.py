@@ -5,6 +5,7 @@ a user objective, a user optax optimizer laid out by ZeRO-1, checkpoints and bad
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import jax
@@ -198,6 +199,47 @@ def test_a_user_model_checkpoint_restores_onto_another_layout(checkpointed):
                     strict=True):
         np.testing.assert_array_equal(a, b)
     assert restored.state.params["blocks"][0]["up"]["kernel"].sharding.spec == other.rules.spec(("embed", "mlp"))
+
+
+def example(name: str):
+    """A module of examples/ (outside the package), imported from its file."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PIPELINED = ("train.global_batch=32", "model.layers=8")
+PIPELINES = {  # rules, mesh, schedule, microbatches, repeats
+    "1f1b-p2": ("pp", {"stage": 2, "data": 4}, "1f1b", 4, 1),
+    "1f1b-p4": ("pp", {"stage": 4, "data": 2}, "1f1b", 4, 1),
+    "interleaved-p2": ("pp", {"stage": 2, "data": 4}, "interleaved_1f1b", 4, 2),
+    "interleaved-p4": ("pp", {"stage": 4, "data": 2}, "interleaved_1f1b", 4, 2),
+    "pp_fsdp_tp": ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "1f1b", 2, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def richer():
+    """examples/parallel_block.py's model (richer form) on one device: parameters, batch 0, loss, gradients."""
+    model = example("parallel_block").ParallelLM
+    trainer = Trainer.build(tiny_config(*PIPELINED), jax.devices()[:1], model=model)
+    params = jax.device_get(trainer.init_state().params)
+    batch = jax.device_get(trainer.batch(0))
+    loss, grads = trainer.loss_and_grads(params, batch)
+    return model, params, batch, float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_a_user_model_in_the_richer_form_pipelines_as_one_device(name, richer):
+    model, params, batch, ref_loss, ref_grads = richer
+    rules, mesh, schedule, m, v = PIPELINES[name]
+    pipe = [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}", f"pipeline.repeats={v}"]
+    trainer = Trainer.build(tiny_config(*PIPELINED, *pipe, rules=rules, mesh=mesh), model=model)
+    placed = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
+    loss, grads = trainer.loss_and_grads(jax.device_put(params, trainer.param_shardings()), placed)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_trees_close(grads, ref_grads)
 
 
 class Unnamed(nnx.Module):
