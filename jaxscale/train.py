@@ -186,6 +186,11 @@ class Trainer:
         return layout_of(self.mesh, self.rules)
 
     @property
+    def builtin_model(self) -> bool:
+        """Whether the model is the built-in one of ``model.*`` (the analytic model and formulas describe it)."""
+        return self.factory is builtin.build
+
+    @property
     def pipelined(self) -> bool:
         """Whether the rules run the pipeline (``layers`` on ``stage`` of size > 1)."""
         return self.layout.stages > 1

@@ -18,6 +18,7 @@ from helpers import ROOT, assert_trees_close, fails_early, rel_err, tiny_config
 
 import jaxscale
 from jaxscale import nn
+from jaxscale.analysis.inspect import format_inspect, inspect_report
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.loop import fit
 from jaxscale.train import Trainer
@@ -188,6 +189,14 @@ def test_a_user_model_resumes_bit_for_bit(checkpointed):
     t = trainer.config.train
     matmul = sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(straight.params) if leaf.ndim >= 2)
     assert trainer.flops_per_step >= 6 * (matmul - t.seq_len * trainer.config.model.embed) * t.global_batch * t.seq_len
+
+
+def test_inspect_reports_a_user_model(checkpointed):
+    trainer = checkpointed[0]
+    report = inspect_report(trainer, trainer.compiled_guarded_step[0])
+    row = next(p for p in report["params"] if p["path"] == "wte.embedding")
+    assert row["axes"] == ["vocab", "embed"] and report["model"]["builtin"] is False
+    assert "note: a model of your own" in format_inspect(report)
 
 
 def test_a_user_model_checkpoint_restores_onto_another_layout(checkpointed):
