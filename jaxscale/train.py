@@ -1,17 +1,20 @@
 """The train state and the jitted train step.
 
-config -> mesh + rules -> abstract model (``nnx.eval_shape``) -> shardings from
-the logical axes -> jitted init straight into those shardings -> per-process
+config -> mesh + rules -> abstract model (``nnx.eval_shape`` of the model factory:
+the built-in models, or any model of the contract in docs/models.md) -> shardings from
+the logical axes (Flax's ``out_sharding`` metadata) -> jitted init straight into those shardings -> per-process
 global batch -> jitted, donated train step -> metrics (the loop around it, with
 resume, evaluation, checkpoints and fault handling, is :mod:`jaxscale.loop`).
 
-:class:`Trainer` is the programmatic API: build it from a config, then call
+:class:`Trainer` is the programmatic API: build it from a config (and optionally a model
+factory, an objective and an optax optimizer), then call
 :meth:`Trainer.init_state`, :meth:`Trainer.batch` and :meth:`Trainer.step`
 (or :func:`jaxscale.loop.fit`). Every jitted function of the trainer is traced
 inside :meth:`Trainer.scope`, which puts the rules table and the pipeline
 settings in effect for the model's activation constraints.
 Every check of the layout (unknown logical axes, a dimension not divisible
-by its mesh axes, a mesh that does not match the devices) runs in
+by its mesh axes, a mesh that does not match the devices, a part of the model
+contract the config asks for and the model lacks) runs in
 :meth:`Trainer.build`, by tracing the step abstractly, before anything compiles.
 """
 
