@@ -273,20 +273,28 @@ def broken(config: jaxscale.Config, rngs: nnx.Rngs) -> nnx.Module:
 
 
 @pytest.mark.parametrize(
-    "model, rules, mesh, match",
+    "model, rules, mesh, extra, match",
     [
-        (Unnamed, "dp", {"data": 8}, r"^param proj\.kernel \(8, 256\) has no logical axis names"),
-        (Misnamed, "dp", {"data": 8}, r"^param proj\.kernel: logical axis 'vocabulary' is not in rules table 'dp'"),
-        (GPT, "pp", {"stage": 2, "data": 4},
+        (Unnamed, "dp", {"data": 8}, {}, r"^param proj\.kernel \(8, 256\) has no logical axis names"),
+        (Misnamed, "dp", {"data": 8}, {},
+         r"^param proj\.kernel: logical axis 'vocabulary' is not in rules table 'dp'"),
+        (GPT, "pp", {"stage": 2, "data": 4}, {},
          r"^rules 'pp' \(layers on stage: 2 pipeline stages\) asks for pipeline parallelism: model GPT lacks "
          "config, embedding, embed, final_norm, logits, head_weight, aux_loss"),
-        (broken, "dp", {"data": 8}, r"^model factory broken raised ValueError: the width must be even"),
+        (GPT, "dp", {"data": 8}, {"overrides": ("model.loss_chunk=8",)},
+         r"^model\.loss_chunk=8 asks for the chunked loss \(model\.loss_chunk > 0\): model GPT lacks hidden, "
+         "head_weight"),
+        (example("parallel_block").ParallelLM, "pp", {"stage": 2, "data": 4}, {"objective": z_objective},
+         r"^rules 'pp' \(layers on stage: 2 pipeline stages\): a custom objective cannot run in the pipeline's loop"),
+        (broken, "dp", {"data": 8}, {}, r"^model factory broken raised ValueError: the width must be even"),
     ],
-    ids=["unnamed", "unknown-name", "plain-form-pipelined", "factory-raises"],
+    ids=["unnamed", "unknown-name", "plain-form-pipelined", "plain-form-chunked", "objective-pipelined",
+         "factory-raises"],
 )
-def test_bad_models_fail_in_one_line_before_compiling(model, rules, mesh, match):
+def test_bad_models_fail_in_one_line_before_compiling(model, rules, mesh, extra, match):
+    config = tiny_config(*extra.get("overrides", ()), rules=rules, mesh=mesh)
     with fails_early(match):
-        Trainer.build(tiny_config(rules=rules, mesh=mesh), model=model)
+        Trainer.build(config, model=model, objective=extra.get("objective"))
 
 
 def test_no_module_outside_the_models_names_llama():
