@@ -125,6 +125,7 @@ def z_objective(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Arr
     return ce + 1e-2 * z, {"z": z}
 
 
+@pytest.mark.slow
 def test_a_user_objective_gives_its_loss_gradients_and_metrics_under_zero3(reference):
     params, _, _ = reference
     trainer = build("train.microbatches=2", rules="zero3", mesh={"fsdp": 8}, objective=z_objective)
@@ -178,6 +179,7 @@ def checkpointed(tmp_path_factory):
     return trainer, run_dir, jax.device_get(straight), jax.device_get(resumed), history
 
 
+@pytest.mark.slow
 def test_a_user_model_resumes_bit_for_bit(checkpointed):
     trainer, _, straight, resumed, history = checkpointed
     assert int(resumed.step) == 3
@@ -191,6 +193,7 @@ def test_a_user_model_resumes_bit_for_bit(checkpointed):
     assert trainer.flops_per_step >= 6 * (matmul - t.seq_len * trainer.config.model.embed) * t.global_batch * t.seq_len
 
 
+@pytest.mark.slow
 def test_inspect_reports_a_user_model(checkpointed):
     trainer = checkpointed[0]
     report = inspect_report(trainer, trainer.compiled_guarded_step[0])
@@ -199,6 +202,7 @@ def test_inspect_reports_a_user_model(checkpointed):
     assert "note: a model of your own" in format_inspect(report)
 
 
+@pytest.mark.slow
 def test_a_user_model_checkpoint_restores_onto_another_layout(checkpointed):
     _, run_dir, _, resumed, _ = checkpointed
     other = build("train.steps=3", rules="fsdp_tp_sp", mesh={"fsdp": 2, "tensor": 2}, devices=4)
