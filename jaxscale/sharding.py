@@ -69,8 +69,7 @@ def variable_axes(path: str, variable: nnx.Variable) -> Axes:
 
     Raises a one-line ConfigError naming ``path`` when the names are missing or do not fit the shape.
     """
-    meta = variable.get_metadata()
-    names = meta.get("out_sharding", meta.get("sharding_names"))
+    names = variable.get_metadata().get("out_sharding")
     if isinstance(names, PartitionSpec):
         names = tuple(names)
     shape = jnp.shape(variable.get_value())
