@@ -255,6 +255,31 @@ def test_a_user_model_in_the_richer_form_pipelines_as_one_device(name, richer):
     assert_trees_close(grads, ref_grads)
 
 
+def test_the_metrics_channel_adds_a_weighted_auxiliary_loss():
+    """A richer-form model's ``hidden`` metrics are logged and ``aux_loss`` weighs them into the default objective."""
+    base = example("parallel_block").ParallelLM
+
+    class WithAux(base):
+        def hidden(self, tokens, positions):
+            h, _ = super().hidden(tokens, positions)
+            return h, {"square": jnp.mean(h.astype(jnp.float32) ** 2)}
+
+        def aux_loss(self, metrics):
+            return 0.5 * metrics["square"]
+
+    trainer = Trainer.build(tiny_config(), jax.devices()[:1], model=WithAux)
+    params, batch = trainer.init_state().params, jax.device_get(trainer.batch(0))
+    loss, metrics = jax.jit(trainer.loss_and_metrics)(params, batch)
+    model = nnx.merge(trainer.graphdef, params)
+    h, _ = base.hidden(model, batch["inputs"], batch["positions"])
+    logits = np.asarray(h @ model.lm_head[...], np.float64)
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    ce = np.mean(lse - np.take_along_axis(logits, np.asarray(batch["targets"])[..., None], -1)[..., 0])
+    square = np.mean(np.asarray(h, np.float64) ** 2)
+    assert rel_err(metrics["square"], square) <= 1e-5
+    assert rel_err(loss, ce + 0.5 * square) <= 1e-5
+
+
 class Unnamed(nnx.Module):
     def __init__(self, config: jaxscale.Config, rngs: nnx.Rngs):
         self.wte = nnx.Embed(config.model.vocab_size, 8, embedding_metadata={"out_sharding": ("vocab", "embed")},
