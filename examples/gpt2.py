@@ -54,6 +54,6 @@ class GPT2(nnx.Module):
 if __name__ == "__main__":
     jaxscale.simulate_devices(8)  # before jax's first computation
     overrides = ["rules=fsdp_tp_sp", "train.steps=10", "run_dir=/tmp/jaxscale-gpt2"]  # tiny.yaml's model sizes
-    config = jaxscale.load_config("configs/experiments/tiny.yaml", overrides)
+    config = jaxscale.load_config("tiny", overrides)
     trainer = jaxscale.Trainer.build(config, model=GPT2)  # FSDP x TP x SP on 8 devices, by the rules table
     print("losses", [round(r["loss"], 3) for r in trainer.fit(progress=False)[1] if "loss" in r])

@@ -88,6 +88,6 @@ if __name__ == "__main__":
     jaxscale.simulate_devices(8)  # before jax's first computation
     overrides = ["rules=pp_fsdp_tp", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "pipeline.schedule=1f1b",
                  "train.steps=20", "run_dir=/tmp/jaxscale-parallel"]
-    config = jaxscale.load_config("configs/experiments/tiny.yaml", overrides)
+    config = jaxscale.load_config("tiny", overrides)
     trainer = jaxscale.Trainer.build(config, model=ParallelLM)  # 2 pipeline stages x FSDP x TP
     print("losses", [round(r["loss"], 3) for r in trainer.fit(progress=False)[1] if "loss" in r])
