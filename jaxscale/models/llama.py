@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import precision, stage_layers
+from jaxscale import flops, precision, stage_layers
 from jaxscale.config import Config, ModelConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.models import moe
@@ -242,6 +242,9 @@ class Group(nnx.Module):
 class Llama(nnx.Module):
     """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab].
 
+    The richer form of the model contract (:class:`jaxscale.models.contract.Staged`): the trainer,
+    the loss and the pipeline reach it through that contract only.
+
     Built from the whole experiment config, the one channel into the model (every submodule takes
     it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
     """
@@ -286,6 +289,14 @@ class Llama(nnx.Module):
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
         (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap, grads=self.grads)
         return logits
+
+    def aux_loss(self, metrics: dict[str, jax.Array]) -> jax.Array | float:
+        """The weighted MoE auxiliary losses of the metrics :meth:`hidden` returns (0 for a dense model)."""
+        return moe.aux_objective(metrics, self.config)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`)."""
+        return flops.flops_per_token(self.config, seq_len)
 
     def head_weight(self) -> jax.Array:
         """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""

@@ -83,12 +83,6 @@ def use_pipeline(config: PipelineConfig) -> contextlib.AbstractContextManager[No
     return scoped(_CONFIG, config)
 
 
-def stages() -> int:
-    """Pipeline stages under the active rules: the size of ``stage`` if the rules put ``layers`` on it, else 1."""
-    current = active()
-    return current[1].stages if current is not None else 1
-
-
 def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
     """The loop's table for ``config`` on p stages (ConfigError if the schedule cannot run it)."""
     m = config.microbatches or p
@@ -187,7 +181,7 @@ def objective(
         """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
         y, aux = nnx.merge(block_graph, lp)(h, pos)
         metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
-        return vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
+        return vary((y, jnp.asarray(model.aux_loss(metrics) / (steps * m), jnp.float32), metrics), manual)
 
     def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """A layer slot of a chunk: the layer where ``real``, else the identity (uneven stages' unused slots:
