@@ -41,7 +41,7 @@ NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
 XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current"]
+Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 
@@ -213,7 +213,9 @@ class PrecisionConfig:
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
-    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current |
+    blockwise`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``: the tile
+    and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks).
     """
 
     params: CopyDType = "auto"
@@ -222,6 +224,8 @@ class PrecisionConfig:
     fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
+    fp8_head: bool = False
+    fp8_block: int = 128
 
 
 @dataclasses.dataclass
@@ -448,6 +452,7 @@ def validate(config: Config) -> None:
     validate_stage_layers(config)
     validate_xla(config.xla)
     validate_precision(config.precision)
+    _validate_blockwise(config)
     _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
@@ -553,6 +558,21 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
+    if p.fp8_block < 1:
+        raise ConfigError(f"precision.fp8_block must be at least 1, got {p.fp8_block}")
+    if p.fp8_head and p.fp8 == "off":
+        raise ConfigError("precision.fp8_head needs precision.fp8 on (delayed, current or blockwise)")
+
+
+def _validate_blockwise(config: Config) -> None:
+    """``precision.fp8: blockwise`` tiles every projection's dimensions (and the tokens) by ``fp8_block``."""
+    m, p = config.model, config.precision
+    dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
+            "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": config.train.seq_len}
+    for name, size in (dims | ({"model.vocab_size": m.vocab_size} if p.fp8_head else {})).items():
+        if p.fp8 == "blockwise" and size % p.fp8_block:
+            raise ConfigError(f"precision.fp8=blockwise: {name} ({size}) is not divisible by precision.fp8_block "
+                              f"({p.fp8_block})")
 
 
 def _validate_copies(config: Config) -> None:
