@@ -39,9 +39,19 @@ def run(config, devices=None, steps: int = 2):
     return losses[0], jax.device_get(state)
 
 
-def test_fp8_layout_matches_single_device(optimized):
-    ref_loss, ref_state = run(tiny_config("precision.fp8=current"), jax.devices()[:1])
-    loss, state = run(tiny_config("precision.fp8=current", rules="fsdp_tp_sp", mesh=MESH))
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("precision.fp8=current",),
+        pytest.param(("precision.fp8=blockwise", "precision.fp8_block=16"), marks=pytest.mark.slow),
+    ],
+    ids=["current", "blockwise"],
+)
+def test_fp8_layout_matches_single_device(optimized, overrides):
+    """Blockwise: 16-element tiles and blocks, so that every block lies within one tensor-parallel shard (the
+    key/value projections' 32 outputs are 16 per device)."""
+    ref_loss, ref_state = run(tiny_config(*overrides), jax.devices()[:1])
+    loss, state = run(tiny_config(*overrides, rules="fsdp_tp_sp", mesh=MESH))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
     # The amaxes are global maxima over the shards: each history is the single device's.
     assert_trees_close(state.fp8, ref_state.fp8, RTOL)
