@@ -76,24 +76,39 @@ def test_every_projection_dot_has_fp8_operands(delayed_bf16):
     assert conditionals(text) == 0
 
 
-def test_fp8_residuals_in_the_vjp(delayed_bf16):
-    """What the VJP keeps for the backward (``model.remat: none``): each projection's input in e4m3 (stacked over
-    the layers) and the weights' e4m3 copies."""
-    trainer, _ = delayed_bf16
+def e4m3_residuals(trainer: Trainer) -> collections.Counter:
+    """The shapes of the e4m3 arrays the step's VJP keeps for the backward, with how many of each."""
     state, batch = trainer.abstract_state(), trainer.abstract_batch()
 
     def residuals(params, fp8_state, batch):
         with trainer.scope():
             return jax.vjp(lambda p, f: trainer.loss(p, batch, f), params, fp8_state)[1]
 
-    kept = collections.Counter(
-        a.shape for a in jax.tree.leaves(jax.eval_shape(residuals, state.params, state.fp8, batch))
-        if a.dtype == jnp.float8_e4m3fn
-    )
-    layers, b, s = 2, 16, 32
-    inputs = {(layers, b, s, 64): 2, (layers, b, s, 8, 8): 1, (layers, b, s, 128): 1}  # attn x, mlp x; out; hidden
-    assert all(kept[shape] >= n for shape, n in inputs.items()), kept
+    kept = jax.tree.leaves(jax.eval_shape(residuals, state.params, state.fp8, batch))
+    return collections.Counter(a.shape for a in kept if a.dtype == jnp.float8_e4m3fn)
+
+
+# Each projection's input, stacked over the 2 layers: attention's and the MLP's x, attention's output, the MLP's hidden.
+INPUTS = {(2, 16, 32, 64): 2, (2, 16, 32, 8, 8): 1, (2, 16, 32, 128): 1}
+
+
+def test_fp8_residuals_in_the_vjp(delayed_bf16):
+    """What the VJP keeps for the backward (``model.remat: none``): each projection's input in e4m3 and the
+    weights' e4m3 copies."""
+    kept = e4m3_residuals(delayed_bf16[0])
+    assert all(kept[shape] >= n for shape, n in INPUTS.items()), kept
     assert set(kept) >= STACKED_WEIGHTS, kept
+
+
+@pytest.mark.parametrize(("remat", "inputs_kept"), [("full", False), ("save_named", True)])
+def test_remat_policy_can_keep_the_fp8_inputs(remat, inputs_kept):
+    """``model.remat: full`` keeps no e4m3 activation (the backward quantizes them again); ``save_named`` with
+    ``fp8_input`` (:data:`jaxscale.fp8.RESIDUAL`) keeps them, 1 byte an element."""
+    names = ["model.remat_names=[fp8_input]"] if remat == "save_named" else []
+    trainer = Trainer.build(tiny_config("precision.fp8=delayed", f"model.remat={remat}", *names), jax.devices()[:1])
+    kept = e4m3_residuals(trainer)
+    assert all((kept[shape] >= n) == inputs_kept for shape, n in INPUTS.items()), kept
+    assert set(kept) >= STACKED_WEIGHTS, kept  # the step's weight copies, made before the layers
 
 
 def test_weights_quantized_once_per_step(full_remat_head):
