@@ -22,9 +22,10 @@ One ``custom_vjp`` per projection ``y = x · w`` (:func:`einsum`):
 
 This is the form XLA's GPU GEMM rewriter takes without pattern matching a
 dequantization (``MatchFp8Param``: an operand that is itself f8 matches
-directly; the scalar multiply of the output is folded into the cuBLASLt call):
-``__cublas$lt$matmul$f8`` on Hopper and later. On CPU XLA computes the dot in
-a wider type (the numerics are fp8's, the speed is not).
+directly; a multiply of the fp8 GEMM's output by a broadcast scalar is taken
+into the call as its output scale, ``F8ScaleD``): ``__cublas$lt$matmul$f8``
+on Hopper and later. On CPU XLA computes the dot in a wider type (the
+numerics are fp8's, the speed is not).
 
 Scaling recipe (per tensor, as Transformer Engine): ``x`` of format ``F`` is
 stored as ``clip(x / s, ±max_F)`` cast to ``F`` and read as that times ``s``,
@@ -34,9 +35,12 @@ amaxes, or the tensor's own while the history is empty (a ``jnp.where``:
 nothing in the step branches). Scales are fp32 scalars. ``blockwise`` is
 DeepSeek-V3's recipe (:mod:`jaxscale.fp8_blockwise`).
 
-Weights are quantized once per step, before the layer scan (:func:`prepare`):
-the layers get their e4m3 copy and scale as scanned inputs, so the remat
-recompute does not quantize them again, and FSDP gathers 1-byte weights.
+Weights are quantized once per forward (per step; per microbatch under
+``train.microbatches``), before the layer scan (:func:`prepare`): the layers
+get their e4m3 copy and scale as scanned inputs, so the remat recompute does
+not quantize them again, and FSDP gathers the e4m3 copy (XLA:CPU widens it to
+f16 for the collective; the tiny model under ``zero3``: every weight gather
+2 bytes an element where bf16 compute gathers fp32 on CPU).
 An activation read by several projections (q, k and v read the same input) is
 quantized once; the first projection updates its history.
 
