@@ -1,6 +1,6 @@
 """FP8 on one device, checked and timed in one command (issue 28's device check); JSON out.
 
-    python benchmarks/fp8_device_check.py [--out fp8_check.json]   # one H100/H200: about 5 minutes
+    python benchmarks/fp8_device_check.py [--out fp8_check.json]   # one H100/H200 (sized for < 8 minutes)
     python benchmarks/fp8_device_check.py --small                  # CPU-sized (tests/test_fp8_device_check.py)
 
 ``projection``: one projection ``y = x · w`` with its backward (``dx``, ``dw`` for a fixed output gradient),
@@ -12,6 +12,7 @@ Each row counts, in the compiled program: ``cublas_f8`` (``__cublas$lt$matmul$f8
 that run on FP8 tensor cores; none on CPU), ``conditionals``; in the lowered program: ``f8_dots`` (``dot_general``
 with float8 operands: what the code hands XLA, the count CPU can check), ``dots``. And the time: the
 median of ``--iters`` calls (projection: TFLOP/s of its three matmuls, ``6·M·K·N``), or the step time.
+Not yet run on a GPU: its time there (4 projections, 3 compiled llama-1b steps) is an estimate.
 """
 
 from __future__ import annotations

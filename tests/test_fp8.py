@@ -119,6 +119,9 @@ def test_precision_config_errors():
     with pytest.raises(ConfigError, match=r"precision\.fp8=current: not supported with model\.tp_overlap"):
         overlap = tiny_config("precision.fp8=current", "model.tp_overlap=true", rules="fsdp_tp_sp", mesh={"tensor": 2})
         Trainer.build(overlap, jax.devices()[:2])
+    with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with model\.loss_chunk"):
+        chunked = tiny_config("precision.fp8=current", "precision.fp8_head=true", "model.loss_chunk=8")
+        Trainer.build(chunked, jax.devices()[:1])
     # Resuming needs the saved fp8 state's shape: fp8 on or off, amax_history.
     saved = {"precision": {"fp8": "current", "amax_history": 16, "margin": 0}}
     fp8.check_resume(saved, tiny_config("precision.fp8=delayed").precision, 5)
