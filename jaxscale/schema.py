@@ -19,7 +19,7 @@ MoEDispatch = Literal["capacity", "dropless"]
 MoERouter = Literal["softmax", "sigmoid"]
 # shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
 MoEImpl = Literal["shard_map", "partitioner"]
-DataSource = Literal["stdlib", "tokens"]
+DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
@@ -136,13 +136,14 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
-    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
+    """Where tokens come from: ``builtin`` (the bytes of the corpus shipped with jaxscale), ``stdlib``
+    (the bytes of this Python's standard library sources) or ``tokens`` (a directory written by
+    ``jaxscale prepare-data``, named by ``path``)."""
 
-    source: DataSource = "stdlib"
+    source: DataSource = "builtin"
     path: str | None = None
     max_bytes: int = 8_000_000
-    eval_bytes: int = 400_000
+    eval_bytes: int = 60_000
 
 
 @dataclasses.dataclass

@@ -154,7 +154,7 @@ def test_lossless_conversions_are_accepted():
         ("mesh.tensor=0", r"mesh\.tensor: size must be positive or -1, got 0"),
         ("mesh.fsdp=-2", r"mesh\.fsdp: size must be positive or -1, got -2"),
         ("mesh.dcn.data=0", r"mesh\.dcn\.data: size must be positive, got 0"),
-        ("data.source=web", r"data\.source: 'web' is not one of stdlib"),
+        ("data.source=web", r"data\.source: 'web' is not one of builtin, stdlib, tokens"),
     ],
 )
 def test_bad_value(override, match):

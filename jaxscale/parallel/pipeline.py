@@ -71,7 +71,7 @@ from jaxscale.models.params import logical_axes
 from jaxscale.parallel import ring_attention, schedules, sequence
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.scoped import scoped
-from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
+from jaxscale.sharding import Rules, active, constrain, is_axes, use_rules
 
 AXIS = "stage"
 
@@ -96,22 +96,6 @@ def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
         return schedules.build(config.schedule, p, m, config.repeats, train)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _check(p: int, m: int, v: int, layers: int, tokens: jax.Array, uneven: bool) -> None:
-    if layers % (p * v) and not uneven:
-        raise ConfigError(
-            f"model.layers ({layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats ({v}); "
-            "pipeline.layers_per_stage splits them unevenly"
-        )
-    rows = tokens.shape[0]
-    if rows % m:
-        raise ConfigError(
-            f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
-            f"pipeline.microbatches ({m})"
-        )
-    mesh, place = active()
-    check_divisible("pipeline microbatch", (rows // m, tokens.shape[1]), TOKENS, spec(place, TOKENS), mesh)
 
 
 def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
@@ -152,7 +136,6 @@ def objective(
     axes = logical_axes(block_state)
     layers = jax.tree.leaves(params)[0].shape[0]  # stacked slots (padded with uneven stages)
     tokens = batch["inputs"]
-    _check(p, m, v, layers, tokens, config.layers_per_stage is not None)
     counts = stage_layers.counts(config, c, p)  # units of each virtual stage
     uneven = len(set(counts)) > 1
     rules = place.rules
