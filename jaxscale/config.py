@@ -336,6 +336,7 @@ def validate(config: Config) -> None:
     validate_stage_layers(config)
     validate_xla(config.xla)
     validate_precision(config.precision)
+    _validate_blockwise(config)
     _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
@@ -433,6 +434,21 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
+    if p.fp8_block < 1:
+        raise ConfigError(f"precision.fp8_block must be at least 1, got {p.fp8_block}")
+    if p.fp8_head and p.fp8 == "off":
+        raise ConfigError("precision.fp8_head needs precision.fp8 on (delayed, current or blockwise)")
+
+
+def _validate_blockwise(config: Config) -> None:
+    """``precision.fp8: blockwise`` tiles every projection's dimensions (and the tokens) by ``fp8_block``."""
+    m, p = config.model, config.precision
+    dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
+            "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": config.train.seq_len}
+    for name, size in (dims | ({"model.vocab_size": m.vocab_size} if p.fp8_head else {})).items():
+        if p.fp8 == "blockwise" and size % p.fp8_block:
+            raise ConfigError(f"precision.fp8=blockwise: {name} ({size}) is not divisible by precision.fp8_block "
+                              f"({p.fp8_block})")
 
 
 def _validate_copies(config: Config) -> None:
