@@ -211,8 +211,14 @@ def _loader(config: Config, split: str) -> Loader:
 
 
 def check_data(config: Config) -> TokenDir | None:
-    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length."""
+    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length;
+    for ``stdlib``: the byte counts against the sequence length."""
     if config.data.source != "tokens":
+        d, need = config.data, config.train.seq_len + 2  # a window of seq_len + 1 at one offset or more
+        for key, count in (("data.max_bytes", d.max_bytes), ("data.eval_bytes", d.eval_bytes)):
+            if count < need and (key == "data.max_bytes" or config.train.eval_every):
+                raise ConfigError(f"{key} ({count}) is too few bytes for train.seq_len={config.train.seq_len} "
+                                  f"(at least {need})")
         return None
     tokens = TokenDir.open(config.data.path)
     splits = ("train", "val") if config.train.eval_every else ("train",)
@@ -221,6 +227,12 @@ def check_data(config: Config) -> TokenDir | None:
         raise ConfigError(
             f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of "
             f"data.path={config.data.path}"
+        )
+    top = largest_token_id(tokens, splits)
+    if top >= config.model.vocab_size:
+        raise ConfigError(
+            f"data.path: {tokens.path} holds token id {top}, not below model.vocab_size ({config.model.vocab_size}): "
+            "the embedding has no row for it (a token file of another tokenizer, or damaged)"
         )
     for split in splits:
         count = tokens.meta["splits"][split]["tokens"]
@@ -233,6 +245,20 @@ def check_data(config: Config) -> TokenDir | None:
 
 
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32")
+SAMPLED_TOKENS = 1 << 20  # per split, read at an even stride
+
+
+def largest_token_id(tokens: TokenDir, splits: tuple[str, ...]) -> int:
+    """The largest token id of ``splits``: what ``meta.json`` records (``max_token_id``), and what a
+    sample of each file holds (all of a file up to :data:`SAMPLED_TOKENS`; the only figure for
+    directories written before ``max_token_id`` was recorded)."""
+    recorded = tokens.meta.get("max_token_id")
+    top = int(recorded) if isinstance(recorded, int) else -1
+    for split in splits:
+        data = tokens.tokens(split)
+        if len(data):
+            top = max(top, int(np.max(data[:: max(len(data) // SAMPLED_TOKENS, 1)])))
+    return top
 
 
 def check_files(tokens: TokenDir, splits: tuple[str, ...]) -> None:

@@ -26,7 +26,7 @@ Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 DEFAULT_SCHEDULE: Schedule = "1f1b"
 XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current"]
+Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 
@@ -199,7 +199,9 @@ class PrecisionConfig:
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
-    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current |
+    blockwise`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``: the tile
+    and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks).
     """
 
     params: CopyDType = "auto"
@@ -208,6 +210,8 @@ class PrecisionConfig:
     fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
+    fp8_head: bool = False
+    fp8_block: int = 128
 
 
 @dataclasses.dataclass

@@ -196,6 +196,9 @@ def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
         one_copy.fit(progress=False)
 
 
+# The gap measured on the builtin corpus: 0.022 (jax 0.10.2) and 0.066 (jax 0.12.0.1). The optimizer stepping
+# the compute copy instead of the master is caught by
+# test_an_update_below_bf16_resolution_moves_the_master_only, not by this curve.
 WINDOW, SMOOTHED_TOL = 20, 0.1
 
 
