@@ -44,6 +44,7 @@ XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
+RopeType = Literal["llama3"]
 
 
 class ConfigError(ValueError):
@@ -69,6 +70,17 @@ class MoEConfig:
 
 
 @dataclasses.dataclass
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (:mod:`jaxscale.models.rope`), as Hugging Face's ``rope_scaling``."""
+
+    rope_type: RopeType = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """A Llama-style decoder."""
 
@@ -80,6 +92,7 @@ class ModelConfig:
     head_dim: int = 32
     mlp: int = 384
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -409,6 +422,20 @@ def validate_moe(m: ModelConfig) -> None:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
 
 
+def validate_rope(s: RopeScaling | None) -> None:
+    """``model.rope_scaling``: a factor of at least 1, 0 < low_freq_factor < high_freq_factor, a positive context."""
+    if s is None:
+        return
+    if s.factor < 1:
+        raise ConfigError(f"model.rope_scaling.factor must be at least 1, got {s.factor}")
+    if not 0 < s.low_freq_factor < s.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling: needs 0 < low_freq_factor ({s.low_freq_factor}) < high_freq_factor "
+                          f"({s.high_freq_factor})")
+    if s.original_max_position_embeddings < 1:
+        raise ConfigError("model.rope_scaling.original_max_position_embeddings must be positive, got "
+                          f"{s.original_max_position_embeddings}")
+
+
 def validate(config: Config) -> None:
     """Checks that need no devices: value ranges and divisibility within the config."""
     m, t = config.model, config.train
@@ -428,6 +455,7 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
+    validate_rope(m.rope_scaling)
     if config.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
     if config.data.source == "tokens" and not config.data.path:

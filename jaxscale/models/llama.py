@@ -1,6 +1,6 @@
 """A Llama-style decoder in Flax NNX, annotated with logical axes.
 
-RMSNorm, rotary position embeddings (the rotate-half layout of the Hugging
+RMSNorm, rotary position embeddings (:mod:`jaxscale.models.rope`: the rotate-half layout of the Hugging
 Face checkpoints), grouped-query attention and a SwiGLU feed-forward, with
 optional tied embeddings. The model never names a device: every parameter
 carries the logical names of its dimensions (``out_sharding`` metadata) and
@@ -45,6 +45,7 @@ from jaxscale.models.attention import attention
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
+from jaxscale.models.rope import rope
 from jaxscale.parallel import sequence, stage_layers
 from jaxscale.scoped import scoped
 from jaxscale.sharding import active, constrain
@@ -160,17 +161,6 @@ class RMSNorm(nnx.Module):
         return rms_norm(x.astype(self.dtype), self.scale[...], self.eps)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding of ``x`` [batch, length, heads, head_dim] at integer ``positions`` [batch, length]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None, None] * freq
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
 class Attention(nnx.Module):
     """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads.
 
@@ -204,8 +194,8 @@ class Attention(nnx.Module):
             grads=self.grads,
         )
         q, k, v = f8.grad("q", q), f8.grad("k", k), f8.grad("v", v)
-        q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
-        k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
+        q = constrain(rope(q, positions, c), Q_AXES)
+        k = constrain(rope(k, positions, c), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and not _RECOMPUTED.get():  # keep q, k, v; recompute the core in the backward
