@@ -165,10 +165,14 @@ class TrainConfig:
 @dataclasses.dataclass
 class DataConfig:
     """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
-    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
+    (a directory written by ``jaxscale prepare-data``, or a raw source it prepares once, named by ``path``)."""
 
     source: DataSource = "stdlib"
-    path: str | None = None
+    path: str | None = None  # a prepare-data directory, or a raw source prepared once next to it (tokencache.py)
+    tokenizer: str = "byte"  # a raw data.path: 'byte' or a tokenizer.json
+    text_field: str = "text"
+    prompt_field: str | None = None  # with response_field: prompt/response records, trained on the response
+    response_field: str | None = None
     max_bytes: int = 8_000_000
     eval_bytes: int = 400_000
 

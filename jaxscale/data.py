@@ -42,8 +42,10 @@ from jax.sharding import NamedSharding
 
 from jaxscale.config import Config, ConfigError
 from jaxscale.prepare import TokenDir
+from jaxscale.tokencache import token_dir
 
 BYTE_VOCAB = 256
+IGNORE = -1  # the target of a token not trained (a prompt's): jaxscale.loss leaves it out of the mean
 # The config keys behind the loader's identity (the rest, such as the sequence count, follow from them).
 CONFIG_KEYS = {
     "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
@@ -85,15 +87,20 @@ class Loader(abc.ABC):
         self.order = np.arange(seq_len, dtype=np.int32)
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
-        """Rows ``start:stop`` of the global batch of ``step``: inputs, targets, positions (in ``order``)."""
+        """Rows ``start:stop`` of the global batch of ``step``: inputs, targets (``IGNORE`` where a token is
+        not trained), positions (in ``order``)."""
         windows = self.windows(step, range(start, self.global_batch if stop is None else stop))
-        positions = np.broadcast_to(self.order, (len(windows), self.seq_len))
-        inputs, targets = windows[:, self.order], windows[:, self.order + 1]
+        tokens, trained = (windows[:, 0], windows[:, 1]) if windows.ndim == 3 else (windows, None)
+        positions = np.broadcast_to(self.order, (len(tokens), self.seq_len))
+        inputs, targets = tokens[:, self.order], tokens[:, self.order + 1]
+        if trained is not None:
+            targets = np.where(trained[:, self.order + 1] > 0, targets, IGNORE).astype(np.int32)
         return {"inputs": inputs, "targets": targets, "positions": np.array(positions)}
 
     @abc.abstractmethod
     def windows(self, step: int, rows: range) -> np.ndarray:
-        """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``."""
+        """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``, or
+        ``[len(rows), 2, seq_len + 1]``: the tokens and whether each is trained as a target (0 or 1)."""
 
     def global_batch_arrays(self, step: int, sharding: NamedSharding) -> dict[str, jax.Array]:
         """The global batch of ``step`` as sharded arrays, each process supplying its own rows."""
@@ -137,25 +144,30 @@ class Batches(Loader):
 
 
 class PackedSequences:
-    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream."""
+    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream (with its
+    ``trained`` mask stacked under it when there is one: ``[2, L + 1]``)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, trained: np.ndarray | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.trained = trained
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> np.ndarray:
-        start = index * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], np.int32)
+        window = slice(index * self.seq_len, (index + 1) * self.seq_len + 1)
+        if self.trained is None:
+            return np.asarray(self.tokens[window], np.int32)
+        return np.stack([self.tokens[window], self.trained[window]]).astype(np.int32)
 
 
 class PackedBatches(Loader):
     """Packed documents of a ``prepare-data`` split; shuffled per epoch with ``seed``, in order without."""
 
-    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict):
-        sequences = PackedSequences(tokens, seq_len)
+    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict,
+                 trained: np.ndarray | None = None):
+        sequences = PackedSequences(tokens, seq_len, trained)
         if len(sequences) == 0:
             raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
         super().__init__(global_batch, seq_len, {**identity, "seed": seed, "sequences": len(sequences)})
@@ -190,15 +202,16 @@ def _loader(config: Config, split: str) -> Loader:
     tokens = check_data(config)
     identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}
     if split == "train":
-        return PackedBatches(tokens.tokens("train"), t.global_batch, t.seq_len, t.seed, identity)
-    return PackedBatches(tokens.tokens("val"), t.global_batch, t.seq_len, None, {**identity, "split": split})
+        return PackedBatches(tokens.tokens("train"), t.global_batch, t.seq_len, t.seed, identity, tokens.mask("train"))
+    return PackedBatches(tokens.tokens("val"), t.global_batch, t.seq_len, None, {**identity, "split": split},
+                         tokens.mask("val"))
 
 
 def check_data(config: Config) -> TokenDir | None:
     """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length."""
     if config.data.source != "tokens":
         return None
-    tokens = TokenDir.open(config.data.path)
+    tokens = TokenDir.open(token_dir(config.data.path, config.data, jax.process_count()))
     splits = ("train", "val") if config.train.eval_every else ("train",)
     check_files(tokens, splits)
     if tokens.vocab_size > config.model.vocab_size:
@@ -230,13 +243,16 @@ def check_files(tokens: TokenDir, splits: tuple[str, ...]) -> None:
         raise ConfigError(f"{where} is not a prepare-data meta.json (bad or missing {e})") from e
     if dtype not in TOKEN_DTYPES:
         raise ConfigError(f"{where}: dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
-    for split, count in counts.items():
-        path = tokens.path / f"{split}.bin"
+    files = [(f"{split}.bin", count, dtype) for split, count in counts.items()]
+    if tokens.meta.get("masked"):
+        files += [(f"{split}.mask.bin", count, "uint8") for split, count in counts.items()]
+    for name, count, kind in files:
+        path = tokens.path / name
         size = path.stat().st_size if path.is_file() else None
-        want = count * np.dtype(dtype).itemsize
+        want = count * np.dtype(kind).itemsize
         if size != want:
             have = "is missing" if size is None else f"has {size} bytes"
-            raise ConfigError(f"data.path: {path} {have}, meta.json says {count} {dtype} tokens ({want} bytes): "
+            raise ConfigError(f"data.path: {path} {have}, meta.json says {count} {kind} tokens ({want} bytes): "
                               "truncated or not from this prepare-data run")
 
 

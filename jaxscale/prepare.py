@@ -1,7 +1,9 @@
 """``jaxscale prepare-data``: text files -> a directory of memory-mapped tokens.
 
-Inputs are plain text files (one document each) or JSONL files (``.jsonl``:
-one document per line, its text in a string field, ``text`` by default). The
+Inputs are plain text files (one document each), JSONL files (``.jsonl``:
+one document per line, its text in a string field, ``text`` by default),
+Parquet or Arrow files and saved ``datasets`` directories (a row each, the same
+field: :mod:`jaxscale.sources`). The
 tokenizer is either ``byte`` (built in: the UTF-8 bytes 0-255, end-of-document
 256) or a local Hugging Face ``tokenizer.json``, read by the ``tokenizers``
 package (nothing is downloaded). A held-out share of the documents, chosen by
@@ -12,6 +14,8 @@ goes to the ``val`` split. The directory holds::
     tokenizer.json     (Hugging Face tokenizers) a copy, so the directory decodes on its own
     {train,val}.bin    the tokens, uint16 (vocabulary <= 65536) or uint32, each document followed by eod
     {train,val}.docs.npy   int64 start offset of every document, then the split's length
+    {train,val}.mask.bin   (prompt/response records: ``masked`` in meta.json) uint8 per token, 1 where the
+                       token is trained as a target (the response and its eod), 0 for the prompt
 
 ``meta.json`` is written last, so a directory whose preparation was interrupted
 is never read. This module does not import jax.
@@ -25,18 +29,18 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from jaxscale import documents
 from jaxscale.config import ConfigError
 
 SPLITS = ("train", "val")
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 GOLDEN = (math.sqrt(5) - 1) / 2
-ENCODE_BATCH = 512
 
 
 class Tokenizer(Protocol):
@@ -106,31 +110,6 @@ def make_tokenizer(spec: str, eod_token: str | None = None) -> Tokenizer:
     return HuggingFaceTokenizer(spec, eod_token)
 
 
-def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> Iterator[str]:
-    """Documents in order: a whole plain-text file, or each line's ``text_field`` of a ``.jsonl`` file."""
-    for path in map(Path, paths):
-        try:
-            if path.suffix != ".jsonl":
-                yield path.read_text(encoding="utf-8")
-                continue
-            with path.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-                    text = record.get(text_field) if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        raise ConfigError(f"{path}:{lineno}: no string field '{text_field}' (set --text-field)")
-                    yield text
-        except FileNotFoundError as e:
-            raise ConfigError(f"input file not found: {path}") from e
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
-
-
 def is_held_out(index: int, val_fraction: float) -> bool:
     """Whether document ``index`` belongs to the validation split."""
     return (index * GOLDEN) % 1.0 < val_fraction
@@ -139,18 +118,24 @@ def is_held_out(index: int, val_fraction: float) -> bool:
 class _SplitWriter:
     """Appends documents (each followed by eod) to ``<split>.bin`` and records their offsets."""
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, eod_id: int):
+    def __init__(self, out: Path, split: str, dtype: np.dtype, eod_id: int, masked: bool = False):
         self.path = out / f"{split}.bin.partial"
         self.file = self.path.open("wb")
+        self.mask_path = out / f"{split}.mask.bin.partial"
+        self.mask = self.mask_path.open("wb") if masked else None
         self.dtype, self.eod = dtype, np.array([eod_id], dtype)
         self.starts: list[int] = []
         self.length = 0
         self.hash = hashlib.sha256()
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, trained: np.ndarray | None = None) -> None:
         data = np.concatenate([ids.astype(self.dtype), self.eod]).tobytes()
         self.file.write(data)
         self.hash.update(data)
+        if self.mask is not None:  # the end-of-document token is trained
+            mask = np.concatenate([trained, [True]]).astype(np.uint8).tobytes()
+            self.mask.write(mask)
+            self.hash.update(mask)
         self.starts.append(self.length)
         self.length += len(ids) + 1
 
@@ -158,6 +143,9 @@ class _SplitWriter:
         self.file.close()
         np.save(out / f"{split}.docs.npy", np.array([*self.starts, self.length], np.int64))
         os.replace(self.path, out / f"{split}.bin")
+        if self.mask is not None:
+            self.mask.close()
+            os.replace(self.mask_path, out / f"{split}.mask.bin")
         return {"tokens": self.length, "documents": len(self.starts)}
 
 
@@ -168,8 +156,11 @@ def prepare_data(
     text_field: str = "text",
     val_fraction: float = 0.01,
     eod_token: str | None = None,
+    prompt_field: str | None = None,
+    response_field: str | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``inputs`` into ``out``; returns the metadata written to ``meta.json``."""
+    """Tokenize ``inputs`` into ``out``; returns the metadata written to ``meta.json``. With ``prompt_field``
+    and ``response_field``, records are prompt/response pairs trained on the response (:mod:`jaxscale.documents`)."""
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     tok = make_tokenizer(tokenizer, eod_token)
@@ -177,23 +168,12 @@ def prepare_data(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    writers = {split: _SplitWriter(out, split, dtype, tok.eod_id) for split in SPLITS}
+    masked = prompt_field is not None
+    writers = {split: _SplitWriter(out, split, dtype, tok.eod_id, masked) for split in SPLITS}
     count = 0
-
-    def flush(batch: list[str]) -> None:
-        nonlocal count
-        for ids in tok.encode_batch(batch):
-            writers["val" if is_held_out(count, val_fraction) else "train"].add(ids)
-            count += 1
-
-    pending: list[str] = []
-    for text in read_documents(inputs, text_field):
-        if text:
-            pending.append(text)
-        if len(pending) == ENCODE_BATCH:
-            flush(pending)
-            pending = []
-    flush(pending)
+    for ids, trained in documents.encode(tok, inputs, text_field, prompt_field, response_field):
+        writers["val" if is_held_out(count, val_fraction) else "train"].add(ids, trained)
+        count += 1
     counts = {split: w.close(out, split) for split, w in writers.items()}
     if counts["train"]["documents"] == 0:
         raise ConfigError(f"no training documents in {len(inputs)} input file(s) (documents: {count})")
@@ -211,6 +191,7 @@ def prepare_data(
         "dtype": dtype.name,
         "splits": counts,
         "val_fraction": val_fraction,
+        "masked": masked,
         "fingerprint": fingerprint.hexdigest(),
     }
     tmp = out / "meta.json.partial"
@@ -240,6 +221,13 @@ class TokenDir:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    def mask(self, split: str) -> np.ndarray | None:
+        """Whether each token of the split is trained as a target (uint8, memory-mapped); None: every token."""
+        if not self.meta.get("masked"):
+            return None
+        n = self.meta["splits"][split]["tokens"]
+        return np.memmap(self.path / f"{split}.mask.bin", dtype=np.uint8, mode="r", shape=(n,)) if n else None
 
     def tokens(self, split: str) -> np.ndarray:
         """The split's tokens, memory-mapped (read-only)."""
