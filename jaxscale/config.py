@@ -462,6 +462,8 @@ def validate(config: Config) -> None:
     validate_rope(m.rope_scaling)
     if config.data.source == "stdlib" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
+    if (config.data.prompt_field is None) != (config.data.response_field is None):
+        raise ConfigError("data.prompt_field and data.response_field go together (prompt/response records)")
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
