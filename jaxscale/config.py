@@ -163,6 +163,16 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MixturePart:
+    """One source of a weighted mixture (``data.mixture``): a token directory or raw source, its weight, a name
+    for its metrics (default: the path's file name)."""
+
+    path: str
+    weight: float = 1.0
+    name: str | None = None
+
+
+@dataclasses.dataclass
 class DataConfig:
     """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
     (a directory written by ``jaxscale prepare-data``, or a raw source it prepares once, named by ``path``)."""
@@ -173,6 +183,7 @@ class DataConfig:
     text_field: str = "text"
     prompt_field: str | None = None  # with response_field: prompt/response records, trained on the response
     response_field: str | None = None
+    mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/mixture.py)
     max_bytes: int = 8_000_000
     eval_bytes: int = 400_000
 
@@ -440,6 +451,23 @@ def validate_rope(s: RopeScaling | None) -> None:
                           f"{s.original_max_position_embeddings}")
 
 
+def validate_mixture(d: DataConfig) -> None:
+    """``data.mixture``: with ``data.source=tokens`` in place of ``data.path``, positive weights, distinct names."""
+    if d.mixture is None:
+        return
+    if d.source != "tokens" or d.path is not None:
+        raise ConfigError("data.mixture: needs data.source=tokens and no data.path (the mixture names the sources)")
+    if not d.mixture:
+        raise ConfigError("data.mixture: an empty list (null: one source, data.path)")
+    for i, part in enumerate(d.mixture):
+        if not (part.weight > 0 and math.isfinite(part.weight)):
+            raise ConfigError(f"data.mixture[{i}].weight must be positive, got {part.weight}")
+    names = [part.name or Path(part.path).name for part in d.mixture]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"data.mixture: the name {repeated[0]!r} is given twice (set data.mixture[i].name)")
+
+
 def validate(config: Config) -> None:
     """Checks that need no devices: value ranges and divisibility within the config."""
     m, t = config.model, config.train
@@ -464,7 +492,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
     if (config.data.prompt_field is None) != (config.data.response_field is None):
         raise ConfigError("data.prompt_field and data.response_field go together (prompt/response records)")
-    if config.data.source == "tokens" and not config.data.path:
+    validate_mixture(config.data)
+    if config.data.source == "tokens" and not config.data.path and not config.data.mixture:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):

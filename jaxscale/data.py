@@ -102,6 +102,14 @@ class Loader(abc.ABC):
         """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``, or
         ``[len(rows), 2, seq_len + 1]``: the tokens and whether each is trained as a target (0 or 1)."""
 
+    def metrics(self, first_step: int, stop_step: int) -> dict[str, float]:
+        """What to log about the data of steps ``first_step .. stop_step - 1`` (a mixture: each source's share)."""
+        return {}
+
+    def by_source(self) -> dict[str, Loader]:
+        """Each source's own loader by name, evaluated apart (a mixture's; none otherwise)."""
+        return {}
+
     def global_batch_arrays(self, step: int, sharding: NamedSharding) -> dict[str, jax.Array]:
         """The global batch of ``step`` as sharded arrays, each process supplying its own rows."""
         shape = (self.global_batch, self.seq_len)
@@ -199,7 +207,11 @@ def _loader(config: Config, split: str) -> Loader:
             return Batches(stdlib_bytes(d.max_bytes), t.global_batch, t.seq_len, t.seed, identity)
         held_out = stdlib_bytes(d.eval_bytes, skip=d.max_bytes)
         return Batches(held_out, t.global_batch, t.seq_len, t.seed, {**identity, "split": split})
-    tokens = check_data(config)
+    if d.mixture:
+        from jaxscale.mixture import mixture_loader  # it builds on this module's loaders
+
+        return mixture_loader(config, split)
+    tokens = open_tokens(config, d.path, "data.path")
     identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}
     if split == "train":
         return PackedBatches(tokens.tokens("train"), t.global_batch, t.seq_len, t.seed, identity, tokens.mask("train"))
@@ -208,22 +220,30 @@ def _loader(config: Config, split: str) -> Loader:
 
 
 def check_data(config: Config) -> TokenDir | None:
-    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length."""
+    """For ``data.source=tokens``: the prepared directory (each of a mixture's, returning None), checked against
+    the model and sequence length."""
     if config.data.source != "tokens":
         return None
-    tokens = TokenDir.open(token_dir(config.data.path, config.data, jax.process_count()))
+    for i, part in enumerate(config.data.mixture or []):
+        open_tokens(config, part.path, f"data.mixture[{i}].path")
+    return None if config.data.mixture else open_tokens(config, config.data.path, "data.path")
+
+
+def open_tokens(config: Config, path: str, key: str) -> TokenDir:
+    """The token directory of ``path`` (the config key ``key``; a raw source is prepared next to it first),
+    checked against the model and sequence length."""
+    tokens = TokenDir.open(token_dir(path, config.data, jax.process_count(), key))
     splits = ("train", "val") if config.train.eval_every else ("train",)
     check_files(tokens, splits)
     if tokens.vocab_size > config.model.vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of "
-            f"data.path={config.data.path}"
+            f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of {key}={path}"
         )
     for split in splits:
         count = tokens.meta["splits"][split]["tokens"]
         if count <= config.train.seq_len:
             raise ConfigError(
-                f"data.path: the {split} split of {tokens.path} has {count} tokens, too few for "
+                f"{key}: the {split} split of {tokens.path} has {count} tokens, too few for "
                 f"train.seq_len={config.train.seq_len}"
             )
     return tokens

@@ -44,11 +44,12 @@ def cache_key(source: Path, data: DataConfig) -> str:
     return hashlib.sha256(json.dumps([settings, stats], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def token_dir(path: str | Path, data: DataConfig, processes: int = 1) -> Path:
-    """The ``prepare-data`` directory of ``path``: itself, or its cache next to it (prepared here if absent)."""
+def token_dir(path: str | Path, data: DataConfig, processes: int = 1, key: str = "data.path") -> Path:
+    """The ``prepare-data`` directory of ``path`` (the config key ``key``): itself, or its cache next to it
+    (prepared here if absent)."""
     source = Path(path)
     if not source.exists():
-        raise ConfigError(f"data.path: {source} does not exist")
+        raise ConfigError(f"{key}: {source} does not exist")
     saved = (source / "state.json").is_file() or (source / "dataset_dict.json").is_file()
     if source.is_dir() and (is_prepared(source) or not saved):
         return source  # a prepare-data directory (TokenDir.open says what a directory without meta.json lacks)
@@ -56,7 +57,7 @@ def token_dir(path: str | Path, data: DataConfig, processes: int = 1) -> Path:
     if is_prepared(out):
         return out
     if processes > 1:
-        raise ConfigError(f"data.path: {source} is not prepared; run one process first, or prepare-data it into "
+        raise ConfigError(f"{key}: {source} is not prepared; run one process first, or prepare-data it into "
                           f"{out}")
     prepare_data([source], out, data.tokenizer, data.text_field, prompt_field=data.prompt_field,
                  response_field=data.response_field)
