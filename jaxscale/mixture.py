@@ -77,8 +77,8 @@ def mixture_loader(config: Config, split: str) -> MixtureBatches:
         tokens = open_tokens(config, part.path, f"data.mixture[{i}].path")
         name = part.name or Path(part.path).name
         prints[name] = tokens.meta["fingerprint"]
-        which = "train" if train else "val"
-        parts[name] = PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, (t.seed + i) % 2**32 if train else None,
+        which, seed = ("train", (t.seed + i) % 2**32) if train else ("val", None)
+        parts[name] = PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, seed,
                                     {"fingerprint": prints[name]}, tokens.mask(which))
     identity = {"source": "mixture", "fingerprints": prints, "seed": t.seed, **({} if train else {"split": split})}
     return MixtureBatches(parts, [part.weight for part in config.data.mixture], identity)
