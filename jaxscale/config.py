@@ -184,6 +184,7 @@ class DataConfig:
     prompt_field: str | None = None  # with response_field: prompt/response records, trained on the response
     response_field: str | None = None
     mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/mixture.py)
+    documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
     max_bytes: int = 8_000_000
     eval_bytes: int = 400_000
 
@@ -493,6 +494,8 @@ def validate(config: Config) -> None:
     if (config.data.prompt_field is None) != (config.data.response_field is None):
         raise ConfigError("data.prompt_field and data.response_field go together (prompt/response records)")
     validate_mixture(config.data)
+    if config.data.documents and config.data.source != "tokens":
+        raise ConfigError("data.documents: needs data.source=tokens (documents of a prepare-data directory)")
     if config.data.source == "tokens" and not config.data.path and not config.data.mixture:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)

@@ -50,6 +50,7 @@ IGNORE = -1  # the target of a token not trained (a prompt's): jaxscale.loss lea
 CONFIG_KEYS = {
     "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
     "source": "data.source", "max_bytes": "data.max_bytes", "fingerprint": "data.path (fingerprint)",
+    "documents": "data.documents",
 }
 
 
@@ -90,17 +91,19 @@ class Loader(abc.ABC):
         """Rows ``start:stop`` of the global batch of ``step``: inputs, targets (``IGNORE`` where a token is
         not trained), positions (in ``order``)."""
         windows = self.windows(step, range(start, self.global_batch if stop is None else stop))
-        tokens, trained = (windows[:, 0], windows[:, 1]) if windows.ndim == 3 else (windows, None)
-        positions = np.broadcast_to(self.order, (len(tokens), self.seq_len))
+        if windows.ndim == 2:
+            windows = np.stack([windows, np.ones_like(windows), np.broadcast_to(np.arange(self.seq_len + 1),
+                                                                                windows.shape)], axis=1)
+        tokens, trained, positions = windows[:, 0], windows[:, 1], windows[:, 2]
         inputs, targets = tokens[:, self.order], tokens[:, self.order + 1]
-        if trained is not None:
-            targets = np.where(trained[:, self.order + 1] > 0, targets, IGNORE).astype(np.int32)
-        return {"inputs": inputs, "targets": targets, "positions": np.array(positions)}
+        targets = np.where(trained[:, self.order + 1] > 0, targets, IGNORE).astype(np.int32)
+        return {"inputs": inputs, "targets": targets, "positions": np.array(positions[:, self.order])}
 
     @abc.abstractmethod
     def windows(self, step: int, rows: range) -> np.ndarray:
         """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``, or
-        ``[len(rows), 2, seq_len + 1]``: the tokens and whether each is trained as a target (0 or 1)."""
+        ``[len(rows), 3, seq_len + 1]``: the tokens, whether each is trained as a target (0 or 1), and each
+        one's position (:class:`PackedSequences`)."""
 
     def metrics(self, first_step: int, stop_step: int) -> dict[str, float]:
         """What to log about the data of steps ``first_step .. stop_step - 1`` (a mixture: each source's share)."""
@@ -152,30 +155,45 @@ class Batches(Loader):
 
 
 class PackedSequences:
-    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream (with its
-    ``trained`` mask stacked under it when there is one: ``[2, L + 1]``)."""
+    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream, stacked
+    ``[3, L + 1]`` with whether each token is trained as a target (``trained``: a prompt's are not) and its
+    position.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, trained: np.ndarray | None = None):
+    Concatenated (``starts`` None) the positions are ``0 .. L``. With the documents' ``starts`` (their
+    offsets, then the stream's length: ``data.documents``) each token's position is its place in its
+    document, restarting at 0 where one starts, and a document's first token is not trained as a target:
+    it would be predicted from the document before.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, trained: np.ndarray | None = None,
+                 starts: np.ndarray | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
         self.trained = trained
+        self.starts = starts
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> np.ndarray:
         window = slice(index * self.seq_len, (index + 1) * self.seq_len + 1)
-        if self.trained is None:
-            return np.asarray(self.tokens[window], np.int32)
-        return np.stack([self.tokens[window], self.trained[window]]).astype(np.int32)
+        tokens = np.asarray(self.tokens[window], np.int32)
+        trained = np.ones_like(tokens) if self.trained is None else np.asarray(self.trained[window], np.int32)
+        positions = np.arange(len(tokens), dtype=np.int32)
+        if self.starts is not None:
+            offsets = positions + window.start
+            first = self.starts[np.searchsorted(self.starts, offsets, side="right") - 1]
+            positions = (offsets - first).astype(np.int32)
+            trained = np.where(positions == 0, 0, trained)
+        return np.stack([tokens, trained, positions])
 
 
 class PackedBatches(Loader):
     """Packed documents of a ``prepare-data`` split; shuffled per epoch with ``seed``, in order without."""
 
     def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict,
-                 trained: np.ndarray | None = None):
-        sequences = PackedSequences(tokens, seq_len, trained)
+                 trained: np.ndarray | None = None, starts: np.ndarray | None = None):
+        sequences = PackedSequences(tokens, seq_len, trained, starts)
         if len(sequences) == 0:
             raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
         super().__init__(global_batch, seq_len, {**identity, "seed": seed, "sequences": len(sequences)})
@@ -212,11 +230,12 @@ def _loader(config: Config, split: str) -> Loader:
 
         return mixture_loader(config, split)
     tokens = open_tokens(config, d.path, "data.path")
-    identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}
-    if split == "train":
-        return PackedBatches(tokens.tokens("train"), t.global_batch, t.seq_len, t.seed, identity, tokens.mask("train"))
-    return PackedBatches(tokens.tokens("val"), t.global_batch, t.seq_len, None, {**identity, "split": split},
-                         tokens.mask("val"))
+    identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"],
+                **({"documents": True} if d.documents else {})}
+    which, seed = ("train", t.seed) if split == "train" else ("val", None)
+    return PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, seed,
+                         {**identity, **({} if split == "train" else {"split": split})}, tokens.mask(which),
+                         tokens.documents(which) if d.documents else None)
 
 
 def check_data(config: Config) -> TokenDir | None:

@@ -44,10 +44,7 @@ class MixtureBatches(Loader):
 
     def windows(self, step: int, rows: range) -> np.ndarray:
         first = step * self.global_batch
-        windows = [self.dataset[first + r] for r in rows]
-        if len({w.ndim for w in windows}) > 1:  # a masked source beside unmasked ones: every token of those trained
-            windows = [w if w.ndim == 2 else np.stack([w, np.ones_like(w)]) for w in windows]
-        return np.stack(windows)
+        return np.stack([self.dataset[first + r] for r in rows])
 
     def sources(self, step: int) -> np.ndarray:
         """The index of the source of each row of the global batch of ``step``."""
@@ -79,6 +76,8 @@ def mixture_loader(config: Config, split: str) -> MixtureBatches:
         prints[name] = tokens.meta["fingerprint"]
         which, seed = ("train", (t.seed + i) % 2**32) if train else ("val", None)
         parts[name] = PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, seed,
-                                    {"fingerprint": prints[name]}, tokens.mask(which))
-    identity = {"source": "mixture", "fingerprints": prints, "seed": t.seed, **({} if train else {"split": split})}
+                                    {"fingerprint": prints[name]}, tokens.mask(which),
+                                    tokens.documents(which) if config.data.documents else None)
+    identity = {"source": "mixture", "fingerprints": prints, "seed": t.seed,
+                **({"documents": True} if config.data.documents else {}), **({} if train else {"split": split})}
     return MixtureBatches(parts, [part.weight for part in config.data.mixture], identity)

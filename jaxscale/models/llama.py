@@ -41,7 +41,7 @@ from jaxscale.config import Config, ModelConfig
 from jaxscale.fp8 import Fp8
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
-from jaxscale.models.attention import attention
+from jaxscale.models.attention import attention, document_ids
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
@@ -171,6 +171,7 @@ class Attention(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model
         self.config = c
+        self.documents = config.data.documents  # packed documents: attention masked across them
         self.grads = precision.weight_grads(config)
         std, pdt = c.init_std, c.param_dtype
         self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
@@ -200,7 +201,7 @@ class Attention(nnx.Module):
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and not _RECOMPUTED.get():  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v)
+        out = core(q, k, v, document_ids(positions) if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         wo = f8("wo", self.wo[...]).astype(dt)
         y = sequence.row_parallel(
