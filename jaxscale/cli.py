@@ -32,10 +32,10 @@ from jaxscale.config import (
     Attention,
     ConfigError,
     DType,
-    _read_yaml,
     check_writable,
     checkpoint_dir,
     load_config,
+    read_yaml,
     requested_devices,
     resolve_named,
 )
@@ -166,7 +166,7 @@ def _plan(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
-    model_dict = _read_yaml(resolve_named(args.model, "models"))
+    model_dict = read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])
     if args.verify:
         _simulate_cpu_devices(min(cluster.devices, MAX_SIMULATED))

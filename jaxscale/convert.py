@@ -33,7 +33,7 @@ Hugging Face, layer ``i``, expert ``e``     jaxscale
 =========================================  =========================================
 
 RoPE: HF checkpoints already hold q/k in the rotate-half layout that
-:func:`jaxscale.models.rope.rope` uses, so the heads need only a reshape (no
+:func:`jaxscale.models.llama.rope` uses, so the heads need only a reshape (no
 permutation); the tests check the logits. Tied embeddings: no ``lm_head`` either
 way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
 ``router: softmax, normalize_gates: true``; the generated model uses dropless
@@ -74,7 +74,7 @@ from jaxscale.config import (
     MoEConfig,
     RopeScaling,
     _build,
-    _read_yaml,
+    read_yaml,
     resolve_named,
     validate_moe,
     validate_rope,
@@ -278,7 +278,7 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
     the keys that decide the parameters' shapes must agree."""
     if override is None:
         return model
-    raw = _read_yaml(resolve_named(override, "models"))
+    raw = read_yaml(resolve_named(override, "models"))
     generated = dataclasses.asdict(model)
     merged = {**generated, **raw}
     if isinstance(raw.get("moe"), dict) and generated["moe"] is not None:
@@ -381,7 +381,7 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
 
 def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, ModelConfig]:
     source = params_source(ckpt)
-    raw = source.model if override is None else _read_yaml(resolve_named(override, "models"))
+    raw = source.model if override is None else read_yaml(resolve_named(override, "models"))
     model = _build(ModelConfig, raw, "model")
     _check_model(model)
     return source, model

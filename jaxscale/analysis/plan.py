@@ -39,10 +39,19 @@ from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, stacked
 from jaxscale.analysis.timing import Cluster, step_time
-from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml, load_config
+from jaxscale.config import (
+    CONFIG_DIR,
+    DEFAULT_SCHEDULE,
+    MESH_AXES,
+    Config,
+    ConfigError,
+    ModelConfig,
+    load_config,
+    read_yaml,
+)
 from jaxscale.layout import Layout, Rules
 from jaxscale.parallel.schedules import formula_bubble
-from jaxscale.parallel.stage_layers import lighter_ends, unit
+from jaxscale.stage_layers import lighter_ends, unit
 
 REMATS = ("none", "save_dots", "full")
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
@@ -66,7 +75,7 @@ class Strategy:
     accumulation: int = 1
     pipeline_microbatches: int = 1
     repeats: int = 1
-    schedule: str = "1f1b"  # pipeline.schedule when stage > 1
+    schedule: str = DEFAULT_SCHEDULE  # pipeline.schedule when stage > 1
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
     layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
 
@@ -117,7 +126,7 @@ class Strategy:
 
 def base_rules() -> dict[str, Any]:
     """The data-parallel preset: every logical name the model uses, replicated but for the batch."""
-    return _read_yaml(CONFIG_DIR / "rules" / "dp.yaml")["rules"]
+    return read_yaml(CONFIG_DIR / "rules" / "dp.yaml")["rules"]
 
 
 def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -220,7 +229,7 @@ MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 
 def stage_split(m: ModelConfig, chunks: int) -> tuple[int, ...] | None:
     """``pipeline.layers_per_stage`` for ``chunks`` virtual stages: None where the layers split evenly, else the
-    first and last stages lighter (:func:`jaxscale.parallel.stage_layers.lighter_ends`, in whole MoE groups)."""
+    first and last stages lighter (:func:`jaxscale.stage_layers.lighter_ends`, in whole MoE groups)."""
     per_unit = unit(m)
     units = m.layers // per_unit
     if units % chunks == 0:
@@ -236,7 +245,7 @@ def _pipelines(
     """(stages, pipeline microbatches, repeats, schedule, layers per virtual stage): GPipe, 1F1B and interleaved
     1F1B (v = 2) with m = p, 2p, ... up to 32p and the batch's sequences; where the layers do not divide
     p·v, the first and last virtual stages a layer lighter (:func:`stage_split`)."""
-    yield 1, 1, 1, "1f1b", None
+    yield 1, 1, 1, DEFAULT_SCHEDULE, None
     for p in _divisors(devices):
         if p == 1 or p > max_stages:
             continue
