@@ -51,6 +51,7 @@ from jaxscale.schema import (  # the schema, importable from here
     MoEImpl,
     MoERouter,
     NonFinite,
+    Packing,
     PipelineConfig,
     PrecisionConfig,
     ReduceDType,
@@ -89,6 +90,7 @@ __all__ = [
     "MoERouter",
     "ModelConfig",
     "NonFinite",
+    "Packing",
     "PipelineConfig",
     "PrecisionConfig",
     "ReduceDType",
@@ -342,6 +344,8 @@ def validate(config: Config) -> None:
     validate_mixture(config.data)
     if config.data.documents and config.data.source != "tokens":
         raise ConfigError("data.documents: needs data.source=tokens (documents of a prepare-data directory)")
+    if config.data.packing == "first_fit" and not config.data.documents:
+        raise ConfigError("data.packing=first_fit: needs data.documents=true (the packed documents kept apart)")
     if config.data.source == "tokens" and not config.data.path and not config.data.mixture:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)

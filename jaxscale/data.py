@@ -41,6 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxscale.config import Config, ConfigError
+from jaxscale.packing import PackedBins, check_lengths
 from jaxscale.prepare import TokenDir
 from jaxscale.tokencache import token_dir
 
@@ -50,7 +51,7 @@ IGNORE = -1  # the target of a token not trained (a prompt's): jaxscale.loss lea
 CONFIG_KEYS = {
     "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
     "source": "data.source", "max_bytes": "data.max_bytes", "fingerprint": "data.path (fingerprint)",
-    "documents": "data.documents",
+    "documents": "data.documents", "packing": "data.packing",
 }
 
 
@@ -192,8 +193,11 @@ class PackedBatches(Loader):
     """Packed documents of a ``prepare-data`` split; shuffled per epoch with ``seed``, in order without."""
 
     def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict,
-                 trained: np.ndarray | None = None, starts: np.ndarray | None = None):
-        sequences = PackedSequences(tokens, seq_len, trained, starts)
+                 trained: np.ndarray | None = None, starts: np.ndarray | None = None, first_fit: bool = False):
+        if first_fit:  # whole documents, padded (jaxscale/packing.py)
+            sequences = PackedBins(tokens, seq_len, trained, starts, identity.get("split", "train"))
+        else:
+            sequences = PackedSequences(tokens, seq_len, trained, starts)
         if len(sequences) == 0:
             raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
         super().__init__(global_batch, seq_len, {**identity, "seed": seed, "sequences": len(sequences)})
@@ -231,11 +235,11 @@ def _loader(config: Config, split: str) -> Loader:
         return mixture_loader(config, split)
     tokens = open_tokens(config, d.path, "data.path")
     identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"],
-                **({"documents": True} if d.documents else {})}
+                **({"documents": True} if d.documents else {}), **({"packing": d.packing} if d.documents else {})}
     which, seed = ("train", t.seed) if split == "train" else ("val", None)
     return PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, seed,
                          {**identity, **({} if split == "train" else {"split": split})}, tokens.mask(which),
-                         tokens.documents(which) if d.documents else None)
+                         tokens.documents(which) if d.documents else None, d.packing == "first_fit")
 
 
 def check_data(config: Config) -> TokenDir | None:
@@ -265,6 +269,8 @@ def open_tokens(config: Config, path: str, key: str) -> TokenDir:
                 f"{key}: the {split} split of {tokens.path} has {count} tokens, too few for "
                 f"train.seq_len={config.train.seq_len}"
             )
+        if config.data.packing == "first_fit":
+            check_lengths(tokens.documents(split), config.train.seq_len, f"the {split} split of {key}={path}")
     return tokens
 
 

@@ -77,7 +77,9 @@ def mixture_loader(config: Config, split: str) -> MixtureBatches:
         which, seed = ("train", (t.seed + i) % 2**32) if train else ("val", None)
         parts[name] = PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, seed,
                                     {"fingerprint": prints[name]}, tokens.mask(which),
-                                    tokens.documents(which) if config.data.documents else None)
+                                    tokens.documents(which) if config.data.documents else None,
+                                    config.data.packing == "first_fit")
     identity = {"source": "mixture", "fingerprints": prints, "seed": t.seed,
-                **({"documents": True} if config.data.documents else {}), **({} if train else {"split": split})}
+                **({"documents": True, "packing": config.data.packing} if config.data.documents else {}),
+                **({} if train else {"split": split})}
     return MixtureBatches(parts, [part.weight for part in config.data.mixture], identity)

@@ -30,6 +30,7 @@ Fp8Mode = Literal["off", "delayed", "current"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 RopeType = Literal["llama3"]
+Packing = Literal["concat", "first_fit"]  # jaxscale/packing.py
 
 
 class ConfigError(ValueError):
@@ -171,6 +172,7 @@ class DataConfig:
     response_field: str | None = None
     mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/mixture.py)
     documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
+    packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
     max_bytes: int = 8_000_000
     eval_bytes: int = 400_000
 

@@ -3,6 +3,7 @@ not trained, and attention does not cross documents: a packed batch equals its d
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import jax
@@ -15,16 +16,17 @@ from helpers import assert_trees_close, rel_err, tiny_config
 from jaxscale.config import ConfigError
 from jaxscale.data import IGNORE, make_loader
 from jaxscale.models.attention import document_ids
+from jaxscale.packing import PackedBins, first_fit
 from jaxscale.prepare import TokenDir, prepare_data
 from jaxscale.train import Trainer
 
 
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory) -> Path:
-    """Byte tokens of 400 documents of 3 to 40 letters: a 32-token sequence holds several."""
+    """Byte tokens of 400 documents of 3 to 30 letters: a 32-token sequence holds several, whole or cut."""
     rng = np.random.default_rng(0)
     root = tmp_path_factory.mktemp("docs")
-    lines = ["".join(rng.choice(list("abcdefgh"), rng.integers(3, 41))) for _ in range(400)]
+    lines = ["".join(rng.choice(list("abcdefgh"), rng.integers(3, 31))) for _ in range(400)]
     (root / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
     prepare_data([root / "docs.jsonl"], root / "tokens", val_fraction=0.0)
     return root / "tokens"
@@ -85,11 +87,11 @@ def reference(docs):
     single = alone(batch)
     plain = Trainer.build(config(docs), jax.devices()[:1])
     loss, grads = plain.loss_and_grads(params, single)
-    return packed_trainer, params, batch, single, logits_of(plain, params, single), float(loss), grads
+    return packed_trainer, params, batch, single, logits_of(plain, params, single), float(loss), grads, plain
 
 
 def test_packed_logits_equal_the_documents_one_at_a_time(reference):
-    trainer, params, batch, single, single_logits, _, _ = reference
+    trainer, params, batch, single, single_logits, *_ = reference
     assert len(single["inputs"]) > 2 * len(batch["inputs"])  # several documents per row
     packed = logits_of(trainer, params, batch)
     # Scatter the single rows' logits back to their packed places.
@@ -115,7 +117,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(reference, docs, name):
-    _, params, batch, _, _, ref_loss, ref_grads = reference
+    _, params, batch, _, _, ref_loss, ref_grads, _ = reference
     overrides, layout = LAYOUTS[name]
     trainer = Trainer.build(config(docs, "data.documents=true", *overrides, **layout))
     placed = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
@@ -130,3 +132,50 @@ def test_documents_need_the_dot_kernel_and_token_data(docs):
         Trainer.build(config(docs, "data.documents=true", "model.attention=blockwise", mesh={"data": 8}))
     with pytest.raises(ConfigError, match=r"^data\.documents: needs data\.source=tokens"):
         tiny_config("data.documents=true")
+
+
+def test_first_fit_places_each_document_in_the_first_sequence_with_room():
+    # Capacity 10: 6 opens 0; 5 opens 1 (0 has 4 left); 4 fills 0; 3 goes to 1 (5 + 3); 2 to 1 (10); 9 opens 2.
+    assert first_fit(np.array([6, 5, 4, 3, 2, 9]), 10).tolist() == [0, 0 + 1, 0, 1, 1, 2]
+    # With one open sequence, each that does not fit closes the one before: 6 | 5 4 | 3 2 ... in order.
+    assert first_fit(np.array([6, 5, 4, 3, 2, 9]), 10, open_bins=1).tolist() == [0, 1, 1, 2, 2, 3]
+
+
+def test_first_fit_rows_hold_whole_documents(docs):
+    data = TokenDir.open(docs)
+    tokens, starts = np.asarray(data.tokens("train")), data.documents("train")
+    bins = PackedBins(tokens, 32, None, starts, "train")
+    found = []
+    for i in range(len(bins)):  # one epoch: every document once, whole, beginning at position 0
+        w = bins[i]
+        cuts = [*np.nonzero(w[2] == 0)[0], len(w[0])]  # where a document (or a pad) begins
+        for a, b in itertools.pairwise(cuts):
+            if b - a == 1 and w[0, a] == 0 and w[1, a] == 0:
+                continue  # a pad: token 0, untrained, position 0
+            found.append(w[0, a:b].astype(tokens.dtype).tobytes())
+            assert w[1, a] == 0 and w[1, a + 1 : b].all()  # trained but for the boundary
+    assert sorted(found) == sorted(tokens[a:b].tobytes() for a, b in itertools.pairwise(starts))
+    assert len(bins) < 1.3 * len(tokens) / 33  # little padding
+    rows = make_loader(config(docs, "data.documents=true", "data.packing=first_fit")).windows(0, range(16))
+    assert any(np.array_equal(rows[0], bins[i]) for i in range(len(bins)))  # shuffled sequences of the same bins
+
+
+def test_a_document_longer_than_a_sequence_is_refused_under_first_fit(tmp_path):
+    (tmp_path / "long.txt").write_text("x" * 40)
+    prepare_data([tmp_path / "long.txt"], tmp_path / "tokens", val_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"^data\.packing=first_fit: 1 documents of the train split of data\.path="
+                                          r".* are longer than train\.seq_len \+ 1 = 33 tokens \(the longest 41\)"):
+        Trainer.build(config(tmp_path / "tokens", "data.documents=true", "data.packing=first_fit", mesh={"data": 8}))
+    with pytest.raises(ConfigError, match=r"^data\.packing=first_fit: needs data\.documents=true"):
+        config(tmp_path / "tokens", "data.packing=first_fit")
+
+
+def test_first_fit_loss_and_gradients_equal_the_documents_one_at_a_time(reference, docs):
+    trainer, params, *_, plain = reference  # the packed trainer's step, fed first-fit rows
+    loader = make_loader(config(docs, "data.documents=true", "data.packing=first_fit"))
+    batch = loader.rows(0)
+    assert (batch["targets"] == IGNORE).sum() > (batch["inputs"] == 256).sum()  # pads besides the boundaries
+    ref_loss, ref_grads = plain.loss_and_grads(params, alone(batch))
+    loss, grads = trainer.loss_and_grads(params, batch)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * float(ref_loss)
+    assert_trees_close(grads, ref_grads)
