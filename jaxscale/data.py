@@ -87,17 +87,21 @@ class Loader(abc.ABC):
         self.identity = {**identity, "global_batch": global_batch, "seq_len": seq_len}
         # The order of each row's tokens, targets and positions (ring attention's zig-zag chunks).
         self.order = np.arange(seq_len, dtype=np.int32)
+        self.boundary_targets = False  # data.boundary_targets: train a document's first token as a target
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of the global batch of ``step``: inputs, targets (``IGNORE`` where a token is
-        not trained), positions (in ``order``)."""
+        not trained, or begins a document unless ``boundary_targets``), positions (in ``order``)."""
         windows = self.windows(step, range(start, self.global_batch if stop is None else stop))
         if windows.ndim == 2:
             windows = np.stack([windows, np.ones_like(windows), np.broadcast_to(np.arange(self.seq_len + 1),
                                                                                 windows.shape)], axis=1)
         tokens, trained, positions = windows[:, 0], windows[:, 1], windows[:, 2]
         inputs, targets = tokens[:, self.order], tokens[:, self.order + 1]
-        targets = np.where(trained[:, self.order + 1] > 0, targets, IGNORE).astype(np.int32)
+        keep = trained[:, self.order + 1] > 0
+        if not self.boundary_targets:  # a document's first token, predicted from the one before (packed documents)
+            keep &= positions[:, self.order + 1] != 0
+        targets = np.where(keep, targets, IGNORE).astype(np.int32)
         return {"inputs": inputs, "targets": targets, "positions": np.array(positions[:, self.order])}
 
     @abc.abstractmethod
@@ -162,8 +166,8 @@ class PackedSequences:
 
     Concatenated (``starts`` None) the positions are ``0 .. L``. With the documents' ``starts`` (their
     offsets, then the stream's length: ``data.documents``) each token's position is its place in its
-    document, restarting at 0 where one starts, and a document's first token is not trained as a target:
-    it would be predicted from the document before.
+    document, restarting at 0 where one starts (where :meth:`Loader.rows` leaves the target untrained: it
+    would be predicted from the document before).
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, trained: np.ndarray | None = None,
@@ -185,7 +189,6 @@ class PackedSequences:
             offsets = positions + window.start
             first = self.starts[np.searchsorted(self.starts, offsets, side="right") - 1]
             positions = (offsets - first).astype(np.int32)
-            trained = np.where(positions == 0, 0, trained)
         return np.stack([tokens, trained, positions])
 
 
@@ -216,6 +219,7 @@ class PackedBatches(Loader):
 def make_loader(config: Config, split: str = "train", order: np.ndarray | None = None) -> Loader:
     """The loader of ``split`` (``train``, or ``eval``: the held-out data) for ``config.data``, rows in ``order``."""
     loader = _loader(config, split)
+    loader.boundary_targets = config.data.boundary_targets
     if order is not None:
         loader.order = np.asarray(order, np.int32)
     return loader

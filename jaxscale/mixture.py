@@ -58,7 +58,7 @@ class MixtureBatches(Loader):
 
     def by_source(self) -> dict[str, Loader]:
         for part in self.parts.values():
-            part.order = self.order
+            part.order, part.boundary_targets = self.order, self.boundary_targets
         return dict(self.parts)
 
     def state(self, step: int) -> dict[str, Any]:

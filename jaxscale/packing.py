@@ -77,7 +77,6 @@ class PackedBins:
             n = b - a
             out[0, at : at + n] = self.tokens[a:b]
             out[1, at : at + n] = 1 if self.trained is None else self.trained[a:b]
-            out[1, at] = 0  # a document's first token is not predicted from the one before
             out[2, at : at + n] = np.arange(n)
             at += n
         return out

@@ -173,6 +173,7 @@ class DataConfig:
     mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/mixture.py)
     documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
     packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
+    boundary_targets: bool = False  # with documents: train a document's first token, predicted from the one before
     max_bytes: int = 8_000_000
     eval_bytes: int = 400_000
 

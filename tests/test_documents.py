@@ -50,6 +50,9 @@ def test_positions_restart_and_boundaries_are_not_trained(docs):
         # The target of an end-of-document token (the next document's first) is not trained; the rest are.
         np.testing.assert_array_equal(targets == IGNORE, inputs == eod)
     assert plain["positions"][0].tolist() == list(range(32)) and (plain["targets"] >= 0).all()
+    both = make_loader(config(docs, "data.documents=true", "data.boundary_targets=true")).rows(3)
+    np.testing.assert_array_equal(both["targets"], plain["targets"])  # the boundary trained too
+    np.testing.assert_array_equal(both["positions"], packed["positions"])
     assert len(starts) > 300 and tokens[starts[1] - 1] == eod
 
 
@@ -153,7 +156,7 @@ def test_first_fit_rows_hold_whole_documents(docs):
             if b - a == 1 and w[0, a] == 0 and w[1, a] == 0:
                 continue  # a pad: token 0, untrained, position 0
             found.append(w[0, a:b].astype(tokens.dtype).tobytes())
-            assert w[1, a] == 0 and w[1, a + 1 : b].all()  # trained but for the boundary
+            assert w[1, a:b].all()  # trained (the loader leaves out the boundary)
     assert sorted(found) == sorted(tokens[a:b].tobytes() for a, b in itertools.pairwise(starts))
     assert len(bins) < 1.3 * len(tokens) / 33  # little padding
     rows = make_loader(config(docs, "data.documents=true", "data.packing=first_fit")).windows(0, range(16))
