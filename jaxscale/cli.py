@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxscale import distributed, prepare, report, xla_flags
-from jaxscale.analysis import plan
+from jaxscale.analysis import plan, strategy
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import (
@@ -192,7 +192,7 @@ def _plan(args: argparse.Namespace) -> int:
         if not 1 <= pick <= len(result.candidates):
             raise ConfigError(f"--pick {pick}: the plan has {len(result.candidates)} layouts")
         layout = result.candidates[pick - 1].layout
-        path, rules = plan.write_experiment(layout, model_dict, args.seq_len, args.write)
+        path, rules = strategy.write_experiment(layout, model_dict, args.seq_len, args.write)
         print(f"wrote layout {pick} to {path} and {rules}: jaxscale train --config {path}", file=sys.stderr)
     if args.verify:
         # Imports jax: after the simulated device count is in the environment.

@@ -196,15 +196,17 @@ def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
         one_copy.fit(progress=False)
 
 
-WINDOW, SMOOTHED_TOL = 20, 0.05
+WINDOW = 20
+# The gap measured: 0.0129 (2 cores, jax 0.10.2); stepping the bf16 compute copy instead of the master: 0.029.
+SMOOTHED_TOL = 0.02
 
 
 @pytest.mark.slow
 def test_two_copies_follow_the_one_copy_bf16_curve(bf16_curve, curve_batches):
     """200 steps of the tiny model in bf16: the bf16 compute copy with an fp32 master (conftest.py's
-    ``bf16_curve``) stays within 0.05 nats (20-step means) of one fp32 copy cast to bf16 in the model (how
-    jaxscale kept bf16 training before the policy). Measured: 0.007 apart; and 0.010 from the curve of the
-    code before the policy and the lean norm and SwiGLU (20-step mean 2.364 at step 200, against 2.370 now)."""
+    ``bf16_curve``) stays within 0.02 nats (20-step means) of one fp32 copy cast to bf16 in the model (how
+    jaxscale kept bf16 training before the policy). Measured: 0.013 apart (20-step means 2.370 and 2.372 at
+    step 200); the optimizer stepping the compute copy instead of the master: 0.029."""
     one_copy = loss_curve("precision.params=float32", batches=curve_batches)
     curves = {"auto": bf16_curve.losses, "float32": one_copy.losses}
 
