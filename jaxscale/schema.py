@@ -19,14 +19,14 @@ MoEDispatch = Literal["capacity", "dropless"]
 MoERouter = Literal["softmax", "sigmoid"]
 # shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
 MoEImpl = Literal["shard_map", "partitioner"]
-DataSource = Literal["stdlib", "tokens"]
+DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 DEFAULT_SCHEDULE: Schedule = "1f1b"
 XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current"]
+Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 RopeType = Literal["llama3"]
@@ -161,10 +161,11 @@ class MixturePart:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
-    (a directory written by ``jaxscale prepare-data``, or a raw source it prepares once, named by ``path``)."""
+    """Where tokens come from: ``builtin`` (the bytes of the corpus shipped with jaxscale), ``stdlib``
+    (the bytes of this Python's standard library sources) or ``tokens`` (a directory written by
+    ``jaxscale prepare-data``, or a raw source it prepares once, named by ``path``)."""
 
-    source: DataSource = "stdlib"
+    source: DataSource = "builtin"
     path: str | None = None  # a prepare-data directory, or a raw source prepared once next to it (tokencache.py)
     tokenizer: str = "byte"  # a raw data.path: 'byte' or a tokenizer.json
     text_field: str = "text"
@@ -175,7 +176,7 @@ class DataConfig:
     packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
     boundary_targets: bool = False  # with documents: train a document's first token, predicted from the one before
     max_bytes: int = 8_000_000
-    eval_bytes: int = 400_000
+    eval_bytes: int = 60_000
 
 
 @dataclasses.dataclass
@@ -231,7 +232,9 @@ class PrecisionConfig:
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
-    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current |
+    blockwise`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``: the tile
+    and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks).
     """
 
     params: CopyDType = "auto"
@@ -240,6 +243,8 @@ class PrecisionConfig:
     fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
+    fp8_head: bool = False
+    fp8_block: int = 128
 
 
 @dataclasses.dataclass

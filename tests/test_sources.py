@@ -3,6 +3,7 @@ once into a cache next to the data), and their errors."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -14,7 +15,7 @@ from helpers import tiny_config
 from jaxscale import cli
 from jaxscale.config import ConfigError
 from jaxscale.loop import fit
-from jaxscale.prepare import TokenDir, prepare_data
+from jaxscale.prepare import TokenDir, document_hash, held_out_below, prepare_data
 from jaxscale.tokencache import token_dir
 from jaxscale.train import Trainer
 
@@ -52,9 +53,12 @@ def test_every_form_prepares_to_the_same_tokens(corpus, tmp_path):
         prints[kind] = meta["fingerprint"]
         assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(texts())
     assert len(set(prints.values())) == 1, prints
-    tokens = np.asarray(TokenDir.open(tmp_path / "parquet").tokens("train"))
-    first = texts()[1].encode()  # document 0 is held out (frac(0·φ) = 0 < 0.01)
-    np.testing.assert_array_equal(tokens[: len(first) + 1], [*first, 256])  # bytes, then end-of-document
+    data = TokenDir.open(tmp_path / "parquet")
+    tokens, starts = np.asarray(data.tokens("train")), data.documents("train")
+    assert all(tokens[b - 1] == 256 for b in starts[1:])  # each document ends with end-of-document
+    decoded = [bytes(tokens[a : b - 1].tolist()).decode() for a, b in itertools.pairwise(starts)]
+    cutoff = held_out_below([document_hash(d) for d in texts()], 0.01)
+    assert decoded == [d for d in texts() if document_hash(d) >= cutoff]  # the bytes, in order
 
 
 def test_a_parquet_file_and_a_saved_dataset_train_from_a_cache_next_to_the_data(corpus, tmp_path):
