@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale import flops, fp8, loop, precision, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
-from jaxscale.loss import model_objective, stage_head_loss
+from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
 from jaxscale.mesh import make_mesh
 from jaxscale.models import builtin, contract
 from jaxscale.models.attention import resolved, sequence_order
@@ -338,7 +338,8 @@ class Trainer:
         self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
     ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
         """Loss, gradients, model metrics and the updated fp8 state, accumulated over ``train.microbatches``
-        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`)."""
+        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`); each
+        microbatch's loss and gradients weighed by its share of the trained targets (:mod:`jaxscale.loss`)."""
         m = self.config.train.microbatches
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
@@ -354,9 +355,11 @@ class Trainer:
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
             return constrain(x, (None, *BATCH_AXES))
 
-        def body(carry: tuple[Any, ...], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
+        def body(carry: tuple[Any, ...], xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[tuple[Any, ...], None]:
             loss_sum, grad_sum, aux_sum, fp8_max = carry
+            micro, weight = xs  # its trained targets' share of the batch's (jaxscale/loss.py: loss masks)
             (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state)
+            loss, grads = loss * weight, jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)
@@ -371,9 +374,9 @@ class Trainer:
         aux_shapes = jax.eval_shape(self.loss_and_metrics, params, jax.tree.map(lambda x: x[0], micro), fp8_state)[1]
         aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
         init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
-        (loss_sum, grad_sum, aux_sum, fp8_max), _ = jax.lax.scan(body, init, micro)
-        grads, aux = jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
-        return loss_sum / m, grads, aux, fp8_max
+        xs = (micro, microbatch_weights(micro["targets"]))
+        (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
+        return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
