@@ -63,7 +63,6 @@ from jaxscale.checkpoint import (
 )
 from jaxscale.config import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.data import Loader
-from jaxscale.models import moe
 
 TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
 
@@ -77,6 +76,7 @@ class Trainer(Protocol):
     eval_batches: Loader
     batch_sharding: jax.sharding.NamedSharding
     compiled_guarded_step: tuple[Any, float]
+    flops_per_step: float
     jit_eval_loss: Any
 
     def abstract_state(self) -> TrainState: ...
@@ -194,13 +194,13 @@ class _Run:
         self.first, self.last = first, last
         self.fresh = False  # started from the run's own initial (or init_from) parameters
         self.tokens_per_step = t.global_batch * t.seq_len
-        self.flops_per_step = flops.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
         self.peak = flops.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
         resume_step = first if resumed else None
         self.logger = metrics_lib.MetricsLogger(
             c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard
         )
         self.step_fn, self.compile_s = trainer.compiled_guarded_step
+        self.flops_per_step = trainer.flops_per_step
         self.mark(first)
 
     def mark(self, step: int) -> None:
@@ -270,7 +270,6 @@ class _Run:
             "step": step,
             "loss": float(out["loss"]),
             "grad_norm": float(out["grad_norm"]),
-            "lr": float(out["lr"]),
             "skipped_updates": self.skipped,
             "tokens_per_sec": self.tokens_per_step / step_time,
             "step_time_s": step_time,
@@ -278,7 +277,7 @@ class _Run:
             "mfu": self.flops_per_step / step_time / self.peak,
             "memory_bytes": metrics_lib.device_memory_in_use(),
             "compile_s": self.compile_s,
-            **{k: float(out[k]) for k in moe.METRICS if k in out},
+            **{k: float(v) for k, v in out.items() if k not in ("loss", "grad_norm", "finite")},
         })
         self.last_time, self.last_step = now, step + 1
 

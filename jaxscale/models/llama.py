@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import fp8, precision, stage_layers
+from jaxscale import flops, fp8, precision, stage_layers
 from jaxscale.config import Config, ModelConfig
 from jaxscale.fp8 import Fp8, Operand
 from jaxscale.models import moe
@@ -246,6 +246,9 @@ class Group(nnx.Module):
 class Llama(nnx.Module):
     """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab].
 
+    The richer form of the model contract (:class:`jaxscale.models.contract.Staged`): the trainer,
+    the loss and the pipeline reach it through that contract only.
+
     Built from the whole experiment config, the one channel into the model (every submodule takes
     it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
     """
@@ -293,6 +296,14 @@ class Llama(nnx.Module):
             x, head = self.head_fp8.input("x", x), (head[0], self.head_fp8.weight("head", head[1]), *head[2:])
         (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap, grads=self.grads)
         return logits
+
+    def aux_loss(self, metrics: dict[str, jax.Array]) -> jax.Array | float:
+        """The weighted MoE auxiliary losses of the metrics :meth:`hidden` returns (0 for a dense model)."""
+        return moe.aux_objective(metrics, self.config)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`)."""
+        return flops.flops_per_token(self.config, seq_len)
 
     def head_weight(self) -> jax.Array:
         """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""

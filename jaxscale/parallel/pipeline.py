@@ -83,12 +83,6 @@ def use_pipeline(config: PipelineConfig) -> contextlib.AbstractContextManager[No
     return scoped(_CONFIG, config)
 
 
-def stages() -> int:
-    """Pipeline stages under the active rules: the size of ``stage`` if the rules put ``layers`` on it, else 1."""
-    current = active()
-    return current[1].stages if current is not None else 1
-
-
 def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
     """The loop's table for ``config`` on p stages (ConfigError if the schedule cannot run it)."""
     m = config.microbatches or p
@@ -187,7 +181,7 @@ def objective(
         """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
         y, aux = nnx.merge(block_graph, lp)(h, pos)
         metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
-        return vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
+        return vary((y, jnp.asarray(model.aux_loss(metrics) / (steps * m), jnp.float32), metrics), manual)
 
     def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """A layer slot of a chunk: the layer where ``real``, else the identity (uneven stages' unused slots:
@@ -229,9 +223,23 @@ def objective(
                 lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
-            return _loop(*vary((outer, params, xs), manual), step)
+            return _loop(*vary((outer, params, xs, lookup_table(outer["embedding"])), manual), step)
 
-    def _loop(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
+    def lookup_table(table: jax.Array) -> jax.Array:
+        """The embedding table as the lookup reads it: split over the vocabulary's mesh axes on its width.
+
+        Split on the vocabulary by a partitioner axis inside the partly manual ``shard_map``, the lookup
+        makes XLA's partitioner (jax 0.12) abort while it costs its ways of splitting the gather (a failed
+        check on the device groups of the masked lookup's all-reduce, ``spmd_partitioner_util``). Split on
+        the width, each device looks up its slice of every row and the rows are gathered."""
+        stage_mesh, stage_place = active()
+        vocab = stage_place.mesh_axes(("vocab",))
+        width = vocab if vocab and table.shape[1] % stage_place.size(vocab) == 0 else None
+        return lax.with_sharding_constraint(table, NamedSharding(stage_mesh, PartitionSpec(None, width)))
+
+    def _loop(
+        outer: Any, params: Any, xs: dict[str, jax.Array], lookup: jax.Array, step: Table
+    ) -> tuple[Any, ...]:
         stage = lax.axis_index(AXIS)
         rows, length = xs["inputs"].shape[1:]
         h0 = vary(jnp.zeros((rows, length, c.embed), dtype), manual)
@@ -252,7 +260,10 @@ def objective(
 
         def stage_input(first: jax.Array, i: jax.Array, src: jax.Array, acts: jax.Array) -> jax.Array:
             """The tokens' embedding on the first virtual stage, else the activation that arrived."""
-            return when(first, lambda: head_model(outer).embed(xs["inputs"][i]), acts[src, 0])
+            def embedded() -> jax.Array:
+                return head_model({**outer, "embedding": lookup}).embed(xs["inputs"][i])
+
+            return when(first, embedded, acts[src, 0])
 
         def head(last: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
             """``f()`` on the stage where ``last`` holds (the head on the last virtual stage, the embedding's
