@@ -36,6 +36,8 @@ MoEDispatch = Literal["capacity", "dropless"]
 MoERouter = Literal["softmax", "sigmoid"]
 # shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
 MoEImpl = Literal["shard_map", "partitioner"]
+# routing bias outside the gradient (jaxscale/models/balance.py): off, DeepSeek-V3's sign step, quantile solve
+MoEBalance = Literal["off", "sign", "quantile"]
 DataSource = Literal["stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
@@ -66,6 +68,9 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     impl: MoEImpl = "shard_map"
+    balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
+    bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
+    bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution
 
 
 @dataclasses.dataclass
@@ -404,9 +409,13 @@ def validate_moe(m: ModelConfig) -> None:
         raise ConfigError(f"model.moe.shared_experts must be at least 0, got {moe.shared_experts}")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}")
-    for key in ("aux_loss_weight", "z_loss_weight"):
+    for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
+    if not 0 <= moe.bias_ema < 1:
+        raise ConfigError(f"model.moe.bias_ema must be in [0, 1), got {moe.bias_ema}")
+    if moe.balance == "quantile" and moe.top_k == moe.experts:
+        raise ConfigError("model.moe.balance=quantile needs top_k < experts (a token's cutoff is its (k+1)-th score)")
 
 
 def validate(config: Config) -> None:

@@ -277,6 +277,11 @@ class Layout:
                 f"put layers on {list(self.stage_axes)}): a stage reuses each layer's amax history for several "
                 "microbatches"
             )
+        if self.stage_axes and model.moe is not None and model.moe.balance != "off":
+            raise ConfigError(
+                f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
+                f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
+            )
         if self.pipelined:
             self._check_pipeline(config)
         self._check_stage_layers(config)

@@ -114,11 +114,13 @@ def fit(
                 checkpointer.close()
 
 
-def evaluate(trainer: Trainer, params: Any, fp8_state: Any = None) -> float:
+def evaluate(trainer: Trainer, params: Any, fp8_state: Any = None, bias: Any = None) -> float:
     """Mean loss over the first ``train.eval_steps`` batches of the held-out data (fp8 scaled by
-    ``fp8_state``'s histories; None: a fresh start's)."""
+    ``fp8_state``'s histories, experts chosen with the routing biases ``bias``; None: a fresh start's)."""
     losses = [
-        trainer.jit_eval_loss(params, trainer.eval_batches.global_batch_arrays(k, trainer.batch_sharding), fp8_state)
+        trainer.jit_eval_loss(
+            params, trainer.eval_batches.global_batch_arrays(k, trainer.batch_sharding), fp8_state, bias
+        )
         for k in range(trainer.config.train.eval_steps)
     ]
     return float(np.mean(jax.device_get(losses)))
@@ -258,12 +260,13 @@ class _Run:
             "memory_bytes": metrics_lib.device_memory_in_use(),
             "compile_s": self.compile_s,
             **{k: float(out[k]) for k in moe.METRICS if k in out},
+            **{k: [float(v) for v in out[k]] for k in moe.LOAD_METRICS if k in out},  # one per MoE layer
         })
         self.last_time, self.last_step = now, step + 1
 
     def evaluate(self, done: int, state: TrainState) -> None:
         start = time.perf_counter()
-        loss = evaluate(self.trainer, state.params, state.fp8)
+        loss = evaluate(self.trainer, state.params, state.fp8, state.balance)
         self.logger.log({"step": done, "eval_loss": loss, "eval_s": time.perf_counter() - start})
         self.mark(done)
 
