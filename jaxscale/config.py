@@ -38,6 +38,8 @@ MoERouter = Literal["softmax", "sigmoid"]
 MoEImpl = Literal["shard_map", "partitioner"]
 # routing bias outside the gradient (jaxscale/models/balance.py): off, DeepSeek-V3's sign step, quantile solve
 MoEBalance = Literal["off", "sign", "quantile"]
+# dropless under expert parallelism: move the routed rows (jaxscale/parallel/exchange.py), or all-gather
+MoEExchange = Literal["rows", "all_gather"]
 DataSource = Literal["stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
@@ -68,6 +70,7 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     impl: MoEImpl = "shard_map"
+    dropless_exchange: MoEExchange = "rows"
     balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
     bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
     bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution
