@@ -79,7 +79,7 @@ import jax
 
 from jaxscale import flops, xla_flags
 from jaxscale.analysis.xla import memory
-from jaxscale.config import CONFIG_DIR, ConfigError, _read_yaml, load_config, requested_devices
+from jaxscale.config import CONFIG_DIR, ConfigError, load_config, read_yaml, requested_devices
 from jaxscale.train import Trainer
 
 SCHEMA = "jaxscale.bench/1"
@@ -108,7 +108,7 @@ def _is_int(x: Any) -> bool:
 
 def load_suites(path: str | Path = SUITES_FILE) -> dict[str, dict[str, Any]]:
     """The suites table, its shape checked (override lists of strings, integer steps and layers)."""
-    table = _read_yaml(Path(path))
+    table = read_yaml(Path(path))
     for suite, spec in table.items():
         if not isinstance(spec, dict):
             raise ConfigError(f"{path}: suite '{suite}' is not a mapping")

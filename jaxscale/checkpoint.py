@@ -74,7 +74,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxscale import fp8, precision
-from jaxscale.config import Config, ConfigError, _read_yaml, checkpoint_dir
+from jaxscale.config import Config, ConfigError, checkpoint_dir, read_yaml
 from jaxscale.optim import schedule_length
 from jaxscale.sharding import param_name
 
@@ -342,7 +342,7 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
         raise ConfigError(
             f"resume: checkpoint step {step} has pipeline.layers_per_stage={split!r}, the config has "
             f"{config.pipeline.layers_per_stage!r} (the layer stack's padded slots differ: "
-            "jaxscale.parallel.stage_layers.pad/unpad map one to the other)"
+            "jaxscale.stage_layers.pad/unpad map one to the other)"
         )
     fp8.check_resume(saved, config.precision, step)
     precision.check_resume(saved, config, step)
@@ -417,7 +417,7 @@ def params_source(path: str | Path) -> ParamsSource:
     if (root / PARAMS_DIR).is_dir():
         if not (root / MODEL_FILE).exists():
             raise ConfigError(f"{root}: has {PARAMS_DIR}/ but no {MODEL_FILE} naming its model")
-        return ParamsSource(root / PARAMS_DIR, (), _read_yaml(root / MODEL_FILE))
+        return ParamsSource(root / PARAMS_DIR, (), read_yaml(root / MODEL_FILE))
     step = None
     if root.is_dir():
         checkpointer = Checkpointer(root, async_save=False)
@@ -433,7 +433,7 @@ def params_source(path: str | Path) -> ParamsSource:
     if saved.get("pipeline", {}).get("layers_per_stage") is not None:
         raise ConfigError(
             f"{root}: a run with pipeline.layers_per_stage stores its layers in padded slots; reading them as "
-            "a model's parameters is not supported yet (jaxscale.parallel.stage_layers.unpad maps them back)"
+            "a model's parameters is not supported yet (jaxscale.stage_layers.unpad maps them back)"
         )
     # The full-precision weights: the master where the run kept one apart from its compute copy.
     kept = saved.get("precision", {})
@@ -537,7 +537,7 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
     if trainer.config.pipeline.layers_per_stage is not None:
         raise ConfigError(
             "checkpoint.init_from with pipeline.layers_per_stage is not supported yet: the layer stack is padded "
-            "(jaxscale.parallel.stage_layers.pad maps a model's parameters into it)"
+            "(jaxscale.stage_layers.pad maps a model's parameters into it)"
         )
     source = params_source(path)
     abstract = trainer.abstract_state()

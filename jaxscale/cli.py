@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxscale import distributed, prepare, report, xla_flags
-from jaxscale.analysis import plan
+from jaxscale.analysis import plan, strategy
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import (
@@ -32,10 +32,10 @@ from jaxscale.config import (
     Attention,
     ConfigError,
     DType,
-    _read_yaml,
     check_writable,
     checkpoint_dir,
     load_config,
+    read_yaml,
     requested_devices,
     resolve_named,
 )
@@ -165,7 +165,7 @@ def _plan(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
-    model_dict = _read_yaml(resolve_named(args.model, "models"))
+    model_dict = read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])
     if args.verify:
         _simulate_cpu_devices(min(cluster.devices, MAX_SIMULATED))
@@ -191,7 +191,7 @@ def _plan(args: argparse.Namespace) -> int:
         if not 1 <= pick <= len(result.candidates):
             raise ConfigError(f"--pick {pick}: the plan has {len(result.candidates)} layouts")
         layout = result.candidates[pick - 1].layout
-        path, rules = plan.write_experiment(layout, model_dict, args.seq_len, args.write)
+        path, rules = strategy.write_experiment(layout, model_dict, args.seq_len, args.write)
         print(f"wrote layout {pick} to {path} and {rules}: jaxscale train --config {path}", file=sys.stderr)
     if args.verify:
         # Imports jax: after the simulated device count is in the environment.

@@ -3,12 +3,13 @@
 An experiment file composes a model (a name from ``configs/models/`` or an
 inline mapping), a mesh, a rules table (a name from ``configs/rules/`` or a
 path) and training settings. ``--set train.steps=10`` style overrides are
-applied on top. Every key is checked against the dataclasses below: an
-unknown key or a value of the wrong type raises :class:`ConfigError` naming
-the key, before anything is compiled. Every choice among names is a ``Literal``
-type below, checked from the type (the command line's choices are read from the
-same types). This module never imports jax, so the command line can read a
-config before the backend starts.
+applied on top. Every key is checked against the dataclasses of
+:mod:`jaxscale.schema` (all importable from here): an unknown key or a value of
+the wrong type raises :class:`ConfigError` naming the key, before anything is
+compiled. Every choice among names is a ``Literal`` type there, checked from the
+type. The checks that need the rules table and the mesh run when the trainer is
+built (:meth:`jaxscale.layout.Layout.validate`). This module never imports jax,
+so the command line can read a config before the backend starts.
 """
 
 from __future__ import annotations
@@ -25,232 +26,91 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxscale import dtypes, stage_layers
+from jaxscale.schema import (  # the schema, importable from here
+    DEFAULT_SCHEDULE,
+    INTERLEAVED,
+    MESH_AXES,
+    Attention,
+    AxisSizes,
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    CopyDType,
+    DataConfig,
+    DataSource,
+    DcnConfig,
+    DistributedConfig,
+    DType,
+    Fp8Mode,
+    MeshConfig,
+    ModelConfig,
+    MoEConfig,
+    MoEDispatch,
+    MoEImpl,
+    MoERouter,
+    NonFinite,
+    PipelineConfig,
+    PrecisionConfig,
+    ReduceDType,
+    Remat,
+    Resume,
+    Schedule,
+    TrainConfig,
+    XlaConfig,
+    XlaPreset,
+)
+
+__all__ = [
+    "CONFIG_DIR",
+    "DEFAULT_SCHEDULE",
+    "INTERLEAVED",
+    "MESH_AXES",
+    "Attention",
+    "AxisSizes",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "CopyDType",
+    "DType",
+    "DataConfig",
+    "DataSource",
+    "DcnConfig",
+    "DistributedConfig",
+    "Fp8Mode",
+    "MeshConfig",
+    "MoEConfig",
+    "MoEDispatch",
+    "MoEImpl",
+    "MoERouter",
+    "ModelConfig",
+    "NonFinite",
+    "PipelineConfig",
+    "PrecisionConfig",
+    "ReduceDType",
+    "Remat",
+    "Resume",
+    "Schedule",
+    "TrainConfig",
+    "XlaConfig",
+    "XlaPreset",
+    "check_writable",
+    "checkpoint_dir",
+    "load_config",
+    "mesh_shape",
+    "parse_override",
+    "read_yaml",
+    "requested_devices",
+    "resolve_named",
+    "validate",
+    "validate_moe",
+    "validate_pipeline",
+    "validate_precision",
+    "validate_stage_layers",
+    "validate_xla"
+]
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
-
-DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
-# resolved at build (models/attention.py): auto -> the kernel the devices run
-Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
-MoEDispatch = Literal["capacity", "dropless"]
-MoERouter = Literal["softmax", "sigmoid"]
-# shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
-MoEImpl = Literal["shard_map", "partitioner"]
-# routing bias outside the gradient (jaxscale/models/balance.py): off, DeepSeek-V3's sign step, quantile solve
-MoEBalance = Literal["off", "sign", "quantile"]
-# dropless under expert parallelism: move the routed rows (jaxscale/parallel/exchange.py), or all-gather
-MoEExchange = Literal["rows", "all_gather"]
-DataSource = Literal["stdlib", "tokens"]
-NonFinite = Literal["stop", "skip"]
-Resume = Literal["off", "auto", "required"]
-Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]
-XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current"]
-CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
-ReduceDType = Literal["float32", "bfloat16"]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the key or axis."""
-
-
-@dataclasses.dataclass
-class MoEConfig:
-    """Mixture-of-experts feed-forward (``jaxscale/models/moe.py``); ``model.moe: null`` is a dense model."""
-
-    experts: int = 8
-    top_k: int = 2
-    mlp: int | None = None  # hidden size of each expert; None: model.mlp
-    every_n_layers: int = 1  # layer i is MoE when (i + 1) % every_n_layers == 0
-    shared_experts: int = 0  # always-on experts: one dense SwiGLU of shared_experts x mlp
-    capacity_factor: float = 1.25
-    dispatch: MoEDispatch = "capacity"
-    router: MoERouter = "softmax"
-    normalize_gates: bool = True  # the top-k gates of a token sum to 1
-    aux_loss_weight: float = 0.01
-    z_loss_weight: float = 0.001
-    impl: MoEImpl = "shard_map"
-    dropless_exchange: MoEExchange = "rows"
-    balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
-    bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
-    bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """A Llama-style decoder."""
-
-    vocab_size: int = 256
-    embed: int = 128
-    layers: int = 4
-    heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 32
-    mlp: int = 384
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    dtype: DType = "float32"
-    param_dtype: DType = "float32"
-    remat: Remat = "none"
-    remat_names: list[str] = dataclasses.field(default_factory=list)
-    moe: MoEConfig | None = None
-    attention: Attention = "dot"
-    attention_block: int = 512
-    loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
-    tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
-
-
-@dataclasses.dataclass
-class DcnConfig:
-    """Mesh sizes across slices or hosts (the slow network); 1 = within one slice."""
-
-    data: int = 1
-    stage: int = 1
-    fsdp: int = 1
-    context: int = 1
-    expert: int = 1
-    tensor: int = 1
-
-
-@dataclasses.dataclass
-class MeshConfig:
-    """Parallelism sizes per mesh axis; one may be -1 (the rest of the devices)."""
-
-    data: int = -1
-    stage: int = 1
-    fsdp: int = 1
-    context: int = 1
-    expert: int = 1
-    tensor: int = 1
-    dcn: DcnConfig | None = None
-
-    def sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, axis) for axis in MESH_AXES}
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Optimisation and loop settings."""
-
-    steps: int = 200
-    schedule_steps: int | None = None  # length of warmup + cosine (None: steps); kept in the checkpoint
-    seed: int = 0
-    global_batch: int = 16
-    seq_len: int = 128
-    microbatches: int = 1
-    log_every: int = 10
-    tensorboard: bool = False  # also log to <run_dir>/tensorboard (needs tensorboardX)
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-    peak_flops: float | None = None
-    eval_every: int = 0
-    eval_steps: int = 4
-    nonfinite: NonFinite = "stop"
-    max_consecutive_skips: int = 10  # nonfinite=skip: the run stops after this many skipped updates in a row
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
-    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
-
-    source: DataSource = "stdlib"
-    path: str | None = None
-    max_bytes: int = 8_000_000
-    eval_bytes: int = 400_000
-
-
-@dataclasses.dataclass
-class CheckpointConfig:
-    """orbax checkpoints of the train state, loader state and config; ``every: 0`` saves none."""
-
-    every: int = 0
-    keep: int = 3
-    keep_every: int = 0
-    dir: str | None = None
-    resume: Resume = "off"  # off | auto (the latest checkpoint if any) | required (--resume: fail without one)
-    async_save: bool = True
-    init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
-
-
-@dataclasses.dataclass
-class DistributedConfig:
-    """Bounded waits of the multi-process runtime (``jax.distributed``)."""
-
-    init_timeout_s: int = 300
-    heartbeat_timeout_s: int = 100
-
-
-@dataclasses.dataclass
-class PipelineConfig:
-    """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1).
-
-    ``schedule``: gpipe or 1f1b (v = 1), circular or interleaved_1f1b (``repeats`` = v ≥ 2 chunks
-    per stage); every schedule keeps each in-flight microbatch's stage input and recomputes the
-    stage once in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
-    of each virtual stage 0..p·v−1 (e.g. the first and last one lighter: they also hold the embedding
-    and the head), summing to ``model.layers``; None splits them evenly
-    (:mod:`jaxscale.parallel.stage_layers`: the stack then holds p·v·max slots).
-    """
-
-    microbatches: int | None = None  # None: as many as there are stages
-    repeats: int = 1
-    schedule: Schedule = "1f1b"
-    layers_per_stage: list[int] | None = None
-
-
-@dataclasses.dataclass
-class XlaConfig:
-    """XLA flags set before the backend starts (``jaxscale/xla_flags.py``): a preset plus flags of one's own."""
-
-    preset: XlaPreset = "none"
-    flags: list[str] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class PrecisionConfig:
-    """Mixed precision (``jaxscale/precision.py``) and low-precision matmuls (``jaxscale/fp8.py``).
-
-    ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
-    updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
-    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
-    """
-
-    params: CopyDType = "auto"
-    master: CopyDType = "auto"
-    grads_reduce: ReduceDType = "float32"
-    fp8: Fp8Mode = "off"
-    amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
-    margin: int = 0  # scales leave 2^margin of headroom
-
-
-@dataclasses.dataclass
-class Config:
-    """One experiment: model, mesh, rules table, data and training."""
-
-    run_dir: str = "runs/default"
-    rules: str = "dp"
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
-    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
-    xla: XlaConfig = dataclasses.field(default_factory=XlaConfig)
-    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
@@ -316,7 +176,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping (safe load; empty: {}), or a one-line :class:`ConfigError`."""
     try:
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError as e:
@@ -372,7 +233,7 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read an experiment file (or the defaults), apply ``KEY=VALUE`` overrides, validate."""
-    raw: dict[str, Any] = _read_yaml(Path(path)) if path is not None else {}
+    raw: dict[str, Any] = read_yaml(Path(path)) if path is not None else {}
     for key in ("rules", "model"):  # a relative path in an experiment file is relative to that file
         value = raw.get(key)
         if isinstance(value, str) and Path(value).suffix in (".yaml", ".yml") and not Path(value).is_absolute():
@@ -381,11 +242,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raw[key] = str(beside)
     model = raw.get("model")
     if isinstance(model, str):
-        raw["model"] = _read_yaml(resolve_named(model, "models"))
+        raw["model"] = read_yaml(resolve_named(model, "models"))
     for item in overrides or []:
         keys, value = parse_override(item)
         if keys[0] == "model" and len(keys) == 1 and isinstance(value, str):
-            value = _read_yaml(resolve_named(value, "models"))
+            value = read_yaml(resolve_named(value, "models"))
         _set_dotted(raw, keys, value)
     config = _build(Config, raw)
     validate(config)
@@ -468,7 +329,7 @@ def validate(config: Config) -> None:
     for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}: size must be positive or -1, got {size}")
-    for axis, size in (config.mesh.dcn.__dict__ if config.mesh.dcn else {}).items():
+    for axis, size in (config.mesh.dcn.sizes() if config.mesh.dcn else {}).items():
         if size < 1:
             raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
 
@@ -509,24 +370,25 @@ def check_writable(directory: str | Path) -> None:
 
 
 def validate_pipeline(p: PipelineConfig) -> None:
-    """The pipeline section on its own; what needs the mesh is checked when the pipeline is traced."""
+    """The pipeline section on its own; what needs the mesh is checked at build
+    (:meth:`jaxscale.layout.Layout.validate`)."""
     if p.microbatches is not None and p.microbatches < 1:
         raise ConfigError(f"pipeline.microbatches must be at least 1, got {p.microbatches}")
     if p.repeats < 1:
         raise ConfigError(f"pipeline.repeats must be at least 1, got {p.repeats}")
-    interleaved = ("circular", "interleaved_1f1b")
-    if p.schedule not in interleaved and p.repeats != 1:
+    if p.schedule not in INTERLEAVED and p.repeats != 1:
         raise ConfigError(
             f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular or interleaved_1f1b "
             f"({p.schedule} runs each stage's layers once)"
         )
-    if p.schedule in interleaved and p.repeats < 2:
+    if p.schedule in INTERLEAVED and p.repeats < 2:
         raise ConfigError(f"pipeline.schedule={p.schedule} needs pipeline.repeats >= 2 (with 1 it is gpipe or 1f1b)")
 
 
 def validate_stage_layers(config: Config) -> None:
     """``pipeline.layers_per_stage`` against the model: positive entries, multiples of the stacked unit
-    (``model.moe.every_n_layers``), summing to the layers; and one per virtual stage where ``mesh.stage`` is known."""
+    (:func:`jaxscale.stage_layers.unit`), summing to the layers. One entry per virtual stage is checked with
+    the resolved mesh (:meth:`jaxscale.layout.Layout.validate`)."""
     listed, model = config.pipeline.layers_per_stage, config.model
     if listed is None:
         return
@@ -535,21 +397,9 @@ def validate_stage_layers(config: Config) -> None:
         raise ConfigError(f"{where}: every virtual stage needs at least one layer")
     if sum(listed) != model.layers:
         raise ConfigError(f"{where}: sums to {sum(listed)}, not model.layers ({model.layers})")
-    unit = model.moe.every_n_layers if model.moe else 1
+    unit = stage_layers.unit(model)
     if any(n % unit for n in listed):
         raise ConfigError(f"{where}: each entry must be a multiple of model.moe.every_n_layers ({unit})")
-    if config.mesh.stage > 0:
-        check_stage_layers(config.pipeline, config.mesh.stage * (config.mesh.dcn.stage if config.mesh.dcn else 1))
-
-
-def check_stage_layers(pipeline: PipelineConfig, stages: int) -> None:
-    """One entry of ``pipeline.layers_per_stage`` per virtual stage: stages x ``pipeline.repeats`` of them."""
-    listed = pipeline.layers_per_stage
-    if listed is not None and len(listed) != stages * pipeline.repeats:
-        raise ConfigError(
-            f"pipeline.layers_per_stage has {len(listed)} entries; it needs one per virtual stage, "
-            f"mesh.stage ({stages}) x pipeline.repeats ({pipeline.repeats}) = {stages * pipeline.repeats}"
-        )
 
 
 def validate_xla(xla: XlaConfig) -> None:
@@ -569,26 +419,24 @@ def validate_precision(p: PrecisionConfig) -> None:
 
 def _validate_copies(config: Config) -> None:
     """The master may not be narrower than the compute copy (its update would be lost in the cast)."""
-    p, m = config.precision, config.model
-    params = m.dtype if p.params == "auto" else p.params
-    master = m.param_dtype if p.master == "auto" else p.master
-    widths = ("float32", "bfloat16", "float16")  # widest first
-    if widths.index(master) > widths.index(params):
-        raise ConfigError(f"precision.master ({master}) is narrower than the compute copy precision.params ({params})")
+    resolved, widths = dtypes.of(config), dtypes.WIDEST_FIRST
+    if widths.index(resolved.master) > widths.index(resolved.compute):
+        raise ConfigError(f"precision.master ({resolved.master}) is narrower than the compute copy precision.params "
+                          f"({resolved.compute})")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:
     """``fsdp=4 x tensor=2``: the axes larger than 1, and the dcn factors if any."""
     text = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
     if dcn is not None:
-        text += " with dcn " + (" x ".join(f"{a}={s}" for a, s in dcn.__dict__.items() if s != 1) or "all 1")
+        text += " with dcn " + (" x ".join(f"{a}={s}" for a, s in dcn.sizes().items() if s != 1) or "all 1")
     return text
 
 
 def mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     """Resolve -1 and check that the mesh covers exactly ``device_count`` devices."""
     sizes = mesh.sizes()
-    dcn = mesh.dcn.__dict__ if mesh.dcn else dict.fromkeys(MESH_AXES, 1)
+    dcn = mesh.dcn.sizes() if mesh.dcn else dict.fromkeys(MESH_AXES, 1)
     known = math.prod(v for v in sizes.values() if v != -1) * math.prod(dcn.values())
     for axis, size in sizes.items():
         if size == -1:
@@ -613,5 +461,5 @@ def requested_devices(mesh: MeshConfig) -> int | None:
     sizes = mesh.sizes()
     if -1 in sizes.values():
         return None
-    dcn = mesh.dcn.__dict__ if mesh.dcn else {}
+    dcn = mesh.dcn.sizes() if mesh.dcn else {}
     return math.prod(sizes.values()) * math.prod(dcn.values() or [1])

@@ -71,7 +71,7 @@ from jaxscale.config import (
     ModelConfig,
     MoEConfig,
     _build,
-    _read_yaml,
+    read_yaml,
     resolve_named,
     validate_moe,
 )
@@ -261,7 +261,7 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
     the keys that decide the parameters' shapes must agree."""
     if override is None:
         return model
-    raw = _read_yaml(resolve_named(override, "models"))
+    raw = read_yaml(resolve_named(override, "models"))
     generated = dataclasses.asdict(model)
     merged = {**generated, **raw}
     if isinstance(raw.get("moe"), dict) and generated["moe"] is not None:
@@ -363,7 +363,7 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
 
 def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, ModelConfig]:
     source = params_source(ckpt)
-    raw = source.model if override is None else _read_yaml(resolve_named(override, "models"))
+    raw = source.model if override is None else read_yaml(resolve_named(override, "models"))
     model = _build(ModelConfig, raw, "model")
     _check_model(model)
     return source, model

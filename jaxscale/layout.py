@@ -35,7 +35,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxscale.config import MESH_AXES, Config, ConfigError, _read_yaml, check_stage_layers, resolve_named
+from jaxscale import stage_layers
+from jaxscale.config import MESH_AXES, Config, ConfigError, read_yaml, resolve_named
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -101,7 +102,7 @@ class Rules:
     @classmethod
     def load(cls, name_or_path: str) -> Rules:
         path = resolve_named(name_or_path, "rules")
-        return cls.from_dict(Path(path).stem, _read_yaml(path))
+        return cls.from_dict(Path(path).stem, read_yaml(path))
 
     def table(self, kind: str = "params") -> Table:
         if kind == "params":
@@ -285,6 +286,8 @@ class Layout:
         if self.pipelined:
             self._check_pipeline(config)
         self._check_stage_layers(config)
+        if self.pipelined:
+            self._check_pipeline_shapes(config)
         self._check_sequence(config)
         if model.attention in ("blockwise", "ring"):
             self._check_attention(config)
@@ -314,16 +317,53 @@ class Layout:
                 "model.moe.impl=partitioner runs the experts (and expert parallelism) there"
             )
 
+    def _check_pipeline_shapes(self, config: Config) -> None:
+        """The schedule, the layers and the batch against the stages: p stages, v chunks each, m microbatches."""
+        pipeline, p = config.pipeline, self.stages
+        v, m, schedule = pipeline.repeats, pipeline.microbatches or p, pipeline.schedule
+        slots = stage_layers.stack_size(config)
+        if slots % (p * v) and pipeline.layers_per_stage is None:
+            raise ConfigError(
+                f"model.layers ({config.model.layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats "
+                f"({v}); pipeline.layers_per_stage splits them unevenly"
+            )
+        if m < p:
+            raise ConfigError(f"pipeline.microbatches ({m}) is fewer than the {p} pipeline stages (mesh.stage)")
+        if schedule == "interleaved_1f1b" and m % p:
+            raise ConfigError(
+                f"pipeline.schedule=interleaved_1f1b sends microbatches in groups of mesh.stage ({p}): "
+                f"pipeline.microbatches ({m}) must be a multiple of it"
+            )
+        rows = config.train.global_batch // config.train.microbatches
+        if rows % m:
+            raise ConfigError(
+                f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
+                f"pipeline.microbatches ({m})"
+            )
+        shape = (rows // m, config.train.seq_len)
+        for dim, (size, name, part) in enumerate(zip(shape, TOKENS, self.partition(TOKENS), strict=True)):
+            if size % self.size(part_axes(part)):
+                raise ConfigError(
+                    f"pipeline microbatch: dimension {dim} ('{name}', size {size}) is not divisible by "
+                    f"mesh axes {part} of size {self.size(part_axes(part))}"
+                )
+
     def _check_stage_layers(self, config: Config) -> None:
         """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
-        if config.pipeline.layers_per_stage is None:
+        pipeline = config.pipeline
+        listed = pipeline.layers_per_stage
+        if listed is None:
             return
         if not self.pipelined:
             raise ConfigError(
                 f"pipeline.layers_per_stage: rules '{self.name}' on this mesh run no pipeline "
                 f"(layers on '{STAGE}' of size > 1)"
             )
-        check_stage_layers(config.pipeline, self.stages)
+        if len(listed) != self.stages * pipeline.repeats:
+            raise ConfigError(
+                f"pipeline.layers_per_stage has {len(listed)} entries; it needs one per virtual stage, "
+                f"mesh.stage ({self.stages}) x pipeline.repeats ({pipeline.repeats}) = {self.stages * pipeline.repeats}"
+            )
 
     def _check_stage_context(self, config: Config) -> None:
         """Context parallelism inside a pipeline stage: the loop is manual over the context axes and runs

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale import dtypes
 from jaxscale.config import Config, ConfigError
 
 
@@ -68,12 +69,8 @@ class Policy:
 
 def resolve(model: Mapping[str, Any], precision: Mapping[str, Any]) -> Policy:
     """The policy of a config's ``model`` and ``precision`` sections (as mappings: a saved config too)."""
-    params, master = precision.get("params", "auto"), precision.get("master", "auto")
-    return Policy(
-        jnp.dtype(model["dtype"] if params == "auto" else params),
-        jnp.dtype(model["param_dtype"] if master == "auto" else master),
-        jnp.dtype(precision.get("grads_reduce", "float32")),
-    )
+    names = dtypes.resolve(model, precision)
+    return Policy(jnp.dtype(names.compute), jnp.dtype(names.master), jnp.dtype(names.reduce))
 
 
 def policy(config: Config) -> Policy:
@@ -82,10 +79,10 @@ def policy(config: Config) -> Policy:
 
 
 def weight_grads(config: Config) -> jnp.dtype | None:
-    """The dtype the weight-gradient matmuls produce and reduce in: ``precision.grads_reduce`` where it is
-    wider than the compute dtype (``model.dtype``), else None (autodiff's: the compute dtype)."""
-    reduce, compute = jnp.dtype(config.precision.grads_reduce), jnp.dtype(config.model.dtype)
-    return reduce if jnp.finfo(reduce).bits > jnp.finfo(compute).bits else None
+    """The dtype the weight-gradient matmuls produce and reduce in (:attr:`jaxscale.dtypes.Dtypes.weight_grads`):
+    ``precision.grads_reduce`` where it is wider than ``model.dtype``, else None (autodiff's)."""
+    grads = dtypes.of(config).weight_grads
+    return None if grads is None else jnp.dtype(grads)
 
 
 WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves

@@ -21,7 +21,8 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import layout, precision
 from jaxscale.config import ConfigError
-from jaxscale.layout import Axes, Layout, is_axes
+from jaxscale.layout import TOKENS, Axes, Layout, is_axes
+from jaxscale.models.axes import RESIDUAL
 from jaxscale.scoped import scoped
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
@@ -127,3 +128,55 @@ def constrain(x: jax.Array, axes: Axes) -> jax.Array:
     part = spec(place, axes)
     check_divisible(f"activation {axes}", x.shape, axes, part, mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, part))
+
+
+def lookup(
+    table: jax.Array, tokens: jax.Array, dtype: jnp.dtype, grads: jnp.dtype | None = None
+) -> jax.Array:
+    """The embedding lookup: rows of ``table`` [vocab, embed] for ``tokens`` [batch, length] in ``dtype``, laid out
+    as the residual stream (``RESIDUAL``); the table's gradient summed in ``grads`` (:func:`jaxscale.precision.take`).
+
+    The rows are looked up on the table's shards, so they come out split over the mesh axes of the
+    table's ``embed``, for every token that those axes will split the batch or sequence over (the
+    token ids are gathered there: 4 bytes a token). Each such mesh axis then moves on its own, from
+    the hidden dimension to the batch or sequence dimension the rules give it (one all-to-all per
+    axis, forward and backward); the backward's constraints bring the rows' gradients back to the
+    table's layout, where each device scatters them into its slice of the table (summed over the
+    replicas of HSDP's ``data`` once per microbatch). Left to find the path in one step, XLA finds
+    none when the tokens and the table are split over different sets of axes (``ep_fsdp``: batch
+    over fsdp x expert, embed over fsdp; ``fsdp_cp``: embed over fsdp x context, the sequence over
+    context) and replicates the whole activation ("involuntary full rematerialization"), nor, in the
+    backward, when the batch has replicas besides (HSDP, ``zero3`` and ``fsdp_tp`` with ``data`` > 1:
+    it gathers the whole activation on every device, or all-reduces the whole table's gradient over
+    every device). Where a dimension is split over the table's axes alone (batch over fsdp, embed
+    over fsdp), one all-to-all does it and XLA finds it; under sequence parallelism XLA gathers the
+    whole table (over ``fsdp`` and ``tensor``): the lookup is left to the partitioner.
+    """
+    current = active()
+    hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
+    target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
+    if not hidden or hidden in target[:2] or current[1].sequence_axes:
+        # XLA's own path: one all-to-all moves the table's axes to the dimension they alone split.
+        return constrain(precision.take(table, tokens, grads).astype(dtype), RESIDUAL)
+    mesh, place = current
+    moves = {a: next((d for d in (0, 1) if a in target[d]), None) for a in hidden}
+    given = [place.mesh_axes((name,)) for name in TOKENS]  # how the token ids arrive
+    dims: list[list[str]] = [[], [], list(hidden)]
+    for d in (0, 1):  # the token ids stay split over the axes that come before any moving one
+        for a in given[d]:
+            if a in hidden and d in moves.values():
+                break
+            if a not in hidden:
+                dims[d].append(a)
+
+    def layout(x: jax.Array) -> jax.Array:
+        spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    x = layout(precision.take(table, layout(tokens), grads).astype(dtype))
+    for axis, dest in moves.items():
+        if dest is not None:
+            dims[2].remove(axis)
+            dims[dest] = [a for a in target[dest] if a in (*dims[dest], axis)]
+            x = layout(x)
+    return constrain(x, RESIDUAL)

@@ -145,6 +145,15 @@ def fails_early(match: str) -> Iterator[pytest.ExceptionInfo[ConfigError]]:
 
 
 
+def partitioned_hlo(trainer: Trainer, directory: str | Path) -> str:
+    """The train step's HLO right after SPMD partitioning, dumped by XLA into ``directory``: the collectives in
+    the dtypes the model asks for (XLA:CPU's later passes widen bf16 collectives to f32)."""
+    options = {"xla_dump_to": str(directory), "xla_dump_hlo_pass_re": "^spmd-partitioning$"}
+    trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile(compiler_options=options)
+    (path,) = Path(directory).glob("*train_step*after_spmd-partitioning*.txt")
+    return path.read_text()
+
+
 class Run(NamedTuple):
     """A few steps of a trainer from its initial state."""
 

@@ -10,6 +10,7 @@ the stage's FSDP gathers out of the loop (the model counts them per tick). One r
 where dot attention's s x s buffers in the backward slot are most of the step (at 32 they are not); one
 at seq_len 2048 under full remat, where a recomputed layer's MLP backward is most of the step; ZeRO-3 at
 seq_len 256, where the partitioner gathers the embedding table rather than move the looked-up activations.
+A bf16 ZeRO-3 step's all-gathers are held to the partitioned HLO (the compiled CPU text runs them in f32).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Trainers, tiny_config
+from helpers import Trainers, partitioned_hlo, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, xla
@@ -99,6 +100,19 @@ def test_analytic_matches_compiled(layout, trainers):
     assert prediction.memory["total"] == pytest.approx(memory, rel=MEMORY_RTOL)
     wire = hlo.summarize(hlo.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
     assert prediction.comm["total"] == pytest.approx(wire, rel=COMM_RTOL)
+
+
+def test_bf16_gathers_move_the_compute_copy(tmp_path):
+    """ZeRO-3 of a bf16 model (fp32 master) gathers the bf16 compute copy: the analytic all-gather bytes within
+    5% of the partitioned HLO's, and half the fp32 model's (they were counted in model.param_dtype: 1.97x)."""
+    def gathered(trainer: Trainer) -> float:
+        return sum(f.wire_bytes for f in predict_trainer(trainer).flows if f.kind == "all-gather")
+
+    bf16 = Trainer.build(tiny_config("model.dtype=bfloat16", rules="zero3", mesh={"fsdp": 8}))
+    found = hlo.summarize(hlo.collectives(partitioned_hlo(bf16, tmp_path), bf16.mesh))["by_kind"]["all-gather"]
+    assert gathered(bf16) == pytest.approx(found["wire_bytes"], rel=COMM_RTOL)
+    fp32 = Trainer.build(tiny_config(rules="zero3", mesh={"fsdp": 8}))  # compiled in LAYOUTS
+    assert gathered(bf16) == pytest.approx(gathered(fp32) / 2, rel=0.02)
 
 
 def test_hsdp_gathers_no_whole_activation(trainers):

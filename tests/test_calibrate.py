@@ -12,7 +12,7 @@ import pytest
 import yaml
 from helpers import optimized_codegen
 
-from jaxscale.analysis import plan
+from jaxscale.analysis import plan, strategy
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import KINDS, load_cluster
 from jaxscale.cli import main
@@ -65,7 +65,7 @@ def test_calibrate_writes_a_cluster_file_the_plan_reads(cluster_file, tmp_path, 
 def _measured(layout: plan.Strategy, start: tuple[Any, Any]) -> float:
     """CPU seconds of one step (the best of three) from ``start`` (a host state and batch): what other
     processes on the machine do not inflate."""
-    trainer = Trainer.build(plan.config_for(layout, MODEL, SEQ), jax.devices()[: layout.devices])
+    trainer = Trainer.build(strategy.config_for(layout, MODEL, SEQ), jax.devices()[: layout.devices])
     state = jax.device_put(start[0], trainer.state_shardings)
     batch = jax.device_put(start[1], dict.fromkeys(start[1], trainer.batch_sharding))
     with optimized_codegen():
@@ -94,7 +94,7 @@ def test_calibrated_plan_ranks_layouts_as_measured(cluster_file, tmp_path):
     predicted = [plan.evaluate(config.model, params, lay, SEQ, cluster).time["total"] for lay in LAYOUTS]
     # One initial state and batch for every layout (the values do not change a step's time): the state is
     # initialised, and the data read, once.
-    first = Trainer.build(plan.config_for(LAYOUTS[0], MODEL, SEQ), jax.devices()[: LAYOUTS[0].devices])
+    first = Trainer.build(strategy.config_for(LAYOUTS[0], MODEL, SEQ), jax.devices()[: LAYOUTS[0].devices])
     start = jax.device_get((first.init_state(), first.batch(0)))
     measured = [_measured(lay, start) for lay in LAYOUTS]
     rho = np.corrcoef(_ranks(predicted), _ranks(measured))[0, 1]  # Spearman: Pearson of the ranks

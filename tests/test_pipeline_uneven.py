@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
+from jaxscale import stage_layers
 from jaxscale.checkpoint import check_compatible, init_state_from
 from jaxscale.config import ConfigError
-from jaxscale.parallel import stage_layers
 from jaxscale.train import Trainer
 
 # Seven layers: no even split over 2 stages, nor over 2 stages x 2 chunks.
@@ -86,9 +86,6 @@ def test_pad_and_unpad_are_inverse():
          r"^pipeline\.layers_per_stage \[7, 0\]: every virtual stage needs at least one layer$"),
         (["pipeline.layers_per_stage=[8, -1]"], {"stage": 2, "data": 4},
          r"^pipeline\.layers_per_stage \[8, -1\]: every virtual stage needs at least one layer$"),
-        (["pipeline.layers_per_stage=[1, 2, 4]"], {"stage": 2, "data": 4},
-         r"^pipeline\.layers_per_stage has 3 entries; it needs one per virtual stage, mesh\.stage \(2\) x "
-         r"pipeline\.repeats \(1\) = 2$"),
     ],
 )
 def test_bad_lists_fail_in_the_config(overrides, mesh, match):
@@ -99,6 +96,9 @@ def test_bad_lists_fail_in_the_config(overrides, mesh, match):
 @pytest.mark.parametrize(
     "overrides, rules, mesh, match",
     [
+        (["pipeline.layers_per_stage=[1, 2, 4]"], "pp", {"stage": 2, "data": 4},
+         r"^pipeline\.layers_per_stage has 3 entries; it needs one per virtual stage, mesh\.stage \(2\) x "
+         r"pipeline\.repeats \(1\) = 2$"),
         # mesh.stage=-1: the length is checked against the resolved mesh.
         (["pipeline.layers_per_stage=[1, 2, 4]"], "pp", {"data": 2, "stage": -1},
          r"^pipeline\.layers_per_stage has 3 entries; it needs one per virtual stage, mesh\.stage \(4\)"),

@@ -17,7 +17,7 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   dtype its matmul makes it (:func:`gradient_bytes`): ``precision.grads_reduce`` where it is wider
   than the compute dtype (bf16 compute: fp32 sums with ``float32``, bf16 with ``bfloat16``); the
   ZeRO-1 re-gather moves the accumulator's dtype (``grads_reduce``); gathers of parameters move
-  ``model.param_dtype``;
+  the compute copy's dtype (:func:`jaxscale.dtypes.resolve`: ``precision.params``, auto ``model.dtype``);
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
   ids; each device's slice of the table's gradient is all-reduced over the replicas (HSDP) each
@@ -110,8 +110,8 @@ def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: floa
 
 def gradient_bytes(m: ModelConfig, step: Step) -> int:
     """Bytes of a gradient element as devices sum it: the weight-gradient matmul's output dtype, the wider of
-    the compute dtype and ``precision.grads_reduce`` (:func:`jaxscale.precision.weight_grads`)."""
-    return max(dtype_bytes(m.dtype), dtype_bytes(step.reduce_dtype))
+    ``model.dtype`` and ``precision.grads_reduce`` (:attr:`jaxscale.dtypes.Dtypes.grad_bytes`)."""
+    return step.dtypes(m).grad_bytes
 
 
 def _gathers_table(table: float, bsh: float, ids: float, n: int) -> bool:
@@ -176,7 +176,7 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter."""
-    pbytes, gbytes = dtype_bytes(m.param_dtype), gradient_bytes(m, step)
+    pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
     out: list[Flow] = []
@@ -325,8 +325,8 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
                            False)
         if step.repeats > 1:  # the stage's layers regrouped into chunks c·p + s, and their gradients back
             blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-            flows += flow("PP: blocks into chunks", "all-to-all", stages, blocks * dtype_bytes(m.param_dtype), micro,
-                           layout, "forward", False)
+            chunked = blocks * dtype_bytes(step.dtypes(m).compute)
+            flows += flow("PP: blocks into chunks", "all-to-all", stages, chunked, micro, layout, "forward", False)
             flows += flow("PP: their gradients back", "all-to-all", stages, blocks * 4, micro, layout, "backward",
                            False)
 

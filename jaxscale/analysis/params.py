@@ -19,9 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.config import Config, ModelConfig
+from jaxscale import stage_layers
+from jaxscale.config import DEFAULT_SCHEDULE, Config, ModelConfig
+from jaxscale.dtypes import Dtypes, resolve
 from jaxscale.layout import Layout
-from jaxscale.parallel import schedules, stage_layers
+from jaxscale.parallel import schedules
 
 
 def dtype_bytes(name: str) -> int:
@@ -81,7 +83,7 @@ class Step:
     microbatches: int = 1  # gradient accumulation steps
     pipeline_microbatches: int = 1
     repeats: int = 1
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT_SCHEDULE
     params_dtype: str = "auto"  # precision.params: the compute copy (auto: model.dtype)
     master_dtype: str = "auto"  # precision.master: the weights the optimizer updates (auto: model.param_dtype)
     reduce_dtype: str = "float32"  # precision.grads_reduce: the accumulator's
@@ -95,15 +97,20 @@ class Step:
         return cls(t.global_batch, t.seq_len, t.microbatches, pipeline.microbatches or stages, pipeline.repeats,
                    pipeline.schedule, p.params, p.master, p.grads_reduce, split)
 
+    def dtypes(self, m: ModelConfig) -> Dtypes:
+        """The step's compute, master and reduce dtypes (:func:`jaxscale.dtypes.resolve`)."""
+        return resolve({"dtype": m.dtype, "param_dtype": m.param_dtype},
+                       {"params": self.params_dtype, "master": self.master_dtype, "grads_reduce": self.reduce_dtype})
+
     def copies(self, m: ModelConfig) -> tuple[str, str]:
         """The dtypes of the compute copy and of the master (:mod:`jaxscale.precision`; equal: one copy)."""
-        return (m.dtype if self.params_dtype == "auto" else self.params_dtype,
-                m.param_dtype if self.master_dtype == "auto" else self.master_dtype)
+        names = self.dtypes(m)
+        return names.compute, names.master
 
 
 def stack_layers(m: ModelConfig, step: Step) -> int:
     """Layers the stacked blocks hold: ``model.layers``, or with uneven stages p·v chunks of the largest one's
-    slots (:mod:`jaxscale.parallel.stage_layers`): held in memory, and computed where a stage masks its slots."""
+    slots (:mod:`jaxscale.stage_layers`): held in memory, and computed where a stage masks its slots."""
     split = step.layers_per_stage
     return m.layers if split is None else len(split) * max(split)
 

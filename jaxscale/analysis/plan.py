@@ -15,160 +15,31 @@
    (:func:`jaxscale.analysis.timing.step_time`); within 0.1% the simpler layout (fewer strategies),
    then the smaller memory, comes first.
 
-Every layout is data: :func:`rules_for` writes its rules table (starting from
-``configs/rules/dp.yaml``, so every logical name the model uses is present) and
-:func:`experiment` the experiment file ``jaxscale train`` runs. :mod:`jaxscale.analysis.verify` compiles
+Every layout is data (:mod:`jaxscale.analysis.strategy`): its rules table and the experiment file
+``jaxscale train`` runs are written from it. :mod:`jaxscale.analysis.verify` compiles
 candidates on simulated devices and puts the compiled memory and collective bytes next to
 the prediction.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import math
-import tempfile
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
-
-import yaml
 
 from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
-from jaxscale.analysis.params import Param, Step, stacked
+from jaxscale.analysis.params import Param, stacked
+from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
 from jaxscale.analysis.timing import Cluster, step_time
-from jaxscale.config import CONFIG_DIR, MESH_AXES, Config, ConfigError, ModelConfig, _read_yaml, load_config
-from jaxscale.layout import Layout, Rules
+from jaxscale.config import DEFAULT_SCHEDULE, ConfigError, ModelConfig
+from jaxscale.layout import Layout
 from jaxscale.parallel.schedules import formula_bubble
-from jaxscale.parallel.stage_layers import lighter_ends, unit
+from jaxscale.stage_layers import lighter_ends, unit
 
 REMATS = ("none", "save_dots", "full")
-TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
-
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """One way to run the step: mesh sizes, ZeRO stage on ``data``, remat and the batch split."""
-
-    data: int = 1
-    fsdp: int = 1  # ZeRO-3 when > 1
-    tensor: int = 1
-    sequence: bool = False  # Megatron SP on the tensor axis
-    tp_overlap: bool = False  # SP's collectives as collective matmuls (model.tp_overlap)
-    context: int = 1
-    stage: int = 1
-    expert: int = 1
-    zero: int = 0  # over data: 1 shards the optimizer state, 2 the gradients too
-    remat: str = "none"
-    micro_batch: int = 1  # sequences per data-parallel rank in one forward/backward
-    accumulation: int = 1
-    pipeline_microbatches: int = 1
-    repeats: int = 1
-    schedule: str = "1f1b"  # pipeline.schedule when stage > 1
-    loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
-    layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
-
-    def mesh(self) -> dict[str, int]:
-        return {a: getattr(self, a) for a in MESH_AXES}
-
-    @property
-    def devices(self) -> int:
-        return math.prod(self.mesh().values())
-
-    @property
-    def zero_stage(self) -> int:
-        return 3 if self.fsdp > 1 else self.zero
-
-    @property
-    def family(self) -> str:
-        """The combination of strategies, e.g. ``ZeRO-3 + TP + SP``."""
-        parts = [["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"][self.zero_stage]]
-        parts += ["TP + SP" if self.sequence else "TP"] if self.tensor > 1 else []
-        parts += ["CP"] if self.context > 1 else []
-        parts += ["PP"] if self.stage > 1 else []
-        parts += ["EP"] if self.expert > 1 else []
-        return " + ".join(parts)
-
-    @property
-    def mesh_text(self) -> str:
-        return " ".join(f"{a}={s}" for a, s in self.mesh().items() if s > 1) or "one device"
-
-    @property
-    def strategies(self) -> int:
-        """How many parallelisms and options it combines: the simpler layout wins a tie."""
-        return (self.family.count("+") + self.tp_overlap + bool(self.loss_chunk)
-                + (self.data > 1 and self.fsdp > 1))
-
-    def describe(self) -> str:
-        text = self.mesh_text + ("" if not self.sequence else " +sp") + (" +overlap" if self.tp_overlap else "")
-        if self.zero and self.data > 1:
-            text += f" zero{self.zero}"
-        if self.stage > 1:
-            text += f" {self.schedule} m={self.pipeline_microbatches}" + (f" v={self.repeats}" if self.repeats > 1
-                                                                          else "")
-            if self.layers_per_stage:
-                text += f" layers {min(self.layers_per_stage)}-{max(self.layers_per_stage)}"
-        if self.loss_chunk:
-            text += f" loss_chunk={self.loss_chunk}"
-        return text
-
-
-def base_rules() -> dict[str, Any]:
-    """The data-parallel preset: every logical name the model uses, replicated but for the batch."""
-    return _read_yaml(CONFIG_DIR / "rules" / "dp.yaml")["rules"]
-
-
-def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The rules file (``rules``, ``optimizer``, ``gradients`` sections) that runs ``layout``."""
-    rules = dict(base_rules() if base is None else base)
-    batch = ["data", "fsdp"] + (["expert"] if layout.expert > 1 else [])
-    rules["batch"] = batch
-    if layout.fsdp > 1:
-        rules["embed"] = "fsdp"
-    if layout.tensor > 1:
-        for name in TP_NAMES:
-            if name in rules:
-                rules[name] = "tensor"
-    norm = (["context"] if layout.context > 1 else []) + (["tensor"] if layout.sequence else [])
-    rules["norm_length"] = norm[0] if len(norm) == 1 else norm or None
-    if layout.context > 1:
-        rules["length"] = "context"
-    if layout.stage > 1:
-        rules["layers"] = "stage"
-    if layout.expert > 1 and "expert" in rules:
-        rules["expert"] = "expert"
-    out: dict[str, Any] = {"rules": rules}
-    if layout.zero >= 1 and layout.data > 1:
-        out["optimizer"] = {"embed": ["data", "fsdp"]}
-    if layout.zero >= 2 and layout.data > 1:
-        out["gradients"] = {"embed": ["data", "fsdp"]}
-    return out
-
-
-def placement(layout: Strategy, base: dict[str, Any] | None = None) -> Layout:
-    """The rules table of ``layout`` on its mesh sizes: what the analytic model and the runtime both ask."""
-    return Layout(Rules.from_dict(layout.family, rules_for(layout, base)), layout.mesh())
-
-
-def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
-    """The model config the layout runs: its remat policy; ring attention under context parallelism."""
-    out = copy.copy(m)
-    out.remat = layout.remat
-    out.tp_overlap = layout.tp_overlap
-    if layout.loss_chunk:
-        out.loss_chunk = layout.loss_chunk
-    if layout.context > 1:
-        out.attention = "ring"
-    return out
-
-
-def step_for(layout: Strategy, seq_len: int) -> Step:
-    rows = layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
-    return Step(rows * layout.data * layout.fsdp * layout.expert, seq_len, layout.accumulation,
-                layout.pipeline_microbatches, layout.repeats, layout.schedule,
-                layers_per_stage=layout.layers_per_stage)
 
 
 def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_len: int) -> str | None:
@@ -220,7 +91,7 @@ MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 
 def stage_split(m: ModelConfig, chunks: int) -> tuple[int, ...] | None:
     """``pipeline.layers_per_stage`` for ``chunks`` virtual stages: None where the layers split evenly, else the
-    first and last stages lighter (:func:`jaxscale.parallel.stage_layers.lighter_ends`, in whole MoE groups)."""
+    first and last stages lighter (:func:`jaxscale.stage_layers.lighter_ends`, in whole MoE groups)."""
     per_unit = unit(m)
     units = m.layers // per_unit
     if units % chunks == 0:
@@ -236,7 +107,7 @@ def _pipelines(
     """(stages, pipeline microbatches, repeats, schedule, layers per virtual stage): GPipe, 1F1B and interleaved
     1F1B (v = 2) with m = p, 2p, ... up to 32p and the batch's sequences; where the layers do not divide
     p·v, the first and last virtual stages a layer lighter (:func:`stage_split`)."""
-    yield 1, 1, 1, "1f1b", None
+    yield 1, 1, 1, DEFAULT_SCHEDULE, None
     for p in _divisors(devices):
         if p == 1 or p > max_stages:
             continue
@@ -559,54 +430,3 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "rejected": plan.rejected,
         "reasons": plan.reasons,
     }
-
-
-def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
-    """The experiment ``jaxscale train`` runs for ``layout``: the model inline, the rules file by path."""
-    overrides: dict[str, Any] = {"remat": layout.remat}
-    if layout.tp_overlap:
-        overrides["tp_overlap"] = True
-    if layout.loss_chunk:
-        overrides["loss_chunk"] = layout.loss_chunk
-    if layout.context > 1:
-        overrides["attention"] = "ring"
-    out: dict[str, Any] = {
-        "run_dir": "runs/plan",
-        "rules": rules_path,
-        "model": {**model, **overrides},
-        "mesh": layout.mesh(),
-        "train": {
-            "global_batch": layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
-            * layout.data * layout.fsdp * layout.expert,
-            "seq_len": seq_len,
-            "microbatches": layout.accumulation,
-        },
-    }
-    if layout.stage > 1:
-        out["pipeline"] = {
-            "microbatches": layout.pipeline_microbatches,
-            "repeats": layout.repeats,
-            "schedule": layout.schedule,
-        }
-        if layout.layers_per_stage:
-            out["pipeline"]["layers_per_stage"] = list(layout.layers_per_stage)
-    return out
-
-
-def write_experiment(layout: Strategy, model: dict[str, Any], seq_len: int, path: str | Path) -> tuple[Path, Path]:
-    """Write ``path`` (the experiment) and ``<stem>.rules.yaml`` next to it; returns both paths."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rules_path = path.with_name(path.stem + ".rules.yaml")
-    header = f"# {layout.family}: {layout.describe()}, remat {layout.remat}; written by jaxscale plan\n"
-    rules_path.write_text(header + yaml.safe_dump(rules_for(layout), sort_keys=False))
-    exp = experiment(layout, model, seq_len, rules_path.name)  # relative to the experiment file
-    path.write_text(header + yaml.safe_dump(exp, sort_keys=False))
-    return path, rules_path
-
-
-def config_for(layout: Strategy, model: dict[str, Any], seq_len: int, overrides: Sequence[str] = ()) -> Config:
-    """The experiment of ``layout`` as a :class:`Config` (its rules written to a temporary file)."""
-    directory = Path(tempfile.mkdtemp(prefix="jaxscale-plan-"))
-    path, _ = write_experiment(layout, model, seq_len, directory / "experiment.yaml")
-    return load_config(path, [f"run_dir={directory / 'run'}", *overrides])

@@ -313,13 +313,14 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
     update = weights = 0.0
     if params is not None:
-        pbytes = dtype_bytes(m.param_dtype)
+        names = step.dtypes(m)
+        pbytes = dtype_bytes(names.master)
         opt = sum(p.size / layout.ways(p.axes, "optimizer") for p in params)
         grads = sum(p.size / layout.ways(p.axes, "gradients") for p in params)
         held = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)  # cast before any gather
         update = opt * (2 * pbytes + 4 * 4 + pbytes + cbytes)  # master and moments read+write, gradient read
         update += grads * 2 * pbytes * max(0, step.microbatches - 1)  # the accumulator
-        if m.dtype != m.param_dtype:
+        if names.two_copies:
             weights = passes * held * (pbytes + cbytes)
     bw = cluster.memory_bandwidth
     forward = fwd_mm + head + fwd_attn + (fwd_mem + fwd_cm + logits / 4 + weights) / bw
@@ -393,9 +394,8 @@ def flow_kind(f: Flow) -> str:
     return "FSDP gather"
 
 
-def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.0,
-                       per_node: int = 1) -> tuple[float, float]:
-    """(seconds of all its runs, seconds of one run) of a flow at its link level; ``scale`` rescales its bytes.
+def collective_seconds(f: Flow, cluster: Cluster, inter: bool, per_node: int = 1) -> tuple[float, float]:
+    """(seconds of all its runs, seconds of one run) of a flow at its link level.
 
     Across nodes, a ring all-gather, reduce-scatter or all-reduce over ``per_node`` devices of each of k
     nodes moves (k − 1)/k of the data into each node once, shared by the node's ``per_node`` NICs, while
@@ -404,7 +404,7 @@ def collective_seconds(f: Flow, cluster: Cluster, inter: bool, scale: float = 1.
     for other nodes through each device's own NIC; a permute crossing nodes sends all of it.
     """
     level = "inter" if inter else "intra"
-    wire = f.wire_bytes / f.runs * scale
+    wire = f.wire_bytes / f.runs
     steps = 1 if f.kind == "collective-permute" else math.ceil(math.log2(f.n)) * (2 if f.kind == "all-reduce" else 1)
     measured = (cluster.collectives or {}).get(level, {}).get(f.kind)
     if measured:
@@ -443,16 +443,14 @@ def step_time(
                                                  layout.stage_partitioned(blocks, m.moe is not None),
                                                  step.layers_per_stage)
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
-    gather_scale = dtype_bytes(m.dtype) / dtype_bytes(m.param_dtype)
     exposed: dict[str, float] = {}
     hidden: dict[tuple[str, bool], list[tuple[str, float]]] = {}
     total_comm = 0.0
     for f in flows:
         inter = crosses_nodes(f.axes, layout.mesh, cluster.devices_per_node)
         kind = flow_kind(f)
-        scale = gather_scale if kind == "FSDP gather" else 1.0
         per_node = members_per_node(f.axes, layout.mesh, cluster.devices_per_node)
-        seconds, one = collective_seconds(f, cluster, inter, scale, per_node)
+        seconds, one = collective_seconds(f, cluster, inter, per_node)
         total_comm += seconds
         if not f.overlap:
             exposed[kind] = exposed.get(kind, 0.0) + seconds

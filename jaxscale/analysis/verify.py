@@ -16,8 +16,9 @@ from typing import Any
 import jax
 
 from jaxscale.analysis.hlo import collectives, summarize
-from jaxscale.analysis.plan import Candidate, Strategy, config_for
+from jaxscale.analysis.plan import Candidate
 from jaxscale.analysis.predict import predict_trainer
+from jaxscale.analysis.strategy import Strategy, config_for
 from jaxscale.analysis.xla import compile_step, memory
 from jaxscale.config import ConfigError
 from jaxscale.train import Trainer

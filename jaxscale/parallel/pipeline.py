@@ -62,12 +62,13 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxscale import stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS
 from jaxscale.models import moe
 from jaxscale.models.llama import recomputed
 from jaxscale.models.params import logical_axes
-from jaxscale.parallel import ring_attention, schedules, sequence, stage_layers
+from jaxscale.parallel import ring_attention, schedules, sequence
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.scoped import scoped
 from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules

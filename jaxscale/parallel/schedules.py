@@ -37,13 +37,15 @@ benchmark count ticks, bubble and stash from them without jax.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 import numpy as np
 
+from jaxscale.schema import Schedule
+
 Kind = Literal["F", "B"]
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b")
-INTERLEAVED = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
+SCHEDULES: tuple[Schedule, ...] = typing.get_args(Schedule)
 
 # Branches of a slot (the index of ``lax.switch`` in the loop).
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
@@ -146,22 +148,6 @@ def formula_bubble(p: int, m: int, v: int) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def check(schedule: str, p: int, m: int, v: int) -> None:
-    """Raise ValueError if ``schedule`` cannot run p stages, m microbatches, v chunks per stage."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; one of {', '.join(SCHEDULES)}")
-    if (v > 1) != (schedule in INTERLEAVED):
-        need = "pipeline.repeats >= 2" if schedule in INTERLEAVED else "pipeline.repeats = 1"
-        raise ValueError(f"pipeline.schedule={schedule} needs {need}, got {v}")
-    if m < p:
-        raise ValueError(f"pipeline.microbatches ({m}) is fewer than the {p} pipeline stages (mesh.stage)")
-    if schedule == "interleaved_1f1b" and m % p:
-        raise ValueError(
-            f"pipeline.schedule=interleaved_1f1b sends microbatches in groups of mesh.stage ({p}): "
-            f"pipeline.microbatches ({m}) must be a multiple of it"
-        )
-
-
 class _Slots:
     """Greedy slot allocation: a slot is free again from the tick its last reader runs."""
 
@@ -178,8 +164,10 @@ class _Slots:
 
 
 def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
-    """The lock-step table of ``schedule``; ``train=False`` runs the forwards only, the loss in the last one."""
-    check(schedule, p, m, v)
+    """The lock-step table of ``schedule``; ``train=False`` runs the forwards only, the loss in the last one.
+
+    The arguments are the ones :meth:`jaxscale.layout.Layout.validate` accepts: v > 1 for the interleaved
+    schedules only, m ≥ p, and m a multiple of p for ``interleaved_1f1b``."""
     last = v * p - 1
     orders = [order(schedule, p, m, v, s) for s in range(p)]
     if not train:

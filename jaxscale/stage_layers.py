@@ -13,7 +13,7 @@ G·Lmax slots. Real layer ``j`` of the one-device L-layer model is slot ``slots(
 :func:`pad` and :func:`unpad` map a stacked [L, ...] tree to the [G·Lmax, ...] one and back
 (e.g. to compare with one device, or to load a checkpoint of the same model with another split).
 Counts here are in stacked units: layers, or groups of ``model.moe.every_n_layers`` layers. The
-list is checked in :func:`jaxscale.config.validate_stage_layers` and by the layout.
+list is checked in :func:`jaxscale.config.validate_stage_layers` and by :meth:`jaxscale.layout.Layout.validate`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale.config import Config, ModelConfig, PipelineConfig
+from jaxscale.schema import Config, ModelConfig, PipelineConfig
 
 
 def unit(model: ModelConfig) -> int:

@@ -1,9 +1,11 @@
-"""The gold test of every layout: the same loss, gradients and parameters as one device (fp32)."""
+"""The gold test of every layout: the same loss, gradients and parameters as one device (fp32), each laid out
+as the ZeRO stages say."""
 
 import jax
 import pytest
 from helpers import RTOL, assert_trees_close, run_steps, tiny_config
 
+from jaxscale.layout import part_axes
 from jaxscale.train import Trainer
 
 LAYOUTS = {
@@ -16,6 +18,24 @@ LAYOUTS = {
     "fsdp_tp": {"fsdp": 2, "tensor": 4},
     "fsdp_tp_sp": {"data": 2, "fsdp": 2, "tensor": 2},
 }
+# The mesh axes (of size > 1) that split every parameter, gradient and Adam moment of the ZeRO stages (each
+# parameter has an 'embed' dimension): written from the stages, not read from the rules tables.
+ZERO = {  # rules: (parameters, gradients, Adam moments)
+    "dp": ((), (), ()),
+    "zero1": ((), (), ("data",)),
+    "zero2": ((), ("data",), ("data",)),
+    "zero3": (("fsdp",), ("fsdp",), ("fsdp",)),
+}
+
+
+def split_over(tree, mesh) -> set[tuple[str, ...]]:
+    """The mesh axes of size > 1 each array of ``tree`` (its scalars aside) is split over, as a set of tuples."""
+    return {
+        tuple(a for part in x.sharding.spec for a in part_axes(part) if mesh.shape[a] > 1)
+        for x in jax.tree.leaves(tree)
+        if x.ndim
+    }
+
 
 @pytest.mark.parametrize("rules", list(LAYOUTS))
 def test_layout_matches_single_device(rules, one_device, trainers):
@@ -29,6 +49,14 @@ def test_layout_matches_single_device(rules, one_device, trainers):
         specs = jax.tree.map(lambda x: x.sharding.spec, tree)
         want = jax.tree.map(lambda s: s.spec, trainer.param_shardings(kind))
         assert specs == want, f"{rules}: {kind} shardings differ from the rules table"
+    if rules in ZERO:
+        state = trainer.init_state()
+        flat = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+        moments = [x for path, x in flat if any(getattr(key, "name", None) in ("mu", "nu") for key in path)]
+        assert len(moments) == 2 * len(jax.tree.leaves(params))
+        for what, tree, axes in zip(("parameters", "gradients", "Adam moments"), (params, grads, moments),
+                                    ZERO[rules], strict=True):
+            assert split_over(tree, trainer.mesh) == {axes}, f"{rules}: {what} are not split over {axes}"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,237 @@
+"""The experiment config's schema: a dataclass per section, a ``Literal`` per choice among names.
+
+:mod:`jaxscale.config` reads YAML into these types and checks every key and value against them
+(the command line's choices are read from the same types). No jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+
+DType = Literal["float32", "bfloat16", "float16"]
+Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
+# resolved at build (models/attention.py): auto -> the kernel the devices run
+Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
+MoEDispatch = Literal["capacity", "dropless"]
+MoERouter = Literal["softmax", "sigmoid"]
+# shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
+MoEImpl = Literal["shard_map", "partitioner"]
+# routing bias outside the gradient (jaxscale/models/balance.py): off, DeepSeek-V3's sign step, quantile solve
+MoEBalance = Literal["off", "sign", "quantile"]
+# dropless under expert parallelism: move the routed rows (jaxscale/parallel/exchange.py), or all-gather
+MoEExchange = Literal["rows", "all_gather"]
+DataSource = Literal["stdlib", "tokens"]
+NonFinite = Literal["stop", "skip"]
+Resume = Literal["off", "auto", "required"]
+Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
+INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
+DEFAULT_SCHEDULE: Schedule = "1f1b"
+XlaPreset = Literal["none", "gpu", "tpu"]
+Fp8Mode = Literal["off", "delayed", "current"]
+CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
+ReduceDType = Literal["float32", "bfloat16"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the key or axis."""
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward (``jaxscale/models/moe.py``); ``model.moe: null`` is a dense model."""
+
+    experts: int = 8
+    top_k: int = 2
+    mlp: int | None = None  # hidden size of each expert; None: model.mlp
+    every_n_layers: int = 1  # layer i is MoE when (i + 1) % every_n_layers == 0
+    shared_experts: int = 0  # always-on experts: one dense SwiGLU of shared_experts x mlp
+    capacity_factor: float = 1.25
+    dispatch: MoEDispatch = "capacity"
+    router: MoERouter = "softmax"
+    normalize_gates: bool = True  # the top-k gates of a token sum to 1
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+    impl: MoEImpl = "shard_map"
+    dropless_exchange: MoEExchange = "rows"
+    balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
+    bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
+    bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    """A Llama-style decoder."""
+
+    vocab_size: int = 256
+    embed: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    mlp: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    dtype: DType = "float32"
+    param_dtype: DType = "float32"
+    remat: Remat = "none"
+    remat_names: list[str] = dataclasses.field(default_factory=list)
+    moe: MoEConfig | None = None
+    attention: Attention = "dot"
+    attention_block: int = 512
+    loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
+    tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
+
+
+@dataclasses.dataclass
+class AxisSizes:
+    """A size per mesh axis (:data:`MESH_AXES`)."""
+
+    data: int = 1
+    stage: int = 1
+    fsdp: int = 1
+    context: int = 1
+    expert: int = 1
+    tensor: int = 1
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclasses.dataclass
+class DcnConfig(AxisSizes):
+    """Mesh sizes across slices or hosts (the slow network); 1 = within one slice."""
+
+
+@dataclasses.dataclass
+class MeshConfig(AxisSizes):
+    """Parallelism sizes per mesh axis; one may be -1 (the rest of the devices)."""
+
+    data: int = -1
+    dcn: DcnConfig | None = None
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Optimisation and loop settings."""
+
+    steps: int = 200
+    schedule_steps: int | None = None  # length of warmup + cosine (None: steps); kept in the checkpoint
+    seed: int = 0
+    global_batch: int = 16
+    seq_len: int = 128
+    microbatches: int = 1
+    log_every: int = 10
+    tensorboard: bool = False  # also log to <run_dir>/tensorboard (needs tensorboardX)
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    peak_flops: float | None = None
+    eval_every: int = 0
+    eval_steps: int = 4
+    nonfinite: NonFinite = "stop"
+    max_consecutive_skips: int = 10  # nonfinite=skip: the run stops after this many skipped updates in a row
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
+    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
+
+    source: DataSource = "stdlib"
+    path: str | None = None
+    max_bytes: int = 8_000_000
+    eval_bytes: int = 400_000
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """orbax checkpoints of the train state, loader state and config; ``every: 0`` saves none."""
+
+    every: int = 0
+    keep: int = 3
+    keep_every: int = 0
+    dir: str | None = None
+    resume: Resume = "off"  # off | auto (the latest checkpoint if any) | required (--resume: fail without one)
+    async_save: bool = True
+    init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """Bounded waits of the multi-process runtime (``jax.distributed``)."""
+
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+
+
+@dataclasses.dataclass
+class PipelineConfig:
+    """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1).
+
+    ``schedule``: gpipe or 1f1b (v = 1), circular or interleaved_1f1b (``repeats`` = v ≥ 2 chunks
+    per stage); every schedule keeps each in-flight microbatch's stage input and recomputes the
+    stage once in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
+    of each virtual stage 0..p·v−1 (e.g. the first and last one lighter: they also hold the embedding
+    and the head), summing to ``model.layers``; None splits them evenly
+    (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots).
+    """
+
+    microbatches: int | None = None  # None: as many as there are stages
+    repeats: int = 1
+    schedule: Schedule = DEFAULT_SCHEDULE
+    layers_per_stage: list[int] | None = None
+
+
+@dataclasses.dataclass
+class XlaConfig:
+    """XLA flags set before the backend starts (``jaxscale/xla_flags.py``): a preset plus flags of one's own."""
+
+    preset: XlaPreset = "none"
+    flags: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PrecisionConfig:
+    """Mixed precision (``jaxscale/precision.py``) and low-precision matmuls (``jaxscale/fp8.py``).
+
+    ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
+    updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    """
+
+    params: CopyDType = "auto"
+    master: CopyDType = "auto"
+    grads_reduce: ReduceDType = "float32"
+    fp8: Fp8Mode = "off"
+    amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
+    margin: int = 0  # scales leave 2^margin of headroom
+
+
+@dataclasses.dataclass
+class Config:
+    """One experiment: model, mesh, rules table, data and training."""
+
+    run_dir: str = "runs/default"
+    rules: str = "dp"
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    xla: XlaConfig = dataclasses.field(default_factory=XlaConfig)
+    precision: PrecisionConfig = dataclasses.field(default_factory=PrecisionConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

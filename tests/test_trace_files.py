@@ -1,0 +1,49 @@
+"""A traced dense train step enters few of the package's files (the house's weight stays where it belongs).
+
+``sys.setprofile`` records every function call while the step of a dense ``dp`` trainer is traced once
+(``jax.make_jaxpr`` inside the trainer's scope; building the trainer is not counted); the files under
+``jaxscale/`` those calls ran in are counted. Run with ``-s`` to print them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+from helpers import tiny_config
+
+import jaxscale
+from jaxscale.train import Trainer
+
+PACKAGE = Path(jaxscale.__file__).resolve().parent
+# 13 today: the step (train, optim, precision, loss), the model (llama, attention, lean), the layout (layout,
+# sharding, parallel/sequence) and three a dense fp32 step need not enter: fp8.py (the fp8 wrappers, a no-op
+# when off), models/moe.py (the auxiliary losses, 0 when dense) and parallel/pipeline.py (asked how many stages).
+MAX_FILES = 13
+
+
+def traced_files(trainer: Trainer) -> list[str]:
+    """The package's files (relative paths) whose functions run while ``trainer``'s step is traced."""
+    seen: set[str] = set()
+
+    def profile(frame: Any, event: str, _: Any) -> None:
+        if event == "call":
+            seen.add(frame.f_code.co_filename)
+
+    with trainer.scope():
+        sys.setprofile(profile)
+        try:
+            jax.make_jaxpr(trainer._train_step)(trainer.abstract_state(), trainer.abstract_batch())
+        finally:
+            sys.setprofile(None)
+    inside = (Path(f).resolve() for f in seen if f.endswith(".py"))
+    return sorted(str(p.relative_to(PACKAGE)) for p in inside if p.is_relative_to(PACKAGE))
+
+
+def test_a_traced_dense_step_enters_few_files():
+    files = traced_files(Trainer.build(tiny_config(rules="dp", mesh={"data": 8})))
+    print(f"{len(files)} files: {', '.join(files)}")
+    assert {"train.py", "models/llama.py", "loss.py"} <= set(files)
+    assert len(files) <= MAX_FILES, files
