@@ -56,6 +56,8 @@ class MoEConfig:
     z_loss_weight: float = 0.001
     impl: MoEImpl = "shard_map"
     dropless_exchange: MoEExchange = "rows"
+    groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups, ...
+    top_groups: int = 1  # ... a token's choices among the experts of its top_groups best groups
     balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
     bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
     bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution

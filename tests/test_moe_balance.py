@@ -157,3 +157,26 @@ def test_balance_configs_refused():
     with pytest.raises(ConfigError, match=r"model\.moe\.balance=sign: not supported with pipeline parallelism"):
         Trainer.build(tiny_config(*MOE, "model.moe.balance=sign", "model.moe.impl=partitioner", rules="pp",
                                   mesh={"stage": 2, "data": 4}))
+
+
+def test_group_limited_routing_against_numpy():
+    cfg = moe_config("model.moe.groups=4", "model.moe.top_groups=2", "model.moe.router=sigmoid",
+                     "model.moe.dispatch=dropless")
+    logits = random_logits(3, (2, 16, EXPERTS))
+    bias = jnp.asarray(np.linspace(-0.2, 0.2, EXPERTS), jnp.float32)
+    routing, _ = jax.jit(lambda lg: kernels.route(lg, cfg, 16, bias))(logits)
+    scores = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
+    limited = 0
+    for token, score in zip(np.asarray(routing.index).reshape(-1, TOP_K), scores.reshape(-1, EXPERTS), strict=True):
+        biased = score + np.asarray(bias, np.float64)
+        # Groups of 2 experts, scored by the sum of both; the best 2 groups' experts compete.
+        group_score = biased.reshape(4, 2).sum(-1)
+        allowed = np.concatenate([[2 * g, 2 * g + 1] for g in np.argsort(-group_score, kind="stable")[:2]])
+        best = sorted(allowed, key=lambda e: -biased[e])[:TOP_K]
+        assert list(token) == best
+        limited += best != list(np.argsort(-biased, kind="stable")[:TOP_K])
+    assert limited > 0  # the groups changed some tokens' choices
+    with fails_early(r"^model\.moe\.groups \(3\) must divide model\.moe\.experts \(8\)$"):
+        tiny_config(*MOE, "model.moe.groups=3")
+    with fails_early(r"^model\.moe\.top_groups \(1\) must be in \[1, groups\] and hold top_k \(2\) experts"):
+        tiny_config(*MOE, "model.moe.groups=8", "model.moe.top_groups=1")
