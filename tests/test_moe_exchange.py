@@ -15,6 +15,7 @@ from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
 from jaxscale.parallel import exchange
 from jaxscale.sharding import Rules, use_rules
+from jaxscale.train import Trainer
 
 EXPERTS, TOP_K = 8, 2
 MOE = [f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32", "model.moe.dispatch=dropless"]
@@ -115,3 +116,15 @@ def test_rows_exchange_wire_bytes(ep):
     gathered = sum(c.wire_bytes for c in sent["all_gather"])
     assert gathered >= 4 * (ep - 1) * b * SEQ * h * nbytes  # the tokens there and back, each way
     assert rows_bytes < gathered
+
+
+@pytest.mark.slow
+def test_train_step_with_the_rows_exchange_matches_one_device():
+    # The exchange's loops inside the layer scan, rematerialised, under the microbatch scan.
+    step = [*MOE, "model.layers=2", "train.microbatches=2", "model.remat=full"]
+    ref = Trainer.build(tiny_config(*step), jax.devices()[:1])
+    trainer = Trainer.build(tiny_config(*step, rules="ep_fsdp", mesh={"expert": 4, "fsdp": 2}))
+    ref_loss, ref_grads = ref.loss_and_grads(ref.init_state().params, ref.batch(0))
+    loss, grads = trainer.loss_and_grads(trainer.init_state().params, trainer.batch(0))
+    assert abs(float(loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss))
+    assert_trees_close(grads, ref_grads)
