@@ -180,3 +180,18 @@ def test_group_limited_routing_against_numpy():
         tiny_config(*MOE, "model.moe.groups=3")
     with fails_early(r"^model\.moe\.top_groups \(1\) must be in \[1, groups\] and hold top_k \(2\) experts"):
         tiny_config(*MOE, "model.moe.groups=8", "model.moe.top_groups=1")
+
+
+def test_quantile_target_the_same_with_tokens_split_over_devices():
+    cfg = moe_config("model.moe.balance=quantile", "model.moe.dispatch=dropless")
+    logits = random_logits(4, (8, 16, EXPERTS))
+    bias = jnp.asarray(np.linspace(-0.1, 0.1, EXPERTS), jnp.float32)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+    def target(lg):
+        return kernels.route(lg, cfg, 16, bias)[1]["moe_bias_target"]
+
+    whole = jax.jit(target)(logits)
+    sharded = jax.jit(target, in_shardings=split)(jax.device_put(logits, split))
+    np.testing.assert_allclose(sharded, whole, rtol=0, atol=1e-7)
