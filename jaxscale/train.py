@@ -267,8 +267,11 @@ class Trainer:
             jax.tree.map(lambda p: jnp.zeros(p.shape, self.policy.reduce), params), grad_shardings
         )
         micros = jax.tree.map(split, batch)
-        shapes = jax.eval_shape(self.loss_and_metrics, params, jax.tree.map(lambda a: a[0], micros), fp8_state, bias)
-        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes[1])
+        aux_zeros = {}
+        if self.config.model.moe:  # the MoE metrics' shapes (per-layer loads; none inside a pipeline)
+            first = jax.tree.map(lambda a: a[0], micros)
+            shapes = jax.eval_shape(self.loss_and_metrics, params, first, fp8_state, bias)[1]
+            aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
         (loss_sum, grad_sum, aux_sum, fp8_max), _ = jax.lax.scan(body, init, micros)
         grads, aux = jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
