@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.config import load_config
+from jaxscale.config import INTERLEAVED, load_config
 from jaxscale.parallel import schedules
 from jaxscale.train import Trainer
 
@@ -57,7 +57,7 @@ MODEL = [
     "train.seq_len=128",
     "data.max_bytes=100000",
 ]
-REPEATS = {"gpipe": 1, "1f1b": 1, "circular": 2, "interleaved_1f1b": 2}
+REPEATS = {s: 2 if s in INTERLEAVED else 1 for s in schedules.SCHEDULES}  # chunks per stage of each schedule
 
 
 def build(rules: str, mesh: dict[str, int], pipe: list[str]) -> Trainer:

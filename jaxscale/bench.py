@@ -12,7 +12,8 @@ adds, a value it refuses) is a ``skipped`` row with the one-line :class:`ConfigE
 failure (out of memory, a backend that cannot compile it) an ``error`` row; neither ends the suite.
 XLA reads its flags once, when the backend starts, so a row whose ``xla.preset`` or ``xla.flags``
 this process started without (the ``xla_preset`` variant) is measured by a child process started
-with them.
+with them. Each row is printed as it finishes. Before anything runs, a suite whose run the analytic
+model predicts larger than the machine's memory is refused in one line (:func:`check_memory`).
 
 How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
 
@@ -71,13 +72,16 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import jax
 
 from jaxscale import flops, xla_flags
+from jaxscale.analysis.params import trainer_inputs
+from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import memory
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config, read_yaml, requested_devices
 from jaxscale.train import Trainer
@@ -160,6 +164,47 @@ def plan(
     if not runs:
         raise ConfigError(f"suite '{suite}' has no runs")
     return runs
+
+
+def available_memory(device: jax.Device) -> tuple[int | None, bool]:
+    """(bytes, shared): an accelerator's own memory (the runtime's ``bytes_limit``; None where it keeps no
+    statistics), or on a CPU the host's available memory (``MemAvailable``), which simulated devices share."""
+    if device.platform != "cpu":
+        stats = device.memory_stats()
+        return (stats.get("bytes_limit") if stats else None), False
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        return next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")), True
+    except (OSError, StopIteration):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), True
+
+
+def check_memory(runs: list[Run], config: str | Path | None) -> None:
+    """Raise :class:`ConfigError` if the analytic model predicts a run of ``runs`` larger than the memory it
+    would run in (:func:`available_memory`; on a CPU all its devices together, and its activations in
+    float32, as XLA:CPU computes a bf16 model). Runs that compile only, and configs this build rejects
+    (their rows say so), are not checked."""
+    for run in runs:
+        if run.compile_only:
+            continue
+        try:
+            cfg = load_config(config, run.overrides)
+            with warnings.catch_warnings():  # the run itself warns (XLA flags this process lacks, ...)
+                warnings.simplefilter("ignore")
+                trainer = Trainer.build(cfg, jax.devices()[: requested_devices(cfg.mesh) or None])
+        except ConfigError:
+            continue
+        device = trainer.mesh.devices.flat[0]
+        available, shared = available_memory(device)
+        model = replace(cfg.model, dtype="float32") if device.platform == "cpu" else cfg.model
+        per_device = predict(model, *trainer_inputs(trainer)).memory["total"]
+        need = per_device * (trainer.mesh.size if shared else 1)
+        if available is not None and need > available:
+            devices = f"{per_device / 1e9:.2f} GB x {trainer.mesh.size} CPU devices" if shared else "per device"
+            raise ConfigError(
+                f"bench: run '{run.name}' needs {need / 1e9:.1f} GB ({devices}, the analytic model's prediction) but "
+                f"{available / 1e9:.1f} GB is available: leave it out (--models, --variants) or shrink it (--set)"
+            )
 
 
 def timed_compile(trainer: Trainer) -> tuple[Any, dict[str, float]]:
@@ -359,9 +404,11 @@ def run_suite(
     rounds: int | None = None,
     suites: str | Path = SUITES_FILE,
     cluster: str | Path | None = None,
+    stream: TextIO | None = None,
 ) -> dict[str, Any]:
     """Run a suite on the present devices; the report object (``schema`` ``jaxscale.bench/1``); with a
-    ``cluster`` file, each row's prediction too."""
+    ``cluster`` file, each row's prediction too. With a ``stream``, :func:`table`'s header goes to it before
+    the first run and each row's line as that row finishes (flushed)."""
     table = load_suites(suites)
     runs = plan(suite, overrides or [], table, models, variants, layers)
     spec = table[suite]
@@ -372,20 +419,27 @@ def run_suite(
         raise ConfigError(
             f"--steps and --rounds must be at least 1 and --warmup at least 0, got {steps}, {rounds} and {warmup}"
         )
-    if runs[0].compile_only:
-        run_one(suite, runs[0], config, steps, warmup)  # compiles once untimed: one-time costs out of the first row
-    device = jax.devices()[0]
-    return {
+    check_memory(runs, config)
+    report = {
         "schema": SCHEMA,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "backend": jax.default_backend(),
-        "device_kind": device.device_kind,
+        "device_kind": jax.devices()[0].device_kind,
         "devices": jax.device_count(),
         "jax_version": jax.__version__,
         "config": str(config) if config is not None else None,
         "cluster": str(cluster) if cluster is not None else None,
-        "results": [run_one(suite, run, config, steps, warmup, rounds, cluster) for run in runs],
+        "results": [],
     }
+    if stream is not None:
+        print("\n".join(header(report)), file=stream, flush=True)
+    if runs[0].compile_only:
+        run_one(suite, runs[0], config, steps, warmup)  # compiles once untimed: one-time costs out of the first row
+    for run in runs:
+        report["results"].append(run_one(suite, run, config, steps, warmup, rounds, cluster))
+        if stream is not None:
+            print(row_line(report["results"][-1]), file=stream, flush=True)
+    return report
 
 
 def _num(x: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
@@ -408,28 +462,40 @@ def compile_ratio(report: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
-def table(report: dict[str, Any]) -> str:
-    """A short text table of the report."""
-    lines = [
+def header(report: dict[str, Any]) -> list[str]:
+    """The table's first lines: the devices, then the column names."""
+    return [
         f"jaxscale bench: {report['devices']} x {report['device_kind']} ({report['backend']}), "
         f"jax {report['jax_version']}",
         f"{'name':<22} {'status':<8} {'params':>9} {'step ms':>9} {'blocked':>9} {'device':>9} {'host ms':>8} "
         f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'lower s':>8} {'comp. s':>8}"
         + (f" {'pred ms':>9} {'pred MFU':>8} {'pred/meas':>9}" if report.get("cluster") else ""),
     ]
-    for r in report["results"]:
-        if r["status"] != "ok":
-            lines.append(f"{r['name']:<22} {r['status']:<8} {r['error']}")
-            continue
-        lines.append(
-            f"{r['name']:<22} {r['status']:<8} {r['params'] / 1e6:>8.1f}M {_num(r['step_time_s'], 1e3):>9} "
-            f"{_num(r['step_time_blocked_s'], 1e3):>9} {_num(r['device_step_time_s'], 1e3):>9} "
-            f"{_num(r['host_overhead_s'], 1e3):>8} {_num(r['tokens_per_s'], 1, '.0f'):>10} "
-            f"{_num(r['tflops_per_device'], 1, '.3f'):>8} {_num(r['mfu'], 100, '.1f'):>6} "
-            f"{r['lower_time_s']:>8.2f} {r['compile_time_s']:>8.2f}"
-            + (f" {_num(r['predicted_step_time_s'], 1e3):>9} {_num(r['predicted_mfu'], 100, '.1f'):>8} "
-               f"{_num(r['predicted_ratio']):>9}" if "predicted_step_time_s" in r else "")
-        )
+
+
+def row_line(r: dict[str, Any]) -> str:
+    """One row of the table."""
+    if r["status"] != "ok":
+        return f"{r['name']:<22} {r['status']:<8} {r['error']}"
+    return (
+        f"{r['name']:<22} {r['status']:<8} {r['params'] / 1e6:>8.1f}M {_num(r['step_time_s'], 1e3):>9} "
+        f"{_num(r['step_time_blocked_s'], 1e3):>9} {_num(r['device_step_time_s'], 1e3):>9} "
+        f"{_num(r['host_overhead_s'], 1e3):>8} {_num(r['tokens_per_s'], 1, '.0f'):>10} "
+        f"{_num(r['tflops_per_device'], 1, '.3f'):>8} {_num(r['mfu'], 100, '.1f'):>6} "
+        f"{r['lower_time_s']:>8.2f} {r['compile_time_s']:>8.2f}"
+        + (f" {_num(r['predicted_step_time_s'], 1e3):>9} {_num(r['predicted_mfu'], 100, '.1f'):>8} "
+           f"{_num(r['predicted_ratio']):>9}" if "predicted_step_time_s" in r else "")
+    )
+
+
+def table(report: dict[str, Any]) -> str:
+    """A short text table of the report: :func:`header`, a :func:`row_line` per row, :func:`footer`."""
+    return "\n".join([*header(report), *map(row_line, report["results"]), *footer(report)])
+
+
+def footer(report: dict[str, Any]) -> list[str]:
+    """The table's last lines: the compile-time ratio of a compile suite, the note on MFU on a CPU."""
+    lines = []
     ratio = compile_ratio(report)
     if ratio is not None:
         low, high = ratio["layers"]
@@ -438,7 +504,7 @@ def table(report: dict[str, Any]) -> str:
                      f"{ratio['total_cpu']:.2f}x CPU")
     if report["backend"] == "cpu":
         lines.append("MFU on CPU is against a nominal 1e11 FLOP/s per device: meaningless")
-    return "\n".join(lines)
+    return lines
 
 
 def write(report: dict[str, Any], path: str | Path) -> Path:

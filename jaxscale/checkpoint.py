@@ -43,11 +43,12 @@ Failures, in one line each: a ``checkpoint.dir`` that cannot be written is a
 a :class:`CheckpointError` naming the step and the latest complete one, raised
 by the next call that looks (:meth:`Checkpointer.committed`, which the loop
 calls every step; orbax's own logs of it are silenced). On resume, a step that
-does not read back is set aside as ``<step>.damaged`` and the one before it is
-read (:meth:`Checkpointer.restore_latest`).
+does not read back is set aside as ``<step>.damaged`` (``.damaged.2`` and on when that
+name is taken) and the one before it is read (:meth:`Checkpointer.restore_latest`).
 
-Preemption: SIGTERM sets a flag that the loop reads at the next step boundary
-(with several processes, jax's preemption sync point makes them agree on the step).
+Preemption: SIGTERM, or a first Ctrl-C, sets a flag that the loop reads at the next step boundary
+(with several processes, jax's preemption sync point makes them agree on the step); a second Ctrl-C
+exits at once.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -102,7 +104,7 @@ class CheckpointError(RuntimeError):
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
+    text = str(error).strip().split(" See full TensorStore details")[0]  # then a repr of the store's spec
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
@@ -121,14 +123,19 @@ class _QuietOrbax(logging.Filter):
 class _LateWrites:
     """An unraisable-exception hook that drops the "Event loop is closed" errors tensorstore reports
     (from its own threads) when the writes still in flight of a failed save complete after orbax
-    closed their event loop; everything else goes to the previous hook."""
+    closed their event loop, and the errors of orbax's own coroutines left unfinished when a read
+    failed (collected later: "Exception ignored in: <coroutine ...>", once per array); everything
+    else goes to the previous hook. Each such failure was already reported once, in one line."""
 
     def __init__(self, hook: Callable[[Any], None]):
         self.hook = hook
 
     def __call__(self, unraisable: Any) -> None:
-        value = unraisable.exc_value
-        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+        value, culprit = unraisable.exc_value, unraisable.object
+        late_write = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+        code = getattr(culprit, "cr_code", None)
+        orbax_coroutine = code is not None and "orbax" in code.co_filename
+        if not (late_write or orbax_coroutine):
             self.hook(unraisable)
 
 
@@ -252,8 +259,8 @@ class Checkpointer:
 
         ``check`` vets a step's JSON items before its arrays are read (its :class:`ConfigError`, a
         checkpoint of another run, stops the search). A damaged step (unreadable JSON or arrays) is
-        renamed ``<step>.damaged`` (kept, but no longer a step, so new saves can take its number)
-        and the step before it is tried; if none reads, a :class:`ConfigError` lists why.
+        renamed ``<step>.damaged`` (``.damaged.<k>`` when taken: kept, but no longer a step, so new saves
+        can take its number) and the step before it is tried; if none reads, a :class:`ConfigError` lists why.
         """
         damaged: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
@@ -274,16 +281,17 @@ class Checkpointer:
 
     def _set_aside(self, damaged: list[tuple[int, str]], restored: int) -> list[str]:
         """Rename the damaged steps ``<step>.damaged`` (process 0) and say so, one line each."""
-        if jax.process_index() == 0:
-            for step, _ in damaged:
-                path = self.directory / str(step)
-                path.rename(path.with_name(f"{step}.damaged"))
+        kept = {}
+        for step, _ in damaged:
+            kept[step] = _free_name(self.directory, f"{step}.damaged")
+            if jax.process_index() == 0:
+                (self.directory / str(step)).rename(self.directory / kept[step])
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxscale: damaged checkpoints set aside")
         if damaged:
             self.manager.reload()
         return [
-            f"checkpoint step {step} is damaged ({why}): kept as {step}.damaged; resuming from step {restored}"
+            f"checkpoint step {step} is damaged ({why}): kept as {kept[step]}; resuming from step {restored}"
             for step, why in damaged
         ]
 
@@ -319,6 +327,15 @@ class Checkpointer:
             self.committed(block=True)
         finally:
             self.manager.close()
+
+
+def _free_name(directory: Path, name: str) -> str:
+    """``name``, or ``name.2``, ``name.3``, ... : the first not taken in ``directory`` (a step damaged again)."""
+    k, free = 1, name
+    while (directory / free).exists():
+        k += 1
+        free = f"{name}.{k}"
+    return free
 
 
 def _stored(state: Any) -> dict[str, Any]:
@@ -369,35 +386,45 @@ def all_finite(tree: Any) -> bool:
 
 
 class Preemption:
-    """A context in which SIGTERM asks the loop to stop at the next step boundary.
+    """A context in which SIGTERM, or a first Ctrl-C (SIGINT), asks the loop to stop at the next step boundary.
 
-    One process: a signal handler sets a flag (the previous handler comes back on
-    exit). Several processes: jax's preemption sync point, which the coordination
-    service raises on SIGTERM to any of them, so that all stop at the same step.
+    One process: a signal handler sets a flag and keeps the signal's name (the previous handlers come
+    back on exit); a second Ctrl-C exits at once (status 130) with one line. Several processes: jax's
+    preemption sync point, which the coordination service raises on SIGTERM to any of them, so that
+    all stop at the same step (Ctrl-C there is Python's KeyboardInterrupt).
     """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.requested = False
-        self.installed = False
-        self.previous: Any = None
+        self.signal: str | None = None  # SIGTERM or SIGINT, once one came
+        self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> Preemption:
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-            self.installed = True
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.signal == "SIGINT":
+            print("jaxscale: interrupted again (Ctrl-C): exiting at once, the step in progress not saved",
+                  file=sys.stderr, flush=True)
+            os._exit(130)
         self.requested = True
+        self.signal = self.signal or signal.Signals(signum).name
 
     def __exit__(self, *exc: object) -> None:
-        if self.installed:
-            signal.signal(signal.SIGTERM, self.previous)
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
 
     def reached(self, step: int) -> bool:
         """Whether to stop after ``step`` updates."""
         if jax.process_count() > 1:
-            return multihost_utils.reached_preemption_sync_point(step)
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.signal = "SIGTERM"
+                return True
+            return False
         return self.requested
 
 

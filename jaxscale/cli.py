@@ -10,7 +10,8 @@ already set win; the device-count flag only affects the CPU backend). The
 modules that import jax are therefore imported inside the commands, after
 that point. A bad input prints one line naming the key, axis or file and
 exits with code 2 (:func:`main`); ``train`` stopped by a non-finite loss or
-state exits with 1.
+state exits with 1, interrupted by Ctrl-C with 130 (after saving at the step boundary; a second
+Ctrl-C, or one before training starts, ends it at once with one line).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from jaxscale import distributed, prepare, report, xla_flags
+from jaxscale import distributed, prepare, report, runlock, xla_flags
 from jaxscale.analysis import plan, strategy
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import load_cluster
@@ -53,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxscale: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("jaxscale: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except OSError as e:  # storage the command could not use (a full disk, a lost mount): one line, not a traceback
+        where = f" {e.filename}" if e.filename else ""
+        print(f"jaxscale: error:{where}: {e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 def _simulate_cpu_devices(count: int) -> None:
@@ -68,6 +76,14 @@ def _train(args: argparse.Namespace) -> int:
     if config.checkpoint.every:
         check_writable(checkpoint_dir(config))  # before jax starts: a one-line error in a second
     cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
+    # One run per directory, refused at once: before jax starts (the loop holds the same locks).
+    locked = runlock.run_directories(config) if not cluster.process_id else []
+    with runlock.hold(*locked):
+        return _train_locked(args, config, cluster)
+
+
+def _train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
+    """:func:`_train` once the run's directories are locked."""
     processes = cluster.num_processes or 1
     _simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
     xla_flags.apply(config.xla)
@@ -100,6 +116,9 @@ def _train(args: argparse.Namespace) -> int:
         )
     if history and history[-1].get("event") == "preempted":
         saved = "checkpoint saved" if history[-1]["saved"] else "checkpointing is off, nothing saved"
+        if history[-1].get("signal") == "SIGINT":
+            print(f"jaxscale: interrupted (Ctrl-C) after {history[-1]['step']} updates; {saved}", file=sys.stderr)
+            return 130
         print(f"preempted (SIGTERM) after {history[-1]['step']} updates; {saved}")
     return 0
 
@@ -109,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
 
 def _prepare_data(args: argparse.Namespace) -> int:
     meta = prepare.prepare_data(
-        args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction, args.eod_token
+        args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction, args.eod_token, args.overwrite
     )
     splits = ", ".join(f"{k} {v['tokens']} tokens in {v['documents']} documents" for k, v in meta["splits"].items())
     print(f"{args.out}: {splits}; vocab_size {meta['vocab_size']}, {meta['dtype']}")
@@ -129,6 +148,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    if args.png:
+        report.check_pyplot()
     config = load_config(args.config, args.overrides)
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     xla_flags.apply(config.xla)
@@ -150,6 +171,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.png:
+        report.check_pyplot()
     if args.calibrate:
         _simulate_cpu_devices(DEFAULT_CPU_DEVICES)  # on a CPU-only host (unless XLA_FLAGS says otherwise)
         # Imports jax: after the simulated device count is in the environment.
@@ -164,6 +187,9 @@ def _plan(args: argparse.Namespace) -> int:
                if not getattr(args, k)]
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
+    for name in ("global_batch_tokens", "seq_len", "top"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
     model_dict = read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])
@@ -232,9 +258,10 @@ def _bench(args: argparse.Namespace) -> int:
     result = bench.run_suite(
         args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
         layers=None if layers is None else [int(n) for n in layers], steps=args.steps, warmup=args.warmup,
-        rounds=args.rounds, suites=args.suites, cluster=args.predict,
+        rounds=args.rounds, suites=args.suites, cluster=args.predict, stream=sys.stdout,
     )
-    print(bench.table(result))
+    for line in bench.footer(result):
+        print(line)
     print(f"wrote {bench.write(result, args.out)}")
     return 0
 
@@ -288,6 +315,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="the text field of JSONL records")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for eval")
     prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json")
+    prep.add_argument("--overwrite", action="store_true",
+                      help="replace an existing --out directory (once the new one is complete)")
 
     inspect = _command(commands, "inspect", _inspect, "compile the train step without running it and report its layout")
     _experiment_args(inspect, DEFAULT_EXPERIMENT, "override config keys (several after one --set, or repeated)")

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxscale import dtypes, stage_layers
+from jaxscale import bounds, dtypes, stage_layers, strict
 from jaxscale.schema import (  # the schema, importable from here
     DEFAULT_SCHEDULE,
     INTERLEAVED,
@@ -110,7 +110,17 @@ __all__ = [
     "validate_xla"
 ]
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def config_dir() -> Path:
+    """The YAML configs (models, rules, clusters, experiments, bench suites): ``jaxscale/configs`` in an
+    installed wheel (setup.py installs the top-level ``configs/`` there), else a source checkout's ``configs/``."""
+    package = Path(importlib.util.find_spec("jaxscale").origin).parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = config_dir()
 
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
@@ -179,11 +189,13 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 def read_yaml(path: Path) -> dict[str, Any]:
     """A YAML file's top-level mapping (safe load; empty: {}), or a one-line :class:`ConfigError`."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = strict.load_yaml(path.read_bytes())
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -215,7 +227,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{item}' has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = strict.load_yaml(raw) if raw else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override '{item}': value is not valid YAML") from e
     return key.split("."), value
@@ -232,7 +244,10 @@ def _set_dotted(tree: dict[str, Any], keys: list[str], value: Any) -> None:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read an experiment file (or the defaults), apply ``KEY=VALUE`` overrides, validate."""
+    """Read an experiment (a YAML path, or a name in ``configs/experiments/``; none: the defaults), apply
+    ``KEY=VALUE`` overrides, validate."""
+    if path is not None and not Path(path).exists() and Path(path).suffix not in (".yaml", ".yml"):
+        path = resolve_named(str(path), "experiments")
     raw: dict[str, Any] = read_yaml(Path(path)) if path is not None else {}
     for key in ("rules", "model"):  # a relative path in an experiment file is relative to that file
         value = raw.get(key)
@@ -247,6 +262,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         keys, value = parse_override(item)
         if keys[0] == "model" and len(keys) == 1 and isinstance(value, str):
             value = read_yaml(resolve_named(value, "models"))
+        off = strict.check_switched_on(raw, keys)
+        if off:
+            raise ConfigError(off)
         _set_dotted(raw, keys, value)
     config = _build(Config, raw)
     validate(config)
@@ -311,8 +329,9 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
-    if config.data.source == "stdlib" and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of data.source=stdlib")
+    if config.data.source in ("builtin", "stdlib") and m.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of "
+                          f"data.source={config.data.source}")
     if config.data.source == "tokens" and not config.data.path:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
@@ -331,6 +350,7 @@ def validate(config: Config) -> None:
     validate_stage_layers(config)
     validate_xla(config.xla)
     validate_precision(config.precision)
+    _validate_blockwise(config)
     _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
@@ -342,6 +362,9 @@ def validate(config: Config) -> None:
     for axis, size in (config.mesh.dcn.sizes() if config.mesh.dcn else {}).items():
         if size < 1:
             raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
+    outside = bounds.out_of_range(config)
+    if outside:
+        raise ConfigError(outside)
 
 
 def _validate_loop(config: Config) -> None:
@@ -425,6 +448,21 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
+    if p.fp8_block < 1:
+        raise ConfigError(f"precision.fp8_block must be at least 1, got {p.fp8_block}")
+    if p.fp8_head and p.fp8 == "off":
+        raise ConfigError("precision.fp8_head needs precision.fp8 on (delayed, current or blockwise)")
+
+
+def _validate_blockwise(config: Config) -> None:
+    """``precision.fp8: blockwise`` tiles every projection's dimensions (and the tokens) by ``fp8_block``."""
+    m, p = config.model, config.precision
+    dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
+            "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": config.train.seq_len}
+    for name, size in (dims | ({"model.vocab_size": m.vocab_size} if p.fp8_head else {})).items():
+        if p.fp8 == "blockwise" and size % p.fp8_block:
+            raise ConfigError(f"precision.fp8=blockwise: {name} ({size}) is not divisible by precision.fp8_block "
+                              f"({p.fp8_block})")
 
 
 def _validate_copies(config: Config) -> None:

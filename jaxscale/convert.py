@@ -64,6 +64,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jaxscale import bounds
 from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
 from jaxscale.config import (
     Config,
@@ -191,15 +192,15 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
             raise ConfigError(f"config.json: {key}=true (jaxscale's projections have no bias)")
     if hf.get("sliding_window") is not None:
         raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} (jaxscale attends to the whole prefix)")
-    heads = hf["num_attention_heads"]
+    heads, embed = _hf_int(hf, "num_attention_heads"), _hf_int(hf, "hidden_size")
     model = ModelConfig(
-        vocab_size=hf["vocab_size"],
-        embed=hf["hidden_size"],
-        layers=hf["num_hidden_layers"],
+        vocab_size=_hf_int(hf, "vocab_size"),
+        embed=embed,
+        layers=_hf_int(hf, "num_hidden_layers"),
         heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        mlp=hf["intermediate_size"],
+        kv_heads=_hf_int(hf, "num_key_value_heads", heads),
+        head_dim=_hf_int(hf, "head_dim", embed // heads),
+        mlp=_hf_int(hf, "intermediate_size"),
         rope_theta=_rope_theta(hf),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -214,7 +215,33 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
             aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * top_k,
             z_loss_weight=0.0,
         )
+    problem = bounds.out_of_range(Config(model=model))
+    if problem:
+        raise ConfigError(f"config.json: {problem}")
     return model
+
+
+def _hf_int(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer field of an HF ``config.json`` (``default`` where it is missing or null)."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ConfigError(f"config.json: no '{key}' (a partial config.json?)")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object read from ``path``; a one-line :class:`ConfigError` naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a readable JSON file ({getattr(e, 'strerror', None) or e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -295,15 +322,36 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor: from the index json, or from the one file's header."""
     index = hf_dir / INDEX
     if index.exists():
-        return {name: hf_dir / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ConfigError(f"{index}: no 'weight_map' of tensor names to files")
+        absent = sorted({f for f in weight_map.values() if not (hf_dir / f).is_file()})
+        if absent:
+            raise ConfigError(f"{index}: names {absent[0]}, which is not in {hf_dir}")
+        return {name: hf_dir / file for name, file in weight_map.items()}
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{hf_dir}: no *.safetensors file (PyTorch .bin checkpoints are not read)")
     where = {}
-    for file in files:
-        with _safetensors().safe_open(file, framework="numpy") as f:
-            where.update(dict.fromkeys(f.keys(), file))
+    with ExitStack() as stack:
+        for file in files:
+            where.update(dict.fromkeys(_open_tensors(stack, file).keys(), file))
     return where
+
+
+def _open_tensors(stack: ExitStack, file: Path) -> Any:
+    """A safetensors file opened inside ``stack``; a one-line :class:`ConfigError` if it is not one."""
+    try:
+        return stack.enter_context(_safetensors().safe_open(file, framework="numpy"))
+    except ConfigError:
+        raise
+    except Exception as e:  # safetensors' own error, or the OS's
+        raise ConfigError(f"{file}: not a readable safetensors file ({_reason(e)})") from e
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _safetensors() -> Any:
@@ -320,9 +368,10 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not (hf_dir / "config.json").exists():
         raise ConfigError(f"{hf_dir}: no config.json (a local Hugging Face model directory is needed)")
+    _check_target(out_dir)
     if (out_dir / PARAMS_DIR).exists():
         raise ConfigError(f"{out_dir / PARAMS_DIR} already exists: choose another directory")
-    hf = json.loads((hf_dir / "config.json").read_text())
+    hf = _read_json(hf_dir / "config.json")
     model = _layer_over(model_from_hf(hf), override)
     _check_model(model)
     where = _tensor_files(hf_dir)
@@ -337,18 +386,22 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     shapes = by_name(abstract_model(Config(model=model))[1])
     params: dict[str, Any] = {}
     with ExitStack() as stack:
-        open_file = _safetensors().safe_open
-        handles = {file: stack.enter_context(open_file(file, framework="numpy")) for file in set(where.values())}
+        handles = {file: _open_tensors(stack, file) for file in set(where.values())}
         for w in table:
             full = shapes[".".join(map(str, w.path))].shape
             value = np.empty(full, NUMPY_DTYPES[model.param_dtype])
             inner = full[w.layered + w.expert :]
             for index, tensor in slices(w, model):
-                hf_value = handles[where[tensor]].get_tensor(tensor)
+                try:
+                    hf_value = handles[where[tensor]].get_tensor(tensor)
+                except Exception as e:  # a file cut short after its header
+                    raise ConfigError(f"{where[tensor]}: tensor {tensor} does not read ({_reason(e)})") from e
                 if hf_value.shape != hf_shape(w, inner):
                     implied = hf_shape(w, inner)
                     raise ConfigError(f"{hf_dir}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
                 value[index] = to_ours(w, hf_value, inner)
+                if not np.isfinite(value[index]).all():
+                    raise ConfigError(f"{where[tensor]}: tensor {tensor} holds NaN or infinite values")
             node = params
             for key in w.path[:-1]:
                 node = node.setdefault(key, {})
@@ -359,6 +412,12 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
 
 
 # -- jaxscale -> Hugging Face -----------------------------------------------------------------------------
+
+
+def _check_target(out_dir: Path) -> None:
+    """``--to`` must be a directory, or not exist yet."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"--to {out_dir} is a file, not a directory")
 
 
 def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, ModelConfig]:
@@ -386,6 +445,7 @@ def jaxscale_to_hf(
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(NUMPY_DTYPES)}")
     config = hf_config(model, dtype, _imported_config(Path(ckpt)))
     out_dir = Path(out_dir)
+    _check_target(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if list(out_dir.glob("*.safetensors")):
         raise ConfigError(f"{out_dir} already holds safetensors files: choose an empty directory")
@@ -421,7 +481,7 @@ def jaxscale_to_hf(
 
 def _imported_config(ckpt: Path) -> dict[str, Any] | None:
     path = ckpt / HF_CONFIG
-    return json.loads(path.read_text()) if path.exists() else None
+    return _read_json(path) if path.exists() else None
 
 
 def main(direction: str, source: str, target: str, override: str | None, dtype: str | None, max_shard_mb: float) -> str:

@@ -1,13 +1,16 @@
 """Token data: deterministic global batches, each process reading only its own rows.
 
-Two sources, chosen by ``data.source``:
+Three sources, chosen by ``data.source``:
 
-- ``stdlib`` (the default): the Python standard library's own ``.py`` files,
-  read in sorted order and tokenised as bytes (vocabulary 256), so the default
-  model trains on real text with nothing downloaded. Row ``r`` of step ``s`` is
-  a window of ``seq_len + 1`` bytes at an offset drawn from ``(seed, s)``. The
-  held-out stream is the ``eval_bytes`` of sources that follow the training
-  bytes.
+- ``builtin`` (the default) and ``stdlib``: a stream of bytes (vocabulary 256),
+  so the default model trains on real text with nothing downloaded. ``builtin``
+  is the corpus shipped in ``jaxscale/corpus/``: jaxscale's own Markdown docs
+  and Python sources at commit 58adbe3, in path order (620 KB), the same on
+  every machine. ``stdlib`` is this Python's standard library ``.py`` files in
+  sorted order (larger, but it differs between Python versions). The stream is
+  the first ``max_bytes + eval_bytes`` bytes of the source (all of them if
+  fewer); its last ``eval_bytes`` are held out. Row ``r`` of step ``s`` is a
+  window of ``seq_len + 1`` bytes at an offset drawn from ``(seed, s)``.
 - ``tokens``: a directory written by ``jaxscale prepare-data`` (see
   :mod:`jaxscale.prepare`). Its ``train`` tokens (documents packed, each
   followed by the end-of-document token) are cut into sequences of
@@ -30,6 +33,7 @@ rows its own devices hold (:func:`process_rows`) and hands them to
 from __future__ import annotations
 
 import abc
+import gzip
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,6 +48,7 @@ from jaxscale.config import Config, ConfigError
 from jaxscale.prepare import TokenDir
 
 BYTE_VOCAB = 256
+CORPUS = Path(__file__).resolve().parent / "corpus" / "jaxscale-58adbe3.txt.gz"
 # The config keys behind the loader's identity (the rest, such as the sequence count, follow from them).
 CONFIG_KEYS = {
     "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
@@ -51,10 +56,10 @@ CONFIG_KEYS = {
 }
 
 
-def stdlib_bytes(max_bytes: int, skip: int = 0) -> np.ndarray:
-    """Up to ``max_bytes`` bytes of the standard library's Python sources after the first ``skip``, as uint8."""
+def stdlib_bytes(max_bytes: int) -> np.ndarray:
+    """Up to ``max_bytes`` bytes of the standard library's Python sources, in sorted path order, as uint8."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, seen, total = [], 0, 0
+    chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
         if "site-packages" in path.parts:
             continue
@@ -62,16 +67,27 @@ def stdlib_bytes(max_bytes: int, skip: int = 0) -> np.ndarray:
             data = path.read_bytes()
         except OSError:
             continue
-        if seen + len(data) <= skip:
-            seen += len(data)
-            continue
-        data = data[max(skip - seen, 0) :]
-        seen = skip
         chunks.append(data[: max_bytes - total])
         total += len(chunks[-1])
         if total >= max_bytes:
             break
     return np.frombuffer(b"".join(chunks), dtype=np.uint8)
+
+
+def builtin_bytes(max_bytes: int) -> np.ndarray:
+    """Up to ``max_bytes`` bytes of the corpus shipped with jaxscale, as uint8."""
+    with gzip.open(CORPUS) as f:
+        return np.frombuffer(f.read(max_bytes), dtype=np.uint8)
+
+
+def byte_streams(source: str, max_bytes: int, eval_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The training and held-out bytes of ``source`` (``builtin`` or ``stdlib``): its first
+    ``max_bytes + eval_bytes`` bytes (all of them if fewer), the last ``eval_bytes`` held out."""
+    stream = (builtin_bytes if source == "builtin" else stdlib_bytes)(max_bytes + eval_bytes)
+    if eval_bytes >= len(stream):
+        raise ConfigError(f"data.eval_bytes ({eval_bytes}) leaves no training bytes of the {len(stream)} bytes "
+                          f"of data.source={source}")
+    return stream[: len(stream) - eval_bytes], stream[len(stream) - eval_bytes :]
 
 
 class Loader(abc.ABC):
@@ -121,7 +137,7 @@ class Loader(abc.ABC):
 
 
 class Batches(Loader):
-    """Windows at offsets drawn from ``(seed, step)`` in one token stream (the ``stdlib`` source)."""
+    """Windows at offsets drawn from ``(seed, step)`` in one token stream (the ``builtin`` and ``stdlib`` sources)."""
 
     def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int, identity: dict | None = None):
         if len(tokens) <= seq_len + 1:
@@ -181,11 +197,11 @@ def make_loader(config: Config, split: str = "train", order: np.ndarray | None =
 
 def _loader(config: Config, split: str) -> Loader:
     d, t = config.data, config.train
-    if d.source == "stdlib":
-        identity = {"source": "stdlib", "max_bytes": d.max_bytes}
+    if d.source in ("builtin", "stdlib"):
+        identity = {"source": d.source, "max_bytes": d.max_bytes}
+        train, held_out = byte_streams(d.source, d.max_bytes, d.eval_bytes)
         if split == "train":
-            return Batches(stdlib_bytes(d.max_bytes), t.global_batch, t.seq_len, t.seed, identity)
-        held_out = stdlib_bytes(d.eval_bytes, skip=d.max_bytes)
+            return Batches(train, t.global_batch, t.seq_len, t.seed, identity)
         return Batches(held_out, t.global_batch, t.seq_len, t.seed, {**identity, "split": split})
     tokens = check_data(config)
     identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}
@@ -195,8 +211,14 @@ def _loader(config: Config, split: str) -> Loader:
 
 
 def check_data(config: Config) -> TokenDir | None:
-    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length."""
+    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length;
+    for ``stdlib``: the byte counts against the sequence length."""
     if config.data.source != "tokens":
+        d, need = config.data, config.train.seq_len + 2  # a window of seq_len + 1 at one offset or more
+        for key, count in (("data.max_bytes", d.max_bytes), ("data.eval_bytes", d.eval_bytes)):
+            if count < need and (key == "data.max_bytes" or config.train.eval_every):
+                raise ConfigError(f"{key} ({count}) is too few bytes for train.seq_len={config.train.seq_len} "
+                                  f"(at least {need})")
         return None
     tokens = TokenDir.open(config.data.path)
     splits = ("train", "val") if config.train.eval_every else ("train",)
@@ -205,6 +227,12 @@ def check_data(config: Config) -> TokenDir | None:
         raise ConfigError(
             f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of "
             f"data.path={config.data.path}"
+        )
+    top = largest_token_id(tokens, splits)
+    if top >= config.model.vocab_size:
+        raise ConfigError(
+            f"data.path: {tokens.path} holds token id {top}, not below model.vocab_size ({config.model.vocab_size}): "
+            "the embedding has no row for it (a token file of another tokenizer, or damaged)"
         )
     for split in splits:
         count = tokens.meta["splits"][split]["tokens"]
@@ -217,6 +245,20 @@ def check_data(config: Config) -> TokenDir | None:
 
 
 TOKEN_DTYPES = ("uint8", "uint16", "int32", "uint32")
+SAMPLED_TOKENS = 1 << 20  # per split, read at an even stride
+
+
+def largest_token_id(tokens: TokenDir, splits: tuple[str, ...]) -> int:
+    """The largest token id of ``splits``: what ``meta.json`` records (``max_token_id``), and what a
+    sample of each file holds (all of a file up to :data:`SAMPLED_TOKENS`; the only figure for
+    directories written before ``max_token_id`` was recorded)."""
+    recorded = tokens.meta.get("max_token_id")
+    top = int(recorded) if isinstance(recorded, int) else -1
+    for split in splits:
+        data = tokens.tokens(split)
+        if len(data):
+            top = max(top, int(np.max(data[:: max(len(data) // SAMPLED_TOKENS, 1)])))
+    return top
 
 
 def check_files(tokens: TokenDir, splits: tuple[str, ...]) -> None:

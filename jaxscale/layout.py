@@ -37,6 +37,7 @@ from typing import Any
 
 from jaxscale import stage_layers
 from jaxscale.config import MESH_AXES, Config, ConfigError, read_yaml, resolve_named
+from jaxscale.models.axes import LOGICAL_AXES
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -93,6 +94,11 @@ class Rules:
             sections[section] = {
                 str(k): _mesh_axes(v, f"rules '{name}' {section}.{k}") for k, v in table.items()
             }
+        typos = [k for k in sections["rules"] if k not in LOGICAL_AXES]
+        if typos:
+            raise ConfigError(
+                f"rules '{name}' rules.{typos[0]}: not a logical axis (one of: {', '.join(LOGICAL_AXES)})"
+            )
         for section in ("optimizer", "gradients"):
             for k in sections[section]:
                 if k not in sections["rules"]:
@@ -283,6 +289,13 @@ class Layout:
                 f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
                 f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
             )
+        if model.tp_overlap and config.precision.fp8 != "off":
+            raise ConfigError(
+                f"precision.fp8={config.precision.fp8}: not supported with model.tp_overlap (the collective "
+                "matmuls take bf16 operands)"
+            )
+        if config.precision.fp8_head and model.loss_chunk:
+            raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
         if self.pipelined:
             self._check_pipeline(config)
         self._check_stage_layers(config)

@@ -14,13 +14,19 @@ just dispatched is read too, then:
   (looked at every step, waited for at the end); a save that failed raises
   :class:`~jaxscale.checkpoint.CheckpointError` at the next step. The
   directory is checked for writing before anything compiles;
-- SIGTERM: a checkpoint (when checkpointing is on), then a normal return (the
-  command line exits 0).
+- SIGTERM or a first Ctrl-C (SIGINT): a checkpoint (when checkpointing is on), then a normal return
+  (the ``preempted`` record names the signal; the command line exits 0 after SIGTERM, 130 after
+  Ctrl-C); a second Ctrl-C exits at once (:class:`~jaxscale.checkpoint.Preemption`).
+
+The run holds the lock of its ``run_dir`` and checkpoint directory throughout
+(:mod:`jaxscale.runlock`): a second run on them stops at once with one line.
 
 A non-finite loss or gradient norm is counted (``skipped_updates`` in every
 record; that step's record is always logged) under ``train.nonfinite=skip``
 (more than ``train.max_consecutive_skips`` in a row raise :class:`NonFiniteError`),
-and raises :class:`NonFiniteError` naming the step under ``stop``.
+and raises :class:`NonFiniteError` naming the step under ``stop``. A non-finite value at the
+first step of a fresh run (not resumed, not handed a state) is no spike to skip but a configuration
+or data problem: it raises under either policy, naming the keys likely at fault.
 
 Resume (``checkpoint.resume=auto``; ``required``, the command line's
 ``--resume``, is an error without a checkpoint) starts from the latest
@@ -44,7 +50,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxscale import flops
+from jaxscale import flops, runlock
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import (
     Checkpointer,
@@ -57,7 +63,6 @@ from jaxscale.checkpoint import (
 )
 from jaxscale.config import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.data import Loader
-from jaxscale.models import moe
 
 TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
 
@@ -71,6 +76,7 @@ class Trainer(Protocol):
     eval_batches: Loader
     batch_sharding: jax.sharding.NamedSharding
     compiled_guarded_step: tuple[Any, float]
+    flops_per_step: float
     jit_eval_loss: Any
 
     def abstract_state(self) -> TrainState: ...
@@ -93,15 +99,27 @@ def fit(
     ``checkpoint.resume`` is ``auto`` and one exists, else starts fresh
     (from ``checkpoint.init_from``'s parameters if set).
     """
+    c = trainer.config
+    locked = runlock.run_directories(c) if jax.process_index() == 0 else []
+    with runlock.hold(*locked):
+        return _fit(trainer, state, progress, stop_at)
+
+
+def _fit(
+    trainer: Trainer, state: TrainState | None, progress: bool, stop_at: int | None
+) -> tuple[TrainState, list[dict[str, Any]]]:
+    """:func:`fit` with the run's directories locked."""
     c, ck = trainer.config, trainer.config.checkpoint
     if ck.every:
         check_writable(checkpoint_dir(c))  # before anything compiles, not at the first save
     checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume != "off" else None
     with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
         try:
+            given = state is not None
             state, counters, resumed, removed, damaged = _start(trainer, checkpointer, state)
             last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
             run = _Run(trainer, checkpointer, counters, int(state.step), last, progress, resumed)
+            run.fresh = not (given or resumed)
             for line in damaged:
                 run.logger.log({"step": int(state.step), "event": "damaged_checkpoint", "message": line})
                 if jax.process_index() == 0:
@@ -176,14 +194,15 @@ class _Run:
         self.in_a_row = int(counters.get("skipped_in_a_row", 0))  # consecutive skipped updates
         self.save_started: dict[int, float] = {}  # saves not yet committed: step -> start time
         self.first, self.last = first, last
+        self.fresh = False  # started from the run's own initial (or init_from) parameters
         self.tokens_per_step = t.global_batch * t.seq_len
-        self.flops_per_step = flops.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
         self.peak = flops.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
         resume_step = first if resumed else None
         self.logger = metrics_lib.MetricsLogger(
             c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard
         )
         self.step_fn, self.compile_s = trainer.compiled_guarded_step
+        self.flops_per_step = trainer.flops_per_step
         self.mark(first)
 
     def mark(self, step: int) -> None:
@@ -216,7 +235,7 @@ class _Run:
                     self.save(done, state)
                 if stop:
                     self.log_committed(block=True)
-                    self.logger.log({"step": done, "event": "preempted", "saved": save})
+                    self.logger.log({"step": done, "event": "preempted", "saved": save, "signal": preemption.signal})
                     break
             self.log_committed(block=True)
         finally:
@@ -229,6 +248,8 @@ class _Run:
         out = jax.device_get(out)
         finite = bool(out["finite"])
         if not finite:
+            if step == 0 and self.fresh:
+                raise NonFiniteError(self.first_step_message(out))
             if t.nonfinite == "stop":
                 raise NonFiniteError(
                     f"step {step}: loss {float(out['loss'])}, gradient norm {float(out['grad_norm'])} "
@@ -251,7 +272,6 @@ class _Run:
             "step": step,
             "loss": float(out["loss"]),
             "grad_norm": float(out["grad_norm"]),
-            "lr": float(out["lr"]),
             "skipped_updates": self.skipped,
             "tokens_per_sec": self.tokens_per_step / step_time,
             "step_time_s": step_time,
@@ -259,10 +279,24 @@ class _Run:
             "mfu": self.flops_per_step / step_time / self.peak,
             "memory_bytes": metrics_lib.device_memory_in_use(),
             "compile_s": self.compile_s,
-            **{k: float(out[k]) for k in moe.METRICS if k in out},
-            **{k: [float(v) for v in out[k]] for k in moe.LOAD_METRICS if k in out},  # one per MoE layer
+            **{k: np.asarray(v).tolist() if np.ndim(v) else float(v)  # MoE load: a list, one per MoE layer
+               for k, v in out.items() if k not in ("loss", "grad_norm", "finite")},
         })
         self.last_time, self.last_step = now, step + 1
+
+    def first_step_message(self, out: dict[str, Any]) -> str:
+        """Why a fresh run's first step is not finite: the parameters it starts from, the model's
+        settings or the data, not an update (named by the keys to look at)."""
+        c = self.trainer.config
+        keys = ["model.init_std", "model.rope_theta", "model.norm_eps", "model.dtype"]
+        if c.checkpoint.init_from:
+            keys.insert(0, f"checkpoint.init_from ({c.checkpoint.init_from}: weights not finite?)")
+        if c.data.source == "tokens":
+            keys.append(f"data.path (token ids against model.vocab_size={c.model.vocab_size})")
+        return (
+            f"step 0: loss {float(out['loss'])}, gradient norm {float(out['grad_norm'])} before any update: "
+            f"a configuration or data problem, not a spike to skip; look at {', '.join(keys)}"
+        )
 
     def evaluate(self, done: int, state: TrainState) -> None:
         start = time.perf_counter()

@@ -53,7 +53,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.layout import TOKENS
-from jaxscale.models import moe
 from jaxscale.models.axes import HIDDEN, LOGITS
 from jaxscale.parallel import pipeline
 from jaxscale.sharding import active, constrain, spec
@@ -195,30 +194,29 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 def head_cross_entropy(model: Any, x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    """Mean cross-entropy of a :class:`jaxscale.models.llama.Llama`'s head on its final-normed hidden states
-    ``x``: chunked (:func:`chunked_cross_entropy`) when ``chunk`` > 0 (``model.loss_chunk``), else from the logits."""
+    """Mean cross-entropy of a richer-form model's head (:class:`jaxscale.models.contract.Staged`) on its
+    final-normed hidden states ``x``: chunked (:func:`chunked_cross_entropy`) when ``chunk`` > 0
+    (``model.loss_chunk``), else from the logits."""
     if chunk:
         return chunked_cross_entropy(x, model.head_weight(), targets, chunk)
     return cross_entropy(model.logits(x), targets)
 
 
-def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics."""
-    hidden, aux = model.hidden(batch["inputs"], batch["positions"])
-    return head_cross_entropy(model, hidden, batch["targets"], chunk), aux
+def stage_head_loss(model: Any, y: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """A pipeline's last stage: final norm, head and mean cross-entropy of the stack's output ``y``."""
+    return head_cross_entropy(model, model.final_norm(y), targets, chunk)
 
 
 def model_objective(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The training objective (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics.
+    """The default training objective: mean cross-entropy plus the model's auxiliary losses, and its metrics.
 
-    Under pipeline parallelism the whole model runs in the pipeline's loop
-    (:func:`jaxscale.parallel.pipeline.objective`), the head and loss on the last stage.
+    Asks the model contract (docs/models.md): a model with ``hidden`` and ``logits`` (or, with ``chunk`` > 0,
+    ``head_weight``: the chunked loss) gives the hidden states and metrics, weighed by its ``aux_loss``.
+    Otherwise the model is called, ``model(tokens, positions)``, for its logits.
     """
-    if pipeline.stages() > 1:
-
-        def head_loss(m: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return head_cross_entropy(m, m.final_norm(y), targets, chunk)
-
-        return pipeline.objective(model, batch, head_loss)
-    ce, aux = model_cross_entropy(model, batch, chunk)
-    return ce + moe.aux_objective(aux, model.config), aux
+    tokens, positions, targets = batch["inputs"], batch["positions"], batch["targets"]
+    if not (hasattr(model, "hidden") and hasattr(model, "head_weight" if chunk else "logits")):
+        return cross_entropy(model(tokens, positions), targets), {}
+    hidden, metrics = model.hidden(tokens, positions)
+    aux = model.aux_loss(metrics) if hasattr(model, "aux_loss") else 0.0
+    return head_cross_entropy(model, hidden, targets, chunk) + aux, metrics

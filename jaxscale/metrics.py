@@ -38,6 +38,16 @@ def kept_aside(path: Path) -> Path:
     return path.rename(path.with_name(f"{path.stem}.{k}{path.suffix}"))
 
 
+def drop_torn_line(path: Path) -> None:
+    """Cut a last line that has no newline (a run killed while writing it), so appending starts a line."""
+    if not path.exists():
+        return
+    with path.open("rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to ``metrics.jsonl``; shows a progress bar.
 
@@ -69,6 +79,7 @@ class MetricsLogger:
         if self.enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             if resume_step is not None:
+                drop_torn_line(self.path)
                 with self.path.open("a") as f:
                     f.write(json.dumps({"step": resume_step, "event": "resumed"}) + "\n")
             elif self.path.exists() and self.path.stat().st_size > 0:

@@ -4,17 +4,20 @@ Inputs are plain text files (one document each) or JSONL files (``.jsonl``:
 one document per line, its text in a string field, ``text`` by default). The
 tokenizer is either ``byte`` (built in: the UTF-8 bytes 0-255, end-of-document
 256) or a local Hugging Face ``tokenizer.json``, read by the ``tokenizers``
-package (nothing is downloaded). A held-out share of the documents, chosen by
-a low-discrepancy sequence (document ``i`` when ``frac(i·φ) < val_fraction``),
-goes to the ``val`` split. The directory holds::
+package (nothing is downloaded). round(n x ``val_fraction``) of the n documents (at most
+n - 1, so one input file works), those whose text hashes lowest, go to the ``val`` split
+(whatever their position; a first pass over the inputs reads the hashes). The directory holds::
 
     meta.json          tokenizer, vocab_size, eod_id, dtype, per-split counts, fingerprint
     tokenizer.json     (Hugging Face tokenizers) a copy, so the directory decodes on its own
     {train,val}.bin    the tokens, uint16 (vocabulary <= 65536) or uint32, each document followed by eod
     {train,val}.docs.npy   int64 start offset of every document, then the split's length
 
-``meta.json`` is written last, so a directory whose preparation was interrupted
-is never read. This module does not import jax.
+The directory is written under a temporary name beside ``--out`` and renamed when complete, so a
+preparation that fails or is interrupted leaves nothing half-written and no earlier directory
+damaged; an ``--out`` with contents is refused unless ``--overwrite``. ``meta.json`` also records
+the largest token id written (``max_token_id``), checked against ``model.vocab_size`` before a run
+compiles (:func:`jaxscale.data.check_data`). This module does not import jax.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 from collections.abc import Iterator, Sequence
@@ -35,7 +37,6 @@ from jaxscale.config import ConfigError
 
 SPLITS = ("train", "val")
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-GOLDEN = (math.sqrt(5) - 1) / 2
 ENCODE_BATCH = 512
 
 
@@ -131,20 +132,29 @@ def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> Ite
             raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
 
 
-def is_held_out(index: int, val_fraction: float) -> bool:
-    """Whether document ``index`` belongs to the validation split."""
-    return (index * GOLDEN) % 1.0 < val_fraction
+def document_hash(text: str) -> int:
+    """A 64-bit hash of a document's text: what decides its split."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
+
+
+def held_out_below(hashes: Sequence[int], val_fraction: float) -> int:
+    """The hash below which a document is held out: round(n x ``val_fraction``) of the ``n`` documents
+    (at most n - 1: one always trains), those of the smallest hashes. Position plays no part, and
+    copies of one document land in the same split."""
+    held = min(round(len(hashes) * val_fraction), len(hashes) - 1)
+    return sorted(hashes)[held] if held > 0 else 0
 
 
 class _SplitWriter:
     """Appends documents (each followed by eod) to ``<split>.bin`` and records their offsets."""
 
     def __init__(self, out: Path, split: str, dtype: np.dtype, eod_id: int):
-        self.path = out / f"{split}.bin.partial"
+        self.path = out / f"{split}.bin"
         self.file = self.path.open("wb")
         self.dtype, self.eod = dtype, np.array([eod_id], dtype)
         self.starts: list[int] = []
         self.length = 0
+        self.max_id = eod_id
         self.hash = hashlib.sha256()
 
     def add(self, ids: np.ndarray) -> None:
@@ -153,12 +163,33 @@ class _SplitWriter:
         self.hash.update(data)
         self.starts.append(self.length)
         self.length += len(ids) + 1
+        self.max_id = max(self.max_id, int(ids.max()) if len(ids) else 0)
 
     def close(self, out: Path, split: str) -> dict[str, int]:
         self.file.close()
         np.save(out / f"{split}.docs.npy", np.array([*self.starts, self.length], np.int64))
-        os.replace(self.path, out / f"{split}.bin")
         return {"tokens": self.length, "documents": len(self.starts)}
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` that is a file, or a directory with contents unless ``overwrite``."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        what = "a token directory" if (out / "meta.json").exists() else "a directory with files in it"
+        raise ConfigError(
+            f"--out {out} already exists ({what}): choose another directory, or pass --overwrite to replace it "
+            "(the old one is kept until the new one is complete)"
+        )
+
+
+def _install(work: Path, out: Path) -> None:
+    """Put the finished ``work`` directory at ``out``; a directory there before is removed only then."""
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.is_dir():
+        out.rename(old)
+    work.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def prepare_data(
@@ -168,22 +199,46 @@ def prepare_data(
     text_field: str = "text",
     val_fraction: float = 0.01,
     eod_token: str | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Tokenize ``inputs`` into ``out``; returns the metadata written to ``meta.json``."""
+    """Tokenize ``inputs`` into ``out``; returns the metadata written to ``meta.json``.
+
+    Written into a temporary directory beside ``out`` and renamed at the end: a run that fails (bad
+    input, a full disk, Ctrl-C) leaves ``out`` as it was. An ``out`` with contents is refused unless
+    ``overwrite``; then it is replaced only once the new directory is complete.
+    """
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     tok = make_tokenizer(tokenizer, eod_token)
+    out = Path(out).absolute()
+    _check_out(out, overwrite)
+    work = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        work.mkdir(parents=True)
+        meta = _write(inputs, work, tok, tokenizer, text_field, val_fraction)
+        _install(work, out)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write ({e.strerror or e}); {out} is as it was") from e
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return meta
+
+
+def _write(
+    inputs: Sequence[str | Path], out: Path, tok: Tokenizer, tokenizer: str, text_field: str, val_fraction: float
+) -> dict[str, Any]:
+    """Tokenize ``inputs`` into the empty directory ``out``; ``meta.json`` last."""
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
     writers = {split: _SplitWriter(out, split, dtype, tok.eod_id) for split in SPLITS}
     count = 0
 
+    # A first pass reads the documents for their hashes only: the held-out ones are chosen among all.
+    cutoff = held_out_below([document_hash(t) for t in read_documents(inputs, text_field) if t], val_fraction)
+
     def flush(batch: list[str]) -> None:
         nonlocal count
-        for ids in tok.encode_batch(batch):
-            writers["val" if is_held_out(count, val_fraction) else "train"].add(ids)
+        for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
+            writers["val" if document_hash(text) < cutoff else "train"].add(ids)
             count += 1
 
     pending: list[str] = []
@@ -208,14 +263,13 @@ def prepare_data(
         "tokenizer": described,
         "vocab_size": tok.vocab_size,
         "eod_id": tok.eod_id,
+        "max_token_id": max(w.max_id for w in writers.values()),
         "dtype": dtype.name,
         "splits": counts,
         "val_fraction": val_fraction,
         "fingerprint": fingerprint.hexdigest(),
     }
-    tmp = out / "meta.json.partial"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, out / "meta.json")
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 

@@ -8,6 +8,7 @@ event files (no TensorFlow, no torch), so runs can log where only jax is install
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,11 +31,17 @@ RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes",
 LOAD_CURVE = ("moe_load_max", "max/mean expert load")
 
 
+def check_pyplot() -> None:
+    """Raise :class:`ConfigError` when matplotlib (the ``plot`` extra) is missing: before a command that will
+    draw a picture runs anything."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("pictures need matplotlib: pip install 'jaxscale[plot]' (from a checkout: '.[plot]')")
+
+
 def _pyplot() -> Any:
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ConfigError("pictures need matplotlib: pip install 'jaxscale[plot]'") from e
+    check_pyplot()
+    import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -90,9 +97,26 @@ def current_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """:func:`current_records` of a ``metrics.jsonl``."""
-    lines = Path(path).read_text().splitlines()
-    return current_records([json.loads(line) for line in lines if line.strip()])
+    """:func:`current_records` of a ``metrics.jsonl``. A last line cut short (a run killed while writing
+    it) is left out; any other line that is not a JSON record is a :class:`ConfigError` naming it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from e
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+        elif number < len(lines):  # a complete line (a newline follows it)
+            raise ConfigError(f"{path}: line {number} is not a metrics record: {line[:60]!r}")
+    return current_records(records)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -129,8 +153,12 @@ def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
     axes[0].set_title(str(run_dir))
     fig.tight_layout()
     out = Path(path) if path is not None else Path(run_dir) / "report.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:
+        raise ConfigError(f"cannot write the report {out}: {e.strerror or e}") from e
+    finally:
+        plt.close(fig)
     return out
 
 

@@ -23,14 +23,14 @@ MoEImpl = Literal["shard_map", "partitioner"]
 MoEBalance = Literal["off", "sign", "quantile"]
 # dropless under expert parallelism: move the routed rows (jaxscale/parallel/exchange.py), or all-gather
 MoEExchange = Literal["rows", "all_gather"]
-DataSource = Literal["stdlib", "tokens"]
+DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 DEFAULT_SCHEDULE: Schedule = "1f1b"
 XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current"]
+Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 
@@ -146,13 +146,14 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Where tokens come from: ``stdlib`` (the bytes of Python's own sources) or ``tokens``
-    (a directory written by ``jaxscale prepare-data``, named by ``path``)."""
+    """Where tokens come from: ``builtin`` (the bytes of the corpus shipped with jaxscale), ``stdlib``
+    (the bytes of this Python's standard library sources) or ``tokens`` (a directory written by
+    ``jaxscale prepare-data``, named by ``path``)."""
 
-    source: DataSource = "stdlib"
+    source: DataSource = "builtin"
     path: str | None = None
     max_bytes: int = 8_000_000
-    eval_bytes: int = 400_000
+    eval_bytes: int = 60_000
 
 
 @dataclasses.dataclass
@@ -208,7 +209,9 @@ class PrecisionConfig:
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
-    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current |
+    blockwise`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``: the tile
+    and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks).
     """
 
     params: CopyDType = "auto"
@@ -217,6 +220,8 @@ class PrecisionConfig:
     fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
+    fp8_head: bool = False
+    fp8_block: int = 128
 
 
 @dataclasses.dataclass

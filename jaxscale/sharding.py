@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import layout, precision
@@ -60,6 +61,35 @@ def named_params(params: Any, axes: Any) -> list[tuple[str, Any, Axes]]:
         (param_name(path), leaf, tuple(a))
         for (path, leaf), a in zip(flat, jax.tree.leaves(axes, is_leaf=is_axes), strict=True)
     ]
+
+
+def variable_axes(path: str, variable: nnx.Variable) -> Axes:
+    """The logical names of one variable's dimensions, from Flax's standard ``out_sharding`` metadata
+    (``nnx.with_partitioning``, ``kernel_metadata={"out_sharding": ...}``, ``nnx.Param(..., out_sharding=...)``).
+
+    Raises a one-line ConfigError naming ``path`` when the names are missing or do not fit the shape.
+    """
+    names = variable.get_metadata().get("out_sharding")
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    shape = jnp.shape(variable.get_value())
+    if names is None:
+        raise ConfigError(
+            f"param {path} {shape} has no logical axis names: give it out_sharding metadata "
+            "(nnx.with_partitioning, kernel_metadata={'out_sharding': (...)}, nnx.Param(..., out_sharding=...))"
+        )
+    if not is_axes(tuple(names)) or len(names) != len(shape):
+        raise ConfigError(f"param {path} {shape}: logical axis names {names!r} are not one name or None per dimension")
+    return tuple(names)
+
+
+def logical_axes(state: nnx.State) -> dict[str, Any]:
+    """The logical names of every variable of ``state`` (:func:`variable_axes`), as a pure dict shaped like
+    the state's values."""
+    names = jax.tree_util.tree_map_with_path(
+        lambda path, v: variable_axes(param_name(path), v), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.to_pure_dict(names)
 
 
 def spec_axes(part: str | tuple[str, ...] | PartitionSpec | None) -> tuple[str, ...]:
@@ -149,13 +179,18 @@ def lookup(
     backward, when the batch has replicas besides (HSDP, ``zero3`` and ``fsdp_tp`` with ``data`` > 1:
     it gathers the whole activation on every device, or all-reduces the whole table's gradient over
     every device). Where a dimension is split over the table's axes alone (batch over fsdp, embed
-    over fsdp), one all-to-all does it and XLA finds it; under sequence parallelism XLA gathers the
-    whole table (over ``fsdp`` and ``tensor``): the lookup is left to the partitioner.
+    over fsdp) and the vocabulary is not split, one all-to-all does it and XLA finds it; under
+    sequence parallelism XLA gathers the whole table (over ``fsdp`` and ``tensor``): the lookup is
+    left to the partitioner. With the vocabulary split as well (``fsdp_tp``), jax 0.12's partitioner
+    costs each way of splitting the lookup on a dry run, one of which replicates the rows (the
+    "involuntary full rematerialization" warning, for a way it then discards), and in the backward
+    sums a table-sized gradient over ``fsdp`` in place of the all-to-all: that case is routed here.
     """
     current = active()
     hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
     target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
-    if not hidden or hidden in target[:2] or current[1].sequence_axes:
+    vocab = current[1].mesh_axes(("vocab",)) if current is not None else ()
+    if not hidden or (hidden in target[:2] and not vocab) or current[1].sequence_axes:
         # XLA's own path: one all-to-all moves the table's axes to the dimension they alone split.
         return constrain(precision.take(table, tokens, grads).astype(dtype), RESIDUAL)
     mesh, place = current

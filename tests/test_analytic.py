@@ -60,7 +60,7 @@ LAYOUTS = [
     ("tp_sp", {"data": 2, "tensor": 4}, "model.remat=save_dots"),
     ("fsdp_tp", {"fsdp": 2, "tensor": 4}),
     ("fsdp_tp_sp", {"data": 2, "fsdp": 2, "tensor": 2}, "model.remat=full"),
-    ("ep", {"expert": 8}, "model.moe.experts=8", "model.moe.top_k=2"),
+    ("ep", {"expert": 8}, "model.moe={experts: 8, top_k: 2}"),
     ("cp", {"data": 2, "context": 4}, "model.attention=ring"),
     ("pp", {"stage": 2, "data": 4}, "model.layers=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "model.remat=full"),

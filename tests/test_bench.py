@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -232,3 +233,40 @@ def test_malformed_suites_table(text, message, tmp_path):
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         bench.load_suites(path)
+
+
+def test_rows_are_printed_as_they_finish(monkeypatch, capsys, tmp_path):
+    """Each row's line is on stdout (flushed) before the next run starts; the header before the first."""
+    started = []
+
+    def fake_run(suite, run, *args):
+        started.append((run.name, capsys.readouterr().out))
+        return {"name": run.name, "status": "skipped", "error": f"{run.name} done", "steps": 0}
+
+    monkeypatch.setattr(bench, "run_one", fake_run)
+    assert main(["bench", "--suite", "full", "--out", str(tmp_path / "x.json"), *sets(TINY)]) == 0
+    assert [name for name, _ in started] == ["tiny", "llama-150m", "llama-1b"]
+    assert started[0][1].startswith("jaxscale bench: 8 x cpu (cpu)") and "done" not in started[0][1]
+    assert started[1][1] == f"{'tiny':<22} skipped  tiny done\n"
+    assert started[2][1] == f"{'llama-150m':<22} skipped  llama-150m done\n"
+    assert capsys.readouterr().out.startswith(f"{'llama-1b':<22} skipped  llama-1b done\n")
+
+
+def test_a_suite_larger_than_the_machine_is_refused_before_anything_runs(monkeypatch, capsys, tmp_path):
+    """The issue's case: ``--suite full --models tiny,llama-150m`` on the 24 GiB machine where the kernel killed
+    it at 21 GB (its MemAvailable: 21.3 GB). The analytic model puts llama-150m (seq 1024, batch 8, FSDP over
+    8 simulated CPU devices, activations in float32 as XLA:CPU computes them) at 2.95 GB per device, 23.6 GB
+    in all: one line, exit 2, before any row runs or prints."""
+    monkeypatch.setattr(bench, "available_memory", lambda device: (21_300_000_000, True))
+    monkeypatch.setattr(bench, "run_one", lambda *args: pytest.fail("a run started"))
+    out = tmp_path / "x.json"
+    assert main(["bench", "--suite", "full", "--models", "tiny,llama-150m", "--out", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.count("\n") == 1
+    need = re.fullmatch(r"jaxscale: error: bench: run 'llama-150m' needs ([\d.]+) GB \(([\d.]+) GB x 8 CPU devices, "
+                        r"the analytic model's prediction\) but 21\.3 GB is available: leave it out \(--models, "
+                        r"--variants\) or shrink it \(--set\)\n", printed.err)
+    assert need and float(need[1]) == pytest.approx(8 * float(need[2]), abs=0.1) and float(need[1]) > 21.3
+    assert not out.exists()
+    monkeypatch.setattr(bench, "available_memory", lambda device: (None, False))  # an accelerator without statistics
+    bench.check_memory(bench.plan("full", [], bench.load_suites(), ["llama-150m"]), bench.BASE_CONFIG)

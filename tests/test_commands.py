@@ -89,6 +89,21 @@ def test_inspect_bad_config_is_one_line(capsys):
     assert err.startswith("jaxscale: error:") and "\n" not in err
 
 
+@pytest.mark.parametrize("argv", [["inspect"], ["plan", "--model", "llama3-8b", "--cluster", "h100",
+                                                "--global-batch-tokens", "1048576", "--seq-len", "8192"]])
+def test_a_picture_without_matplotlib_is_one_line_before_anything_runs(argv, monkeypatch, capsys, tmp_path):
+    """``--png`` needs the plot extra: without matplotlib, one line naming it, before the config is read."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails, find_spec says None
+
+    def loaded(*args, **kwargs):
+        pytest.fail("the config was read")
+
+    monkeypatch.setattr("jaxscale.cli.load_config", loaded)
+    assert main([*argv, "--png", str(tmp_path / "memory.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "jaxscale: error: pictures need matplotlib: pip install 'jaxscale[plot]' (from a checkout: '.[plot]')"
+
+
 def write_run(run_dir: Path) -> None:
     records = [
         {"step": 0, "loss": 5.5, "tokens_per_sec": 1000.0, "memory_bytes": 2e6},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import sysconfig
@@ -13,11 +14,19 @@ from helpers import tiny_config
 from jax.sharding import NamedSharding
 
 from jaxscale import cli
-from jaxscale.config import ConfigError
-from jaxscale.data import Batches, PackedBatches, make_loader, process_rows, stdlib_bytes
+from jaxscale.config import ConfigError, load_config
+from jaxscale.data import (
+    Batches,
+    PackedBatches,
+    builtin_bytes,
+    byte_streams,
+    make_loader,
+    process_rows,
+    stdlib_bytes,
+)
 from jaxscale.loop import evaluate, fit
 from jaxscale.mesh import make_mesh
-from jaxscale.prepare import TokenDir, is_held_out, prepare_data
+from jaxscale.prepare import TokenDir, document_hash, prepare_data
 from jaxscale.train import BATCH_AXES, Trainer
 
 DOCS = [
@@ -51,7 +60,8 @@ def decoded_documents(directory: Path, split: str) -> list[str]:
 
 
 def assert_round_trip(directory: Path, val_fraction: float) -> None:
-    held_out = [is_held_out(i, val_fraction) for i in range(len(DOCS))]
+    hashes = [document_hash(doc) for doc in DOCS]
+    held_out = [h in sorted(hashes)[: round(len(DOCS) * val_fraction)] for h in hashes]  # the lowest hashes
     assert any(held_out) and not all(held_out)
     assert decoded_documents(directory, "train") == [d for d, h in zip(DOCS, held_out, strict=True) if not h]
     assert decoded_documents(directory, "val") == [d for d, h in zip(DOCS, held_out, strict=True) if h]
@@ -143,13 +153,37 @@ def test_packed_loader_packs_shuffles_per_epoch_and_is_deterministic():
     assert loader.state(4)["epoch"] == 1 and loader.state(4)["sequences_read"] == 16
 
 
-def test_stdlib_source_keeps_its_batches():
-    """The default source: windows at offsets drawn from (seed, step); held-out bytes follow the training bytes."""
+def test_byte_sources_keep_their_batches():
+    """Windows at offsets drawn from (seed, step); the held-out bytes are the stream's last ``eval_bytes``."""
+    train, held_out = byte_streams("stdlib", 30_000, 20_000)
     tokens = stdlib_bytes(50_000)
+    np.testing.assert_array_equal(train, tokens[:30_000])
+    np.testing.assert_array_equal(held_out, tokens[30_000:])
     loader = Batches(tokens, 8, 16, seed=5)
     offsets = np.random.default_rng([5, 7]).integers(0, len(tokens) - 17, size=8)
     np.testing.assert_array_equal(loader.rows(7)["inputs"], [tokens[o : o + 16] for o in offsets])
-    np.testing.assert_array_equal(stdlib_bytes(30_000, skip=20_000), stdlib_bytes(50_000)[20_000:])
+
+
+def test_the_default_corpus_is_the_same_on_every_machine():
+    """The default source is the corpus shipped with the package: these 620,448 bytes on every Python. The
+    stream is its first ``max_bytes + eval_bytes`` (all of it by default), the last ``eval_bytes`` held out."""
+    defaults = load_config(None).data
+    assert (defaults.source, defaults.max_bytes, defaults.eval_bytes) == ("builtin", 8_000_000, 60_000)
+    corpus = builtin_bytes(10**7)
+    assert len(corpus) == 620_448
+    assert hashlib.sha256(corpus.tobytes()).hexdigest() == (
+        "64d02dc560da7ce9aeeca15abb0d48be1415c47cfb4b4f922392debab5289b0c"
+    )
+    train, held_out = byte_streams("builtin", 8_000_000, 60_000)
+    np.testing.assert_array_equal(train, corpus[:560_448])
+    np.testing.assert_array_equal(held_out, corpus[560_448:])
+    config = tiny_config()  # data.max_bytes=200000
+    train, held_out = make_loader(config, "train"), make_loader(config, "eval")
+    np.testing.assert_array_equal(train.tokens, corpus[:200_000])
+    np.testing.assert_array_equal(held_out.tokens, corpus[200_000:260_000])
+    assert train.identity["source"] == "builtin" and held_out.identity["split"] == "eval"
+    with pytest.raises(ConfigError, match=r"data\.eval_bytes \(620448\) leaves no training bytes of the 620448"):
+        make_loader(tiny_config("data.eval_bytes=620448"))
 
 
 @pytest.mark.parametrize(

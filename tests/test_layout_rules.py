@@ -11,7 +11,7 @@ from helpers import tiny_config
 from jaxscale.config import MESH_AXES, ConfigError
 from jaxscale.layout import Layout, Rules, part_axes
 
-MOE = ("model.moe.experts=8", "model.moe.top_k=2")
+MOE = ("model.moe={experts: 8, top_k: 2}",)
 
 
 def on(rules: str | Rules, **sizes: int) -> Layout:
@@ -31,7 +31,9 @@ def edited(preset: str, **changes: str | list[str] | None) -> Rules:
 
 
 def test_layout_and_axis_names_do_not_import_jax():
-    code = "import sys, jaxscale.layout, jaxscale.models.axes; print('jax' in sys.modules)"
+    modules = ", ".join(["jaxscale.layout", "jaxscale.stage_layers", "jaxscale.dtypes", "jaxscale.parallel.schedules",
+                         "jaxscale.models.axes"])
+    code = f"import sys, {modules}; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

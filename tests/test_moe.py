@@ -18,7 +18,7 @@ from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
 
 EXPERTS, TOP_K, WIDTH = 8, 2, 32
-MOE = [f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", f"model.moe.mlp={WIDTH}"]
+MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", f"model.moe.mlp={WIDTH}"]
 # The layer under every expert-parallel size, with FSDP and tensor parallelism on the other devices.
 LAYER_LAYOUTS = {
     1: ("ep_fsdp_tp", {"fsdp": 2, "tensor": 4}),
@@ -141,7 +141,7 @@ def hand_logits(choices: list[list[int]], experts: int) -> jax.Array:
 )
 def test_overflow_drops_exactly_the_expected_choices(choices, top_k, dropped):
     experts = 4
-    config = tiny_config("model.moe.experts=4", f"model.moe.top_k={top_k}", "model.moe.capacity_factor=1.0",
+    config = tiny_config("model.moe={experts: 4}", f"model.moe.top_k={top_k}", "model.moe.capacity_factor=1.0",
                          "model.moe.mlp=16", rules="ep", mesh={"expert": 4, "data": 2})
     moe_config = config.model.moe
     seq = len(choices)
@@ -176,7 +176,7 @@ def test_aux_and_z_loss_on_a_hand_computed_case():
     probs = np.array([[0.8, 0.2], [0.6, 0.4], [0.3, 0.7], [0.9, 0.1]])
     lse = np.array([0.0, 1.0, -1.0, 2.0])
     logits = jnp.asarray((np.log(probs) + lse[:, None])[None], jnp.float32)
-    config = tiny_config("model.moe.experts=2", "model.moe.top_k=1").model.moe
+    config = tiny_config("model.moe={}", "model.moe.experts=2", "model.moe.top_k=1").model.moe
     _, aux = jax.jit(lambda logits: kernels.route(logits, config, kernels.capacity(config, 4)))(logits)
     # Choices: experts 0, 0, 1, 0, so f = (3/4, 1/4); mean probabilities P = (0.65, 0.35).
     # Load balance: 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15. z-loss: (0 + 1 + 1 + 4) / 4 = 1.5.
@@ -184,7 +184,7 @@ def test_aux_and_z_loss_on_a_hand_computed_case():
     assert float(aux["moe_z_loss"]) == pytest.approx(1.5, rel=1e-6)
     # Sigmoid router: scores sigmoid(logits) choose; P averages them normalised per token.
     scores = np.array([[0.8, 0.5], [0.2, 0.6], [0.9, 0.3], [0.5, 0.5]])
-    config = tiny_config("model.moe.experts=2", "model.moe.top_k=1", "model.moe.router=sigmoid",
+    config = tiny_config("model.moe={experts: 2, top_k: 1}", "model.moe.router=sigmoid",
                          "model.moe.normalize_gates=false").model.moe
     routing, sig = jax.jit(lambda x: kernels.route(x, config, 4))(jnp.asarray(np.log(scores / (1 - scores))[None]))
     assert routing.index[0, :, 0].tolist() == [0, 1, 0, 0]  # a tie goes to the lower index
@@ -192,7 +192,7 @@ def test_aux_and_z_loss_on_a_hand_computed_case():
     p0 = np.mean(scores[:, 0] / scores.sum(1))  # (8/13 + 1/4 + 3/4 + 1/2) / 4
     assert float(sig["moe_aux_loss"]) == pytest.approx(2 * (0.75 * p0 + 0.25 * (1 - p0)), rel=1e-6)
     # The objective adds them with their weights.
-    model = tiny_config("model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01").model
+    model = tiny_config("model.moe={}", "model.moe.aux_loss_weight=0.1", "model.moe.z_loss_weight=0.01").model
     assert float(moe.aux_objective(aux, model)) == pytest.approx(0.1 * 1.15 + 0.01 * 1.5, rel=1e-6)
 
 

@@ -169,7 +169,8 @@ def test_unreachable_coordinator_is_a_clear_error(tmp_path):
     assert "jaxscale: error: could not reach the coordinator at 127.0.0.1:" in result.stderr
 
 
-LAUNCHERS = sorted(str(p) for p in (ROOT / "launch").glob("*") if p.suffix in (".sh", ".sbatch"))
+LAUNCHERS = [*sorted(str(p) for p in (ROOT / "launch").glob("*") if p.suffix in (".sh", ".sbatch")),
+             str(ROOT / ".ci" / "run")]  # and the CI script
 
 
 @pytest.mark.parametrize("script", LAUNCHERS, ids=lambda p: Path(p).name)

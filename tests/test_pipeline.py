@@ -162,7 +162,7 @@ def test_sequence_parallelism_inside_a_stage(reference):
 def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
     """MoE blocks (partitioner experts, experts over ``expert``) in a 1F1B pipeline equal one device with
     the same microbatches (the routing statistics are per microbatch), aux losses included."""
-    moe = ("model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner")
+    moe = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner")
     ref = Trainer.build(tiny_config(*BASE, *moe, "train.microbatches=4"), jax.devices()[:1])
     state = ref.init_state()
     batch = jax.device_get(ref.batch(0))
@@ -381,7 +381,7 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
         ({"length": "context", "norm_length": "context"}, [], {"stage": 2, "context": 2, "fsdp": 2},
          r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
          r"model\.attention=ring"),
-        ({}, ["model.moe.experts=4", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
+        ({}, ["model.moe={experts: 4}", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
          r"model\.moe\.impl=partitioner runs the experts"),
     ],

@@ -17,7 +17,7 @@ from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import collective_seconds, crosses_nodes, load_cluster, members_per_node, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
-from jaxscale.config import load_config
+from jaxscale.config import MESH_AXES, load_config
 from jaxscale.layout import KINDS, Rules
 from jaxscale.parallel import schedules
 from jaxscale.train import Trainer
@@ -384,7 +384,7 @@ def test_a_collective_across_nodes_shares_each_nodes_nics():
     # A ring over 8 GPUs in each of 8 nodes brings 7/8 of the data into a node once, over its 8 NICs together;
     # a group with one GPU per node sends all of its bytes through that GPU's own NIC.
     cluster = load_cluster("h100", ["nodes=8"])
-    mesh = {**{a: 1 for a in plan.MESH_AXES}, "data": 8, "fsdp": 8}
+    mesh = {**{a: 1 for a in MESH_AXES}, "data": 8, "fsdp": 8}
     assert members_per_node(["fsdp"], mesh, 8) == 8 and members_per_node(["data"], mesh, 8) == 1
     assert members_per_node(["data", "fsdp"], mesh, 8) == 8
     gather = Flow("w", "all-gather", ("data", "fsdp"), 1e9, 1, 64, "forward", True)

@@ -196,17 +196,19 @@ def test_bf16_checkpoints_resume_exactly_and_reshard(tmp_path):
         one_copy.fit(progress=False)
 
 
-WINDOW = 20
-# The gap measured: 0.0129 (2 cores, jax 0.10.2); stepping the bf16 compute copy instead of the master: 0.029.
-SMOOTHED_TOL = 0.02
+# The gap measured on the builtin corpus: 0.022 (jax 0.10.2) and 0.066 (jax 0.12.0.1). The optimizer stepping
+# the compute copy instead of the master is caught by
+# test_an_update_below_bf16_resolution_moves_the_master_only, not by this curve.
+WINDOW, SMOOTHED_TOL = 20, 0.1
 
 
 @pytest.mark.slow
 def test_two_copies_follow_the_one_copy_bf16_curve(bf16_curve, curve_batches):
     """200 steps of the tiny model in bf16: the bf16 compute copy with an fp32 master (conftest.py's
-    ``bf16_curve``) stays within 0.02 nats (20-step means) of one fp32 copy cast to bf16 in the model (how
-    jaxscale kept bf16 training before the policy). Measured: 0.013 apart (20-step means 2.370 and 2.372 at
-    step 200); the optimizer stepping the compute copy instead of the master: 0.029."""
+    ``bf16_curve``) stays within 0.1 nats (20-step means) of one fp32 copy cast to bf16 in the model (how
+    jaxscale kept bf16 training before the policy). Measured on the builtin corpus: 0.022 apart on jax 0.10.2
+    (20-step means 2.878 and 2.863 at step 200), 0.066 on jax 0.12.0.1 (2.950 and 2.884); the same bf16 run
+    on the two JAX versions is up to 0.081 apart (the fp32 curves are identical)."""
     one_copy = loss_curve("precision.params=float32", batches=curve_batches)
     curves = {"auto": bf16_curve.losses, "float32": one_copy.losses}
 

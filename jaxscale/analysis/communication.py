@@ -246,6 +246,44 @@ def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbyte
                                       layout)
 
 
+def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, stage_remat: bool) -> list[Flow]:
+    """Context parallelism's ring: keys and values round it each layer, their fp32 gradients home in c hops;
+    ``tokens`` a microbatch's on a device, ``runs`` a layer's activation collectives."""
+    context, cbytes, flows = layout.context_axes, dtype_bytes(m.dtype), []
+    if not context:
+        return []
+    c = layout.size(context)
+    kv = tokens * m.kv_heads / layout.ways(("kv_heads",)) * m.head_dim
+    for phase in ("forward", "backward"):
+        flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
+                       layout, phase, True)
+    flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
+                   2 * kv * 4, c * runs, layout, "backward", True)
+    if stage_remat and c > 2:
+        # The backward slot's recomputed forward passes K and V round the ring again; with c = 2 its one
+        # hop sends what the backward's first hop sends, and XLA keeps one of the two (compiled step).
+        flows += flow("CP ring: recomputed keys, values", "collective-permute", context, 2 * kv * cbytes,
+                       (c - 1) * runs, layout, "backward", True)
+    return flows
+
+
+def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, bsh: float) -> list[Flow]:
+    """The pipeline's stage boundaries each tick, and with repeats the blocks regrouped into chunks and back."""
+    stages, micro, flows = layout.mesh_axes(("layers",)), step.microbatches, []
+    if not stages:
+        return []
+    ticks = pipeline_ticks(layout, step)
+    size = bsh / step.pipeline_microbatches
+    for phase in ("forward", "backward"):
+        flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase, False)
+    if step.repeats > 1:  # the stage's layers regrouped into chunks c·p + s, and their gradients back
+        blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
+        chunked = blocks * dtype_bytes(step.dtypes(m).compute)
+        flows += flow("PP: blocks into chunks", "all-to-all", stages, chunked, micro, layout, "forward", False)
+        flows += flow("PP: their gradients back", "all-to-all", stages, blocks * 4, micro, layout, "backward", False)
+    return flows
+
+
 def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> list[Flow]:
     """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted)."""
     cbytes = dtype_bytes(m.dtype)
@@ -301,34 +339,8 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
                        False)
         flows += flow("TP: head input gradient", "all-reduce", tensor, size, head_runs, layout, "backward", False)
 
-    context = layout.context_axes
-    if context:
-        c = layout.size(context)
-        kv = rows * s_local * m.kv_heads / layout.ways(("kv_heads",)) * m.head_dim
-        for phase in ("forward", "backward"):
-            flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
-                           layout, phase, True)
-        flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
-                       2 * kv * 4, c * runs, layout, "backward", True)
-        if stage_remat and c > 2:
-            # The backward slot's recomputed forward passes K and V round the ring again; with c = 2 its one
-            # hop sends what the backward's first hop sends, and XLA keeps one of the two (compiled step).
-            flows += flow("CP ring: recomputed keys, values", "collective-permute", context, 2 * kv * cbytes,
-                           (c - 1) * runs, layout, "backward", True)
-
-    stages = layout.mesh_axes(("layers",))
-    if stages:
-        ticks = pipeline_ticks(layout, step)
-        size = bsh / step.pipeline_microbatches
-        for phase in ("forward", "backward"):
-            flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase,
-                           False)
-        if step.repeats > 1:  # the stage's layers regrouped into chunks c·p + s, and their gradients back
-            blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-            chunked = blocks * dtype_bytes(step.dtypes(m).compute)
-            flows += flow("PP: blocks into chunks", "all-to-all", stages, chunked, micro, layout, "forward", False)
-            flows += flow("PP: their gradients back", "all-to-all", stages, blocks * 4, micro, layout, "backward",
-                           False)
+    flows += _ring_flows(m, layout, rows * s_local, runs, stage_remat)
+    flows += _stage_flows(m, params, layout, step, bsh)
 
     moe = m.moe
     experts = layout.mesh_axes(("expert",)) if moe is not None else ()

@@ -14,6 +14,11 @@ mlp, expert, expert_mlp, layers``.
 
 from __future__ import annotations
 
+# Every logical axis name a rules table may map (a key outside these is a typo, refused: jaxscale/layout.py).
+LOGICAL_AXES = (
+    "batch", "length", "norm_length", "act_embed", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
+    "expert", "expert_mlp", "expert_batch", "layers",
+)
 RESIDUAL = ("batch", "norm_length", "act_embed")  # the residual stream, between the blocks
 HIDDEN = ("batch", "length", "act_embed")  # the final hidden states, whole sequences (the chunked loss)
 Q_AXES = ("batch", "length", "heads", "head_dim")

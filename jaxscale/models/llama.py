@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import precision, stage_layers
+from jaxscale import flops, fp8, precision, stage_layers
 from jaxscale.config import Config, ModelConfig
-from jaxscale.fp8 import Fp8
+from jaxscale.fp8 import Fp8, Operand
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
@@ -132,23 +132,26 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
-        self.fp8 = Fp8(config.precision, ("x", "wq", "wk", "wv", "out", "wo"), ("q", "k", "v", "o"))
+        self.fp8 = Fp8(config.precision, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c, f8 = self.config, self.fp8
         dt = jnp.dtype(c.dtype)
+
+        def weight(name: str) -> jax.Array | Operand:
+            return f8.weight(name, getattr(self, name)[...].astype(dt))
+
         q, k, v = sequence.column_parallel(
-            f8("x", x),
+            f8.input("x", x),
             RESIDUAL,
             [
-                ("bse,ehd->bshd", f8("wq", self.wq[...]).astype(dt), ("embed", "heads", "head_dim"), Q_AXES),
-                ("bse,ehd->bshd", f8("wk", self.wk[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
-                ("bse,ehd->bshd", f8("wv", self.wv[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", weight("wq"), ("embed", "heads", "head_dim"), Q_AXES),
+                ("bse,ehd->bshd", weight("wk"), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", weight("wv"), ("embed", "kv_heads", "head_dim"), KV_AXES),
             ],
             overlap=c.tp_overlap,
             grads=self.grads,
         )
-        q, k, v = f8.grad("q", q), f8.grad("k", k), f8.grad("v", v)
         q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
@@ -157,12 +160,11 @@ class Attention(nnx.Module):
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         out = core(q, k, v)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
-        wo = f8("wo", self.wo[...]).astype(dt)
         y = sequence.row_parallel(
-            "bshd,hde->bse", f8("out", out), Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL,
+            "bshd,hde->bse", f8.input("out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"), RESIDUAL,
             overlap=c.tp_overlap, grads=self.grads,
         )
-        return checkpoint_name(f8.grad("o", y), "attention_out")
+        return checkpoint_name(y, "attention_out")
 
 
 class MLP(nnx.Module):
@@ -180,28 +182,30 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
-        self.fp8 = Fp8(config.precision, ("x", "w_gate", "w_up", "hidden", "w_down"), ("gate", "up", "down"))
+        self.fp8 = Fp8(config.precision, ("x", "hidden"), {"w_gate": "gate", "w_up": "up", "w_down": "down"})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt, f8 = self.dtype, self.fp8
+
+        def weight(name: str) -> jax.Array | Operand:
+            return f8.weight(name, getattr(self, name)[...].astype(dt))
+
         gate, up = sequence.column_parallel(
-            f8("x", x),
+            f8.input("x", x),
             RESIDUAL,
             [
-                ("bse,ef->bsf", f8("w_gate", self.w_gate[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
-                ("bse,ef->bsf", f8("w_up", self.w_up[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", weight("w_up"), ("embed", "mlp"), MLP_AXES),
             ],
             overlap=self.overlap,
             grads=self.grads,
         )
-        gate, up = f8.grad("gate", gate), f8.grad("up", up)
         hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
-        wd = f8("w_down", self.w_down[...]).astype(dt)
         y = sequence.row_parallel(
-            "bsf,fe->bse", f8("hidden", hidden), MLP_AXES, wd, ("mlp", "embed"), RESIDUAL,
+            "bsf,fe->bse", f8.input("hidden", hidden), MLP_AXES, weight("w_down"), ("mlp", "embed"), RESIDUAL,
             overlap=self.overlap, grads=self.grads,
         )
-        return checkpoint_name(f8.grad("down", y), "mlp_out")
+        return checkpoint_name(y, "mlp_out")
 
 
 class Block(nnx.Module):
@@ -242,6 +246,9 @@ class Group(nnx.Module):
 class Llama(nnx.Module):
     """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab].
 
+    The richer form of the model contract (:class:`jaxscale.models.contract.Staged`): the trainer,
+    the loss and the pipeline reach it through that contract only.
+
     Built from the whole experiment config, the one channel into the model (every submodule takes
     it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
     """
@@ -263,6 +270,7 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(config, rngs)
         if not c.tie_embeddings:
             self.lm_head = param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+        self.head_fp8 = Fp8(config.precision, ("x",), {"head": "logits"}) if config.precision.fp8_head else None
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         return self.forward(tokens, positions)[0]
@@ -284,8 +292,18 @@ class Llama(nnx.Module):
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
+        if self.head_fp8 is not None:  # precision.fp8_head
+            x, head = self.head_fp8.input("x", x), (head[0], self.head_fp8.weight("head", head[1]), *head[2:])
         (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap, grads=self.grads)
         return logits
+
+    def aux_loss(self, metrics: dict[str, jax.Array]) -> jax.Array | float:
+        """The weighted MoE auxiliary losses of the metrics :meth:`hidden` returns (0 for a dense model)."""
+        return moe.aux_objective(metrics, self.config)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`)."""
+        return flops.flops_per_token(self.config, seq_len)
 
     def head_weight(self) -> jax.Array:
         """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""
@@ -306,5 +324,6 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
+        fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
         x, aux = scan(x, self.blocks)
         return self.final_norm(x), moe.over_layers(aux)

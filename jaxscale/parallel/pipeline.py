@@ -71,7 +71,7 @@ from jaxscale.models.params import logical_axes
 from jaxscale.parallel import ring_attention, schedules, sequence
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.scoped import scoped
-from jaxscale.sharding import Rules, active, check_divisible, constrain, is_axes, spec, use_rules
+from jaxscale.sharding import Rules, active, constrain, is_axes, use_rules
 
 AXIS = "stage"
 
@@ -83,12 +83,6 @@ def use_pipeline(config: PipelineConfig) -> contextlib.AbstractContextManager[No
     return scoped(_CONFIG, config)
 
 
-def stages() -> int:
-    """Pipeline stages under the active rules: the size of ``stage`` if the rules put ``layers`` on it, else 1."""
-    current = active()
-    return current[1].stages if current is not None else 1
-
-
 def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
     """The loop's table for ``config`` on p stages (ConfigError if the schedule cannot run it)."""
     m = config.microbatches or p
@@ -96,22 +90,6 @@ def table(config: PipelineConfig, p: int, train: bool = True) -> Table:
         return schedules.build(config.schedule, p, m, config.repeats, train)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _check(p: int, m: int, v: int, layers: int, tokens: jax.Array, uneven: bool) -> None:
-    if layers % (p * v) and not uneven:
-        raise ConfigError(
-            f"model.layers ({layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats ({v}); "
-            "pipeline.layers_per_stage splits them unevenly"
-        )
-    rows = tokens.shape[0]
-    if rows % m:
-        raise ConfigError(
-            f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
-            f"pipeline.microbatches ({m})"
-        )
-    mesh, place = active()
-    check_divisible("pipeline microbatch", (rows // m, tokens.shape[1]), TOKENS, spec(place, TOKENS), mesh)
 
 
 def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
@@ -152,7 +130,6 @@ def objective(
     axes = logical_axes(block_state)
     layers = jax.tree.leaves(params)[0].shape[0]  # stacked slots (padded with uneven stages)
     tokens = batch["inputs"]
-    _check(p, m, v, layers, tokens, config.layers_per_stage is not None)
     counts = stage_layers.counts(config, c, p)  # units of each virtual stage
     uneven = len(set(counts)) > 1
     rules = place.rules
@@ -203,8 +180,8 @@ def objective(
     def layer(lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
         y, aux = nnx.merge(block_graph, lp)(h, pos)
-        metrics = {k: aux[k].astype(jnp.float32) for k in aux if k in moe.METRICS}  # no per-layer load here
-        return vary((y, jnp.asarray(moe.aux_objective(metrics, c) / (steps * m), jnp.float32), metrics), manual)
+        metrics = {k: a.astype(jnp.float32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
+        return vary((y, jnp.asarray(model.aux_loss(metrics) / (steps * m), jnp.float32), metrics), manual)
 
     def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
         """A layer slot of a chunk: the layer where ``real``, else the identity (uneven stages' unused slots:
@@ -246,9 +223,23 @@ def objective(
                 lambda w, a: constrain(w[0], tuple(None if n == "embed" else n for n in a)), outer, outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
-            return _loop(*vary((outer, params, xs), manual), step)
+            return _loop(*vary((outer, params, xs, lookup_table(outer["embedding"])), manual), step)
 
-    def _loop(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
+    def lookup_table(table: jax.Array) -> jax.Array:
+        """The embedding table as the lookup reads it: split over the vocabulary's mesh axes on its width.
+
+        Split on the vocabulary by a partitioner axis inside the partly manual ``shard_map``, the lookup
+        makes XLA's partitioner (jax 0.12) abort while it costs its ways of splitting the gather (a failed
+        check on the device groups of the masked lookup's all-reduce, ``spmd_partitioner_util``). Split on
+        the width, each device looks up its slice of every row and the rows are gathered."""
+        stage_mesh, stage_place = active()
+        vocab = stage_place.mesh_axes(("vocab",))
+        width = vocab if vocab and table.shape[1] % stage_place.size(vocab) == 0 else None
+        return lax.with_sharding_constraint(table, NamedSharding(stage_mesh, PartitionSpec(None, width)))
+
+    def _loop(
+        outer: Any, params: Any, xs: dict[str, jax.Array], lookup: jax.Array, step: Table
+    ) -> tuple[Any, ...]:
         stage = lax.axis_index(AXIS)
         rows, length = xs["inputs"].shape[1:]
         h0 = vary(jnp.zeros((rows, length, c.embed), dtype), manual)
@@ -269,7 +260,10 @@ def objective(
 
         def stage_input(first: jax.Array, i: jax.Array, src: jax.Array, acts: jax.Array) -> jax.Array:
             """The tokens' embedding on the first virtual stage, else the activation that arrived."""
-            return when(first, lambda: head_model(outer).embed(xs["inputs"][i]), acts[src, 0])
+            def embedded() -> jax.Array:
+                return head_model({**outer, "embedding": lookup}).embed(xs["inputs"][i])
+
+            return when(first, embedded, acts[src, 0])
 
         def head(last: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
             """``f()`` on the stage where ``last`` holds (the head on the last virtual stage, the embedding's
