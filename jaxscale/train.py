@@ -205,7 +205,7 @@ class Trainer:
         one, else the compiled step's own count (:func:`jaxscale.flops.compiled_flops`)."""
         t = self.config.train
         if "flops_per_token" in self.parts:
-            model = nnx.merge(self.graphdef, self.abstract_params, self._shapes.fp8)
+            model = nnx.merge(self.graphdef, self.abstract_params, self._shapes.fp8, self._shapes.balance)
             return model.flops_per_token(t.seq_len) * t.global_batch * t.seq_len
         return flops.compiled_flops(self.compiled_guarded_step[0]) * self.mesh.size
 

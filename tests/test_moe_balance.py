@@ -13,7 +13,7 @@ from jaxscale.models import routing as kernels
 from jaxscale.train import Trainer
 
 EXPERTS, TOP_K = 8, 2
-MOE = [f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32"]
+MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32"]
 
 
 def moe_config(*overrides):

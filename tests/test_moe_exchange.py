@@ -18,7 +18,8 @@ from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
 
 EXPERTS, TOP_K = 8, 2
-MOE = [f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32", "model.moe.dispatch=dropless"]
+MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",
+       "model.moe.dispatch=dropless"]
 BATCH, SEQ = 16, 32
 LAYOUTS = {4: {"expert": 4, "data": 2}, 8: {"expert": 8}}
 

@@ -18,7 +18,7 @@ from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
 
 EXPERTS, TOP_K = 8, 2
-MOE = [f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",
+MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",
        "model.moe.capacity_factor=1.0"]
 
 
