@@ -299,9 +299,23 @@ def validate_moe(m: ModelConfig) -> None:
         raise ConfigError(f"model.moe.shared_experts must be at least 0, got {moe.shared_experts}")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}")
-    for key in ("aux_loss_weight", "z_loss_weight"):
+    for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
+    if not 0 <= moe.bias_ema < 1:
+        raise ConfigError(f"model.moe.bias_ema must be in [0, 1), got {moe.bias_ema}")
+    if moe.groups < 1 or moe.experts % moe.groups:
+        raise ConfigError(f"model.moe.groups ({moe.groups}) must divide model.moe.experts ({moe.experts})")
+    if moe.groups > 1 and not (1 <= moe.top_groups <= moe.groups and moe.top_groups * moe.experts // moe.groups
+                               >= moe.top_k):
+        raise ConfigError(
+            f"model.moe.top_groups ({moe.top_groups}) must be in [1, groups] and hold top_k ({moe.top_k}) experts "
+            f"({moe.experts // moe.groups} per group)"
+        )
+    if moe.balance == "quantile" and moe.groups > 1:
+        raise ConfigError("model.moe.balance=quantile: not with group-limited routing (model.moe.groups > 1)")
+    if moe.balance == "quantile" and moe.top_k == moe.experts:
+        raise ConfigError("model.moe.balance=quantile needs top_k < experts (a token's cutoff is its (k+1)-th score)")
 
 
 def validate_rope(s: RopeScaling | None) -> None:

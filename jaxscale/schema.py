@@ -19,6 +19,10 @@ MoEDispatch = Literal["capacity", "dropless"]
 MoERouter = Literal["softmax", "sigmoid"]
 # shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
 MoEImpl = Literal["shard_map", "partitioner"]
+# routing bias outside the gradient (jaxscale/models/balance.py): off, DeepSeek-V3's sign step, quantile solve
+MoEBalance = Literal["off", "sign", "quantile"]
+# dropless under expert parallelism: move the routed rows (jaxscale/parallel/exchange.py), or all-gather
+MoEExchange = Literal["rows", "all_gather"]
 DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
@@ -53,6 +57,12 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     impl: MoEImpl = "shard_map"
+    dropless_exchange: MoEExchange = "rows"
+    groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups, ...
+    top_groups: int = 1  # ... a token's choices among the experts of its top_groups best groups
+    balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
+    bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
+    bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution
 
 
 @dataclasses.dataclass

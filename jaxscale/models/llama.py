@@ -19,8 +19,8 @@ stacked and scanned is then a :class:`Group` of ``every_n_layers`` blocks whose
 last is the MoE one (the scan runs ``layers / every_n_layers`` times); one
 stack of groups keeps the layer order and a single loop, where a dense stack
 and an MoE stack would need a second loop or an interleaving schedule. Each
-step returns its MoE layer's auxiliary losses; :meth:`Llama.forward` returns
-their mean over the MoE layers next to the logits.
+step returns its MoE layer's auxiliary losses and load statistics; :meth:`Llama.forward`
+returns the losses' mean over the MoE layers, and the statistics per layer, next to the logits.
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ class Llama(nnx.Module):
         return self.forward(tokens, positions)[0]
 
     def forward(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Logits and the MoE metrics averaged over the MoE layers (``moe.METRICS``; none when dense)."""
+        """Logits and the MoE metrics (:func:`jaxscale.models.moe.over_layers`; none when dense)."""
         x, aux = self.hidden(tokens, positions)
         return self.logits(x), aux
 
@@ -354,4 +354,4 @@ class Llama(nnx.Module):
         )
         fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
         x, aux = scan(x, self.blocks)
-        return self.final_norm(x), jax.tree.map(jnp.mean, aux)
+        return self.final_norm(x), moe.over_layers(aux)

@@ -178,7 +178,7 @@ def objective(
     def layer(lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
         y, aux = nnx.merge(block_graph, lp)(h, pos)
-        metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
+        metrics = {k: a.astype(jnp.float32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
         return vary((y, jnp.asarray(model.aux_loss(metrics) / (steps * m), jnp.float32), metrics), manual)
 
     def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
