@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale import flops, fp8, loop, precision, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
-from jaxscale.loss import model_objective, stage_head_loss
+from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
 from jaxscale.mesh import make_mesh
-from jaxscale.models import builtin, contract
+from jaxscale.models import balance, builtin, contract, moe
 from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel import pipeline
@@ -70,6 +70,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/fp8.py); empty with precision.fp8=off
     master: Any = {}  # noqa: RUF012  the master weights (jaxscale/precision.py); empty when params are the only copy
+    balance: Any = {}  # noqa: RUF012  MoE routing biases (jaxscale/models/balance.py); empty with model.moe.balance=off
 
 
 def make_model(config: Config, factory: ModelFactory = builtin.build) -> nnx.Module:
@@ -93,7 +94,7 @@ def abstract_model(
     richer form it has (:func:`jaxscale.models.contract.parts`)."""
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: make_model(config, factory))
-    graphdef, state, _, rest = nnx.split(model, nnx.Param, fp8.Fp8Meta, ...)
+    graphdef, state, _, _, rest = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias, ...)
     for path, variable in nnx.to_flat_state(rest):
         raise ConfigError(
             f"model state {'.'.join(map(str, path))} is a {type(variable).__name__}: the trainer keeps "
@@ -204,7 +205,7 @@ class Trainer:
         one, else the compiled step's own count (:func:`jaxscale.flops.compiled_flops`)."""
         t = self.config.train
         if "flops_per_token" in self.parts:
-            model = nnx.merge(self.graphdef, self.abstract_params, self._shapes.fp8)
+            model = nnx.merge(self.graphdef, self.abstract_params, self._shapes.fp8, self._shapes.balance)
             return model.flops_per_token(t.seq_len) * t.global_batch * t.seq_len
         return flops.compiled_flops(self.compiled_guarded_step[0]) * self.mesh.size
 
@@ -234,7 +235,8 @@ class Trainer:
         jax.eval_shape(map_state)
         fp8_state = jax.tree.map(lambda _: replicated, self._shapes.fp8)
         master = self.param_shardings("optimizer") if self.policy.two_copies else {}
-        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master)
+        bias = jax.tree.map(lambda _: replicated, self._shapes.balance)
+        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master, bias)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -289,10 +291,11 @@ class Trainer:
         weights: the compute copy cast from them, a fresh optimizer, step 0."""
         with nnx.use_eager_sharding(False):
             model = make_model(self.config, self.factory)
-        _, fresh, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
+        _, fresh, fp8_state, bias = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias)
         params, master = precision.split(self.policy, nnx.to_pure_dict(fresh) if weights is None else weights)
         opt_state = self.optimizer.init(precision.updated(params, master))
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, nnx.to_pure_dict(fp8_state), master)
+        step = jnp.zeros((), jnp.int32)
+        return TrainState(step, params, opt_state, nnx.to_pure_dict(fp8_state), master, nnx.to_pure_dict(bias))
 
     @cached_property
     def _shapes(self) -> TrainState:
@@ -315,14 +318,20 @@ class Trainer:
         """The fp8 state of a fresh start (empty histories): what ``fp8_state=None`` stands for below."""
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._shapes.fp8)
 
+    def fresh_balance(self) -> Any:
+        """The routing biases of a fresh start (zeros): what ``bias=None`` stands for below."""
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._shapes.balance)
+
     # -- the step --------------------------------------------------------------------
 
     def loss_and_metrics(
-        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """The objective on one batch (the default: mean cross-entropy + the model's auxiliary losses) and its
-        metrics; under pipeline parallelism the pipeline's loop computes it (:mod:`jaxscale.parallel.pipeline`)."""
-        model = nnx.merge(self.graphdef, params, self.fresh_fp8() if fp8_state is None else fp8_state)
+        metrics; under pipeline parallelism the pipeline's loop computes it (:mod:`jaxscale.parallel.pipeline`).
+        ``bias``: the MoE routing biases (``TrainState.balance``; None: a fresh start's)."""
+        fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
+        model = nnx.merge(self.graphdef, params, fp8_state, self.fresh_balance() if bias is None else bias)
         chunk = self.config.model.loss_chunk
         if self.custom_objective is not None:
             return self.custom_objective(model, batch)
@@ -330,15 +339,16 @@ class Trainer:
             return pipeline.objective(model, batch, functools.partial(stage_head_loss, chunk=chunk))
         return model_objective(model, batch, chunk)
 
-    def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
+    def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None) -> jax.Array:
         """The objective on one batch: mean cross-entropy, plus the MoE auxiliary losses if any."""
-        return self.loss_and_metrics(params, batch, fp8_state)[0]
+        return self.loss_and_metrics(params, batch, fp8_state, bias)[0]
 
     def _grads(
-        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
     ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
         """Loss, gradients, model metrics and the updated fp8 state, accumulated over ``train.microbatches``
-        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`)."""
+        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`); each
+        microbatch's loss and gradients weighed by its share of the trained targets (:mod:`jaxscale.loss`)."""
         m = self.config.train.microbatches
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
@@ -346,7 +356,7 @@ class Trainer:
         if m == 1:
             # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
             # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
-            (loss, aux), (grads, new_fp8) = value_and_grad(params, batch, fp8_state)
+            (loss, aux), (grads, new_fp8) = value_and_grad(params, batch, fp8_state, bias)
             return loss, grads, aux, new_fp8
 
         def split(x: jax.Array) -> jax.Array:
@@ -354,9 +364,11 @@ class Trainer:
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
             return constrain(x, (None, *BATCH_AXES))
 
-        def body(carry: tuple[Any, ...], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
+        def body(carry: tuple[Any, ...], xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[tuple[Any, ...], None]:
             loss_sum, grad_sum, aux_sum, fp8_max = carry
-            (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state)
+            micro, weight = xs  # its trained targets' share of the batch's (jaxscale/loss.py: loss masks)
+            (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state, bias)
+            loss, grads = loss * weight, jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)
@@ -368,24 +380,28 @@ class Trainer:
             jax.tree.map(lambda p: jnp.zeros(p.shape, self.policy.reduce), params), grad_shardings
         )
         micro = jax.tree.map(split, batch)
-        aux_shapes = jax.eval_shape(self.loss_and_metrics, params, jax.tree.map(lambda x: x[0], micro), fp8_state)[1]
+        aux_shapes = jax.eval_shape(self.loss_and_metrics, params, jax.tree.map(lambda x: x[0], micro), fp8_state,
+                                    bias)[1]
         aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
         init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
-        (loss_sum, grad_sum, aux_sum, fp8_max), _ = jax.lax.scan(body, init, micro)
-        grads, aux = jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
-        return loss_sum / m, grads, aux, fp8_max
+        xs = (micro, microbatch_weights(micro["targets"]))
+        (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
+        return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
+        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8, state.balance)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
         params, master, opt_state, grads_o = precision.update(
             self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
             self.param_shardings("optimizer"),
         )
-        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), **aux}
+        layers = aux.pop("moe_layers", {})
+        bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
+        load = moe.load_metrics(layers) if layers else {}
+        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), **aux, **load}
         if not self.custom_optimizer:  # the rate of train.*'s schedule (a custom optimizer's is its own)
             out["lr"] = schedule(self.config.train)(state.step)
-        return TrainState(state.step + 1, params, opt_state, fp8_state, master), out
+        return TrainState(state.step + 1, params, opt_state, fp8_state, master, bias), out
 
     def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
@@ -399,7 +415,8 @@ class Trainer:
         opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
         fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
         master = jax.tree.map(keep, new.master, state.master)
-        return TrainState(new.step, params, opt_state, fp8_state, master), {**out, "finite": finite}
+        bias = jax.tree.map(keep, new.balance, state.balance)
+        return TrainState(new.step, params, opt_state, fp8_state, master, bias), {**out, "finite": finite}
 
     @cached_property
     def jit_step(self) -> Any:
@@ -424,20 +441,25 @@ class Trainer:
     def jit_loss_and_grads(self) -> Any:
         """Jitted loss and (accumulated) gradients under this layout, built once per trainer."""
 
-        def loss_and_grads(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
-            return self._grads(params, batch, fp8_state)[:2]
+        def loss_and_grads(
+            params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
+        ) -> tuple[jax.Array, Any]:
+            return self._grads(params, batch, fp8_state, bias)[:2]
 
         return self._jit(loss_and_grads, out_shardings=(None, self.param_shardings("gradients")))
 
-    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
+    def loss_and_grads(
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
+    ) -> tuple[jax.Array, Any]:
         """Loss and (accumulated) gradients under this layout, for tests and research code.
 
-        ``fp8_state``: the fp8 histories to scale with (None: a fresh start's)."""
-        return self.jit_loss_and_grads(params, batch, fp8_state)
+        ``fp8_state``: the fp8 histories to scale with, ``bias`` the routing biases (None: a fresh start's)."""
+        return self.jit_loss_and_grads(params, batch, fp8_state, bias)
 
     @cached_property
     def jit_eval_loss(self) -> Any:
-        """Jitted loss of a batch under this layout, the parameters not donated; ``(params, batch, fp8_state=None)``."""
+        """Jitted loss of a batch under this layout, the parameters not donated;
+        ``(params, batch, fp8_state=None, bias=None)``."""
         return self._jit(self.loss)
 
     # -- data ------------------------------------------------------------------------
@@ -467,6 +489,6 @@ class Trainer:
         """Train to ``train.steps`` (or until ``stop_at`` updates): :func:`jaxscale.loop.fit` on this trainer."""
         return loop.fit(self, state, progress, stop_at)
 
-    def evaluate(self, params: Any, fp8_state: Any = None) -> float:
+    def evaluate(self, params: Any, fp8_state: Any = None, bias: Any = None) -> float:
         """Mean held-out loss of ``params``: :func:`jaxscale.loop.evaluate` on this trainer."""
-        return loop.evaluate(self, params, fp8_state)
+        return loop.evaluate(self, params, fp8_state, bias)

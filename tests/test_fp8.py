@@ -149,12 +149,13 @@ def test_fp8_state_is_replicated_and_not_optimized(trainers):
 # -- 200 steps of the tiny model: fp8 follows bf16 --------------------------------------------
 
 WINDOW = 20
-# Measured on the builtin corpus: the bf16 loss falls from 5.55 to a 20-step mean of 2.878 (jax 0.10.2);
-# the 20-step means of fp8 stay within 0.045 (delayed), 0.043 (current) and 0.026 (blockwise, 32-element
-# tiles) of it, single steps within 0.073. On jax 0.12.0.1 the bf16 curve itself ends at 2.950 (the fp32
-# curve, identical on both, at 2.874; fp8 at 2.848-2.867): fp8 within 0.106, 0.092 and 0.084 of it.
-SMOOTHED_TOL = 0.12
-MODES = {"delayed": (), "current": (), "blockwise": ("precision.fp8_block=32",)}
+# Measured on the builtin corpus (the bf16 20-step mean falls from 5.55 to 2.93 on jax 0.10.2, 2.86 on jax
+# 0.12.0.1), the largest gap of the 20-step means to bf16's: delayed 0.024 / 0.059, current 0.045 / 0.022,
+# blockwise (16-element tiles) 0.044 / 0.069 on jax 0.10.2 / 0.12.0.1 (32-element tiles: 0.049 / 0.126). The
+# noise floor: the same bf16 run on the two JAX versions (fp32 curves identical) is up to 0.080 apart, and
+# blockwise's one-step gradients are closer to fp32's than current scaling's (5-9% relative, every tensor).
+SMOOTHED_TOL = 0.1
+MODES = {"delayed": (), "current": (), "blockwise": ("precision.fp8_block=16",)}
 
 
 def smooth(losses: np.ndarray) -> np.ndarray:

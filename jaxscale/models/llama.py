@@ -19,8 +19,8 @@ stacked and scanned is then a :class:`Group` of ``every_n_layers`` blocks whose
 last is the MoE one (the scan runs ``layers / every_n_layers`` times); one
 stack of groups keeps the layer order and a single loop, where a dense stack
 and an MoE stack would need a second loop or an interleaving schedule. Each
-step returns its MoE layer's auxiliary losses; :meth:`Llama.forward` returns
-their mean over the MoE layers next to the logits.
+step returns its MoE layer's auxiliary losses and load statistics; :meth:`Llama.forward`
+returns the losses' mean over the MoE layers, and the statistics per layer, next to the logits.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -36,10 +37,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import flops, fp8, precision, stage_layers
-from jaxscale.config import Config, ModelConfig
+from jaxscale.config import Config, ModelConfig, RopeScaling
 from jaxscale.fp8 import Fp8, Operand
 from jaxscale.models import moe
-from jaxscale.models.attention import attention
+from jaxscale.models.attention import attention, document_ids
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
@@ -105,11 +106,37 @@ class RMSNorm(nnx.Module):
         return rms_norm(x.astype(self.dtype), self.scale[...], self.eps)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+# -- rotary position embeddings ----------------------------------------------------------------------------
+# Pair j of a head (dimensions j and j + d/2) turns by position · f_j, f_j = θ^(-j/(d/2)). Llama 3.1
+# (``model.rope_scaling``, rope_type llama3) stretches the context by ``factor`` without touching the short
+# wavelengths: with L the original context (original_max_position_embeddings) and λ_j = 2π / f_j,
+# λ_j < L / high_freq_factor keeps f_j; λ_j > L / low_freq_factor gives f_j / factor; between them
+# (1 - t)·f_j/factor + t·f_j with t = (L/λ_j - low_freq_factor) / (high_freq_factor - low_freq_factor).
+# No attention factor: Llama 3.1 has none.
+
+
+def llama3_scaled(freq: jax.Array, s: RopeScaling) -> jax.Array:
+    """Inverse frequencies ``freq`` [d/2] scaled as Llama 3.1 (the comment above)."""
+    length = s.original_max_position_embeddings
+    wavelength = 2 * math.pi / freq
+    low = wavelength > length / s.low_freq_factor
+    high = wavelength < length / s.high_freq_factor
+    t = (length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (1 - t) * freq / s.factor + t * freq
+    return jnp.where(low, freq / s.factor, jnp.where(high, freq, smooth))
+
+
+def frequencies(config: ModelConfig) -> jax.Array:
+    """The inverse frequency of each rotated pair of a head, fp32 [head_dim / 2]."""
+    half = config.head_dim // 2
+    freq = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    return freq if config.rope_scaling is None else llama3_scaled(freq, config.rope_scaling)
+
+
+def rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
     """Rotary embedding of ``x`` [batch, length, heads, head_dim] at integer ``positions`` [batch, length]."""
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None, None] * freq
+    angle = positions.astype(jnp.float32)[..., None, None] * frequencies(config)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -126,6 +153,7 @@ class Attention(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model
         self.config = c
+        self.documents = config.data.documents  # packed documents: attention masked across them
         self.grads = precision.weight_grads(config)
         std, pdt = c.init_std, c.param_dtype
         self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
@@ -152,13 +180,13 @@ class Attention(nnx.Module):
             overlap=c.tp_overlap,
             grads=self.grads,
         )
-        q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
-        k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
+        q = constrain(rope(q, positions, c), Q_AXES)
+        k = constrain(rope(k, positions, c), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and not _RECOMPUTED.get():  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v)
+        out = core(q, k, v, document_ids(positions) if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         y = sequence.row_parallel(
             "bshd,hde->bse", f8.input("out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"), RESIDUAL,
@@ -276,7 +304,7 @@ class Llama(nnx.Module):
         return self.forward(tokens, positions)[0]
 
     def forward(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Logits and the MoE metrics averaged over the MoE layers (``moe.METRICS``; none when dense)."""
+        """Logits and the MoE metrics (:func:`jaxscale.models.moe.over_layers`; none when dense)."""
         x, aux = self.hidden(tokens, positions)
         return self.logits(x), aux
 
@@ -326,4 +354,4 @@ class Llama(nnx.Module):
         )
         fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
         x, aux = scan(x, self.blocks)
-        return self.final_norm(x), jax.tree.map(jnp.mean, aux)
+        return self.final_norm(x), moe.over_layers(aux)

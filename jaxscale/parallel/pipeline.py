@@ -129,7 +129,6 @@ def objective(
     params = nnx.to_pure_dict(block_state)
     axes = logical_axes(block_state)
     layers = jax.tree.leaves(params)[0].shape[0]  # stacked slots (padded with uneven stages)
-    tokens = batch["inputs"]
     counts = stage_layers.counts(config, c, p)  # units of each virtual stage
     uneven = len(set(counts)) > 1
     rules = place.rules
@@ -160,7 +159,6 @@ def objective(
     # same on every stage, so every stage runs it in those ticks and keeps it only where it belongs.
     skip = not place.stage_partitioned(block_axes, c.moe is not None)
     steps = sum(counts)  # stacked units: blocks, or groups of blocks with one MoE layer each
-    tokens_total = tokens.size
 
     def split(x: jax.Array) -> jax.Array:
         # Row r of microbatch i is row r * m + i: each device keeps its own rows.
@@ -180,7 +178,7 @@ def objective(
     def layer(lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One layer (or MoE group): output, its share of the aux objective, its MoE metrics."""
         y, aux = nnx.merge(block_graph, lp)(h, pos)
-        metrics = {k: a.astype(jnp.float32) for k, a in aux.items()}
+        metrics = {k: a.astype(jnp.float32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
         return vary((y, jnp.asarray(model.aux_loss(metrics) / (steps * m), jnp.float32), metrics), manual)
 
     def slot(lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple[jax.Array, jax.Array, dict]:
@@ -207,8 +205,9 @@ def objective(
         y, (inputs, obj, met) = lax.scan(step_, h, (pc, jnp.arange(layers // (p * v))))
         return y, inputs, jnp.sum(obj), jax.tree.map(jnp.sum, met)
 
-    def loss_of(outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        return head_loss(head_model(outer), y, targets) * (targets.size / tokens_total)
+    def loss_of(outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
+        """A microbatch's mean loss weighed by its trained targets over the batch's ``total`` (jaxscale/loss.py)."""
+        return head_loss(head_model(outer), y, targets) * (jnp.sum(targets >= 0, dtype=jnp.float32) / total)
 
     def body(outer: Any, params: Any, xs: dict[str, jax.Array], step: Table) -> tuple[Any, ...]:
         with (
@@ -242,6 +241,8 @@ def objective(
     ) -> tuple[Any, ...]:
         stage = lax.axis_index(AXIS)
         rows, length = xs["inputs"].shape[1:]
+        trained = jnp.sum(xs["targets"] >= 0, dtype=jnp.float32)  # this device's, over its microbatches
+        total = jnp.maximum(lax.psum(trained, summed) if summed else trained, 1.0)
         h0 = vary(jnp.zeros((rows, length, c.embed), dtype), manual)
         zero_metrics = vary({k: jnp.zeros((), jnp.float32) for k in (moe.METRICS if c.moe else ())}, manual)
 
@@ -283,7 +284,7 @@ def objective(
             virtual stage (the sum inside the conditional: a cross-device sum of it runs in these ticks only)."""
 
             def run() -> tuple[jax.Array, jax.Array, Any]:
-                loss, pull = jax.vjp(lambda o, y: loss_of(o, y, targets), outer, y)
+                loss, pull = jax.vjp(lambda o, y: loss_of(o, y, targets, total), outer, y)
                 d_outer, dy = pull(jnp.ones_like(loss))
                 return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
 
@@ -307,7 +308,8 @@ def objective(
                 y, inputs, obj, met = chunk_forward(pc, stage_input(kind == FIRST, i, src, acts), pos, count(ch))
                 if not step.train:  # evaluation: the loss on the last virtual stage
                     loss = head(
-                        kind == LAST, anywhere, lambda: loss_of(outer, y, xs["targets"][i]), jnp.zeros((), jnp.float32)
+                        kind == LAST, anywhere, lambda: loss_of(outer, y, xs["targets"][i], total),
+                        jnp.zeros((), jnp.float32),
                     )
                     obj = obj + loss
                 return y, inputs, obj, met
