@@ -42,7 +42,6 @@ from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.models.llama import Llama
 from jaxscale.models.params import logical_axes
 from jaxscale.optim import make_optimizer, schedule
-from jaxscale.parallel.pipeline import use_pipeline
 from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, layout_of, named_params, use_rules
 
 BATCH_AXES = ("batch", "length")
@@ -151,7 +150,7 @@ class Trainer:
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """The rules table on this mesh and the pipeline settings, in effect for the model's code traced here."""
-        with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
+        with use_rules(self.mesh, self.rules, self.config.pipeline):
             yield
 
     def _jit(self, fn: Callable[..., Any], step: bool = False, **jit_kwargs: Any) -> Any:
