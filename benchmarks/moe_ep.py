@@ -9,22 +9,32 @@
   times ``E·C / (k·s)``, the padding of fixed-size capacity buffers. Dropless
   dispatch (all-gather + reduce-scatter on XLA:CPU) is listed too, next to
   its own figure ``2·(ep−1)·b·s·h·bytes`` each way.
+* ``dropless_exchange``: dropless dispatch's two exchanges under ``ep`` 4 and 8 for one
+  moe-tiny MoE layer (forward and backward, the experiment's batch), its router scaled
+  so that routing is uneven, and pulled further towards one expert for a second row:
+  ``rows`` (jaxscale/parallel/exchange.py; its loop's all-to-alls from the compiled HLO
+  times the trip count the routing gives) next to ``2·k·b·s·h·bytes·(ep−1)/ep`` times
+  the measured imbalance (the largest count a device sends a shard over the mean), each
+  way, and to the ``all_gather`` path's compiled bytes.
 * ``memory``: compiled per-device memory (``memory_analysis``) and the train
   state's bytes per device versus ep, with the rest of the 8 devices as data.
 * ``dropped``: the fraction of top-k choices dropped at capacity factors 1.0,
   1.25 and 2.0 at the start and after 50 steps of moe-tiny (its experiment:
   ep_fsdp, expert=4 x fsdp=2).
 
-Usage: ``python benchmarks/moe_ep.py [--steps 50] > moe_ep.json`` (8 simulated CPU devices).
+Usage: ``python benchmarks/moe_ep.py [--steps 50] [--tables dropless_exchange,...] > moe_ep.json``
+(8 simulated CPU devices).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -32,12 +42,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, load_config
 from jaxscale.loop import fit
+from jaxscale.mesh import make_mesh
+from jaxscale.models import moe
 from jaxscale.models import routing as kernels
+from jaxscale.parallel import exchange
+from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
 
 EXPERIMENT = CONFIG_DIR / "experiments" / "moe-tiny.yaml"
@@ -98,6 +114,62 @@ def all_to_all_table() -> list[dict]:
     return rows
 
 
+def layer_bytes(cfg, params: dict, x: jax.Array) -> list[hlo.Collective]:
+    """The collectives of one MoE layer's forward and backward (to its input too, as in a model) over the
+    expert axis, inside its shard_map."""
+    with nnx.use_eager_sharding(False):
+        graphdef = nnx.split(moe.MoE(cfg, nnx.Rngs(0)))[0]
+    mesh = make_mesh(cfg.mesh)
+
+    probe = jax.random.normal(jax.random.key(2), x.shape)  # a loss whose gradient XLA cannot fold away
+
+    def loss(params: dict, x: jax.Array) -> jax.Array:
+        with use_rules(mesh, Rules.load(cfg.rules)):
+            return jnp.sum(nnx.merge(graphdef, params)(x)[0] * probe)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exchange loop's trip count is the routing's
+        found = hlo.collectives(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text(), mesh)
+    return [c for c in found if c.axes == ("expert",) and "shard_map" in c.op_name]
+
+
+def dropless_exchange_table() -> list[dict]:
+    rows = []
+    for ep in (4, 8):
+        for pull in (0.0, 1.0):
+            cfg = config(*ep_mesh(ep), "model.moe.dispatch=dropless")
+            m, t = cfg.model, cfg.train
+            with nnx.use_eager_sharding(False):
+                params = nnx.to_pure_dict(nnx.split(moe.MoE(cfg, nnx.Rngs(0)))[1])
+            params["router"] = params["router"] * 30
+            toward = np.asarray(params["router"][:, 0]) / np.linalg.norm(params["router"][:, 0])
+            x = np.asarray(jax.random.normal(jax.random.key(1), (t.global_batch, t.seq_len, m.embed)), np.float32)
+            x = jnp.asarray(x + pull * toward, jnp.float32)
+            # The routing decisions, counted per device (its rows of the batch) and destination shard.
+            index = np.argsort(-np.einsum("bsd,de->bse", x, params["router"]), axis=-1, kind="stable")
+            shard = index[..., : m.moe.top_k] // (m.moe.experts // ep)
+            b = t.global_batch // 8
+            most = max(np.bincount(shard[d * b:(d + 1) * b].ravel(), minlength=ep).max() for d in range(8))
+            n = b * t.seq_len * m.moe.top_k
+            trips = math.ceil(most / exchange.chunk_rows(n, ep))
+            found = layer_bytes(cfg, params, x)
+            looped = [c for c in found if c.kind == "all-to-all" and c.loops and c.loops[-1].trips is None]
+            measured = sum(c.wire_bytes * trips for c in looped) + sum(c.wire_bytes for c in found if c not in looped)
+            gathered = layer_bytes(config(*ep_mesh(ep), "model.moe.dispatch=dropless",
+                                          "model.moe.dropless_exchange=all_gather"), params, x)
+            formula = 2 * m.moe.top_k * b * t.seq_len * m.embed * 4 * (ep - 1) / ep
+            rows.append({
+                "ep": ep,
+                "imbalance": most / (n / ep),
+                "exchange_trips": trips,
+                "rows_fwd_bwd": measured,
+                "formula_x_imbalance_fwd_bwd": 2 * formula * most / (n / ep),
+                "all_gather_fwd_bwd": sum(c.wire_bytes for c in gathered),
+            })
+            print(f"dropless_exchange: ep={ep} pull={pull} done", file=sys.stderr)
+    return rows
+
+
 def memory_table() -> list[dict]:
     rows = []
     for ep in (1, 2, 4, 8):
@@ -129,9 +201,14 @@ def dropped_table(steps: int) -> list[dict]:
     return rows
 
 
+TABLES = {"all_to_all": all_to_all_table, "dropless_exchange": dropless_exchange_table, "memory": memory_table,
+          "dropped": None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--tables", default=",".join(TABLES), help="comma-separated, of " + ", ".join(TABLES))
     args = parser.parse_args()
     c = config().model
     report = {
@@ -139,10 +216,9 @@ def main() -> None:
         "devices": jax.device_count(),
         "backend": jax.default_backend(),
         "moe": {k: getattr(c.moe, k) for k in ("experts", "top_k", "mlp", "capacity_factor")},
-        "all_to_all": all_to_all_table(),
-        "memory": memory_table(),
-        "dropped": dropped_table(args.steps),
     }
+    for name in args.tables.split(","):
+        report[name] = dropped_table(args.steps) if name == "dropped" else TABLES[name]()
     print(json.dumps(report, indent=1))
 
 

@@ -1,15 +1,42 @@
 """jaxscale: a JAX/XLA SPMD training stack; layouts are rules tables, not code.
 
-The programmatic API (importing it imports jax; ``simulate_devices`` does not)::
+The public API (README "Python API"; the model contract in docs/models.md)::
 
     import jaxscale
 
     jaxscale.simulate_devices(8)  # CPU devices for the mesh, before jax starts (no accelerator needed)
 
-    from jaxscale.config import load_config
-    from jaxscale.train import Trainer   # Trainer.build(config), .init_state(), .step(), .fit()
+    config = jaxscale.load_config("configs/experiments/tiny.yaml", ["rules=zero3"])
+    trainer = jaxscale.Trainer.build(config, model=factory)   # factory(config, rngs) -> nnx.Module
+    state, history = trainer.fit(progress=False)
+
+Top-level names: ``simulate_devices``, ``load_config``, ``Config``, ``ConfigError``, ``Trainer``,
+``TrainState``, ``Rules``; building blocks for models in :mod:`jaxscale.nn`. Importing
+``jaxscale`` imports no jax: the other names load on first use, after ``simulate_devices``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from jaxscale.simulate import simulate_devices
 
-__all__ = ["simulate_devices"]
+_LAZY = {
+    "load_config": "jaxscale.config",
+    "Config": "jaxscale.config",
+    "ConfigError": "jaxscale.config",
+    "Trainer": "jaxscale.train",
+    "TrainState": "jaxscale.train",
+    "Rules": "jaxscale.sharding",
+}
+
+__all__ = ["simulate_devices", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "nn":
+        return importlib.import_module("jaxscale.nn")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")

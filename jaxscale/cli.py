@@ -128,7 +128,8 @@ def _train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
 
 def _prepare_data(args: argparse.Namespace) -> int:
     meta = prepare.prepare_data(
-        args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction, args.eod_token, args.overwrite
+        args.inputs, args.out, args.tokenizer, args.text_field, args.val_fraction, args.eod_token, args.overwrite,
+        args.prompt_field, args.response_field,
     )
     splits = ", ".join(f"{k} {v['tokens']} tokens in {v['documents']} documents" for k, v in meta["splits"].items())
     print(f"{args.out}: {splits}; vocab_size {meta['vocab_size']}, {meta['dtype']}")
@@ -309,10 +310,13 @@ def _parser() -> argparse.ArgumentParser:
                        "(checkpoint.resume=required)")
 
     prep = _command(commands, "prepare-data", _prepare_data, "tokenize text files into a memory-mapped token directory")
-    prep.add_argument("inputs", nargs="+", help="plain text files (one document each) or .jsonl files")
+    prep.add_argument("inputs", nargs="+", help="plain text files (one document each), .jsonl, .parquet or .arrow "
+                      "files, saved datasets directories")
     prep.add_argument("--out", required=True, help="output directory")
     prep.add_argument("--tokenizer", default="byte", help="'byte' or the path of a Hugging Face tokenizer.json")
-    prep.add_argument("--text-field", default="text", help="the text field of JSONL records")
+    prep.add_argument("--text-field", default="text", help="the text field of JSONL, Parquet and Arrow records")
+    prep.add_argument("--prompt-field", default=None, help="with --response-field: train on the response only")
+    prep.add_argument("--response-field", default=None, help="the response field of prompt/response records")
     prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents held out for eval")
     prep.add_argument("--eod-token", default=None, help="end-of-document token of a tokenizer.json")
     prep.add_argument("--overwrite", action="store_true",

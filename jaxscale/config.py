@@ -44,17 +44,21 @@ from jaxscale.schema import (  # the schema, importable from here
     DType,
     Fp8Mode,
     MeshConfig,
+    MixturePart,
     ModelConfig,
     MoEConfig,
     MoEDispatch,
     MoEImpl,
     MoERouter,
     NonFinite,
+    Packing,
     PipelineConfig,
     PrecisionConfig,
     ReduceDType,
     Remat,
     Resume,
+    RopeScaling,
+    RopeType,
     Schedule,
     TrainConfig,
     XlaConfig,
@@ -79,17 +83,21 @@ __all__ = [
     "DistributedConfig",
     "Fp8Mode",
     "MeshConfig",
+    "MixturePart",
     "MoEConfig",
     "MoEDispatch",
     "MoEImpl",
     "MoERouter",
     "ModelConfig",
     "NonFinite",
+    "Packing",
     "PipelineConfig",
     "PrecisionConfig",
     "ReduceDType",
     "Remat",
     "Resume",
+    "RopeScaling",
+    "RopeType",
     "Schedule",
     "TrainConfig",
     "XlaConfig",
@@ -291,9 +299,54 @@ def validate_moe(m: ModelConfig) -> None:
         raise ConfigError(f"model.moe.shared_experts must be at least 0, got {moe.shared_experts}")
     if moe.capacity_factor <= 0:
         raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}")
-    for key in ("aux_loss_weight", "z_loss_weight"):
+    for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
         if getattr(moe, key) < 0:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
+    if not 0 <= moe.bias_ema < 1:
+        raise ConfigError(f"model.moe.bias_ema must be in [0, 1), got {moe.bias_ema}")
+    if moe.groups < 1 or moe.experts % moe.groups:
+        raise ConfigError(f"model.moe.groups ({moe.groups}) must divide model.moe.experts ({moe.experts})")
+    if moe.groups > 1 and not (1 <= moe.top_groups <= moe.groups and moe.top_groups * moe.experts // moe.groups
+                               >= moe.top_k):
+        raise ConfigError(
+            f"model.moe.top_groups ({moe.top_groups}) must be in [1, groups] and hold top_k ({moe.top_k}) experts "
+            f"({moe.experts // moe.groups} per group)"
+        )
+    if moe.balance == "quantile" and moe.groups > 1:
+        raise ConfigError("model.moe.balance=quantile: not with group-limited routing (model.moe.groups > 1)")
+    if moe.balance == "quantile" and moe.top_k == moe.experts:
+        raise ConfigError("model.moe.balance=quantile needs top_k < experts (a token's cutoff is its (k+1)-th score)")
+
+
+def validate_rope(s: RopeScaling | None) -> None:
+    """``model.rope_scaling``: a factor of at least 1, 0 < low_freq_factor < high_freq_factor, a positive context."""
+    if s is None:
+        return
+    if s.factor < 1:
+        raise ConfigError(f"model.rope_scaling.factor must be at least 1, got {s.factor}")
+    if not 0 < s.low_freq_factor < s.high_freq_factor:
+        raise ConfigError(f"model.rope_scaling: needs 0 < low_freq_factor ({s.low_freq_factor}) < high_freq_factor "
+                          f"({s.high_freq_factor})")
+    if s.original_max_position_embeddings < 1:
+        raise ConfigError("model.rope_scaling.original_max_position_embeddings must be positive, got "
+                          f"{s.original_max_position_embeddings}")
+
+
+def validate_mixture(d: DataConfig) -> None:
+    """``data.mixture``: with ``data.source=tokens`` in place of ``data.path``, positive weights, distinct names."""
+    if d.mixture is None:
+        return
+    if d.source != "tokens" or d.path is not None:
+        raise ConfigError("data.mixture: needs data.source=tokens and no data.path (the mixture names the sources)")
+    if not d.mixture:
+        raise ConfigError("data.mixture: an empty list (null: one source, data.path)")
+    for i, part in enumerate(d.mixture):
+        if not (part.weight > 0 and math.isfinite(part.weight)):
+            raise ConfigError(f"data.mixture[{i}].weight must be positive, got {part.weight}")
+    names = [part.name or Path(part.path).name for part in d.mixture]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"data.mixture: the name {repeated[0]!r} is given twice (set data.mixture[i].name)")
 
 
 def validate(config: Config) -> None:
@@ -315,10 +368,18 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
+    validate_rope(m.rope_scaling)
     if config.data.source in ("builtin", "stdlib") and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of "
                           f"data.source={config.data.source}")
-    if config.data.source == "tokens" and not config.data.path:
+    if (config.data.prompt_field is None) != (config.data.response_field is None):
+        raise ConfigError("data.prompt_field and data.response_field go together (prompt/response records)")
+    validate_mixture(config.data)
+    if config.data.documents and config.data.source != "tokens":
+        raise ConfigError("data.documents: needs data.source=tokens (documents of a prepare-data directory)")
+    if config.data.packing == "first_fit" and not config.data.documents:
+        raise ConfigError("data.packing=first_fit: needs data.documents=true (the packed documents kept apart)")
+    if config.data.source == "tokens" and not config.data.path and not config.data.mixture:
         raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
@@ -336,6 +397,7 @@ def validate(config: Config) -> None:
     validate_stage_layers(config)
     validate_xla(config.xla)
     validate_precision(config.precision)
+    _validate_blockwise(config)
     _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
@@ -433,6 +495,21 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.amax_history must be at least 1, got {p.amax_history}")
     if p.margin < 0:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
+    if p.fp8_block < 1:
+        raise ConfigError(f"precision.fp8_block must be at least 1, got {p.fp8_block}")
+    if p.fp8_head and p.fp8 == "off":
+        raise ConfigError("precision.fp8_head needs precision.fp8 on (delayed, current or blockwise)")
+
+
+def _validate_blockwise(config: Config) -> None:
+    """``precision.fp8: blockwise`` tiles every projection's dimensions (and the tokens) by ``fp8_block``."""
+    m, p = config.model, config.precision
+    dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
+            "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": config.train.seq_len}
+    for name, size in (dims | ({"model.vocab_size": m.vocab_size} if p.fp8_head else {})).items():
+        if p.fp8 == "blockwise" and size % p.fp8_block:
+            raise ConfigError(f"precision.fp8=blockwise: {name} ({size}) is not divisible by precision.fp8_block "
+                              f"({p.fp8_block})")
 
 
 def _validate_copies(config: Config) -> None:

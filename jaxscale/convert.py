@@ -39,8 +39,10 @@ way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
 ``router: softmax, normalize_gates: true``; the generated model uses dropless
 dispatch (capacity dispatch may drop tokens that HF keeps); HF's
 ``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
-jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default,
-biases, a sliding window, another activation) is a :class:`ConfigError`.
+jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default
+and Llama 3.1's ``llama3``, biases, a sliding window, another activation) is a :class:`ConfigError`.
+``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``model.head_dim``). The export writes
+a ``llama3`` scaling as Llama 3.1's own ``config.json`` does: ``rope_scaling`` with a top-level ``rope_theta``.
 
 Streaming: safetensors files are read tensor by tensor (``safe_open``, numpy;
 bf16 comes as ``ml_dtypes.bfloat16``) into one stacked array per parameter
@@ -71,10 +73,12 @@ from jaxscale.config import (
     ConfigError,
     ModelConfig,
     MoEConfig,
+    RopeScaling,
     _build,
     read_yaml,
     resolve_named,
     validate_moe,
+    validate_rope,
 )
 from jaxscale.train import abstract_model
 
@@ -169,15 +173,26 @@ def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str
 # -- config.json <-> model YAML -------------------------------------------------------------------------
 
 
-def _rope_theta(hf: dict[str, Any]) -> float:
-    """``rope_theta`` of an HF config (transformers 4 top level, or 5's ``rope_parameters``); default RoPE only."""
+def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``rope_theta`` and the scaling of an HF config (transformers 4's top-level ``rope_theta`` and
+    ``rope_scaling``, or 5's ``rope_parameters``): the default RoPE or Llama 3.1's ``llama3``."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise ConfigError(
-            f"config.json: rope scaling '{kind}' is not supported (jaxscale implements the default RoPE only)"
-        )
-    return float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError(f"config.json: rope scaling '{kind}' is not supported (jaxscale implements the default "
+                          "RoPE and llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor")
+    missing = [k for k in keys if k not in rope]
+    if missing:
+        raise ConfigError(f"config.json: llama3 rope scaling without {', '.join(missing)}")
+    context = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
+    if context is None:
+        raise ConfigError("config.json: llama3 rope scaling without original_max_position_embeddings")
+    scaling = RopeScaling(**{k: float(rope[k]) for k in keys}, original_max_position_embeddings=int(context))
+    return theta, scaling
 
 
 def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -193,6 +208,7 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("sliding_window") is not None:
         raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} (jaxscale attends to the whole prefix)")
     heads, embed = _hf_int(hf, "num_attention_heads"), _hf_int(hf, "hidden_size")
+    theta, scaling = _rope(hf)
     model = ModelConfig(
         vocab_size=_hf_int(hf, "vocab_size"),
         embed=embed,
@@ -201,7 +217,8 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
         kv_heads=_hf_int(hf, "num_key_value_heads", heads),
         head_dim=_hf_int(hf, "head_dim", embed // heads),
         mlp=_hf_int(hf, "intermediate_size"),
-        rope_theta=_rope_theta(hf),
+        rope_theta=theta,
+        rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
@@ -267,7 +284,7 @@ def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None
         "hidden_act": "silu",
         "rms_norm_eps": model.norm_eps,
         "rope_theta": model.rope_theta,
-        "rope_scaling": None,
+        "rope_scaling": None if model.rope_scaling is None else dataclasses.asdict(model.rope_scaling),
         "tie_word_embeddings": model.tie_embeddings,
         "dtype": dtype,
     })
@@ -313,6 +330,7 @@ def _check_model(model: ModelConfig) -> None:
     if model.heads % model.kv_heads:
         raise ConfigError(f"model.heads ({model.heads}) is not divisible by model.kv_heads ({model.kv_heads})")
     validate_moe(model)
+    validate_rope(model.rope_scaling)
 
 
 # -- Hugging Face -> jaxscale -----------------------------------------------------------------------------

@@ -45,14 +45,18 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxscale.config import Config, ConfigError
+from jaxscale.packing import PackedBins, check_lengths
 from jaxscale.prepare import TokenDir
+from jaxscale.tokencache import token_dir
 
 BYTE_VOCAB = 256
 CORPUS = Path(__file__).resolve().parent / "corpus" / "jaxscale-58adbe3.txt.gz"
+IGNORE = -1  # the target of a token not trained (a prompt's): jaxscale.loss leaves it out of the mean
 # The config keys behind the loader's identity (the rest, such as the sequence count, follow from them).
 CONFIG_KEYS = {
     "seq_len": "train.seq_len", "global_batch": "train.global_batch", "seed": "train.seed",
     "source": "data.source", "max_bytes": "data.max_bytes", "fingerprint": "data.path (fingerprint)",
+    "documents": "data.documents", "packing": "data.packing",
 }
 
 
@@ -99,17 +103,36 @@ class Loader(abc.ABC):
         self.identity = {**identity, "global_batch": global_batch, "seq_len": seq_len}
         # The order of each row's tokens, targets and positions (ring attention's zig-zag chunks).
         self.order = np.arange(seq_len, dtype=np.int32)
+        self.boundary_targets = False  # data.boundary_targets: train a document's first token as a target
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
-        """Rows ``start:stop`` of the global batch of ``step``: inputs, targets, positions (in ``order``)."""
+        """Rows ``start:stop`` of the global batch of ``step``: inputs, targets (``IGNORE`` where a token is
+        not trained, or begins a document unless ``boundary_targets``), positions (in ``order``)."""
         windows = self.windows(step, range(start, self.global_batch if stop is None else stop))
-        positions = np.broadcast_to(self.order, (len(windows), self.seq_len))
-        inputs, targets = windows[:, self.order], windows[:, self.order + 1]
-        return {"inputs": inputs, "targets": targets, "positions": np.array(positions)}
+        if windows.ndim == 2:
+            windows = np.stack([windows, np.ones_like(windows), np.broadcast_to(np.arange(self.seq_len + 1),
+                                                                                windows.shape)], axis=1)
+        tokens, trained, positions = windows[:, 0], windows[:, 1], windows[:, 2]
+        inputs, targets = tokens[:, self.order], tokens[:, self.order + 1]
+        keep = trained[:, self.order + 1] > 0
+        if not self.boundary_targets:  # a document's first token, predicted from the one before (packed documents)
+            keep &= positions[:, self.order + 1] != 0
+        targets = np.where(keep, targets, IGNORE).astype(np.int32)
+        return {"inputs": inputs, "targets": targets, "positions": np.array(positions[:, self.order])}
 
     @abc.abstractmethod
     def windows(self, step: int, rows: range) -> np.ndarray:
-        """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``."""
+        """``[len(rows), seq_len + 1]`` int32 tokens of the given rows of the global batch of ``step``, or
+        ``[len(rows), 3, seq_len + 1]``: the tokens, whether each is trained as a target (0 or 1), and each
+        one's position (:class:`PackedSequences`)."""
+
+    def metrics(self, first_step: int, stop_step: int) -> dict[str, float]:
+        """What to log about the data of steps ``first_step .. stop_step - 1`` (a mixture: each source's share)."""
+        return {}
+
+    def by_source(self) -> dict[str, Loader]:
+        """Each source's own loader by name, evaluated apart (a mixture's; none otherwise)."""
+        return {}
 
     def global_batch_arrays(self, step: int, sharding: NamedSharding) -> dict[str, jax.Array]:
         """The global batch of ``step`` as sharded arrays, each process supplying its own rows."""
@@ -153,25 +176,47 @@ class Batches(Loader):
 
 
 class PackedSequences:
-    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream."""
+    """Random access to sequence ``i`` = ``tokens[i·L : i·L + L + 1]`` of a packed token stream, stacked
+    ``[3, L + 1]`` with whether each token is trained as a target (``trained``: a prompt's are not) and its
+    position.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    Concatenated (``starts`` None) the positions are ``0 .. L``. With the documents' ``starts`` (their
+    offsets, then the stream's length: ``data.documents``) each token's position is its place in its
+    document, restarting at 0 where one starts (where :meth:`Loader.rows` leaves the target untrained: it
+    would be predicted from the document before).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, trained: np.ndarray | None = None,
+                 starts: np.ndarray | None = None):
         self.tokens = tokens
         self.seq_len = seq_len
+        self.trained = trained
+        self.starts = starts
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
 
     def __getitem__(self, index: int) -> np.ndarray:
-        start = index * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], np.int32)
+        window = slice(index * self.seq_len, (index + 1) * self.seq_len + 1)
+        tokens = np.asarray(self.tokens[window], np.int32)
+        trained = np.ones_like(tokens) if self.trained is None else np.asarray(self.trained[window], np.int32)
+        positions = np.arange(len(tokens), dtype=np.int32)
+        if self.starts is not None:
+            offsets = positions + window.start
+            first = self.starts[np.searchsorted(self.starts, offsets, side="right") - 1]
+            positions = (offsets - first).astype(np.int32)
+        return np.stack([tokens, trained, positions])
 
 
 class PackedBatches(Loader):
     """Packed documents of a ``prepare-data`` split; shuffled per epoch with ``seed``, in order without."""
 
-    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict):
-        sequences = PackedSequences(tokens, seq_len)
+    def __init__(self, tokens: np.ndarray, global_batch: int, seq_len: int, seed: int | None, identity: dict,
+                 trained: np.ndarray | None = None, starts: np.ndarray | None = None, first_fit: bool = False):
+        if first_fit:  # whole documents, padded (jaxscale/packing.py)
+            sequences = PackedBins(tokens, seq_len, trained, starts, identity.get("split", "train"))
+        else:
+            sequences = PackedSequences(tokens, seq_len, trained, starts)
         if len(sequences) == 0:
             raise ConfigError(f"train.seq_len ({seq_len}) is longer than the data ({len(tokens)} tokens)")
         super().__init__(global_batch, seq_len, {**identity, "seed": seed, "sequences": len(sequences)})
@@ -190,6 +235,7 @@ class PackedBatches(Loader):
 def make_loader(config: Config, split: str = "train", order: np.ndarray | None = None) -> Loader:
     """The loader of ``split`` (``train``, or ``eval``: the held-out data) for ``config.data``, rows in ``order``."""
     loader = _loader(config, split)
+    loader.boundary_targets = config.data.boundary_targets
     if order is not None:
         loader.order = np.asarray(order, np.int32)
     return loader
@@ -203,16 +249,22 @@ def _loader(config: Config, split: str) -> Loader:
         if split == "train":
             return Batches(train, t.global_batch, t.seq_len, t.seed, identity)
         return Batches(held_out, t.global_batch, t.seq_len, t.seed, {**identity, "split": split})
-    tokens = check_data(config)
-    identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"]}
-    if split == "train":
-        return PackedBatches(tokens.tokens("train"), t.global_batch, t.seq_len, t.seed, identity)
-    return PackedBatches(tokens.tokens("val"), t.global_batch, t.seq_len, None, {**identity, "split": split})
+    if d.mixture:
+        from jaxscale.mixture import mixture_loader  # it builds on this module's loaders
+
+        return mixture_loader(config, split)
+    tokens = open_tokens(config, d.path, "data.path")
+    identity = {"source": "tokens", "fingerprint": tokens.meta["fingerprint"],
+                **({"documents": True} if d.documents else {}), **({"packing": d.packing} if d.documents else {})}
+    which, seed = ("train", t.seed) if split == "train" else ("val", None)
+    return PackedBatches(tokens.tokens(which), t.global_batch, t.seq_len, seed,
+                         {**identity, **({} if split == "train" else {"split": split})}, tokens.mask(which),
+                         tokens.documents(which) if d.documents else None, d.packing == "first_fit")
 
 
 def check_data(config: Config) -> TokenDir | None:
-    """For ``data.source=tokens``: the prepared directory, checked against the model and sequence length;
-    for ``stdlib``: the byte counts against the sequence length."""
+    """For ``data.source=tokens``: the prepared directory (each of a mixture's, returning None), checked against
+    the model and sequence length; for ``stdlib``: the byte counts against the sequence length."""
     if config.data.source != "tokens":
         d, need = config.data, config.train.seq_len + 2  # a window of seq_len + 1 at one offset or more
         for key, count in (("data.max_bytes", d.max_bytes), ("data.eval_bytes", d.eval_bytes)):
@@ -220,13 +272,20 @@ def check_data(config: Config) -> TokenDir | None:
                 raise ConfigError(f"{key} ({count}) is too few bytes for train.seq_len={config.train.seq_len} "
                                   f"(at least {need})")
         return None
-    tokens = TokenDir.open(config.data.path)
+    for i, part in enumerate(config.data.mixture or []):
+        open_tokens(config, part.path, f"data.mixture[{i}].path")
+    return None if config.data.mixture else open_tokens(config, config.data.path, "data.path")
+
+
+def open_tokens(config: Config, path: str, key: str) -> TokenDir:
+    """The token directory of ``path`` (the config key ``key``; a raw source is prepared next to it first),
+    checked against the model and sequence length."""
+    tokens = TokenDir.open(token_dir(path, config.data, jax.process_count(), key))
     splits = ("train", "val") if config.train.eval_every else ("train",)
     check_files(tokens, splits)
     if tokens.vocab_size > config.model.vocab_size:
         raise ConfigError(
-            f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of "
-            f"data.path={config.data.path}"
+            f"model.vocab_size ({config.model.vocab_size}) is below the {tokens.vocab_size} tokens of {key}={path}"
         )
     top = largest_token_id(tokens, splits)
     if top >= config.model.vocab_size:
@@ -238,9 +297,11 @@ def check_data(config: Config) -> TokenDir | None:
         count = tokens.meta["splits"][split]["tokens"]
         if count <= config.train.seq_len:
             raise ConfigError(
-                f"data.path: the {split} split of {tokens.path} has {count} tokens, too few for "
+                f"{key}: the {split} split of {tokens.path} has {count} tokens, too few for "
                 f"train.seq_len={config.train.seq_len}"
             )
+        if config.data.packing == "first_fit":
+            check_lengths(tokens.documents(split), config.train.seq_len, f"the {split} split of {key}={path}")
     return tokens
 
 
@@ -272,13 +333,16 @@ def check_files(tokens: TokenDir, splits: tuple[str, ...]) -> None:
         raise ConfigError(f"{where} is not a prepare-data meta.json (bad or missing {e})") from e
     if dtype not in TOKEN_DTYPES:
         raise ConfigError(f"{where}: dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
-    for split, count in counts.items():
-        path = tokens.path / f"{split}.bin"
+    files = [(f"{split}.bin", count, dtype) for split, count in counts.items()]
+    if tokens.meta.get("masked"):
+        files += [(f"{split}.mask.bin", count, "uint8") for split, count in counts.items()]
+    for name, count, kind in files:
+        path = tokens.path / name
         size = path.stat().st_size if path.is_file() else None
-        want = count * np.dtype(dtype).itemsize
+        want = count * np.dtype(kind).itemsize
         if size != want:
             have = "is missing" if size is None else f"has {size} bytes"
-            raise ConfigError(f"data.path: {path} {have}, meta.json says {count} {dtype} tokens ({want} bytes): "
+            raise ConfigError(f"data.path: {path} {have}, meta.json says {count} {kind} tokens ({want} bytes): "
                               "truncated or not from this prepare-data run")
 
 

@@ -6,7 +6,8 @@ halved for the causal mask. Ψ_matmul counts the weights used in matmuls (the
 embedding table only when tied to the output head); for a mixture of experts,
 only the active ones: the router, ``top_k`` experts and the shared experts of
 each MoE layer. MFU divides achieved model FLOP/s by the device's peak;
-recomputation is not counted.
+recomputation is not counted. A model without a formula (docs/models.md) is counted
+from its compiled step instead (:func:`compiled_flops`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x matmul parameters + causal attention."""
     c = config
     return 6.0 * param_count(c)["matmul"] + 6.0 * c.layers * seq_len * c.heads * c.head_dim
+
+
+def compiled_flops(compiled: Any) -> float:
+    """FLOPs of one device's program of a compiled jax function, as XLA counts them (``cost_analysis``):
+    every operation it runs, recomputation and the optimizer's update included."""
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0))
 
 
 def peak_flops(device: Any, override: float | None = None) -> float:

@@ -1,171 +1,311 @@
-"""FP8 matmuls: e4m3 inputs and weights, e5m2 gradients, per-tensor scales (``precision.fp8``).
+"""FP8 projections: float8 arrays handed to ``lax.dot_general``, forward and backward (``precision.fp8``).
 
 What is quantized: the projections of every block, q/k/v/o of attention and
-gate/up/down of the MLP (the shared expert's too). Each matmul ``y = x · w``
-becomes ``y = qdq(x) · qdq(w)`` in the forward, where ``qdq`` quantizes to
-float8 e4m3 (largest value 448) and dequantizes; in the backward the
-gradient arriving at ``y`` is quantized to e5m2 (range to 57344, fewer
-mantissa bits) before it meets ``w`` and ``x``. The gradient that leaves
-``qdq`` is passed straight through. The embedding, the LM head, the MoE
-router and the routed experts stay in ``model.dtype``: the head and the
-router are small and sensitive, the experts' ragged matmuls have no fp8
-path here. Master weights, gradients and Adam's moments stay fp32
-(:mod:`jaxscale.optim`).
+gate/up/down of the MLP (the shared expert's too). The embedding, the MoE
+router and the routed experts stay in ``model.dtype``; so does the LM head
+unless ``precision.fp8_head`` (the head and the router are small and
+sensitive; the experts' ragged matmuls have no fp8 path here). Master
+weights, gradients and Adam's moments stay fp32 (:mod:`jaxscale.optim`).
 
-Scaling recipe (per tensor, as Transformer Engine and flax's ``fp8_ops``):
-a tensor ``x`` of format ``F`` is stored as ``clip(x / s, ±max_F)`` cast to
-``F``, and read back as that times ``s``, where ``s = amax · 2^margin /
-max_F``. ``current`` takes ``amax = max|x|`` of the tensor itself (one more
-reduction over it, before the cast); ``delayed`` takes the largest of the
-last ``precision.amax_history`` steps' amaxes, so the cast does not wait
-for a reduction over the tensor it casts (only at the first step, with an
-empty history, does it fall back to the tensor's own amax, in a
-``lax.cond`` branch). The history takes this step's amax for the next
-steps. ``precision.margin`` halves the range per unit, headroom for growth
-between steps. Scales are computed in fp32.
+One ``custom_vjp`` per projection ``y = x · w`` (:func:`einsum`):
 
-State: one amax history (fp32, newest first, ``amax_history`` long) per
-quantized tensor: an :class:`Fp8Meta` variable of the module
-(:class:`Fp8`), stacked with the blocks (``[layers, amax_history]``). The
-trainer splits it from the parameters (``TrainState.fp8``, replicated,
-checkpointed with the state, never seen by the optimizer). It is updated
-the way flax's fp8 ops do it: the quantizers are ``custom_vjp`` functions
-whose backward returns, as the "gradient" of the history, the history with
-this step's amax pushed in; the train step differentiates the loss with
-respect to the histories too and takes that as their new value. Forward
-amaxes (inputs, weights) and backward ones (gradients) then come out of the
-same ``jax.grad``, through the layer scan and remat. Under gradient
-accumulation the microbatches' histories are combined with a maximum.
+- forward: ``dot_general(q_x, q_w)`` on e4m3 operands (largest value 448),
+  accumulated in fp32, times the product of the two fp32 scalar scales, then
+  cast to the compute dtype;
+- backward: the gradient ``g`` arriving at ``y`` quantized to e5m2 (range to
+  57344, fewer mantissa bits), then ``dx = dot(q_g, q_w)`` and
+  ``dw = dot(q_x, q_g)``: e5m2 against e4m3, never e5m2 x e5m2 (cuBLASLt has
+  no such kernel). The weight gradient leaves the matmul in fp32 and is cast
+  once to the weight's dtype (fp32 with an fp32 compute copy).
+- residuals: the e4m3 operands themselves (1 byte an element), the activation
+  one named :data:`RESIDUAL` so that ``model.remat: save_named`` can keep it.
 
-Sharding: the quantizers run in the partitioned (automatic) part of the
-program, outside the sequence-parallel ``shard_map`` (the dequantized values
-go in), so ``max|x|`` of a sharded tensor is the partitioner's global
-reduction (an all-reduce of one scalar) and every layout quantizes as one
-device. Pipeline parallelism is refused (:meth:`jaxscale.layout.Layout.validate`):
-a stage applies each layer to several microbatches, and the "gradients" of its
-history would be summed.
+This is the form XLA's GPU GEMM rewriter takes without pattern matching a
+dequantization (``MatchFp8Param``: an operand that is itself f8 matches
+directly; a multiply of the fp8 GEMM's output by a broadcast scalar is taken
+into the call as its output scale, ``F8ScaleD``): ``__cublas$lt$matmul$f8``
+on Hopper and later. On CPU XLA computes the dot in a wider type (the
+numerics are fp8's, the speed is not).
 
-Where it pays: on Hopper (H100/H200) and later GPUs, where XLA rewrites
-``convert -> scale -> dot`` into a cuBLASLt fp8 GEMM at twice the bf16 peak,
-and on TPU v5p and v6e, whose MXUs take fp8 (or int8) inputs. On CPU (and
-on older GPUs) XLA converts to fp8 and back and multiplies in the wider
-type: the numerics are those of fp8 training, the speed is not (the extra
-converts and reductions make it slower than bf16).
+Scaling recipe (per tensor, as Transformer Engine): ``x`` of format ``F`` is
+stored as ``clip(x / s, ±max_F)`` cast to ``F`` and read as that times ``s``,
+``s = amax · 2^margin / max_F``. ``current`` takes ``amax = max|x|``;
+``delayed`` the largest of the last ``precision.amax_history`` steps'
+amaxes, or the tensor's own while the history is empty (a ``jnp.where``:
+nothing in the step branches). Scales are fp32 scalars. ``blockwise`` is
+DeepSeek-V3's recipe (:mod:`jaxscale.fp8_blockwise`).
+
+Weights are quantized once per forward (per step; per microbatch under
+``train.microbatches``), before the layer scan (:func:`prepare`): the layers
+get their e4m3 copy and scale as scanned inputs, so the remat recompute does
+not quantize them again, and FSDP gathers the e4m3 copy (XLA:CPU widens it to
+f16 for the collective; the tiny model under ``zero3``: every weight gather
+2 bytes an element where bf16 compute gathers fp32 on CPU).
+An activation read by several projections (q, k and v read the same input) is
+quantized once; the first projection updates its history.
+
+State: one amax history (fp32, newest first) per quantized tensor, an
+:class:`Fp8Meta` variable of the module (:class:`Fp8`), stacked with the
+blocks (``[layers, amax_history]``). The trainer splits it from the
+parameters (``TrainState.fp8``, replicated, checkpointed, never seen by the
+optimizer) and differentiates the loss with respect to it too: the
+projection's backward returns, as the "gradient" of each history, the
+history with this step's amax pushed in, and the train step takes that as
+the new value (flax's fp8 ops do the same). Under gradient accumulation the
+microbatches' histories are combined with a maximum.
+
+Sharding: inputs and weights are quantized in the partitioned program, so
+their amax is the partitioner's global reduction; inside a sequence-parallel
+``shard_map`` the f8 arrays are what is gathered, and the output gradient's
+amax is a ``pmax`` over the axes it varies over: every layout quantizes as
+one device. Pipeline parallelism and collective matmuls are refused
+(:meth:`jaxscale.layout.Layout.validate`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import ConfigError, PrecisionConfig
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
+RESIDUAL = "fp8_input"  # the checkpoint_name of a projection's e4m3 input
 
 
 class Fp8Meta(nnx.Variable):
     """The amax history of one quantized tensor (newest first): fp8 scaling state, not a parameter."""
 
 
+class Fp8Weight(nnx.Variable):
+    """A weight's e4m3 copy for this step (:func:`prepare`): made inside the step, never saved."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """How scales are chosen: ``delayed`` (amax history) or ``current`` (the tensor's own amax)."""
+    """How scales are chosen: ``delayed`` (amax history), ``current`` (the tensor's amax), ``blockwise``."""
 
-    delayed: bool
+    mode: str
     margin: int
+    block: int = 128
+
+    @property
+    def delayed(self) -> bool:
+        return self.mode == "delayed"
+
+
+class Quantized(NamedTuple):
+    """A tensor in float8: the values, the scale that reads them back, and the tensor's amax (fp32)."""
+
+    q: jax.Array
+    scale: jax.Array
+    amax: jax.Array
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["value", "quantized", "history", "grad_history"],
+    meta_fields=["recipe"],
+)
+@dataclasses.dataclass(frozen=True)
+class Operand:
+    """A projection operand on its way into fp8: ``value`` in the compute dtype (whose gradient the projection
+    returns), its e4m3 form (None: quantized inside the projection, ``blockwise``), its amax history (None:
+    another projection updates it) and, for a weight, the history of the output gradient's amax."""
+
+    value: jax.Array
+    quantized: Quantized | None
+    history: jax.Array | None
+    grad_history: jax.Array | None
+    recipe: Recipe
+
+    def replace(self, **changes: Any) -> Operand:
+        return dataclasses.replace(self, **changes)
 
 
 def _amax(x: jax.Array) -> jax.Array:
-    return jnp.max(jnp.abs(x)).astype(jnp.float32)
+    """``max|x|`` in fp32, over every device that holds a part of ``x`` (a ``pmax`` inside a ``shard_map``)."""
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    axes = tuple(sorted(jax.typeof(x).mat.varying))
+    return lax.pmax(amax, axes) if axes else amax
 
 
-def _push(history: jax.Array, amax: jax.Array) -> jax.Array:
-    """The history with ``amax`` as its newest entry and the oldest dropped."""
-    return jnp.roll(history, 1).at[0].set(amax)
+def pushed(history: jax.Array | None, amax: jax.Array) -> jax.Array | None:
+    """The history with ``amax`` as its newest entry and the oldest dropped (None: no history to update)."""
+    return None if history is None else jnp.roll(history, 1).at[0].set(amax)
 
 
-def scale(history: jax.Array, x: jax.Array, fmt: Any, recipe: Recipe) -> jax.Array:
-    """The dequantization scale ``s`` of ``x``: ``amax · 2^margin`` maps to the largest finite value of ``fmt``."""
+def scale_of(amax: jax.Array, fmt: Any, margin: int) -> jax.Array:
+    """The scale mapping ``amax · 2^margin`` to the largest value of ``fmt`` (1 where amax is 0 or not finite)."""
+    s = amax * 2.0**margin / float(jnp.finfo(fmt).max)
+    return jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0)
 
-    def of(amax: jax.Array) -> jax.Array:
-        s = amax * 2.0**recipe.margin / float(jnp.finfo(fmt).max)
-        return jnp.where(jnp.isfinite(s) & (s > 0), s, 1.0)
 
+def scale(history: jax.Array, amax: jax.Array, fmt: Any, recipe: Recipe) -> jax.Array:
+    """The dequantization scale of a tensor of amax ``amax``: from the history (``delayed``, once it holds an
+    amax) or from ``amax``. A select, not a branch."""
     if not recipe.delayed:
-        return of(_amax(x))
+        return scale_of(amax, fmt, recipe.margin)
     past = jnp.max(history)
-    # A branch, not a select: once there is a history, the scale does not wait for max|x|.
-    return lax.cond(past > 0, lambda: of(past), lambda: of(_amax(x)))
+    return jnp.where(past > 0, scale_of(past, fmt, recipe.margin), scale_of(amax, fmt, recipe.margin))
 
 
-def qdq(x: jax.Array, s: jax.Array, fmt: Any) -> jax.Array:
-    """``x`` quantized to ``fmt`` with scale ``s`` (saturating) and read back in ``x``'s dtype."""
+def cast(x: jax.Array, s: jax.Array, fmt: Any) -> jax.Array:
+    """``x / s`` saturated to the range of ``fmt`` and cast to it."""
     top = float(jnp.finfo(fmt).max)
-    q = jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(fmt)
-    return (q.astype(jnp.float32) * s).astype(x.dtype)
+    return jnp.clip(x.astype(jnp.float32) / s, -top, top).astype(fmt)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def quantize(x: jax.Array, history: jax.Array, recipe: Recipe) -> jax.Array:
-    """A matmul operand in e4m3; the gradient of ``history`` is its update (``x``'s amax pushed in)."""
-    return qdq(x, scale(history, x, E4M3, recipe), E4M3)
+def quantize(x: jax.Array, history: jax.Array, fmt: Any, recipe: Recipe) -> Quantized:
+    """``x`` in ``fmt`` scaled per tensor by ``recipe`` (no gradient flows through it)."""
+    x = lax.stop_gradient(x)
+    amax = _amax(x)
+    s = scale(lax.stop_gradient(history), amax, fmt, recipe)
+    return Quantized(cast(x, s, fmt), s, amax)
 
 
-def _quantize_fwd(x: jax.Array, history: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
-    return qdq(x, scale(history, x, E4M3, recipe), E4M3), _push(history, _amax(x))
+def letters(equation: str) -> tuple[str, str, str]:
+    """The operand and output subscripts of a two-operand einsum equation."""
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    return lhs, rhs, out
 
 
-def _quantize_bwd(recipe: Recipe, new_history: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return g, new_history
+def dot(equation: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(equation, a, b)`` as one ``lax.dot_general`` of ``a`` and ``b`` as they are (float8 included, of
+    two formats too: no promotion), accumulated and returned in fp32."""
+    lhs, rhs, out = letters(equation)
+    shared = [c for c in lhs if c in rhs]
+    if any(c not in out and c not in shared for c in lhs + rhs):
+        raise ValueError(f"fp8 einsum {equation!r}: a letter summed over in one operand only")
+    contract, batch = [c for c in shared if c not in out], [c for c in shared if c in out]
+    dims = (
+        (tuple(lhs.index(c) for c in contract), tuple(rhs.index(c) for c in contract)),
+        (tuple(lhs.index(c) for c in batch), tuple(rhs.index(c) for c in batch)),
+    )
+    y = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    order = batch + [c for c in lhs if c not in rhs] + [c for c in rhs if c not in lhs]
+    return jnp.transpose(y, [order.index(c) for c in out])
 
 
-quantize.defvjp(_quantize_fwd, _quantize_bwd)
+class _Static(NamedTuple):
+    equation: str
+    recipe: Recipe
+    x_dtype: Any
+    w_dtype: Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def quantize_grad(y: jax.Array, history: jax.Array, recipe: Recipe) -> jax.Array:
-    """Identity on a matmul's output; its gradient is quantized to e5m2 and its amax pushed into ``history``."""
-    return y
+def einsum(equation: str, x: Operand, w: Operand) -> jax.Array:
+    """``einsum(equation, x, w)`` of an activation and a weight quantized per tensor, in ``x``'s dtype."""
+    return _einsum(_Static(equation, x.recipe, jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)), x, w)
 
 
-def _quantize_grad_fwd(y: jax.Array, history: jax.Array, recipe: Recipe) -> tuple[jax.Array, jax.Array]:
-    return y, history
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _einsum(static: _Static, x: Operand, w: Operand) -> jax.Array:
+    return _forward(static, x, w)[0]
 
 
-def _quantize_grad_bwd(recipe: Recipe, history: jax.Array, g: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return qdq(g, scale(history, g, E5M2, recipe), E5M2), _push(history, _amax(g))
+def _forward(static: _Static, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
+    qx, qw = x.quantized, w.quantized
+    y = dot(static.equation, qx.q, qw.q) * (qx.scale * qw.scale)
+    return y.astype(static.x_dtype), (qx, qw, x.history, w.history, w.grad_history)
 
 
-quantize_grad.defvjp(_quantize_grad_fwd, _quantize_grad_bwd)
+def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand]:
+    qx, qw, x_history, w_history, g_history = saved
+    recipe = static.recipe
+    lhs, rhs, out = letters(static.equation)
+    qg = quantize(g, g_history, E5M2, recipe)
+    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * (qg.scale * qw.scale)
+    dw = dot(f"{lhs},{out}->{rhs}", qx.q, qg.q) * (qx.scale * qg.scale)
+    summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
+    if summed:  # inside a shard_map: the partial weight gradients of the devices x is split over, in fp32
+        dw = lax.psum(dw, summed)
+
+    none = Quantized(None, None, None)
+    dx_op = Operand(dx.astype(static.x_dtype), none, pushed(x_history, qx.amax), None, recipe)
+    dw_op = Operand(dw.astype(static.w_dtype), none, pushed(w_history, qw.amax), pushed(g_history, qg.amax), recipe)
+    return dx_op, dw_op
+
+
+_einsum.defvjp(_forward, _backward)
 
 
 class Fp8(nnx.Module):
-    """The fp8 state of one module's matmuls: an amax history per named operand and per output gradient.
+    """The fp8 state of one module's projections: an amax history per input, per weight and per weight's output.
 
-    With ``fp8: off`` it holds nothing and both methods return their input.
+    ``inputs``: the activations' names; ``weights``: each weight's attribute name on the owning module
+    mapped to its output's name. With ``fp8: off`` it holds nothing and hands back plain arrays.
     """
 
-    def __init__(self, precision: PrecisionConfig, operands: Sequence[str], outputs: Sequence[str]):
+    def __init__(self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str]):
         on = precision.fp8 != "off"
-        self.recipe = Recipe(precision.fp8 == "delayed", precision.margin) if on else None
-        for name in (*operands, *outputs) if on else ():
+        self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block) if on else None
+        self.weights = dict(weights)
+        for name in (*inputs, *weights, *weights.values()) if on else ():
             setattr(self, name, Fp8Meta(jnp.zeros((precision.amax_history,), jnp.float32), out_sharding=(None,)))
 
-    def __call__(self, name: str, x: jax.Array) -> jax.Array:
-        """Operand ``name`` of a matmul (an activation or a weight), through e4m3."""
-        return x if self.recipe is None else quantize(x, getattr(self, name)[...], self.recipe)
+    @property
+    def per_tensor(self) -> bool:
+        return self.recipe is not None and self.recipe.mode != "blockwise"
 
-    def grad(self, name: str, y: jax.Array) -> jax.Array:
-        """Output ``name`` of a matmul, whose gradient goes through e5m2."""
-        return y if self.recipe is None else quantize_grad(y, getattr(self, name)[...], self.recipe)
+    def input(self, name: str, x: jax.Array) -> jax.Array | Operand:
+        """Activation ``name``, the input of one or more projections (e4m3; its history updated once)."""
+        if self.recipe is None:
+            return x
+        history = getattr(self, name)[...]
+        if not self.per_tensor:
+            return Operand(x, None, history, None, self.recipe)
+        q = quantize(x, history, E4M3, self.recipe)
+        return Operand(x, q._replace(q=checkpoint_name(q.q, RESIDUAL)), history, None, self.recipe)
+
+    def weight(self, name: str, w: jax.Array) -> jax.Array | Operand:
+        """Weight ``name`` (the module's attribute) in the compute dtype: its e4m3 copy made by :meth:`prepare`,
+        or made here where there is none."""
+        if self.recipe is None:
+            return w
+        history, grad_history = getattr(self, name)[...], getattr(self, self.weights[name])[...]
+        cached = getattr(self, f"{name}_e4m3", None)
+        if not self.per_tensor:
+            q = None
+        else:
+            q = cached.get_value() if cached is not None else quantize(w, history, E4M3, self.recipe)
+        return Operand(w, q, history, grad_history, self.recipe)
+
+    def prepare(self, weights: Mapping[str, jax.Array]) -> None:
+        """Quantize ``weights`` (stacked like the histories: ``[layers, ...]``) for :meth:`weight`."""
+        if not self.per_tensor:
+            return
+        for name, w in weights.items():
+            history = getattr(self, name)[...]
+            fn = functools.partial(quantize, fmt=E4M3, recipe=self.recipe)
+            for _ in range(history.ndim - 1):  # one quantization per layer of the stack
+                fn = jax.vmap(fn)
+            setattr(self, f"{name}_e4m3", Fp8Weight(fn(w, history)))
+
+
+def prepare(root: nnx.Module) -> None:
+    """Quantize every fp8 weight under ``root`` once, before the layers run: each module whose ``fp8`` is an
+    :class:`Fp8` has its weights (the attributes it names) quantized into it."""
+    owners = [m for _, m in nnx.iter_graph(root) if isinstance(getattr(m, "fp8", None), Fp8)]
+    for module in owners:
+        module.fp8.prepare({name: getattr(module, name)[...] for name in module.fp8.weights})
+
+
+def sharing(x: Any, n: int) -> list[Any]:
+    """``x`` for ``n`` projections that read it: its history (an fp8 input's) updated by the first only."""
+    if not isinstance(x, Operand):
+        return [x] * n
+    return [x] + [x.replace(history=None)] * (n - 1)
 
 
 def check_resume(saved: dict[str, Any], precision: PrecisionConfig, step: int) -> None:
@@ -176,7 +316,7 @@ def check_resume(saved: dict[str, Any], precision: PrecisionConfig, step: int) -
         raise ConfigError(
             f"resume: checkpoint step {step} has precision.fp8={old['fp8']} with amax_history="
             f"{old['amax_history']}, the config has precision.fp8={precision.fp8} with "
-            f"amax_history={precision.amax_history} (switching between delayed and current is fine)"
+            f"amax_history={precision.amax_history} (switching between fp8 modes is fine)"
         )
 
 

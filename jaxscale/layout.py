@@ -300,6 +300,18 @@ class Layout:
                 f"put layers on {list(self.stage_axes)}): a stage reuses each layer's amax history for several "
                 "microbatches"
             )
+        if self.stage_axes and model.moe is not None and model.moe.balance != "off":
+            raise ConfigError(
+                f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
+                f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
+            )
+        if model.tp_overlap and config.precision.fp8 != "off":
+            raise ConfigError(
+                f"precision.fp8={config.precision.fp8}: not supported with model.tp_overlap (the collective "
+                "matmuls take bf16 operands)"
+            )
+        if config.precision.fp8_head and model.loss_chunk:
+            raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
         if self.pipelined:
             self._check_pipeline(config)
         self._check_stage_layers(config)

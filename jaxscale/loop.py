@@ -7,7 +7,8 @@ devices up. At a boundary (checkpoint, evaluation, SIGTERM, the end) the step
 just dispatched is read too, then:
 
 - evaluation (``train.eval_every``, and at the last step): the mean loss of
-  ``train.eval_steps`` held-out batches, logged as ``{"step", "eval_loss"}``;
+  ``train.eval_steps`` held-out batches, logged as ``{"step", "eval_loss"}`` (a mixture's sources each
+  apart too: ``eval_loss/<name>``; its training records carry ``share/<name>``, :mod:`jaxscale.mixture`);
 - checkpoint (``checkpoint.every``, and at the end): refused if any value of
   the state is not finite; asynchronous, training goes on while it is written.
   Its ``{"step", "checkpoint"}`` record is logged once the save is committed
@@ -63,7 +64,6 @@ from jaxscale.checkpoint import (
 )
 from jaxscale.config import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.data import Loader
-from jaxscale.models import moe
 
 TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
 
@@ -77,6 +77,7 @@ class Trainer(Protocol):
     eval_batches: Loader
     batch_sharding: jax.sharding.NamedSharding
     compiled_guarded_step: tuple[Any, float]
+    flops_per_step: float
     jit_eval_loss: Any
 
     def abstract_state(self) -> TrainState: ...
@@ -132,11 +133,15 @@ def _fit(
                 checkpointer.close()
 
 
-def evaluate(trainer: Trainer, params: Any, fp8_state: Any = None) -> float:
-    """Mean loss over the first ``train.eval_steps`` batches of the held-out data (fp8 scaled by
-    ``fp8_state``'s histories; None: a fresh start's)."""
+def evaluate(
+    trainer: Trainer, params: Any, fp8_state: Any = None, bias: Any = None, loader: Loader | None = None
+) -> float:
+    """Mean loss over the first ``train.eval_steps`` batches of the held-out data (of ``loader``; None: the
+    trainer's ``eval_batches``), fp8 scaled by ``fp8_state``'s histories, experts chosen with the routing
+    biases ``bias`` (None: a fresh start's)."""
+    loader = trainer.eval_batches if loader is None else loader
     losses = [
-        trainer.jit_eval_loss(params, trainer.eval_batches.global_batch_arrays(k, trainer.batch_sharding), fp8_state)
+        trainer.jit_eval_loss(params, loader.global_batch_arrays(k, trainer.batch_sharding), fp8_state, bias)
         for k in range(trainer.config.train.eval_steps)
     ]
     return float(np.mean(jax.device_get(losses)))
@@ -194,13 +199,13 @@ class _Run:
         self.first, self.last = first, last
         self.fresh = False  # started from the run's own initial (or init_from) parameters
         self.tokens_per_step = t.global_batch * t.seq_len
-        self.flops_per_step = flops.flops_per_token(c.model, t.seq_len) * self.tokens_per_step
         self.peak = flops.peak_flops(trainer.mesh.devices.flat[0], t.peak_flops) * trainer.mesh.size
         resume_step = first if resumed else None
         self.logger = metrics_lib.MetricsLogger(
             c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard
         )
         self.step_fn, self.compile_s = trainer.compiled_guarded_step
+        self.flops_per_step = trainer.flops_per_step
         self.mark(first)
 
     def mark(self, step: int) -> None:
@@ -270,7 +275,6 @@ class _Run:
             "step": step,
             "loss": float(out["loss"]),
             "grad_norm": float(out["grad_norm"]),
-            "lr": float(out["lr"]),
             "skipped_updates": self.skipped,
             "tokens_per_sec": self.tokens_per_step / step_time,
             "step_time_s": step_time,
@@ -278,7 +282,9 @@ class _Run:
             "mfu": self.flops_per_step / step_time / self.peak,
             "memory_bytes": metrics_lib.device_memory_in_use(),
             "compile_s": self.compile_s,
-            **{k: float(out[k]) for k in moe.METRICS if k in out},
+            **{k: np.asarray(v).tolist() if np.ndim(v) else float(v)  # MoE load: a list, one per MoE layer
+               for k, v in out.items() if k not in ("loss", "grad_norm", "finite")},
+            **self.trainer.batches.metrics(self.last_step, step + 1),
         })
         self.last_time, self.last_step = now, step + 1
 
@@ -298,8 +304,10 @@ class _Run:
 
     def evaluate(self, done: int, state: TrainState) -> None:
         start = time.perf_counter()
-        loss = evaluate(self.trainer, state.params, state.fp8)
-        self.logger.log({"step": done, "eval_loss": loss, "eval_s": time.perf_counter() - start})
+        loss = evaluate(self.trainer, state.params, state.fp8, state.balance)
+        parts = {f"eval_loss/{name}": evaluate(self.trainer, state.params, state.fp8, state.balance, loader)
+                 for name, loader in self.trainer.eval_batches.by_source().items()}
+        self.logger.log({"step": done, "eval_loss": loss, **parts, "eval_s": time.perf_counter() - start})
         self.mark(done)
 
     def save(self, done: int, state: TrainState) -> None:

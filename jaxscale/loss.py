@@ -1,4 +1,12 @@
-"""Chunked ("fused linear") cross-entropy: the loss from the final hidden states and the head weight.
+"""Cross-entropy, plain and chunked ("fused linear": from the final hidden states and the head weight).
+
+**Loss masks**: a negative target (:data:`jaxscale.data.IGNORE`: a prompt's token) is not trained. The
+loss is the mean over the trained targets of the whole global batch: their summed cross-entropy divided
+by their count. Across data shards that holds as written: the step is one global computation, the sum
+and the count are over every shard's rows (XLA's all-reduces). Across ``train.microbatches`` the trainer
+weighs microbatch ``i``'s mean by ``n_i / N`` (its trained targets over the global batch's,
+:func:`microbatch_weights`), and a pipeline's microbatches are weighed the same way, so accumulation
+gives the loss and gradients of the whole batch at once. A batch with no trained target has loss 0.
 
 The plain loss (:func:`cross_entropy`) takes logits
 ``[batch, length, vocab]``: the head matmul's output in the compute dtype,
@@ -53,7 +61,6 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.layout import TOKENS
-from jaxscale.models import moe
 from jaxscale.models.axes import HIDDEN, LOGITS
 from jaxscale.parallel import pipeline
 from jaxscale.sharding import active, constrain, spec
@@ -85,8 +92,14 @@ def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
 
 
+def trained_count(targets: jax.Array) -> jax.Array:
+    """How many of ``targets`` are trained (not ``IGNORE``, negative), at least 1: the loss's divisor, fp32."""
+    return jnp.maximum(jnp.sum(targets >= 0, dtype=jnp.float32), 1.0)
+
+
 def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Mean loss and the log-sum-exp of every token, chunked as :func:`_chunks`; ``w`` gathered (``HEAD``)."""
+    """Mean loss over the trained targets and the log-sum-exp of every token, chunked as :func:`_chunks`;
+    ``w`` gathered (``HEAD``)."""
 
     def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
         h, t = xs
@@ -95,7 +108,15 @@ def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) ->
         return None, (jax.nn.logsumexp(logits, axis=-1), picked)
 
     _, (lse, picked) = jax.lax.scan(body, None, (_chunks(hidden, chunk), _chunks(targets, chunk)))
-    return (jnp.sum(lse) - jnp.sum(picked)) / targets.size, lse
+    trained = _chunks(targets, chunk) >= 0
+    return jnp.sum(jnp.where(trained, lse - picked, 0.0)) / trained_count(targets), lse
+
+
+def microbatch_weights(targets: jax.Array) -> jax.Array:
+    """``n_i / N`` of each microbatch ``i`` of ``targets`` [microbatches, rows, length]: its trained targets
+    over all of them (the weights that make the microbatches' means the global batch's mean)."""
+    counts = jnp.sum(targets >= 0, axis=tuple(range(1, targets.ndim)), dtype=jnp.float32)
+    return counts / jnp.maximum(jnp.sum(counts), 1.0)
 
 
 def _batch_shards() -> int:
@@ -117,7 +138,7 @@ def _cross_entropy_fwd(hidden: jax.Array, w: jax.Array, targets: jax.Array, chun
 
 def _cross_entropy_bwd(chunk: int, residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
     hidden, w, targets, lse = residuals
-    scale = g / targets.size
+    scale = g / trained_count(targets)
     shards = _batch_shards()
 
     def by_shard(x: jax.Array) -> jax.Array:
@@ -127,7 +148,8 @@ def _cross_entropy_bwd(chunk: int, residuals: Any, g: jax.Array) -> tuple[jax.Ar
         h, t, chunk_lse = xs
         h = constrain(h, HIDDEN)
         logits = _logits(h, w)
-        dlogits = (jnp.exp(logits - chunk_lse[..., None]) - _is_target(logits, t)) * scale
+        weight = jnp.where(t >= 0, scale, 0.0)[..., None]  # an IGNORE target has no gradient
+        dlogits = (jnp.exp(logits - chunk_lse[..., None]) - _is_target(logits, t)) * weight
         dlogits = constrain(dlogits.astype(w.dtype), LOGITS)
         dh = jnp.einsum("bcv,ev->bce", dlogits, w, preferred_element_type=jnp.float32)
         # Each batch shard's partial head gradient, summed over the shards once after the loop.
@@ -172,8 +194,8 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
     """Mean cross-entropy of ``hidden @ w`` against ``targets``, ``chunk`` tokens of each sequence at a time.
 
     ``hidden`` [batch, length, embed] and ``w`` [embed, vocab] in the compute dtype, ``targets``
-    [batch, length] integers; ``chunk`` must divide ``length``. Equal to
-    ``cross_entropy(hidden @ w, targets)`` in value and gradient (exactly so in fp32), without
+    [batch, length] integers (negative: not trained, as :func:`cross_entropy`); ``chunk`` must divide
+    ``length``. Equal to ``cross_entropy(hidden @ w, targets)`` in value and gradient (exactly so in fp32), without
     ever holding more than one ``[batch, chunk, vocab]`` block of logits.
     """
     s = hidden.shape[1]
@@ -184,41 +206,43 @@ def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, c
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy of ``logits`` [batch, length, vocab] against ``targets``, in fp32.
+    """Mean next-token cross-entropy of ``logits`` [batch, length, vocab] against ``targets``, in fp32,
+    over the trained targets (a negative target, :data:`jaxscale.data.IGNORE`, is left out: it adds
+    nothing and has no gradient).
 
     The target logit is picked by comparison with an iota, not gathered: its gradient is then a
     select, not a scatter (XLA cannot partition a scatter inside a pipeline's partly manual region).
     """
     logits = logits.astype(jnp.float32)
     picked = jnp.sum(jnp.where(_is_target(logits, targets), logits, 0.0), axis=-1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    per_token = jax.nn.logsumexp(logits, axis=-1) - picked
+    return jnp.sum(jnp.where(targets >= 0, per_token, 0.0)) / trained_count(targets)
 
 
 def head_cross_entropy(model: Any, x: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    """Mean cross-entropy of a :class:`jaxscale.models.llama.Llama`'s head on its final-normed hidden states
-    ``x``: chunked (:func:`chunked_cross_entropy`) when ``chunk`` > 0 (``model.loss_chunk``), else from the logits."""
+    """Mean cross-entropy of a richer-form model's head (:class:`jaxscale.models.contract.Staged`) on its
+    final-normed hidden states ``x``: chunked (:func:`chunked_cross_entropy`) when ``chunk`` > 0
+    (``model.loss_chunk``), else from the logits."""
     if chunk:
         return chunked_cross_entropy(x, model.head_weight(), targets, chunk)
     return cross_entropy(model.logits(x), targets)
 
 
-def model_cross_entropy(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The loss of a :class:`jaxscale.models.llama.Llama` on a batch, and its MoE metrics."""
-    hidden, aux = model.hidden(batch["inputs"], batch["positions"])
-    return head_cross_entropy(model, hidden, batch["targets"], chunk), aux
+def stage_head_loss(model: Any, y: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """A pipeline's last stage: final norm, head and mean cross-entropy of the stack's output ``y``."""
+    return head_cross_entropy(model, model.final_norm(y), targets, chunk)
 
 
 def model_objective(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The training objective (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics.
+    """The default training objective: mean cross-entropy plus the model's auxiliary losses, and its metrics.
 
-    Under pipeline parallelism the whole model runs in the pipeline's loop
-    (:func:`jaxscale.parallel.pipeline.objective`), the head and loss on the last stage.
+    Asks the model contract (docs/models.md): a model with ``hidden`` and ``logits`` (or, with ``chunk`` > 0,
+    ``head_weight``: the chunked loss) gives the hidden states and metrics, weighed by its ``aux_loss``.
+    Otherwise the model is called, ``model(tokens, positions)``, for its logits.
     """
-    if pipeline.stages() > 1:
-
-        def head_loss(m: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-            return head_cross_entropy(m, m.final_norm(y), targets, chunk)
-
-        return pipeline.objective(model, batch, head_loss)
-    ce, aux = model_cross_entropy(model, batch, chunk)
-    return ce + moe.aux_objective(aux, model.config), aux
+    tokens, positions, targets = batch["inputs"], batch["positions"], batch["targets"]
+    if not (hasattr(model, "hidden") and hasattr(model, "head_weight" if chunk else "logits")):
+        return cross_entropy(model(tokens, positions), targets), {}
+    hidden, metrics = model.hidden(tokens, positions)
+    aux = model.aux_loss(metrics) if hasattr(model, "aux_loss") else 0.0
+    return head_cross_entropy(model, hidden, targets, chunk) + aux, metrics

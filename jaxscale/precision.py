@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import dtypes
+from jaxscale import dtypes, fp8, fp8_blockwise
 from jaxscale.config import Config, ConfigError
 
 
@@ -88,9 +88,15 @@ def weight_grads(config: Config) -> jnp.dtype | None:
 WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves
 
 
-def einsum(equation: str, x: jax.Array, w: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+def einsum(
+    equation: str, x: jax.Array | fp8.Operand, w: jax.Array | fp8.Operand, grads: jnp.dtype | None = None
+) -> jax.Array:
     """``jnp.einsum(equation, x, w)`` of activations ``x`` and a weight ``w``, the weight's gradient matmul
     producing ``grads`` (:func:`weight_grads`; None: autodiff's einsum).
+
+    With fp8 operands (:class:`jaxscale.fp8.Operand`, ``precision.fp8`` on) the projection runs in fp8:
+    :func:`jaxscale.fp8.einsum` (per-tensor scales) or :func:`jaxscale.fp8_blockwise.einsum`; its weight
+    gradient leaves the matmul in fp32. Its output is named :data:`WEIGHT_DOT` as below.
 
     With ``grads``, a ``custom_vjp``: the input gradient as autodiff computes it, the weight gradient
     ``einsum(x, g, preferred_element_type=grads)``, summed over the mesh axes ``x`` varies over and
@@ -99,10 +105,13 @@ def einsum(equation: str, x: jax.Array, w: jax.Array, grads: jnp.dtype | None = 
     A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
     without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
     """
-    if grads is None:
-        return jnp.einsum(equation, x, w)
     lhs, rhs, out = _letters(equation)
-    y = _weight_einsum(equation, jnp.dtype(grads), x, w)
+    if isinstance(w, fp8.Operand):
+        y = (fp8.einsum if w.quantized is not None else fp8_blockwise.einsum)(equation, x, w)
+    elif grads is None:
+        return jnp.einsum(equation, x, w)
+    else:
+        y = _weight_einsum(equation, jnp.dtype(grads), x, w)
     return y if set(lhs) & set(rhs) & set(out) - {"."} else checkpoint_name(y, WEIGHT_DOT)
 
 

@@ -1,7 +1,9 @@
 """``jaxscale prepare-data``: text files -> a directory of memory-mapped tokens.
 
-Inputs are plain text files (one document each) or JSONL files (``.jsonl``:
-one document per line, its text in a string field, ``text`` by default). The
+Inputs are plain text files (one document each), JSONL files (``.jsonl``:
+one document per line, its text in a string field, ``text`` by default),
+Parquet or Arrow files and saved ``datasets`` directories (a row each, the same
+field: :mod:`jaxscale.sources`); or prompt/response records (:mod:`jaxscale.documents`). The
 tokenizer is either ``byte`` (built in: the UTF-8 bytes 0-255, end-of-document
 256) or a local Hugging Face ``tokenizer.json``, read by the ``tokenizers``
 package (nothing is downloaded). round(n x ``val_fraction``) of the n documents (at most
@@ -12,6 +14,8 @@ n - 1, so one input file works), those whose text hashes lowest, go to the ``val
     tokenizer.json     (Hugging Face tokenizers) a copy, so the directory decodes on its own
     {train,val}.bin    the tokens, uint16 (vocabulary <= 65536) or uint32, each document followed by eod
     {train,val}.docs.npy   int64 start offset of every document, then the split's length
+    {train,val}.mask.bin   (prompt/response records: ``masked`` in meta.json) uint8 per token, 1 where the
+                       token is trained as a target (the response and its eod), 0 for the prompt
 
 The directory is written under a temporary name beside ``--out`` and renamed when complete, so a
 preparation that fails or is interrupted leaves nothing half-written and no earlier directory
@@ -27,17 +31,17 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from jaxscale import documents
 from jaxscale.config import ConfigError
 
 SPLITS = ("train", "val")
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-ENCODE_BATCH = 512
 
 
 class Tokenizer(Protocol):
@@ -107,31 +111,6 @@ def make_tokenizer(spec: str, eod_token: str | None = None) -> Tokenizer:
     return HuggingFaceTokenizer(spec, eod_token)
 
 
-def read_documents(paths: Sequence[str | Path], text_field: str = "text") -> Iterator[str]:
-    """Documents in order: a whole plain-text file, or each line's ``text_field`` of a ``.jsonl`` file."""
-    for path in map(Path, paths):
-        try:
-            if path.suffix != ".jsonl":
-                yield path.read_text(encoding="utf-8")
-                continue
-            with path.open(encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ConfigError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-                    text = record.get(text_field) if isinstance(record, dict) else None
-                    if not isinstance(text, str):
-                        raise ConfigError(f"{path}:{lineno}: no string field '{text_field}' (set --text-field)")
-                    yield text
-        except FileNotFoundError as e:
-            raise ConfigError(f"input file not found: {path}") from e
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
-
-
 def document_hash(text: str) -> int:
     """A 64-bit hash of a document's text: what decides its split."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big")
@@ -148,25 +127,32 @@ def held_out_below(hashes: Sequence[int], val_fraction: float) -> int:
 class _SplitWriter:
     """Appends documents (each followed by eod) to ``<split>.bin`` and records their offsets."""
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, eod_id: int):
+    def __init__(self, out: Path, split: str, dtype: np.dtype, eod_id: int, masked: bool = False):
         self.path = out / f"{split}.bin"
         self.file = self.path.open("wb")
+        self.mask = (out / f"{split}.mask.bin").open("wb") if masked else None
         self.dtype, self.eod = dtype, np.array([eod_id], dtype)
         self.starts: list[int] = []
         self.length = 0
         self.max_id = eod_id
         self.hash = hashlib.sha256()
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, trained: np.ndarray | None = None) -> None:
         data = np.concatenate([ids.astype(self.dtype), self.eod]).tobytes()
         self.file.write(data)
         self.hash.update(data)
+        if self.mask is not None:  # the end-of-document token is trained
+            mask = np.concatenate([trained, [True]]).astype(np.uint8).tobytes()
+            self.mask.write(mask)
+            self.hash.update(mask)
         self.starts.append(self.length)
         self.length += len(ids) + 1
         self.max_id = max(self.max_id, int(ids.max()) if len(ids) else 0)
 
     def close(self, out: Path, split: str) -> dict[str, int]:
         self.file.close()
+        if self.mask is not None:
+            self.mask.close()
         np.save(out / f"{split}.docs.npy", np.array([*self.starts, self.length], np.int64))
         return {"tokens": self.length, "documents": len(self.starts)}
 
@@ -200,8 +186,11 @@ def prepare_data(
     val_fraction: float = 0.01,
     eod_token: str | None = None,
     overwrite: bool = False,
+    prompt_field: str | None = None,
+    response_field: str | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``inputs`` into ``out``; returns the metadata written to ``meta.json``.
+    """Tokenize ``inputs`` into ``out``; returns the metadata written to ``meta.json``. With ``prompt_field``
+    and ``response_field``, records are prompt/response pairs trained on the response (:mod:`jaxscale.documents`).
 
     Written into a temporary directory beside ``out`` and renamed at the end: a run that fails (bad
     input, a full disk, Ctrl-C) leaves ``out`` as it was. An ``out`` with contents is refused unless
@@ -215,7 +204,8 @@ def prepare_data(
     work = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         work.mkdir(parents=True)
-        meta = _write(inputs, work, tok, tokenizer, text_field, val_fraction)
+        fields = documents.Fields(text_field, prompt_field, response_field)
+        meta = _write(inputs, work, tok, tokenizer, fields, val_fraction)
         _install(work, out)
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write ({e.strerror or e}); {out} is as it was") from e
@@ -225,30 +215,20 @@ def prepare_data(
 
 
 def _write(
-    inputs: Sequence[str | Path], out: Path, tok: Tokenizer, tokenizer: str, text_field: str, val_fraction: float
+    inputs: Sequence[str | Path], out: Path, tok: Tokenizer, tokenizer: str, fields: documents.Fields,
+    val_fraction: float,
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into the empty directory ``out``; ``meta.json`` last."""
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
-    writers = {split: _SplitWriter(out, split, dtype, tok.eod_id) for split in SPLITS}
+    masked = fields.prompt is not None
+    writers = {split: _SplitWriter(out, split, dtype, tok.eod_id, masked) for split in SPLITS}
     count = 0
 
     # A first pass reads the documents for their hashes only: the held-out ones are chosen among all.
-    cutoff = held_out_below([document_hash(t) for t in read_documents(inputs, text_field) if t], val_fraction)
-
-    def flush(batch: list[str]) -> None:
-        nonlocal count
-        for text, ids in zip(batch, tok.encode_batch(batch), strict=True):
-            writers["val" if document_hash(text) < cutoff else "train"].add(ids)
-            count += 1
-
-    pending: list[str] = []
-    for text in read_documents(inputs, text_field):
-        if text:
-            pending.append(text)
-        if len(pending) == ENCODE_BATCH:
-            flush(pending)
-            pending = []
-    flush(pending)
+    cutoff = held_out_below([document_hash(t) for t in documents.keys(inputs, fields)], val_fraction)
+    for key, ids, trained in documents.encode(tok, inputs, fields):
+        writers["val" if document_hash(key) < cutoff else "train"].add(ids, trained)
+        count += 1
     counts = {split: w.close(out, split) for split, w in writers.items()}
     if counts["train"]["documents"] == 0:
         raise ConfigError(f"no training documents in {len(inputs)} input file(s) (documents: {count})")
@@ -267,6 +247,7 @@ def _write(
         "dtype": dtype.name,
         "splits": counts,
         "val_fraction": val_fraction,
+        "masked": masked,
         "fingerprint": fingerprint.hexdigest(),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -294,6 +275,13 @@ class TokenDir:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    def mask(self, split: str) -> np.ndarray | None:
+        """Whether each token of the split is trained as a target (uint8, memory-mapped); None: every token."""
+        if not self.meta.get("masked"):
+            return None
+        n = self.meta["splits"][split]["tokens"]
+        return np.memmap(self.path / f"{split}.mask.bin", dtype=np.uint8, mode="r", shape=(n,)) if n else None
 
     def tokens(self, split: str) -> np.ndarray:
         """The split's tokens, memory-mapped (read-only)."""

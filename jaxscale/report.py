@@ -27,6 +27,8 @@ MEMORY_PARTS = {
     "batch": ("batch",),
 }
 RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory"))
+# An MoE run's panel: each MoE layer's max/mean expert load (a list per record, one value per layer).
+LOAD_CURVE = ("moe_load_max", "max/mean expert load")
 
 
 def check_pyplot() -> None:
@@ -126,11 +128,16 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
-    """Loss, tokens/s and memory over steps of a run (records without a curve's key are skipped)."""
+    """Loss, tokens/s and memory over steps of a run (records without a curve's key are skipped); an MoE run's
+    max/mean expert load too, a line per MoE layer."""
     plt = _pyplot()
     records = read_metrics(run_dir)
-    fig, axes = plt.subplots(len(RUN_CURVES), 1, figsize=(8, 2.4 * len(RUN_CURVES)), sharex=True)
-    for ax, (key, label) in zip(axes, RUN_CURVES, strict=True):
+    curves = RUN_CURVES + ((LOAD_CURVE,) if any(LOAD_CURVE[0] in r for r in records) else ())
+    fig, axes = plt.subplots(len(curves), 1, figsize=(8, 2.4 * len(curves)), sharex=True)
+    for ax, (key, label) in zip(axes, curves, strict=True):
+        if key == LOAD_CURVE[0]:
+            _layer_lines(ax, [r for r in records if key in r and "step" in r], key, label)
+            continue
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
         scale = 1.0
         if key == "memory_bytes":
@@ -155,8 +162,19 @@ def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
     return out
 
 
+def _layer_lines(ax: Any, records: list[dict[str, Any]], key: str, label: str) -> None:
+    """One line per MoE layer of the per-layer lists ``key`` of ``records``."""
+    steps = [r["step"] for r in records]
+    for layer, values in enumerate(zip(*(r[key] for r in records), strict=True)):
+        ax.plot(steps, values, marker=".", label=f"MoE layer {layer}")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
 class TensorBoardWriter:
-    """Every numeric field of a metrics record as a TensorBoard scalar at its step."""
+    """Every numeric field of a metrics record as a TensorBoard scalar at its step (a per-layer list as
+    ``key/<layer>``)."""
 
     def __init__(self, run_dir: str | Path):
         try:
@@ -170,6 +188,9 @@ class TensorBoardWriter:
         for key, value in record.items():
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(key, value, step)
+            elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
+                for layer, v in enumerate(value):
+                    self.writer.add_scalar(f"{key}/{layer}", v, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -19,6 +19,10 @@ MoEDispatch = Literal["capacity", "dropless"]
 MoERouter = Literal["softmax", "sigmoid"]
 # shard_map: explicit all-to-all; partitioner: einsum dispatch, rules only
 MoEImpl = Literal["shard_map", "partitioner"]
+# routing bias outside the gradient (jaxscale/models/balance.py): off, DeepSeek-V3's sign step, quantile solve
+MoEBalance = Literal["off", "sign", "quantile"]
+# dropless under expert parallelism: move the routed rows (jaxscale/parallel/exchange.py), or all-gather
+MoEExchange = Literal["rows", "all_gather"]
 DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
@@ -26,9 +30,11 @@ Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 DEFAULT_SCHEDULE: Schedule = "1f1b"
 XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current"]
+Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
+RopeType = Literal["llama3"]
+Packing = Literal["concat", "first_fit"]  # jaxscale/packing.py
 
 
 class ConfigError(ValueError):
@@ -51,6 +57,24 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     impl: MoEImpl = "shard_map"
+    dropless_exchange: MoEExchange = "rows"
+    groups: int = 1  # group-limited routing (DeepSeek-V3): experts in this many groups, ...
+    top_groups: int = 1  # ... a token's choices among the experts of its top_groups best groups
+    balance: MoEBalance = "off"  # a per-expert bias on the scores for top-k selection, updated each step
+    bias_rate: float = 0.001  # balance: sign: the bias step towards equal load
+    bias_ema: float = 0.0  # balance: quantile: the weight of the previous bias against the new solution
+
+
+@dataclasses.dataclass
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (:func:`jaxscale.models.llama.llama3_scaled`), as Hugging Face's
+    ``rope_scaling``."""
+
+    rope_type: RopeType = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclasses.dataclass
@@ -65,6 +89,7 @@ class ModelConfig:
     head_dim: int = 32
     mlp: int = 384
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -135,13 +160,31 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MixturePart:
+    """One source of a weighted mixture (``data.mixture``): a token directory or raw source, its weight, a name
+    for its metrics (default: the path's file name)."""
+
+    path: str
+    weight: float = 1.0
+    name: str | None = None
+
+
+@dataclasses.dataclass
 class DataConfig:
     """Where tokens come from: ``builtin`` (the bytes of the corpus shipped with jaxscale), ``stdlib``
     (the bytes of this Python's standard library sources) or ``tokens`` (a directory written by
-    ``jaxscale prepare-data``, named by ``path``)."""
+    ``jaxscale prepare-data``, or a raw source it prepares once, named by ``path``)."""
 
     source: DataSource = "builtin"
-    path: str | None = None
+    path: str | None = None  # a prepare-data directory, or a raw source prepared once next to it (tokencache.py)
+    tokenizer: str = "byte"  # a raw data.path: 'byte' or a tokenizer.json
+    text_field: str = "text"
+    prompt_field: str | None = None  # with response_field: prompt/response records, trained on the response
+    response_field: str | None = None
+    mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/mixture.py)
+    documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
+    packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
+    boundary_targets: bool = False  # with documents: train a document's first token, predicted from the one before
     max_bytes: int = 8_000_000
     eval_bytes: int = 60_000
 
@@ -199,7 +242,9 @@ class PrecisionConfig:
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
-    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current`` scaling.
+    cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current |
+    blockwise`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``: the tile
+    and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks).
     """
 
     params: CopyDType = "auto"
@@ -208,6 +253,8 @@ class PrecisionConfig:
     fp8: Fp8Mode = "off"
     amax_history: int = 16  # steps of amaxes kept per tensor (delayed scaling takes their maximum)
     margin: int = 0  # scales leave 2^margin of headroom
+    fp8_head: bool = False
+    fp8_block: int = 128
 
 
 @dataclasses.dataclass

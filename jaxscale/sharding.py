@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import layout, precision
@@ -63,6 +64,35 @@ def named_params(params: Any, axes: Any) -> list[tuple[str, Any, Axes]]:
         (param_name(path), leaf, tuple(a))
         for (path, leaf), a in zip(flat, jax.tree.leaves(axes, is_leaf=is_axes), strict=True)
     ]
+
+
+def variable_axes(path: str, variable: nnx.Variable) -> Axes:
+    """The logical names of one variable's dimensions, from Flax's standard ``out_sharding`` metadata
+    (``nnx.with_partitioning``, ``kernel_metadata={"out_sharding": ...}``, ``nnx.Param(..., out_sharding=...)``).
+
+    Raises a one-line ConfigError naming ``path`` when the names are missing or do not fit the shape.
+    """
+    names = variable.get_metadata().get("out_sharding")
+    if isinstance(names, PartitionSpec):
+        names = tuple(names)
+    shape = jnp.shape(variable.get_value())
+    if names is None:
+        raise ConfigError(
+            f"param {path} {shape} has no logical axis names: give it out_sharding metadata "
+            "(nnx.with_partitioning, kernel_metadata={'out_sharding': (...)}, nnx.Param(..., out_sharding=...))"
+        )
+    if not is_axes(tuple(names)) or len(names) != len(shape):
+        raise ConfigError(f"param {path} {shape}: logical axis names {names!r} are not one name or None per dimension")
+    return tuple(names)
+
+
+def logical_axes(state: nnx.State) -> dict[str, Any]:
+    """The logical names of every variable of ``state`` (:func:`variable_axes`), as a pure dict shaped like
+    the state's values."""
+    names = jax.tree_util.tree_map_with_path(
+        lambda path, v: variable_axes(param_name(path), v), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    return nnx.to_pure_dict(names)
 
 
 def spec_axes(part: str | tuple[str, ...] | PartitionSpec | None) -> tuple[str, ...]:

@@ -1,17 +1,20 @@
 """The train state and the jitted train step.
 
-config -> mesh + rules -> abstract model (``nnx.eval_shape``) -> shardings from
-the logical axes -> jitted init straight into those shardings -> per-process
+config -> mesh + rules -> abstract model (``nnx.eval_shape`` of the model factory:
+the built-in models, or any model of the contract in docs/models.md) -> shardings from
+the logical axes (Flax's ``out_sharding`` metadata) -> jitted init straight into those shardings -> per-process
 global batch -> jitted, donated train step -> metrics (the loop around it, with
 resume, evaluation, checkpoints and fault handling, is :mod:`jaxscale.loop`).
 
-:class:`Trainer` is the programmatic API: build it from a config, then call
+:class:`Trainer` is the programmatic API: build it from a config (and optionally a model
+factory, an objective and an optax optimizer), then call
 :meth:`Trainer.init_state`, :meth:`Trainer.batch` and :meth:`Trainer.step`
 (or :func:`jaxscale.loop.fit`). Every jitted function of the trainer is traced
 inside :meth:`Trainer.scope`, which puts the rules table and the pipeline
 settings in effect for the model's activation constraints.
 Every check of the layout (unknown logical axes, a dimension not divisible
-by its mesh axes, a mesh that does not match the devices) runs in
+by its mesh axes, a mesh that does not match the devices, a part of the model
+contract the config asks for and the model lacks) runs in
 :meth:`Trainer.build`, by tracing the step abstractly, before anything compiles.
 """
 
@@ -32,20 +35,32 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import fp8, loop, precision, xla_flags
-from jaxscale.config import Config
+from jaxscale import flops, fp8, loop, precision, xla_flags
+from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
-from jaxscale.loss import model_objective
+from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
 from jaxscale.mesh import make_mesh
-from jaxscale.models import moe
+from jaxscale.models import balance, builtin, contract, moe
 from jaxscale.models.attention import resolved, sequence_order
-from jaxscale.models.llama import Llama
-from jaxscale.models.params import logical_axes
 from jaxscale.optim import make_optimizer, schedule
-from jaxscale.sharding import Rules, check_divisible, constrain, is_axes, layout_of, named_params, use_rules
+from jaxscale.parallel import pipeline
+from jaxscale.sharding import (
+    Layout,
+    Rules,
+    check_divisible,
+    constrain,
+    is_axes,
+    layout_of,
+    logical_axes,
+    named_params,
+    use_rules,
+)
 
 BATCH_AXES = ("batch", "length")
 BATCH_KEYS = ("inputs", "targets", "positions")
+
+ModelFactory = Callable[[Config, nnx.Rngs], nnx.Module]  # (config, rngs) -> the model (docs/models.md)
+Objective = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 class TrainState(NamedTuple):
@@ -54,14 +69,37 @@ class TrainState(NamedTuple):
     opt_state: Any
     fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/fp8.py); empty with precision.fp8=off
     master: Any = {}  # noqa: RUF012  the master weights (jaxscale/precision.py); empty when params are the only copy
+    balance: Any = {}  # noqa: RUF012  MoE routing biases (jaxscale/models/balance.py); empty with model.moe.balance=off
 
 
-def abstract_model(config: Config) -> tuple[nnx.GraphDef, Any, Any]:
-    """The model's graph, its parameters as ShapeDtypeStructs, and their logical axes."""
+def make_model(config: Config, factory: ModelFactory = builtin.build) -> nnx.Module:
+    """``factory(config, rngs)``, the rngs seeded by ``train.seed``; whatever it raises, a one-line ConfigError."""
+    name = getattr(factory, "__qualname__", repr(factory))
+    try:
+        model = factory(config, nnx.Rngs(config.train.seed))
+    except ConfigError:
+        raise
+    except Exception as e:  # a user's code: any error it raises is reported as the factory's
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"model factory {name} raised {type(e).__name__}: {first}") from e
+    contract.check_module(model, name)
+    return model
+
+
+def abstract_model(
+    config: Config, factory: ModelFactory = builtin.build
+) -> tuple[nnx.GraphDef, Any, Any, frozenset[str]]:
+    """The model's graph, its parameters as ShapeDtypeStructs, their logical axes, and the parts of the
+    richer form it has (:func:`jaxscale.models.contract.parts`)."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: Llama(config, nnx.Rngs(config.train.seed)))
-    graphdef, state, _ = nnx.split(model, nnx.Param, fp8.Fp8Meta)
-    return graphdef, nnx.to_pure_dict(state), logical_axes(state)
+        model = nnx.eval_shape(lambda: make_model(config, factory))
+    graphdef, state, _, _, rest = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias, ...)
+    for path, variable in nnx.to_flat_state(rest):
+        raise ConfigError(
+            f"model state {'.'.join(map(str, path))} is a {type(variable).__name__}: the trainer keeps "
+            "nnx.Param variables only (no rngs or batch statistics held in the model)"
+        )
+    return graphdef, nnx.to_pure_dict(state), logical_axes(state), contract.parts(model)
 
 
 @dataclasses.dataclass
@@ -75,16 +113,38 @@ class Trainer:
     abstract_params: Any
     axes: Any
     optimizer: optax.GradientTransformation
+    factory: ModelFactory = builtin.build
+    parts: frozenset[str] = frozenset()  # of the richer form (jaxscale.models.contract)
+    custom_objective: Objective | None = None
+    custom_optimizer: bool = False
 
     @classmethod
-    def build(cls, config: Config, devices: Sequence[jax.Device] | None = None) -> Trainer:
-        """Validate the layout against the devices and build the trainer; compiles nothing."""
+    def build(
+        cls,
+        config: Config,
+        devices: Sequence[jax.Device] | None = None,
+        *,
+        model: ModelFactory | None = None,
+        objective: Objective | None = None,
+        optimizer: optax.GradientTransformation | None = None,
+    ) -> Trainer:
+        """Validate the layout against the devices and build the trainer; compiles nothing.
+
+        ``model``: ``factory(config, rngs) -> nnx.Module`` (docs/models.md; default: the built-in models).
+        ``objective``: ``(model, batch) -> (loss, metrics)`` (default: :func:`jaxscale.loss.model_objective`,
+        or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``); its
+        state is laid out by the rules' ``optimizer`` section.
+        """
         mesh = make_mesh(config.mesh, devices)
         xla_flags.warn(config.xla, mesh.devices.flat[0].platform)
         rules = Rules.load(config.rules)
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
-        graphdef, abstract_params, axes = abstract_model(config)
-        trainer = cls(config, mesh, rules, graphdef, abstract_params, axes, make_optimizer(config.train, axes))
+        factory = model or builtin.build
+        graphdef, abstract_params, axes, parts = abstract_model(config, factory)
+        trainer = cls(
+            config, mesh, rules, graphdef, abstract_params, axes, optimizer or make_optimizer(config.train, axes),
+            factory, parts, objective, optimizer is not None,
+        )
         trainer.validate()
         return trainer
 
@@ -94,7 +154,12 @@ class Trainer:
             name = "param " + path
             for kind in ("params", "optimizer", "gradients"):
                 where = name if kind == "params" else f"{name} ({kind} layout)"
-                check_divisible(where, leaf.shape, axes, self.rules.spec(axes, kind), self.mesh)
+                try:
+                    part = self.rules.spec(axes, kind)
+                except ConfigError as e:
+                    raise ConfigError(f"{where}: {e}") from None
+                check_divisible(where, leaf.shape, axes, part, self.mesh)
+        self._check_contract()
         t = self.config.train
         micro = t.global_batch // t.microbatches
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
@@ -102,6 +167,46 @@ class Trainer:
         check_data(self.config)
         layout_of(self.mesh, self.rules).validate(self.config)
         jax.eval_shape(self.jit_step, self.abstract_state(), self.abstract_batch())
+
+    def _check_contract(self) -> None:
+        """What the config asks of the model that its form lacks: one line, before anything compiles."""
+        name = getattr(self.factory, "__qualname__", repr(self.factory))
+        chunk = self.config.model.loss_chunk
+        if chunk and self.custom_objective is None:
+            contract.require(self.parts, contract.CHUNKED_LOSS, name, f"model.loss_chunk={chunk}")
+        if self.pipelined:
+            why = f"rules '{self.rules.name}' (layers on stage: {self.layout.stages} pipeline stages)"
+            if self.custom_objective is not None:
+                raise ConfigError(
+                    f"{why}: a custom objective cannot run in the pipeline's loop, which computes the "
+                    "cross-entropy on the last stage"
+                )
+            contract.require(self.parts, contract.PIPELINE, name, why)
+
+    @property
+    def layout(self) -> Layout:
+        """The rules table on this mesh (:class:`jaxscale.layout.Layout`)."""
+        return layout_of(self.mesh, self.rules)
+
+    @property
+    def builtin_model(self) -> bool:
+        """Whether the model is the built-in one of ``model.*`` (the analytic model and formulas describe it)."""
+        return self.factory is builtin.build
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the rules run the pipeline (``layers`` on ``stage`` of size > 1)."""
+        return self.layout.stages > 1
+
+    @cached_property
+    def flops_per_step(self) -> float:
+        """Training FLOPs of one step: the model's formula (``flops_per_token``, docs/models.md) when it has
+        one, else the compiled step's own count (:func:`jaxscale.flops.compiled_flops`)."""
+        t = self.config.train
+        if "flops_per_token" in self.parts:
+            model = nnx.merge(self.graphdef, self.abstract_params, self._shapes.fp8, self._shapes.balance)
+            return model.flops_per_token(t.seq_len) * t.global_batch * t.seq_len
+        return flops.compiled_flops(self.compiled_guarded_step[0]) * self.mesh.size
 
     # -- shardings -----------------------------------------------------------------
 
@@ -129,7 +234,8 @@ class Trainer:
         jax.eval_shape(map_state)
         fp8_state = jax.tree.map(lambda _: replicated, self._shapes.fp8)
         master = self.param_shardings("optimizer") if self.policy.two_copies else {}
-        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master)
+        bias = jax.tree.map(lambda _: replicated, self._shapes.balance)
+        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master, bias)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -183,11 +289,12 @@ class Trainer:
         """A fresh state; with ``weights`` (the master's, or the parameters' with one copy), around those
         weights: the compute copy cast from them, a fresh optimizer, step 0."""
         with nnx.use_eager_sharding(False):
-            model = Llama(self.config, nnx.Rngs(self.config.train.seed))
-        _, fresh, fp8_state = nnx.split(model, nnx.Param, fp8.Fp8Meta)
+            model = make_model(self.config, self.factory)
+        _, fresh, fp8_state, bias = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias)
         params, master = precision.split(self.policy, nnx.to_pure_dict(fresh) if weights is None else weights)
         opt_state = self.optimizer.init(precision.updated(params, master))
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, nnx.to_pure_dict(fp8_state), master)
+        step = jnp.zeros((), jnp.int32)
+        return TrainState(step, params, opt_state, nnx.to_pure_dict(fp8_state), master, nnx.to_pure_dict(bias))
 
     @cached_property
     def _shapes(self) -> TrainState:
@@ -210,24 +317,37 @@ class Trainer:
         """The fp8 state of a fresh start (empty histories): what ``fp8_state=None`` stands for below."""
         return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._shapes.fp8)
 
+    def fresh_balance(self) -> Any:
+        """The routing biases of a fresh start (zeros): what ``bias=None`` stands for below."""
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self._shapes.balance)
+
     # -- the step --------------------------------------------------------------------
 
     def loss_and_metrics(
-        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The objective on one batch (mean cross-entropy + weighted MoE auxiliary losses) and the MoE metrics."""
-        model = nnx.merge(self.graphdef, params, self.fresh_fp8() if fp8_state is None else fp8_state)
-        return model_objective(model, batch, self.config.model.loss_chunk)
+        """The objective on one batch (the default: mean cross-entropy + the model's auxiliary losses) and its
+        metrics; under pipeline parallelism the pipeline's loop computes it (:mod:`jaxscale.parallel.pipeline`).
+        ``bias``: the MoE routing biases (``TrainState.balance``; None: a fresh start's)."""
+        fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
+        model = nnx.merge(self.graphdef, params, fp8_state, self.fresh_balance() if bias is None else bias)
+        chunk = self.config.model.loss_chunk
+        if self.custom_objective is not None:
+            return self.custom_objective(model, batch)
+        if self.pipelined:
+            return pipeline.objective(model, batch, functools.partial(stage_head_loss, chunk=chunk))
+        return model_objective(model, batch, chunk)
 
-    def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> jax.Array:
+    def loss(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None) -> jax.Array:
         """The objective on one batch: mean cross-entropy, plus the MoE auxiliary losses if any."""
-        return self.loss_and_metrics(params, batch, fp8_state)[0]
+        return self.loss_and_metrics(params, batch, fp8_state, bias)[0]
 
     def _grads(
-        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
     ) -> tuple[jax.Array, Any, dict[str, jax.Array], Any]:
         """Loss, gradients, model metrics and the updated fp8 state, accumulated over ``train.microbatches``
-        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`)."""
+        with ``lax.scan`` (the fp8 histories' "gradients" are their updates: :mod:`jaxscale.fp8`); each
+        microbatch's loss and gradients weighed by its share of the trained targets (:mod:`jaxscale.loss`)."""
         m = self.config.train.microbatches
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
@@ -235,7 +355,7 @@ class Trainer:
         if m == 1:
             # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
             # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
-            (loss, aux), (grads, new_fp8) = value_and_grad(params, batch, fp8_state)
+            (loss, aux), (grads, new_fp8) = value_and_grad(params, batch, fp8_state, bias)
             return loss, grads, aux, new_fp8
 
         def split(x: jax.Array) -> jax.Array:
@@ -243,9 +363,11 @@ class Trainer:
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
             return constrain(x, (None, *BATCH_AXES))
 
-        def body(carry: tuple[Any, ...], micro: dict[str, jax.Array]) -> tuple[tuple[Any, ...], None]:
+        def body(carry: tuple[Any, ...], xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[tuple[Any, ...], None]:
             loss_sum, grad_sum, aux_sum, fp8_max = carry
-            (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state)
+            micro, weight = xs  # its trained targets' share of the batch's (jaxscale/loss.py: loss masks)
+            (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state, bias)
+            loss, grads = loss * weight, jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)
@@ -256,22 +378,29 @@ class Trainer:
         zeros = jax.lax.with_sharding_constraint(
             jax.tree.map(lambda p: jnp.zeros(p.shape, self.policy.reduce), params), grad_shardings
         )
-        aux_zeros = {k: jnp.zeros((), jnp.float32) for k in moe.METRICS} if self.config.model.moe else {}
+        micro = jax.tree.map(split, batch)
+        aux_shapes = jax.eval_shape(self.loss_and_metrics, params, jax.tree.map(lambda x: x[0], micro), fp8_state,
+                                    bias)[1]
+        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
         init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
-        (loss_sum, grad_sum, aux_sum, fp8_max), _ = jax.lax.scan(body, init, jax.tree.map(split, batch))
-        grads, aux = jax.tree.map(lambda g: g / m, grad_sum), jax.tree.map(lambda a: a / m, aux_sum)
-        return loss_sum / m, grads, aux, fp8_max
+        xs = (micro, microbatch_weights(micro["targets"]))
+        (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
+        return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8)
+        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8, state.balance)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
         params, master, opt_state, grads_o = precision.update(
             self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
             self.param_shardings("optimizer"),
         )
-        lr = schedule(self.config.train)(state.step)
-        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), "lr": lr, **aux}
-        return TrainState(state.step + 1, params, opt_state, fp8_state, master), out
+        layers = aux.pop("moe_layers", {})
+        bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
+        load = moe.load_metrics(layers) if layers else {}
+        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), **aux, **load}
+        if not self.custom_optimizer:  # the rate of train.*'s schedule (a custom optimizer's is its own)
+            out["lr"] = schedule(self.config.train)(state.step)
+        return TrainState(state.step + 1, params, opt_state, fp8_state, master, bias), out
 
     def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
@@ -285,7 +414,8 @@ class Trainer:
         opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
         fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
         master = jax.tree.map(keep, new.master, state.master)
-        return TrainState(new.step, params, opt_state, fp8_state, master), {**out, "finite": finite}
+        bias = jax.tree.map(keep, new.balance, state.balance)
+        return TrainState(new.step, params, opt_state, fp8_state, master, bias), {**out, "finite": finite}
 
     @cached_property
     def jit_step(self) -> Any:
@@ -310,20 +440,25 @@ class Trainer:
     def jit_loss_and_grads(self) -> Any:
         """Jitted loss and (accumulated) gradients under this layout, built once per trainer."""
 
-        def loss_and_grads(params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
-            return self._grads(params, batch, fp8_state)[:2]
+        def loss_and_grads(
+            params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
+        ) -> tuple[jax.Array, Any]:
+            return self._grads(params, batch, fp8_state, bias)[:2]
 
         return self._jit(loss_and_grads, out_shardings=(None, self.param_shardings("gradients")))
 
-    def loss_and_grads(self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None) -> tuple[jax.Array, Any]:
+    def loss_and_grads(
+        self, params: Any, batch: dict[str, jax.Array], fp8_state: Any = None, bias: Any = None
+    ) -> tuple[jax.Array, Any]:
         """Loss and (accumulated) gradients under this layout, for tests and research code.
 
-        ``fp8_state``: the fp8 histories to scale with (None: a fresh start's)."""
-        return self.jit_loss_and_grads(params, batch, fp8_state)
+        ``fp8_state``: the fp8 histories to scale with, ``bias`` the routing biases (None: a fresh start's)."""
+        return self.jit_loss_and_grads(params, batch, fp8_state, bias)
 
     @cached_property
     def jit_eval_loss(self) -> Any:
-        """Jitted loss of a batch under this layout, the parameters not donated; ``(params, batch, fp8_state=None)``."""
+        """Jitted loss of a batch under this layout, the parameters not donated;
+        ``(params, batch, fp8_state=None, bias=None)``."""
         return self._jit(self.loss)
 
     # -- data ------------------------------------------------------------------------
@@ -353,6 +488,6 @@ class Trainer:
         """Train to ``train.steps`` (or until ``stop_at`` updates): :func:`jaxscale.loop.fit` on this trainer."""
         return loop.fit(self, state, progress, stop_at)
 
-    def evaluate(self, params: Any, fp8_state: Any = None) -> float:
+    def evaluate(self, params: Any, fp8_state: Any = None, bias: Any = None) -> float:
         """Mean held-out loss of ``params``: :func:`jaxscale.loop.evaluate` on this trainer."""
-        return loop.evaluate(self, params, fp8_state)
+        return loop.evaluate(self, params, fp8_state, bias)

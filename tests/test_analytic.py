@@ -165,6 +165,8 @@ def test_layer_residuals_are_what_autodiff_saves(remat, dtype):
         print_saved_residuals(loss, trainer.abstract_state().params)
     stacked = 0
     for dtype_, shape, where in re.findall(r"^(\w+)\[([\d,]*)\] (.*)$", printed.getvalue(), re.M):
+        if not shape:
+            continue  # a scalar (the loss's count of trained targets)
         # A layer's activations: stacked by the layer scan, with the batch and sequence dimensions.
         layers, *dims = (int(d) for d in shape.split(","))
         if "output of scan" in where and layers == m.layers and {t.global_batch, t.seq_len} <= set(dims):

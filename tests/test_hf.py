@@ -27,12 +27,18 @@ transformers = pytest.importorskip("transformers")
 RTOL = 1e-4
 SIZES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
              head_dim=8, intermediate_size=128, rope_theta=5000.0, rms_norm_eps=1e-6)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
 # Llama: fsdp_tp on fsdp=4 x tensor=2. Mixtral: 4 experts of width 64, ep_fsdp_tp on expert=2 x fsdp=2 x
 # tensor=2, dropless dispatch (the generated model's; capacity dispatch could drop tokens HF keeps).
 CASES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}, "fsdp_tp", {"fsdp": 4, "tensor": 2}),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}, "fsdp_tp",
                    {"fsdp": 4, "tensor": 2}),
+    # Llama 3.1: llama3 rope scaling whose three bands (kept, smoothed, divided) all hold pairs of the
+    # 16-wide heads at rope_theta 5000, and head_dim 16 where hidden_size / heads is 8.
+    "llama31": ("LlamaConfig", "LlamaForCausalLM", {"head_dim": 16, "rope_scaling": LLAMA3}, "fsdp_tp",
+                {"fsdp": 4, "tensor": 2}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}, "ep_fsdp_tp",
                 {"expert": 2, "fsdp": 2, "tensor": 2}),
@@ -109,6 +115,14 @@ def test_converted_logits_match_transformers(converted):
     assert model.kv_heads < model.heads
     assert model.rope_theta == SIZES["rope_theta"] and model.norm_eps == SIZES["rms_norm_eps"]
     assert model.tie_embeddings == (converted.case == "llama_tied")
+    if converted.case == "llama31":
+        assert model.head_dim * model.heads != model.embed
+        assert model.rope_scaling.factor == 8.0 and model.rope_scaling.original_max_position_embeddings == 64
+        # The scaling shows in the logits: the same weights under plain RoPE are far from ours.
+        plain = transformers.LlamaConfig(**{**SIZES, "head_dim": 16})
+        unscaled = transformers.LlamaForCausalLM(plain).eval()
+        unscaled.load_state_dict(converted.hf.state_dict())
+        assert rel_err(converted.logits(converted.ckpt, x), hf_logits(unscaled, x)) > 100 * RTOL
     shapes = checkpoint.param_shapes(checkpoint.params_source(converted.ckpt))
     assert sum(math.prod(shape) for shape in shapes.values()) == converted.hf.num_parameters()
 
@@ -210,7 +224,10 @@ def test_init_from_a_mismatched_model_is_a_config_error(llama_ckpt, tmp_path):
 @pytest.mark.parametrize(
     ("change", "match"),
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"rope scaling 'llama3' is not supported"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         r"llama3 rope scaling without low_freq_factor, high_freq_factor$"),
+        ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}}, r"0 < low_freq_factor \(4\.0\) < high_freq_factor"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, r"rope scaling 'dynamic' is not supported"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, r"rope scaling 'yarn' is not supported"),
         ({"attention_bias": True}, r"attention_bias=true"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),

@@ -141,6 +141,13 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
     return out
 
 
+def test_the_readme_shows_the_gpt2_example_as_written():
+    """The README's model block is examples/gpt2.py itself (so running the block runs the example), under 60 lines."""
+    example = (ROOT / "examples" / "gpt2.py").read_text()
+    assert any(b.code == example for b in RUNNABLE), "README.md does not show examples/gpt2.py as written"
+    assert len(example.splitlines()) < 60
+
+
 def test_docs_config_names_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     sections = re.split(r"(?m)^#{2,3} ", text)

@@ -18,10 +18,10 @@ import jaxscale
 from jaxscale.train import Trainer
 
 PACKAGE = Path(jaxscale.__file__).resolve().parent
-# 13 today: the step (train, optim, precision, loss), the model (llama, attention, lean), the layout (layout,
-# sharding, parallel/sequence) and three a dense fp32 step need not enter: fp8.py (the fp8 wrappers, a no-op
-# when off), models/moe.py (the auxiliary losses, 0 when dense) and parallel/pipeline.py (asked how many stages).
-MAX_FILES = 13
+# 12 today: the step (train, optim, precision, loss), the model (llama, attention, lean), the layout (layout,
+# sharding, parallel/sequence) and two a dense fp32 step need not enter: fp8.py (the fp8 wrappers, a no-op
+# when off) and models/moe.py (the auxiliary losses, 0 when dense).
+MAX_FILES = 12
 
 
 def traced_files(trainer: Trainer) -> list[str]:

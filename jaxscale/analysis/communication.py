@@ -346,6 +346,7 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     experts = layout.mesh_axes(("expert",)) if moe is not None else ()
     if experts:
         moe_layers = layers / moe.every_n_layers
+        # dropless: the rows exchange (parallel/exchange.py) at equal load; the routing imbalance multiplies it
         cf = moe.capacity_factor if moe.dispatch == "capacity" else 1.0
         routed = moe.top_k * bsh * cf
         for phase in ("forward", "backward"):

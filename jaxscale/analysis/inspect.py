@@ -76,7 +76,10 @@ def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
         row["runs"] += f.runs
         row["wire_bytes"] += f.wire_bytes
     report.update({
-        "model": {k: getattr(trainer.config.model, k) for k in ("layers", "embed", "dtype", "param_dtype", "remat")},
+        "model": {
+            **{k: getattr(trainer.config.model, k) for k in ("layers", "embed", "dtype", "param_dtype", "remat")},
+            "builtin": trainer.builtin_model,
+        },
         "params": param_rows(trainer),
         "collective_rows": grouped(collectives(compiled.as_text(), trainer.mesh)),
         "analytic": {
@@ -141,6 +144,9 @@ def format_inspect(report: dict[str, Any]) -> str:
     refs = [(k, v) for k, v in ref.items() if k.endswith("_comm_bytes")]
     lines.append("  docs/formulas.md: " + "  ".join(f"{k.removesuffix('_comm_bytes')} {_mb(v)}" for k, v in refs)
                  + (f"  pipeline bubble {ref['pp_bubble']:.2f}" if "pp_bubble" in ref else ""))
+    if not report["model"].get("builtin", True):
+        lines += ["", "note: a model of your own (docs/models.md): the analytic and docs/formulas.md figures are those "
+                  "of the built-in Llama of the config's model.* sizes; the compiled figures are this model's."]
     if report["model"]["dtype"] != "float32" and report["backend"] == "cpu":
         lines += ["", f"note: XLA:CPU computes {report['model']['dtype']} matmuls in float32, so its activation "
                   "collectives and buffers are float32 where a GPU or TPU keeps them in "

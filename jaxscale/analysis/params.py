@@ -70,7 +70,7 @@ def param_table(config: Config) -> list[Param]:
     # Imports jax: this module stays jax-free for the CLI's plan (it reads configs before devices exist).
     from jaxscale.train import abstract_model
 
-    _, shapes, axes = abstract_model(config)
+    _, shapes, axes, _ = abstract_model(config)
     return params_of(shapes, axes)
 
 

@@ -1,6 +1,8 @@
 """The attention kernel, chosen by ``model.attention``.
 
 * ``dot``: ``jax.nn.dot_product_attention`` (XLA); the whole ``s x s`` scores.
+  With ``data.documents`` (packed documents) it alone masks across documents:
+  one boolean ``[batch, s, s]`` mask from the document ids (:func:`document_ids`).
   With the sequence sharded (a ``cp`` rules preset) the partitioner all-gathers
   keys and values.
 * ``blockwise``: flash-style attention on each device's whole sequence, one
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -34,9 +37,24 @@ from jaxscale.parallel import ring_attention
 from jaxscale.sharding import Axes, active, layout_of
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_axes: Axes, kv_axes: Axes, config: ModelConfig) -> jax.Array:
-    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim]."""
+def document_ids(positions: jax.Array) -> jax.Array:
+    """Which packed document each token of ``positions`` [batch, length] is in: a new one where a position is 0
+    (``data.documents``: positions restart at each document; a row begun inside a document has id 0 there)."""
+    return jnp.cumsum(positions == 0, axis=1, dtype=jnp.int32)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, q_axes: Axes, kv_axes: Axes,
+    config: ModelConfig,
+) -> jax.Array:
+    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
+    with ``segments`` [batch, length] (:func:`document_ids`) a token attends only within its document (``dot``)."""
     kind = config.attention
+    if segments is not None:
+        if kind != "dot":
+            raise ConfigError(f"data.documents: documents are masked by model.attention 'dot' only, not '{kind}'")
+        same = segments[:, None, :, None] == segments[:, None, None, :]  # [batch, 1, q, k]
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
         kind = resolve_attention(config, _platform(), q.shape[1])
     if kind in ("blockwise", "ring"):
@@ -89,6 +107,9 @@ def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     """``config`` with ``model.attention`` resolved for the mesh's devices and the rules' sequence axes."""
     platform = mesh.devices.flat[0].platform
     kind = resolve_attention(config.model, platform, config.train.seq_len, layout_of(mesh, rules).ring_size)
+    if config.data.documents and kind != "dot":
+        raise ConfigError(f"data.documents: documents are masked by model.attention 'dot' only, not '{kind}' "
+                          "(blockwise, ring and cudnn do not mask across documents yet)")
     return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
 
 

@@ -19,13 +19,14 @@ stacked and scanned is then a :class:`Group` of ``every_n_layers`` blocks whose
 last is the MoE one (the scan runs ``layers / every_n_layers`` times); one
 stack of groups keeps the layer order and a single loop, where a dense stack
 and an MoE stack would need a second loop or an interleaving schedule. Each
-step returns its MoE layer's auxiliary losses; :meth:`Llama.forward` returns
-their mean over the MoE layers next to the logits.
+step returns its MoE layer's auxiliary losses and load statistics; :meth:`Llama.forward`
+returns the losses' mean over the MoE layers, and the statistics per layer, next to the logits.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -33,11 +34,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import precision, stage_layers
-from jaxscale.config import Config, ModelConfig
-from jaxscale.fp8 import Fp8
+from jaxscale import flops, fp8, precision, stage_layers
+from jaxscale.config import Config, ModelConfig, RopeScaling
+from jaxscale.fp8 import Fp8, Operand
 from jaxscale.models import moe
-from jaxscale.models.attention import attention
+from jaxscale.models.attention import attention, document_ids
 from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
@@ -94,11 +95,37 @@ class RMSNorm(nnx.Module):
         return rms_norm(x.astype(self.dtype), self.scale[...], self.eps)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+# -- rotary position embeddings ----------------------------------------------------------------------------
+# Pair j of a head (dimensions j and j + d/2) turns by position · f_j, f_j = θ^(-j/(d/2)). Llama 3.1
+# (``model.rope_scaling``, rope_type llama3) stretches the context by ``factor`` without touching the short
+# wavelengths: with L the original context (original_max_position_embeddings) and λ_j = 2π / f_j,
+# λ_j < L / high_freq_factor keeps f_j; λ_j > L / low_freq_factor gives f_j / factor; between them
+# (1 - t)·f_j/factor + t·f_j with t = (L/λ_j - low_freq_factor) / (high_freq_factor - low_freq_factor).
+# No attention factor: Llama 3.1 has none.
+
+
+def llama3_scaled(freq: jax.Array, s: RopeScaling) -> jax.Array:
+    """Inverse frequencies ``freq`` [d/2] scaled as Llama 3.1 (the comment above)."""
+    length = s.original_max_position_embeddings
+    wavelength = 2 * math.pi / freq
+    low = wavelength > length / s.low_freq_factor
+    high = wavelength < length / s.high_freq_factor
+    t = (length / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smooth = (1 - t) * freq / s.factor + t * freq
+    return jnp.where(low, freq / s.factor, jnp.where(high, freq, smooth))
+
+
+def frequencies(config: ModelConfig) -> jax.Array:
+    """The inverse frequency of each rotated pair of a head, fp32 [head_dim / 2]."""
+    half = config.head_dim // 2
+    freq = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    return freq if config.rope_scaling is None else llama3_scaled(freq, config.rope_scaling)
+
+
+def rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
     """Rotary embedding of ``x`` [batch, length, heads, head_dim] at integer ``positions`` [batch, length]."""
     half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None, None] * freq
+    angle = positions.astype(jnp.float32)[..., None, None] * frequencies(config)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -115,43 +142,46 @@ class Attention(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model
         self.config = c
+        self.documents = config.data.documents  # packed documents: attention masked across them
         self.grads = precision.weight_grads(config)
         std, pdt = c.init_std, c.param_dtype
         self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
         self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
-        self.fp8 = Fp8(config.precision, ("x", "wq", "wk", "wv", "out", "wo"), ("q", "k", "v", "o"))
+        self.fp8 = Fp8(config.precision, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c, f8 = self.config, self.fp8
         dt = jnp.dtype(c.dtype)
+
+        def weight(name: str) -> jax.Array | Operand:
+            return f8.weight(name, getattr(self, name)[...].astype(dt))
+
         q, k, v = sequence.column_parallel(
-            f8("x", x),
+            f8.input("x", x),
             RESIDUAL,
             [
-                ("bse,ehd->bshd", f8("wq", self.wq[...]).astype(dt), ("embed", "heads", "head_dim"), Q_AXES),
-                ("bse,ehd->bshd", f8("wk", self.wk[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
-                ("bse,ehd->bshd", f8("wv", self.wv[...]).astype(dt), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", weight("wq"), ("embed", "heads", "head_dim"), Q_AXES),
+                ("bse,ehd->bshd", weight("wk"), ("embed", "kv_heads", "head_dim"), KV_AXES),
+                ("bse,ehd->bshd", weight("wv"), ("embed", "kv_heads", "head_dim"), KV_AXES),
             ],
             overlap=c.tp_overlap,
             grads=self.grads,
         )
-        q, k, v = f8.grad("q", q), f8.grad("k", k), f8.grad("v", v)
-        q = constrain(rope(q, positions, c.rope_theta), Q_AXES)
-        k = constrain(rope(k, positions, c.rope_theta), KV_AXES)
+        q = constrain(rope(q, positions, c), Q_AXES)
+        k = constrain(rope(k, positions, c), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v)
+        out = core(q, k, v, document_ids(positions) if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
-        wo = f8("wo", self.wo[...]).astype(dt)
         y = sequence.row_parallel(
-            "bshd,hde->bse", f8("out", out), Q_AXES, wo, ("heads", "head_dim", "embed"), RESIDUAL,
+            "bshd,hde->bse", f8.input("out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"), RESIDUAL,
             overlap=c.tp_overlap, grads=self.grads,
         )
-        return checkpoint_name(f8.grad("o", y), "attention_out")
+        return checkpoint_name(y, "attention_out")
 
 
 class MLP(nnx.Module):
@@ -169,28 +199,30 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
-        self.fp8 = Fp8(config.precision, ("x", "w_gate", "w_up", "hidden", "w_down"), ("gate", "up", "down"))
+        self.fp8 = Fp8(config.precision, ("x", "hidden"), {"w_gate": "gate", "w_up": "up", "w_down": "down"})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt, f8 = self.dtype, self.fp8
+
+        def weight(name: str) -> jax.Array | Operand:
+            return f8.weight(name, getattr(self, name)[...].astype(dt))
+
         gate, up = sequence.column_parallel(
-            f8("x", x),
+            f8.input("x", x),
             RESIDUAL,
             [
-                ("bse,ef->bsf", f8("w_gate", self.w_gate[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
-                ("bse,ef->bsf", f8("w_up", self.w_up[...]).astype(dt), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
+                ("bse,ef->bsf", weight("w_up"), ("embed", "mlp"), MLP_AXES),
             ],
             overlap=self.overlap,
             grads=self.grads,
         )
-        gate, up = f8.grad("gate", gate), f8.grad("up", up)
         hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
-        wd = f8("w_down", self.w_down[...]).astype(dt)
         y = sequence.row_parallel(
-            "bsf,fe->bse", f8("hidden", hidden), MLP_AXES, wd, ("mlp", "embed"), RESIDUAL,
+            "bsf,fe->bse", f8.input("hidden", hidden), MLP_AXES, weight("w_down"), ("mlp", "embed"), RESIDUAL,
             overlap=self.overlap, grads=self.grads,
         )
-        return checkpoint_name(f8.grad("down", y), "mlp_out")
+        return checkpoint_name(y, "mlp_out")
 
 
 class Block(nnx.Module):
@@ -231,6 +263,9 @@ class Group(nnx.Module):
 class Llama(nnx.Module):
     """Token ids [batch, length] and positions [batch, length] -> logits [batch, length, vocab].
 
+    The richer form of the model contract (:class:`jaxscale.models.contract.Staged`): the trainer,
+    the loss and the pipeline reach it through that contract only.
+
     Built from the whole experiment config, the one channel into the model (every submodule takes
     it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
     """
@@ -252,12 +287,13 @@ class Llama(nnx.Module):
         self.final_norm = RMSNorm(config, rngs)
         if not c.tie_embeddings:
             self.lm_head = param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
+        self.head_fp8 = Fp8(config.precision, ("x",), {"head": "logits"}) if config.precision.fp8_head else None
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         return self.forward(tokens, positions)[0]
 
     def forward(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """Logits and the MoE metrics averaged over the MoE layers (``moe.METRICS``; none when dense)."""
+        """Logits and the MoE metrics (:func:`jaxscale.models.moe.over_layers`; none when dense)."""
         x, aux = self.hidden(tokens, positions)
         return self.logits(x), aux
 
@@ -273,8 +309,18 @@ class Llama(nnx.Module):
             head = ("bse,ve->bsv", self.embedding[...].astype(dt), ("vocab", "embed"), LOGITS)
         else:
             head = ("bse,ev->bsv", self.lm_head[...].astype(dt), ("embed", "vocab"), LOGITS)
+        if self.head_fp8 is not None:  # precision.fp8_head
+            x, head = self.head_fp8.input("x", x), (head[0], self.head_fp8.weight("head", head[1]), *head[2:])
         (logits,) = sequence.column_parallel(x, RESIDUAL, [head], overlap=c.tp_overlap, grads=self.grads)
         return logits
+
+    def aux_loss(self, metrics: dict[str, jax.Array]) -> jax.Array | float:
+        """The weighted MoE auxiliary losses of the metrics :meth:`hidden` returns (0 for a dense model)."""
+        return moe.aux_objective(metrics, self.config)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`)."""
+        return flops.flops_per_token(self.config, seq_len)
 
     def head_weight(self) -> jax.Array:
         """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""
@@ -295,5 +341,6 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
+        fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
         x, aux = scan(x, self.blocks)
-        return self.final_norm(x), jax.tree.map(jnp.mean, aux)
+        return self.final_norm(x), moe.over_layers(aux)

@@ -35,6 +35,15 @@ Both are taken over the whole batch, so every layout computes the same
 numbers; the trainer adds ``aux_loss_weight · aux + z_loss_weight · z`` to
 the loss (:func:`aux_objective`).
 
+Balance without an auxiliary loss (``model.moe.balance``): a per-expert bias
+on the scores for the top-k choice only, kept outside the parameters and
+updated after each step (:mod:`jaxscale.models.balance`).
+
+Load, per MoE layer and whole-batch (so summed over every data and expert
+shard by construction): the choices routed to each expert, the fraction
+dropped, the router's entropy (:func:`jaxscale.models.routing.route`); the
+train step logs their summary (:func:`load_metrics`) as one value per layer.
+
 Where the experts run is ``model.moe.impl``: ``shard_map`` is expert
 parallelism with explicit all-to-alls (``jaxscale/parallel/expert.py``);
 ``partitioner`` is GShard's einsum dispatch (:func:`partitioner_experts`),
@@ -53,6 +62,8 @@ to the batch's mesh axes other than the expert ones).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -60,14 +71,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import precision
 from jaxscale.config import Config, ModelConfig, MoEConfig
-from jaxscale.models import lean
+from jaxscale.models import balance, lean
 from jaxscale.models.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.models.params import param
 from jaxscale.models.routing import Routing, capacity, dropless, flat_slot, route
 from jaxscale.parallel import expert
 from jaxscale.sharding import active, constrain
 
-METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")
+METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # means over the MoE layers
+LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # kept per layer: "moe_layers"
+LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")
 
 
 def expert_width(config: ModelConfig) -> int:
@@ -80,6 +93,30 @@ def aux_objective(aux: dict[str, jax.Array], config: ModelConfig) -> jax.Array |
     if config.moe is None:
         return 0.0
     return config.moe.aux_loss_weight * aux["moe_aux_loss"] + config.moe.z_loss_weight * aux["moe_z_loss"]
+
+
+def over_layers(aux: dict[str, jax.Array]) -> dict[str, Any]:
+    """The MoE layers' stacked statistics [layers, ...] as the model returns them: ``METRICS`` averaged over
+    the layers, and under ``moe_layers`` the per-layer ``LAYER_STATS`` (:func:`load_metrics`, the balance)."""
+    if not aux:
+        return {}
+    out: dict[str, Any] = {k: jnp.mean(aux[k]) for k in METRICS}
+    out["moe_layers"] = {k: aux[k] for k in LAYER_STATS if k in aux}
+    return out
+
+
+def load_metrics(layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-layer load summary [layers] each: max/mean and min/mean of the choices per expert, their
+    coefficient of variation (std/mean), the fraction of choices dropped and the router entropy."""
+    load = layers["moe_load"]
+    mean = jnp.mean(load, axis=-1)
+    return {
+        "moe_load_max": jnp.max(load, axis=-1) / mean,
+        "moe_load_min": jnp.min(load, axis=-1) / mean,
+        "moe_load_cv": jnp.std(load, axis=-1) / mean,
+        "moe_layer_dropped": layers["moe_dropped"],
+        "moe_entropy": layers["moe_entropy"],
+    }
 
 
 def partitioner_experts(
@@ -124,6 +161,7 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (moe.experts, c.embed, f), W_IN, std, pdt)
         self.w_down = param(rngs, (moe.experts, f, c.embed), W_OUT, std, pdt)
         self.shared = shared
+        self.bias = balance.router_bias(moe)
         self.grads = precision.weight_grads(config)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -131,7 +169,8 @@ class MoE(nnx.Module):
         dt = jnp.dtype(c.dtype)
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         seq_capacity = capacity(moe, x.shape[1])
-        routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity)
+        bias = None if self.bias is None else self.bias[...]
+        routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias)
         weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         if moe.impl == "partitioner" or active() is None:
             y = partitioner_experts(x, routing, weights, moe, seq_capacity, self.grads)

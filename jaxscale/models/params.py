@@ -6,13 +6,14 @@ rules table lays out; the model never names a device.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.layout import Axes
+from jaxscale.sharding import logical_axes
+
+__all__ = ["logical_axes", "ones", "param"]
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float, dtype) -> nnx.Param:
@@ -24,11 +25,3 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float, dtype)
 def ones(shape: tuple[int, ...], axes: Axes, dtype) -> nnx.Param:
     """A parameter of ones (a norm's scale), named ``axes``."""
     return nnx.Param(jnp.ones(shape, dtype), out_sharding=axes)
-
-
-def logical_axes(state: nnx.State) -> dict[str, Any]:
-    """The logical names of every variable of ``state``, as a pure dict shaped like the state's values."""
-    names = jax.tree.map(
-        lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-    return nnx.to_pure_dict(names)

@@ -18,7 +18,7 @@ from jax import lax
 
 from jaxscale import precision
 from jaxscale.config import MoEConfig
-from jaxscale.models import lean
+from jaxscale.models import balance, lean
 from jaxscale.sharding import constrain
 
 
@@ -35,8 +35,30 @@ def capacity(moe: MoEConfig, seq_len: int) -> int:
     return min(seq_len, math.ceil(moe.capacity_factor * seq_len * moe.top_k / moe.experts))
 
 
-def route(logits: jax.Array, moe: MoEConfig, seq_capacity: int) -> tuple[Routing, dict[str, jax.Array]]:
-    """Top-k routing of ``logits`` [batch, length, experts] and the layer's auxiliary losses and drop fraction."""
+def group_limited(scores: jax.Array, groups: int, top_groups: int) -> jax.Array:
+    """DeepSeek-V3's group-limited (node-limited) choice: ``scores`` [..., experts] with every expert outside
+    each token's ``top_groups`` best groups set to -inf; a group's score is the sum of its two best scores
+    (its best, for groups of one expert). Ties go to the lower group."""
+    *lead, n = scores.shape
+    grouped = scores.reshape(*lead, groups, n // groups)
+    best = -jnp.sort(-grouped, axis=-1)[..., : min(2, n // groups)].sum(-1)  # [..., groups]
+    chosen = jnp.argsort(-best, axis=-1, stable=True)[..., :top_groups]
+    keep = jax.nn.one_hot(chosen, groups, dtype=jnp.bool_).any(-2)  # [..., groups]
+    return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(scores.shape)
+
+
+def route(
+    logits: jax.Array, moe: MoEConfig, seq_capacity: int, bias: jax.Array | None = None
+) -> tuple[Routing, dict[str, jax.Array]]:
+    """Top-k routing of ``logits`` [batch, length, experts]; the layer's auxiliary losses, drop fraction and load.
+
+    ``bias`` [experts] (``model.moe.balance``) is added to the scores for the choice of the top k only:
+    the gates are the unbiased scores of the chosen experts. With ``groups > 1`` the choice is
+    group-limited (:func:`group_limited`). The load statistics (whole-batch, so every
+    layout counts the same) are ``moe_load`` (choices per expert, before dropping), ``moe_dropped`` (the
+    fraction of choices dropped), ``moe_entropy`` (the router distribution's mean entropy, nats) and,
+    with ``balance: quantile``, ``moe_bias_target`` (:func:`jaxscale.models.balance.quantile_bias`).
+    """
     logits = logits.astype(jnp.float32)
     n, k = moe.experts, moe.top_k
     if moe.router == "softmax":
@@ -44,17 +66,27 @@ def route(logits: jax.Array, moe: MoEConfig, seq_capacity: int) -> tuple[Routing
     else:
         scores = jax.nn.sigmoid(logits)
         probs = scores / scores.sum(-1, keepdims=True)
+    biased = scores if bias is None else scores + bias.astype(jnp.float32)
+    if moe.groups > 1:
+        biased = group_limited(biased, moe.groups, moe.top_groups)
     # top-k as a sort along the experts: the partitioner keeps it local to each token shard
     # (it gathers every token's scores for lax.top_k); ties go to the lower index either way.
-    index = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]
+    ranked = jnp.argsort(-biased, axis=-1, stable=True)
+    index = ranked[..., :k]
     top = jnp.take_along_axis(scores, index, axis=-1)
     gate = top / top.sum(-1, keepdims=True) if moe.normalize_gates else top
     chosen = jax.nn.one_hot(index, n, dtype=jnp.int32)  # [b, s, k, e]
-    fraction = chosen.sum((0, 1, 2)) / index.size
+    load = chosen.sum((0, 1, 2))
+    fraction = load / index.size
     aux = {
         "moe_aux_loss": n * jnp.sum(fraction * probs.mean((0, 1))),
         "moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "moe_load": load.astype(jnp.float32),
+        "moe_entropy": -jnp.mean(jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)),
     }
+    if moe.balance == "quantile":
+        cutoff = jnp.take_along_axis(biased, ranked[..., k : k + 1], axis=-1)  # each token's (k+1)-th score
+        aux["moe_bias_target"] = balance.quantile_bias(cutoff - scores, k / n)
     if moe.dispatch == "capacity":
         b, s = index.shape[:2]
         # Choice-major order within a whole sequence: every first choice, then every second, ...

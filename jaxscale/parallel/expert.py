@@ -23,12 +23,15 @@ collectives):
   (exactly, ``E·C / (k·s)`` in place of cf, ``C`` being rounded up).
   ``b`` is the sequences per device: the global batch over
   ``data · fsdp · expert``.
-* dropless dispatch: the number of tokens per expert is data-dependent, so the
-  all-to-all would be ``lax.ragged_all_to_all``, which XLA:CPU cannot compile.
-  This module instead **all-gathers** the EP group's tokens (and their routing),
-  runs its own experts' rows through grouped matmuls, and **reduce-scatters**
-  the partial outputs back: ``2·(ep−1)·b·s·h·bytes`` forward and the same
-  backward, ``ep/k`` times the all-to-all's bytes, on any backend.
+* dropless dispatch (``dropless_exchange: rows``, the default): the counts per
+  expert are exchanged first, then exactly the routed rows move to their
+  experts' shards and back (:mod:`jaxscale.parallel.exchange`):
+  ``2·k·b·s·h·bytes·(ep−1)/ep`` times the routing imbalance each way.
+  ``dropless_exchange: all_gather`` **all-gathers** the EP group's tokens (and
+  their routing), runs its own experts' rows through grouped matmuls, and
+  **reduce-scatters** the partial outputs back: ``2·(ep−1)·b·s·h·bytes``
+  forward and the same backward, ``ep/k`` times the all-to-all's bytes; kept as
+  the comparison (the rows exchange compiles on every backend).
 
 The experts' MLP dimension may be sharded too (``expert_mlp: tensor``): every
 tensor rank then dispatches the same tokens, runs its slice of each expert and
@@ -55,6 +58,7 @@ from jax import lax
 from jaxscale.config import MoEConfig
 from jaxscale.models import routing as kernels
 from jaxscale.models.axes import RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.parallel import exchange
 from jaxscale.sharding import active, constrain, gather_shards, spec
 
 
@@ -94,6 +98,8 @@ def experts(
             if ep:
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
             y = kernels.combine(out, local)
+        elif ep and moe.dropless_exchange == "rows":
+            y = exchange.dropless_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), mesh.axis_names)
         elif ep:
             x, local = (lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, local))
             first = lax.axis_index(ep) * w_gate.shape[0]

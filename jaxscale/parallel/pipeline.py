@@ -66,7 +66,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import stage_layers
-from jaxscale.config import ConfigError, ModelConfig, PipelineConfig
+from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage
 from jaxscale.models.params import logical_axes
 from jaxscale.parallel import schedules
@@ -74,15 +74,9 @@ from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_program import AXIS, StageProgram, vary
 from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of
 
-__all__ = ["AXIS", "objective", "settings", "stages", "table", "vary"]
+__all__ = ["AXIS", "objective", "settings", "table", "vary"]
 
 BATCH = ("inputs", "positions", "targets")
-
-
-def stages() -> int:
-    """Pipeline stages under the active rules: the size of ``stage`` if the rules put ``layers`` on it, else 1."""
-    current = active()
-    return current[1].stages if current is not None else 1
 
 
 def settings(place: Layout) -> PipelineConfig:
@@ -125,11 +119,10 @@ def split_model(model: Any) -> Parts:
 
 
 def build(
-    mesh: Mesh, place: Layout, parts: Parts, model: ModelConfig, tokens: jax.Array,
-    head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array],
+    mesh: Mesh, place: Layout, parts: Parts, model: Any, head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
 ) -> StageProgram:
     """The training program of each stage for this step (its shapes checked at build: ``Layout.validate``)."""
-    config = settings(place)
+    config, c = settings(place), model.config
     p, v = place.stages, config.repeats
     m = config.microbatches or p
     layers = jax.tree.leaves(parts.blocks)[0].shape[0]  # stacked slots (padded with uneven stages)
@@ -138,17 +131,17 @@ def build(
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
     # Context axes are manual too (a dense model): ring attention passes keys and values round them.
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
-    manual = place.stage_manual_axes(block_axes, model.moe is not None)
+    manual = place.stage_manual_axes(block_axes, c.moe is not None)
     ring = tuple(a for a in manual if a in place.stage_context_axes)
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     return StageProgram(
-        table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, model, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, model.moe is not None),
+        table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
+        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=Stage(manual, ring)),
-        dtype=jnp.dtype(model.dtype), model=model, graph=parts.graph, block_shapes=parts.block_shapes,
+        dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,
-        tokens=tokens.size,
+        aux_loss=model.aux_loss,
     )
 
 
@@ -199,7 +192,7 @@ def objective(
     """
     mesh, place = active()
     parts = split_model(model)
-    train = build(mesh, place, parts, model.config, batch["inputs"], head_loss)
+    train = build(mesh, place, parts, model, head_loss)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
     blocks = chunked(parts.blocks, parts.block_axes, train.repeats, mesh, place.rules)
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}

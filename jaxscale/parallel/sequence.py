@@ -51,13 +51,15 @@ refuses them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
-from jaxscale import precision
+from jaxscale import fp8, precision
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
@@ -69,10 +71,38 @@ def sequence_axes() -> tuple[str, ...]:
     return current[1].sequence_axes if current is not None and current[1].stage is None else ()
 
 
-def _shard_map(fn, in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
+def _shard_map(fn, args: Sequence[Any], in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):
     mesh, place = active()
     out = spec(place, out_axes) if is_axes(out_axes) else tuple(spec(place, a) for a in out_axes)
-    return jax.shard_map(fn, mesh=mesh, in_specs=tuple(spec(place, a) for a in in_axes), out_specs=out)
+    in_specs = tuple(_specs(arg, spec(place, a)) for arg, a in zip(args, in_axes, strict=True))
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out)(*args)
+
+
+def _specs(x: Any, s: PartitionSpec) -> Any:
+    """The ``shard_map`` specs of an operand laid out as ``s``: an fp8 operand's scalars and histories whole."""
+    if not isinstance(x, fp8.Operand):
+        return s
+    whole = PartitionSpec()
+    q = None if x.quantized is None else fp8.Quantized(s, whole, whole)
+    history, grad_history = (None if h is None else whole for h in (x.history, x.grad_history))
+    return fp8.Operand(s, q, history, grad_history, x.recipe)
+
+
+def _arrays(fn: Callable[[jax.Array], jax.Array], x: Any) -> Any:
+    """``fn`` applied to an operand's tensors: the array, or an fp8 operand's value and float8 values."""
+    if not isinstance(x, fp8.Operand):
+        return fn(x)
+    q = x.quantized
+    return x.replace(value=fn(x.value), quantized=None if q is None else q._replace(q=fn(q.q)))
+
+
+def _gather_weight(w: Any, s: PartitionSpec, manual: tuple[str, ...], grads: jnp.dtype | None) -> Any:
+    """:func:`gather_shards` of a weight; an fp8 weight's float8 values are gathered as they are (1 byte each)."""
+    if not isinstance(w, fp8.Operand):
+        return gather_shards(w, s, manual, grads)
+    q = w.quantized
+    q = None if q is None else q._replace(q=gather_shards(q.q, s, manual))
+    return w.replace(value=gather_shards(w.value, s, manual, grads), quantized=q)
 
 
 def column_parallel(
@@ -89,21 +119,23 @@ def column_parallel(
     """
     manual = sequence_axes()
     if not manual:
-        return [constrain(precision.einsum(eq, x, w, grads), out) for eq, w, _, out in projections]
+        pairs = zip(projections, fp8.sharing(x, len(projections)), strict=True)
+        return [constrain(precision.einsum(eq, x, w, grads), out) for (eq, w, _, out), x in pairs]
     _, place = active()
     dim = x_axes.index(SEQUENCE)
     w_specs = [spec(place, w_axes) for _, _, w_axes, _ in projections]
 
-    def body(x: jax.Array, *ws: jax.Array) -> tuple[jax.Array, ...]:
+    def body(x: Any, *ws: Any) -> tuple[jax.Array, ...]:
         pairs = zip(projections, ws, w_specs, strict=True)
-        weights = [(eq, gather_shards(w, s, manual, grads)) for (eq, *_), w, s in pairs]
+        weights = [(eq, _gather_weight(w, s, manual, grads)) for (eq, *_), w, s in pairs]
         if overlap:
             return tuple(all_gather_matmul(x, weights, manual, dim, grads))
-        x = lax.all_gather(x, manual, axis=dim, tiled=True)
-        return tuple(precision.einsum(eq, x, w, grads) for eq, w in weights)
+        x = _arrays(lambda a: lax.all_gather(a, manual, axis=dim, tiled=True), x)
+        xs = fp8.sharing(x, len(weights))
+        return tuple(precision.einsum(eq, x, w, grads) for (eq, w), x in zip(weights, xs, strict=True))
 
-    fn = _shard_map(body, [x_axes, *(a for _, _, a, _ in projections)], [out for *_, out in projections])
-    return list(fn(constrain(x, x_axes), *(w for _, w, _, _ in projections)))
+    args = [_arrays(lambda a: constrain(a, x_axes), x), *(w for _, w, _, _ in projections)]
+    return list(_shard_map(body, args, [x_axes, *(a for _, _, a, _ in projections)], [o for *_, o in projections]))
 
 
 def row_parallel(
@@ -128,11 +160,11 @@ def row_parallel(
     w_spec = spec(place, w_axes)
     dim = out_axes.index(SEQUENCE)
 
-    def body(h: jax.Array, w: jax.Array) -> jax.Array:
-        w = gather_shards(w, w_spec, manual, grads)
+    def body(h: Any, w: Any) -> jax.Array:
+        w = _gather_weight(w, w_spec, manual, grads)
         if overlap:
             return matmul_reduce_scatter(equation, h, w, manual, dim, grads)
         y = precision.einsum(equation, h, w, grads)
         return lax.psum_scatter(y, manual, scatter_dimension=dim, tiled=True)
 
-    return _shard_map(body, [h_axes, w_axes], out_axes)(constrain(h, h_axes), w)
+    return _shard_map(body, [_arrays(lambda a: constrain(a, h_axes), h), w], [h_axes, w_axes], out_axes)

@@ -17,9 +17,10 @@ axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~S
 **What crosses stages** is in one place, the last methods of the class: per tick the forward's
 output and the backward's input gradient, each a ``ppermute`` round the ring
 (:meth:`~StageProgram.send_forward`, :meth:`~StageProgram.send_backward`); once per step the sums
-of :meth:`~StageProgram.reduce` (gradients and loss over the manual data and context axes, loss and
-MoE metrics over ``stage``) and, outside the ``shard_map``, the embedding's and head's per-stage
-gradients over ``stage`` (:meth:`~StageProgram.sum_stage_copies`).
+of :meth:`~StageProgram.count_targets` (the batch's trained targets) and :meth:`~StageProgram.reduce`
+(gradients and loss over the manual data and context axes, loss and MoE metrics over ``stage``)
+and, outside the ``shard_map``, the embedding's and head's per-stage gradients over ``stage``
+(:meth:`~StageProgram.sum_stage_copies`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Weights(NamedTuple):
     lookup: jax.Array  # the embedding table as the lookup reads it (:meth:`StageProgram.lookup_table`)
     blocks: Any  # its chunks of the stacked blocks, [v, slots, ...] (pure dict)
     xs: dict[str, jax.Array]  # inputs, positions, targets: [m, rows, length]
+    total: jax.Array  # the batch's trained targets (targets ≥ 0; at least 1): :meth:`StageProgram.count_targets`
 
 
 class Slot(NamedTuple):
@@ -125,7 +127,7 @@ class StageProgram:
     block_graph: Any  # one stacked unit's graph
     outer_axes: Any  # the logical axes of the embedding, final norm and head
     head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, y, targets) -> mean loss
-    tokens: int  # tokens in the batch (the loss of a microbatch counts targets.size / tokens)
+    aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
 
     @property
     def summed(self) -> tuple[str, ...]:
@@ -147,16 +149,17 @@ class StageProgram:
     def layer(self, lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One stacked unit on ``h``: its output, its share of the MoE aux objective, its MoE metrics."""
         y, aux = nnx.merge(self.block_graph, lp)(h, pos)
-        metrics = {k: a.astype(F32) for k, a in aux.items()}
-        share = moe.aux_objective(metrics, self.model) / (sum(self.counts) * self.microbatches)
+        metrics = {k: a.astype(F32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
+        share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
         return vary((y, jnp.asarray(share, F32), metrics), self.manual)
 
     def zero_metrics(self) -> dict[str, jax.Array]:
         return vary({k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())}, self.manual)
 
-    def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array) -> jax.Array:
-        """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean."""
-        return self.head_loss(self.head_model(outer), y, targets) * (targets.size / self.tokens)
+    def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
+        """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
+        its trained targets over the batch's ``total`` (:mod:`jaxscale.loss`)."""
+        return self.head_loss(self.head_model(outer), y, targets) * (jnp.sum(targets >= 0, dtype=F32) / total)
 
     def lookup_table(self, table: jax.Array) -> jax.Array:
         """The embedding table as the lookup reads it: split over the vocabulary's mesh axes on its width.
@@ -228,7 +231,7 @@ class StageProgram:
             h = self.when(slot.kind == FIRST, embedded, acts[slot.src, 0])
             y, inputs, obj, met = self.chunk_forward(_take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
             if not self.table.train:
-                loss = functools.partial(self.loss_of, w.outer, y, w.xs["targets"][slot.micro])
+                loss = functools.partial(self.loss_of, w.outer, y, w.xs["targets"][slot.micro], w.total)
                 obj = obj + self.at_end(slot.kind == LAST, slot.any_last, loss, jnp.zeros((), F32))
             return y, inputs, obj, met
 
@@ -243,7 +246,7 @@ class StageProgram:
         (the sum inside the conditional: its cross-device sum then runs in these ticks only)."""
 
         def run() -> tuple[jax.Array, jax.Array, Any]:
-            loss, pull = jax.vjp(lambda o, y: self.loss_of(o, y, targets), w.outer, y)
+            loss, pull = jax.vjp(lambda o, y: self.loss_of(o, y, targets, w.total), w.outer, y)
             d_outer, dy = pull(jnp.ones_like(loss))
             return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
 
@@ -355,7 +358,8 @@ class StageProgram:
                 lambda x, a: constrain(x[0], tuple(None if n == "embed" else n for n in a)), outer, self.outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
-            w = Weights(*vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual))
+            held = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
+            w = Weights(*held, self.count_targets(held[3]["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
             state, _ = lax.scan(tick, self.start(w), cols)
@@ -376,6 +380,12 @@ class StageProgram:
     def send_backward(self, grads: jax.Array, dh: jax.Array, recv: jax.Array) -> jax.Array:
         """Each tick (training): the backward slot's input gradient to the previous stage, into slot ``recv``."""
         return _put(grads, recv, lax.ppermute(dh, AXIS, [(b, a) for a, b in self._ring()]))
+
+    def count_targets(self, targets: jax.Array) -> jax.Array:
+        """Once per step: the trained targets (≥ 0) of the batch, summed over the manual data and context axes
+        (each device's own rows; every stage holds the same), at least 1."""
+        trained = jnp.sum(targets >= 0, dtype=F32)
+        return jnp.maximum(lax.psum(trained, self.summed) if self.summed else trained, 1.0)
 
     def reduce(self, state: Loop) -> tuple:
         """Once per step: gradients and loss summed over the manual data and context axes (each device's

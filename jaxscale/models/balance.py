@@ -1,0 +1,68 @@
+"""Expert balance without an auxiliary loss: a per-expert routing bias kept and updated outside the gradient.
+
+With ``model.moe.balance`` on, every MoE layer holds a :class:`RouterBias`
+``[experts]`` (stacked with the blocks: ``[moe layers, experts]``). It is added
+to the router's scores for the choice of the top k only; the gates stay the
+unbiased scores (:func:`jaxscale.models.routing.route`). The bias is not a
+parameter: the trainer splits it from them into ``TrainState.balance``
+(replicated, checkpointed with the state, never seen by the optimizer or the
+gradients) and sets its new value after each optimizer update with
+:func:`updated`, from the step's whole-batch routing statistics:
+
+* ``sign`` (DeepSeek-V3's auxiliary-loss-free balancing): each expert's bias
+  moves ``bias_rate`` towards equal load, ``b_e += rate · sign(mean load − load_e)``,
+  the loads being the choices routed to each expert (before any capacity drop).
+* ``quantile`` (quantile balancing, as Megatron-LM and torchtitan implement it
+  after the Kimi and "MoE Odyssey" write-ups): token ``t`` chooses expert ``e``
+  when ``b_e`` exceeds ``cutoff_t − s_te``, ``cutoff_t`` being the token's
+  ``(k+1)``-th biased score. The bias that gives every expert the balanced
+  share ``k / experts`` of the tokens on this step's scores is, per expert, the
+  ``k / experts`` quantile of ``cutoff_t − s_te`` over the tokens; it is centred
+  (a shift of every bias changes no choice) and mixed with the previous bias,
+  ``b = ema · b + (1 − ema) · target``.
+
+Both compose with the auxiliary and z losses (``aux_loss_weight``,
+``z_loss_weight``), which may then be small or zero. With gradient
+accumulation the statistics are the microbatches' means.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.config import MoEConfig
+
+
+class RouterBias(nnx.Variable):
+    """A per-expert bias on the routing scores for top-k selection: balancing state, not a parameter."""
+
+
+def router_bias(moe: MoEConfig) -> RouterBias | None:
+    """A zero bias for one MoE layer, or None where ``model.moe.balance`` is off."""
+    if moe.balance == "off":
+        return None
+    return RouterBias(jnp.zeros((moe.experts,), jnp.float32), out_sharding=(None,))
+
+
+def quantile_bias(need: jax.Array, share: float) -> jax.Array:
+    """The centred ``share`` quantile over tokens of ``need`` [..., experts] (the bias each token needs
+    for each expert to be chosen): the bias under which each expert gets ``share`` of the tokens."""
+    target = jnp.quantile(need.reshape(-1, need.shape[-1]), share, axis=0)
+    return target - jnp.mean(target)
+
+
+def updated(bias: Any, layers: dict[str, jax.Array], moe: MoEConfig) -> Any:
+    """The biases after one step: ``bias`` (``TrainState.balance``, one stacked leaf [moe layers, experts])
+    moved by the step's per-layer statistics ``layers`` (``moe_load``, ``moe_bias_target``: [moe layers, experts])."""
+
+    def step(b: jax.Array) -> jax.Array:
+        if moe.balance == "sign":
+            load = layers["moe_load"]
+            return b + moe.bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+        return moe.bias_ema * b + (1 - moe.bias_ema) * layers["moe_bias_target"]
+
+    return jax.tree.map(step, bias)

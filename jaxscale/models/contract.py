@@ -1,0 +1,89 @@
+"""The model contract: what the trainer asks of a model, in two forms (docs/models.md).
+
+**Plain form**: any ``nnx.Module`` whose parameters carry logical axis names in Flax's standard
+``out_sharding`` metadata and whose ``__call__(tokens, positions)`` returns logits
+``[batch, length, vocab]``. Every layout but the pipeline runs it, with the plain cross-entropy.
+
+**Richer form** (:class:`Staged`): the parts the trainer needs to see inside the model. Each group
+unlocks one thing (:data:`NEEDS`), and asking for that thing without it is a one-line
+:class:`~jaxscale.config.ConfigError` naming what is missing (:func:`require`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+from flax import nnx
+
+from jaxscale.config import ConfigError, ModelConfig
+
+Metrics = dict[str, jax.Array]
+
+
+class Staged(Protocol):
+    """The richer form. ``metrics`` is the one channel for auxiliary losses (MoE load balance, z-loss):
+    a dict of fp32 scalars returned by :meth:`hidden` and by each stacked unit, turned into the
+    weighted term the objective adds by :meth:`aux_loss`."""
+
+    config: ModelConfig  # the shapes the pipeline's buffers take (embed, dtype, vocab_size, moe)
+    embedding: nnx.Param  # the token table [vocab, embed] that :meth:`embed` reads
+    blocks: nnx.Module  # the stacked unit, leading ``layers`` axis: ``unit(x, positions) -> (x, metrics)``
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [batch, length] -> the residual stream [batch, length, embed]."""
+        ...
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        """What runs after the stack, before the head."""
+        ...
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """The final-normed hidden states [batch, length, embed] and the metrics."""
+        ...
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The head on final-normed hidden states: logits [batch, length, vocab]."""
+        ...
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [embed, vocab] in the compute dtype (for the chunked loss)."""
+        ...
+
+    def aux_loss(self, metrics: Metrics) -> jax.Array | float:
+        """The weighted auxiliary objective of the metrics (0 for none)."""
+        ...
+
+
+# What each part of the richer form unlocks: the thing asked for -> the attributes it needs.
+CHUNKED_LOSS = "the chunked loss (model.loss_chunk > 0)"
+PIPELINE = "pipeline parallelism"
+NEEDS: dict[str, tuple[str, ...]] = {
+    CHUNKED_LOSS: ("hidden", "head_weight"),
+    PIPELINE: ("config", "embedding", "embed", "blocks", "final_norm", "logits", "head_weight", "aux_loss"),
+}
+OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token")  # read when present
+
+
+def parts(model: Any) -> frozenset[str]:
+    """The attributes of the richer form (and ``flops_per_token``) that ``model`` has."""
+    names = {name for names in NEEDS.values() for name in names} | set(OPTIONAL)
+    return frozenset(name for name in names if hasattr(model, name))
+
+
+def require(have: frozenset[str], what: str, model: str, why: str) -> None:
+    """Raise a one-line ConfigError when a model with these parts cannot give ``what`` (asked by ``why``)."""
+    missing = [name for name in NEEDS[what] if name not in have]
+    if missing:
+        raise ConfigError(
+            f"{why} asks for {what}: model {model} lacks {', '.join(missing)} "
+            "(the richer form of the model contract, docs/models.md)"
+        )
+
+
+def check_module(model: Any, factory: str) -> None:
+    """Raise if ``factory`` did not give an ``nnx.Module`` with a ``__call__``."""
+    if not isinstance(model, nnx.Module):
+        raise ConfigError(f"model factory {factory} returned {type(model).__name__}, not an nnx.Module")
+    if not callable(model):
+        raise ConfigError(f"model {type(model).__name__} has no __call__(tokens, positions) -> logits")

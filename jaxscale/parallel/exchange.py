@@ -1,0 +1,111 @@
+"""Dropless expert parallelism that moves only the routed rows: counts first, then the rows, then back.
+
+Inside expert parallelism's ``shard_map`` (:func:`jaxscale.parallel.expert.experts`),
+each device holds ``b`` sequences' tokens and ``E / ep`` experts. With
+``dispatch: dropless`` and ``dropless_exchange: rows`` a device
+
+1. sorts its ``n = b·s·k`` choices by expert (so by destination shard, then by
+   the expert there), and counts them per destination and expert;
+2. **exchanges the counts** (an all-to-all of ``ep · E/ep`` integers): each
+   device learns how many rows each source sends it, for each of its experts;
+3. **moves exactly the routed rows** to the shards holding their experts, in
+   chunks of ``R`` rows per destination: chunk ``i`` of every destination's
+   rows goes in one all-to-all of ``[ep, R, h]``, and the loop runs
+   ``ceil(m / R)`` times, ``m`` being the largest count any device sends any
+   destination (a ``pmax`` of the counts: every device runs the same trips);
+4. runs the arriving rows through its experts with grouped matmuls
+   (``lax.ragged_dot``), grouped by the exchanged counts;
+5. sends the outputs back by the mirror exchange (the same all-to-all, as the
+   exchange is its own transpose, which is also its backward: a ``custom_vjp``)
+   and sums each token's choices weighted by its gates.
+
+Wire bytes per exchange per device: ``ceil(m/R)·R·h·bytes·(ep−1)``; with ``R``
+at most ``1/32`` of the mean count ``n/ep`` (:func:`chunk_rows`) that is, to
+within ``1/32`` of the mean, ``k·b·s·h·bytes·(ep−1)/ep`` times the routing
+imbalance ``m / (n/ep)``: the forward's two exchanges are docs/formulas.md's
+``2·k·b·s·h·bytes·(ep−1)/ep`` times the imbalance, and so is the backward.
+
+``lax.ragged_all_to_all`` would move the rows in one collective, but XLA:CPU
+cannot compile it; the chunked all-to-all compiles on every backend, at the
+cost of up to ``32 · imbalance`` collectives per exchange. The send and receive
+buffers are sized for the worst case (every choice to one shard):
+``[ep, n, h]`` each, ``k`` times the all-gather path's ``[ep·b, s, h]``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxscale.models import routing as kernels
+
+CHUNKS_PER_MEAN = 32  # a chunk is at most 1/32 of a destination's mean rows: the rounding's bound
+
+
+def chunk_rows(rows: int, shards: int) -> int:
+    """Rows per destination per chunk for ``rows`` choices over ``shards`` destinations."""
+    return max(1, math.ceil(rows / (shards * CHUNKS_PER_MEAN)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def swap(buf: jax.Array, trips: jax.Array, axes: tuple[str, ...], chunk: int) -> jax.Array:
+    """``buf`` [ep, rows, h]: block ``j`` to shard ``j``, received at index ``source``; the first
+    ``trips · chunk`` rows of each block move, in ``trips`` all-to-alls of ``chunk`` rows (the rest: zeros)."""
+
+    def body(i: jax.Array, out: jax.Array) -> jax.Array:
+        got = lax.all_to_all(lax.dynamic_slice_in_dim(buf, i * chunk, chunk, axis=1), axes, 0, 0, tiled=True)
+        return lax.dynamic_update_slice_in_dim(out, got, i * chunk, axis=1)
+
+    return lax.fori_loop(0, trips, body, jnp.zeros_like(buf))
+
+
+def _swap_fwd(buf: jax.Array, trips: jax.Array, axes: tuple[str, ...], chunk: int) -> tuple[jax.Array, jax.Array]:
+    return swap(buf, trips, axes, chunk), trips
+
+
+def _swap_bwd(axes: tuple[str, ...], chunk: int, trips: jax.Array, g: jax.Array) -> tuple[jax.Array, None]:
+    return swap(g, trips, axes, chunk), None  # a permutation of blocks, masked alike: its own transpose
+
+
+swap.defvjp(_swap_fwd, _swap_bwd)
+
+
+def dropless_rows(
+    x: jax.Array,
+    routing: kernels.Routing,
+    weights: tuple[jax.Array, ...],
+    axes: tuple[str, ...],
+    shards: int,
+    every: tuple[str, ...],
+) -> jax.Array:
+    """Tokens ``x`` [b, s, h] through their chosen experts, held ``len(w) = E/shards`` per shard of ``axes``;
+    gated and summed. ``every``: all the mesh axes (the trip count is the same on every device)."""
+    b, s, h = x.shape
+    k = routing.index.shape[-1]
+    n, local = b * s * k, weights[0].shape[0]
+    expert = routing.index.reshape(n)
+    order = jnp.argsort(expert, stable=True)  # by destination shard, then by its expert
+    sizes = jnp.zeros((shards * local,), jnp.int32).at[expert].add(1).reshape(shards, local)
+    counts = sizes.sum(1)
+    dest = expert[order] // local
+    pos = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # place among the rows to its destination
+    chunk = chunk_rows(n, shards)
+    rows = math.ceil(n / chunk) * chunk
+    tokens = jnp.broadcast_to(x[:, :, None, :], (b, s, k, h)).reshape(n, h)
+    send = jnp.zeros((shards, rows, h), x.dtype).at[dest, pos].set(tokens[order])
+    arriving = lax.all_to_all(sizes, axes, 0, 0, tiled=True)  # [sources, local experts]
+    trips = (lax.pmax(jnp.max(counts), every) + chunk - 1) // chunk
+    received = swap(send, trips, axes, chunk)
+    # Each source's rows arrive sorted by local expert: row r of source j is expert e where the
+    # running counts of source j first exceed r; rows past the source's count are padding.
+    ends = jnp.cumsum(arriving, axis=1)  # [sources, local]
+    r = jnp.arange(rows)
+    which = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=-1)  # [sources, rows]; == local: padding
+    out = kernels.grouped_swiglu(received.reshape(shards * rows, h), which.reshape(-1), *weights)
+    back = swap(out.reshape(shards, rows, h), trips, axes, chunk)
+    y = jnp.zeros((n, h), x.dtype).at[order].set(back[dest, pos])
+    return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))

@@ -1,0 +1,64 @@
+"""Raw sources as ``data.path``: tokenized once by ``prepare-data`` into a directory next to the data.
+
+``data.path`` names either a ``prepare-data`` directory (it has ``meta.json``) or a raw source of
+:mod:`jaxscale.sources` (Parquet, Arrow, JSONL, a saved ``datasets`` directory). A raw source is prepared
+(:func:`jaxscale.prepare.prepare_data`, with ``data.tokenizer`` and the ``data.*_field`` keys) into
+``<path>.tokens/<key>``, where ``key`` hashes those settings and the source files' names, sizes and
+modification times: the next run with the same settings finds it and reads it as it is; a changed file
+or setting prepares a new one beside it. Nothing is downloaded. Preparation runs before anything
+compiles, in one process: a multi-process run asks for the directory prepared beforehand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from jaxscale.config import ConfigError, DataConfig
+from jaxscale.prepare import prepare_data
+from jaxscale.sources import dataset_files
+
+META = "meta.json"
+
+
+def is_prepared(path: Path) -> bool:
+    """Whether ``path`` is a ``prepare-data`` directory."""
+    return (path / META).is_file()
+
+
+def _files(source: Path) -> list[Path]:
+    if source.is_dir():
+        return [source / "state.json", *dataset_files(source)]
+    return [source]
+
+
+def cache_key(source: Path, data: DataConfig) -> str:
+    """A hash of the preparation settings and of the source files' names, sizes and modification times."""
+    settings = {"tokenizer": data.tokenizer, "text_field": data.text_field, "prompt_field": data.prompt_field,
+                "response_field": data.response_field}
+    tokenizer = Path(data.tokenizer)
+    if data.tokenizer != "byte" and tokenizer.is_file():
+        settings["tokenizer_sha256"] = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in _files(source)]
+    return hashlib.sha256(json.dumps([settings, stats], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def token_dir(path: str | Path, data: DataConfig, processes: int = 1, key: str = "data.path") -> Path:
+    """The ``prepare-data`` directory of ``path`` (the config key ``key``): itself, or its cache next to it
+    (prepared here if absent)."""
+    source = Path(path)
+    if not source.exists():
+        raise ConfigError(f"{key}: {source} does not exist")
+    saved = (source / "state.json").is_file() or (source / "dataset_dict.json").is_file()
+    if source.is_dir() and (is_prepared(source) or not saved):
+        return source  # a prepare-data directory (TokenDir.open says what a directory without meta.json lacks)
+    out = source.parent / f"{source.name}.tokens" / cache_key(source, data)
+    if is_prepared(out):
+        return out
+    if processes > 1:
+        raise ConfigError(f"{key}: {source} is not prepared; run one process first, or prepare-data it into "
+                          f"{out}")
+    prepare_data([source], out, data.tokenizer, data.text_field, prompt_field=data.prompt_field,
+                 response_field=data.response_field)
+    return out

@@ -1,0 +1,131 @@
+"""Dropless expert parallelism by exchanging the routed rows: one device's numbers, and its wire bytes."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from helpers import RTOL, assert_trees_close, rel_err, tiny_config
+
+from jaxscale.analysis import hlo
+from jaxscale.mesh import make_mesh
+from jaxscale.models import moe
+from jaxscale.parallel import exchange
+from jaxscale.sharding import Rules, use_rules
+from jaxscale.train import Trainer
+
+EXPERTS, TOP_K = 8, 2
+MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",
+       "model.moe.dispatch=dropless"]
+BATCH, SEQ = 16, 32
+LAYOUTS = {4: {"expert": 4, "data": 2}, 8: {"expert": 8}}
+
+
+def uneven_input(params, embed, pull):
+    """Random tokens pulled towards expert 0's router column, more in later sequences: each device's
+    tokens are routed unevenly, and differently from its neighbours'."""
+    x = np.asarray(jax.random.normal(jax.random.key(1), (BATCH, SEQ, embed)), np.float32)
+    toward = np.asarray(params["router"][:, 0])
+    scale = pull * np.linspace(0, 1, BATCH)[:, None, None] / np.linalg.norm(toward)
+    return jnp.asarray(x + scale * toward, jnp.float32)
+
+
+def layer_and_grads(config, rules=None):
+    """The MoE layer's jitted output, metrics and gradients of ``sum(out * probe)`` (params and input)."""
+    with nnx.use_eager_sharding(False):
+        layer = moe.MoE(config, nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    params = nnx.to_pure_dict(state)
+    params["router"] = params["router"] * 30
+
+    def loss(params, x, probe):
+        layer = nnx.merge(graphdef, params)
+        if rules is None:
+            y, aux = layer(x)
+        else:
+            with use_rules(make_mesh(config.mesh), Rules.load(rules)):
+                y, aux = layer(x)
+        return jnp.sum(y * probe), (y, aux)
+
+    return params, jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    params, fn = layer_and_grads(tiny_config(*MOE))
+    x = uneven_input(params, params["router"].shape[0], 12.0)
+    probe = jax.random.normal(jax.random.key(2), x.shape)
+    return params, x, probe, fn(params, x, probe)
+
+
+@pytest.mark.parametrize("ep", list(LAYOUTS))
+def test_rows_exchange_matches_one_device(ep, one_device):
+    params, x, probe, (ref_grads, (ref_y, ref_aux)) = one_device
+    load = np.asarray(ref_aux["moe_load"])
+    assert load.max() / load.mean() > 2  # uneven on purpose
+    config = tiny_config(*MOE, rules="ep", mesh=LAYOUTS[ep])
+    _, fn = layer_and_grads(config, "ep")
+    grads, (y, _) = fn(params, x, probe)
+    assert rel_err(y, ref_y) <= RTOL
+    assert_trees_close(grads, ref_grads)
+
+
+def routed_counts(x, params, ep, mesh):
+    """The largest number of choices any device sends any expert shard, counted in NumPy from the
+    routing decisions (softmax, top-k) of each device's own rows of ``x``."""
+    logits = np.einsum("bsd,de->bse", np.asarray(x, np.float64), np.asarray(params["router"], np.float64))
+    index = np.argsort(-logits, axis=-1, kind="stable")[..., :TOP_K]  # softmax is monotone
+    rows_per_device = BATCH // mesh.size
+    shard = index // (EXPERTS // ep)
+    return max(np.bincount(shard[d * rows_per_device:(d + 1) * rows_per_device].ravel(), minlength=ep).max()
+               for d in range(mesh.size))
+
+
+@pytest.mark.parametrize("ep", list(LAYOUTS))
+def test_rows_exchange_wire_bytes(ep):
+    config = tiny_config(*MOE, rules="ep", mesh=LAYOUTS[ep])
+    params, _ = layer_and_grads(config)
+    x = uneven_input(params, config.model.embed, 2.0)
+    probe = jax.random.normal(jax.random.key(2), x.shape)
+    mesh = make_mesh(config.mesh)
+    sent = {}
+    for way in ("rows", "all_gather"):
+        _, fn = layer_and_grads(tiny_config(*MOE, f"model.moe.dropless_exchange={way}", rules="ep",
+                                            mesh=LAYOUTS[ep]), "ep")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exchange loop's trip count is the routing's
+            found = hlo.collectives(fn.lower(params, x, probe).compile().as_text(), mesh)
+        # The layer's own: over the expert axis, inside its shard_map (not the weights' gradient sums).
+        sent[way] = [c for c in found if c.axes == ("expert",) and "shard_map" in c.op_name]
+    b, h, nbytes = BATCH // mesh.size, config.model.embed, 4
+    n = b * SEQ * TOP_K
+    most = routed_counts(x, params, ep, mesh)
+    imbalance = most / (n / ep)
+    assert imbalance > 1.2
+    trips = math.ceil(most / exchange.chunk_rows(n, ep))
+    looped = [c for c in sent["rows"] if c.kind == "all-to-all" and c.loops and c.loops[-1].trips is None]
+    assert len(looped) == 4  # there and back, forward and backward
+    rows_bytes = sum(c.wire_bytes * trips for c in looped)
+    formula = 2 * TOP_K * b * SEQ * h * nbytes * (ep - 1) / ep * imbalance  # each way
+    assert rows_bytes == pytest.approx(2 * formula, rel=0.05)
+    # Besides: the counts' all-to-all (E int32 per device) and the trip count's pmax.
+    rest = [c for c in sent["rows"] if c not in looped]
+    assert sum(c.wire_bytes for c in rest) <= 2 * EXPERTS * 4
+    gathered = sum(c.wire_bytes for c in sent["all_gather"])
+    assert gathered >= 4 * (ep - 1) * b * SEQ * h * nbytes  # the tokens there and back, each way
+    assert rows_bytes < gathered
+
+
+@pytest.mark.slow
+def test_train_step_with_the_rows_exchange_matches_one_device():
+    # The exchange's loops inside the layer scan, rematerialised, under the microbatch scan.
+    step = [*MOE, "model.layers=2", "train.microbatches=2", "model.remat=full"]
+    ref = Trainer.build(tiny_config(*step), jax.devices()[:1])
+    trainer = Trainer.build(tiny_config(*step, rules="ep_fsdp", mesh={"expert": 4, "fsdp": 2}))
+    ref_loss, ref_grads = ref.loss_and_grads(ref.init_state().params, ref.batch(0))
+    loss, grads = trainer.loss_and_grads(trainer.init_state().params, trainer.batch(0))
+    assert abs(float(loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss))
+    assert_trees_close(grads, ref_grads)
