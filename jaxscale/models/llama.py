@@ -25,8 +25,6 @@ returns the losses' mean over the MoE layers, and the statistics per layer, next
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 from collections.abc import Callable
@@ -45,16 +43,7 @@ from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence
-from jaxscale.scoped import scoped
-from jaxscale.sharding import constrain, lookup
-
-_RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxscale_recomputed", default=False)
-
-
-def recomputed() -> contextlib.AbstractContextManager[None]:
-    """Within this block the caller recomputes whole layers itself (a pipeline's backward slot), so
-    ``model.remat: selective`` recomputes no attention core a second time."""
-    return scoped(_RECOMPUTED, True)
+from jaxscale.sharding import constrain, lookup, stage
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:
@@ -184,7 +173,7 @@ class Attention(nnx.Module):
         k = constrain(rope(k, positions, c), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
-        if c.remat == "selective" and not _RECOMPUTED.get():  # keep q, k, v; recompute the core in the backward
+        if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         out = core(q, k, v, document_ids(positions) if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
