@@ -5,8 +5,9 @@ runs the kernel ``model.attention`` names (``dot``, ``blockwise``, ``cudnn``, or
 parallelism when the rules split ``length``), its activations are laid out by logical name
 (:func:`constrain`), its weight matmuls follow the precision policy (:func:`einsum`).
 
-* :func:`attention`: causal attention, the kernel chosen by the config and the active rules.
-* :func:`rope`: rotary position embeddings (rotate-half layout).
+* :func:`attention`: causal attention, the kernel chosen by the config and the active rules;
+  :func:`document_ids`: packed documents' ids from positions that restart at each document.
+* :func:`rope`: rotary position embeddings (rotate-half layout; Llama 3.1's scaling optional).
 * :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.models.lean`.
 * :class:`MoE`: the mixture-of-experts layer, expert parallelism by the rules' ``expert``.
 * :func:`constrain`: an activation's layout by the logical names of its dimensions.
@@ -27,6 +28,7 @@ from jaxscale.config import Config, ModelConfig
 from jaxscale.layout import Axes
 from jaxscale.loss import chunked_cross_entropy, cross_entropy
 from jaxscale.models import attention as _attention
+from jaxscale.models.attention import document_ids
 from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.llama import remat_policy, rope
@@ -36,7 +38,7 @@ from jaxscale.sharding import constrain
 
 __all__ = [
     "HIDDEN", "KV_AXES", "LOGITS", "MLP_AXES", "Q_AXES", "RESIDUAL", "MoE", "RMSNorm", "attention",
-    "chunked_cross_entropy", "constrain", "cross_entropy", "einsum", "remat_policy", "rms_norm", "rope",
+    "chunked_cross_entropy", "constrain", "cross_entropy", "document_ids", "einsum", "remat_policy", "rms_norm", "rope",
     "swiglu", "weight_grads",
 ]
 
@@ -49,8 +51,11 @@ def attention(
     *,
     q_axes: Axes = Q_AXES,
     kv_axes: Axes = KV_AXES,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim].
+    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
+    with ``segments`` [batch, length] (packed documents' ids, ``document_ids(positions)``) a token attends only
+    within its document.
 
     The kernel is ``config.model.attention`` as the trainer resolved it for its devices and rules
     (``auto`` becomes ``ring`` where the rules split ``length``: the trainer then feeds each sequence
@@ -58,7 +63,7 @@ def attention(
     grouped-query attention.
     """
     model = config.model if isinstance(config, Config) else config
-    return _attention.attention(q, k, v, q_axes, kv_axes, model)
+    return _attention.attention(q, k, v, segments, q_axes, kv_axes, model)
 
 
 class RMSNorm(nnx.Module):
