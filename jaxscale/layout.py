@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale import stage_layers
-from jaxscale.config import MESH_AXES, Config, ConfigError, read_yaml, resolve_named
+from jaxscale.config import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
 from jaxscale.models.axes import LOGICAL_AXES
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
@@ -141,14 +141,30 @@ class Rules:
 
 
 @dataclasses.dataclass(frozen=True)
+class Stage:
+    """Inside a pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`): what the code traced there must know.
+
+    The loop recomputes each layer itself (no remat policy applies), sequence parallelism is left to the
+    partitioner (no ``shard_map`` nests in the loop's), and ring attention runs its per-device kernel over
+    the ``ring`` axes, already manual."""
+
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
+    ring: tuple[str, ...]  # of them, the context axes (ring attention's ring)
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
     """``rules`` on a mesh of axis sizes ``mesh`` (mesh axis -> size; axes it lacks have size 1).
 
     The queries are lenient (a name the table lacks is replicated); :meth:`partition` is strict.
+    While a step is traced (:func:`jaxscale.sharding.use_rules`) the layout also carries the pipeline's
+    settings, and inside a pipeline stage's loop the :class:`Stage`.
     """
 
     rules: Rules
     mesh: Mapping[str, int]
+    pipeline: PipelineConfig | None = None
+    stage: Stage | None = None
 
     @property
     def name(self) -> str:
@@ -315,7 +331,7 @@ class Layout:
             )
         # Collective matmuls and shard_map experts are shard_maps of their own; XLA (Shardy and GSPMD
         # alike) cannot lower them nested in the pipeline's partly manual loop. (Sequence parallelism runs
-        # there by the partitioner: jaxscale.parallel.sequence.by_partitioner.)
+        # there by the partitioner: Layout.stage, jaxscale.parallel.sequence.sequence_axes.)
         nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
         if config.model.tp_overlap:
             raise ConfigError(

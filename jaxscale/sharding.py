@@ -5,14 +5,18 @@ The rules tables and every question about them live in :mod:`jaxscale.layout`
 ``NamedSharding`` objects on a jax ``Mesh``. Activations are constrained by
 logical name through :func:`constrain`, which reads the mesh and layout set by
 :func:`use_rules` (a no-op outside it, so the model also runs unsharded); the
-parallel modules ask :func:`active` for that layout.
+parallel modules ask :func:`active` for that layout. It is jaxscale's one
+trace-time state: the layout also carries the pipeline's settings and, inside a
+pipeline stage's loop, the :class:`~jaxscale.layout.Stage` (:func:`stage`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,10 +25,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import layout, precision
-from jaxscale.config import ConfigError
-from jaxscale.layout import TOKENS, Axes, Layout, is_axes
+from jaxscale.config import ConfigError, PipelineConfig
+from jaxscale.layout import TOKENS, Axes, Layout, Stage, is_axes
 from jaxscale.models.axes import RESIDUAL
-from jaxscale.scoped import scoped
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
 
@@ -133,18 +136,39 @@ def check_divisible(name: str, shape: tuple[int, ...], axes: Axes, spec: Partiti
 
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh | AbstractMesh, Layout] | None] = contextvars.ContextVar(
-    "jaxscale_rules", default=None
+    "jaxscale_layout", default=None
 )
 
 
-def use_rules(mesh: Mesh | AbstractMesh, rules: layout.Rules) -> contextlib.AbstractContextManager[None]:
-    """Within this block, :func:`constrain` shards activations by ``rules`` on ``mesh``."""
-    return scoped(_ACTIVE, (mesh, layout_of(mesh, rules)))
+def use_rules(
+    mesh: Mesh | AbstractMesh, rules: layout.Rules, pipeline: PipelineConfig | None = None
+) -> contextlib.AbstractContextManager[None]:
+    """Within this block, :func:`constrain` shards activations by ``rules`` on ``mesh``, and a pipelined model
+    (rules with ``layers`` on ``stage``) runs with the ``pipeline`` settings (required then)."""
+    return use_layout(mesh, dataclasses.replace(layout_of(mesh, rules), pipeline=pipeline))
+
+
+@contextlib.contextmanager
+def use_layout(mesh: Mesh | AbstractMesh, place: Layout) -> Iterator[None]:
+    """Within this block the code traced sees ``place`` on ``mesh`` (:func:`active`); restored after it,
+    however it ends. The one trace-time state of jaxscale: a pipeline stage's loop enters its own layout
+    (its rules less the loop's manual axes, and its :class:`~jaxscale.layout.Stage`)."""
+    token = _ACTIVE.set((mesh, place))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def active() -> tuple[Mesh | AbstractMesh, Layout] | None:
-    """The mesh and its layout set by :func:`use_rules`, if any."""
+    """The mesh and layout set by :func:`use_rules` or :func:`use_layout`, if any."""
     return _ACTIVE.get()
+
+
+def stage() -> Stage | None:
+    """The pipeline stage whose loop the code is traced in, if any (:class:`~jaxscale.layout.Stage`)."""
+    current = _ACTIVE.get()
+    return current[1].stage if current is not None else None
 
 
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:

@@ -44,7 +44,6 @@ from jaxscale.models import balance, builtin, contract, moe
 from jaxscale.models.attention import resolved, sequence_order
 from jaxscale.optim import make_optimizer, schedule
 from jaxscale.parallel import pipeline
-from jaxscale.parallel.pipeline import use_pipeline
 from jaxscale.sharding import (
     Layout,
     Rules,
@@ -257,7 +256,7 @@ class Trainer:
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
         """The rules table on this mesh and the pipeline settings, in effect for the model's code traced here."""
-        with use_rules(self.mesh, self.rules), use_pipeline(self.config.pipeline):
+        with use_rules(self.mesh, self.rules, self.config.pipeline):
             yield
 
     def _jit(self, fn: Callable[..., Any], step: bool = False, **jit_kwargs: Any) -> Any:

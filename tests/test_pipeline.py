@@ -12,9 +12,10 @@ import yaml
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.config import CONFIG_DIR
+from jaxscale.config import CONFIG_DIR, ConfigError
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
+from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
 # Eight layers split over up to 4 stages x 2 chunks; 32 sequences cut into up to 16 microbatches.
@@ -306,6 +307,16 @@ def test_a_layer_is_recomputed_once(remat):
     """Whatever model.remat says, no checkpoint (``remat2``) inside the stage: the backward slot's vjp is the
     one recompute (the same step without a pipeline has one per layer)."""
     assert not [e for e in eqns(traced_step(f"model.remat={remat}")) if e.primitive.name.startswith("remat")]
+
+
+def test_rules_alone_do_not_run_a_pipeline(reference):
+    """``use_rules`` with layers on ``stage`` but no pipeline settings refuses to run the loop on defaults."""
+    initial, batches, *_ = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("gpipe", 4), rules="pp", mesh=MESHES[2]))
+    with use_rules(trainer.mesh, trainer.rules), pytest.raises(
+        ConfigError, match=r"^rules 'pp' put layers on 'stage' \(2 stages\) but no pipeline settings are in effect"
+    ):
+        jax.eval_shape(trainer.loss, initial.params, batches[0])
 
 
 # -- errors, before anything compiles --------------------------------------------------

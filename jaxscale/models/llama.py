@@ -25,8 +25,6 @@ returns the losses' mean over the MoE layers, and the statistics per layer, next
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 from collections.abc import Callable
@@ -45,16 +43,7 @@ from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence
-from jaxscale.scoped import scoped
-from jaxscale.sharding import constrain, lookup
-
-_RECOMPUTED: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxscale_recomputed", default=False)
-
-
-def recomputed() -> contextlib.AbstractContextManager[None]:
-    """Within this block the caller recomputes whole layers itself (a pipeline's backward slot), so
-    ``model.remat: selective`` recomputes no attention core a second time."""
-    return scoped(_RECOMPUTED, True)
+from jaxscale.sharding import constrain, lookup, stage
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:
@@ -143,17 +132,20 @@ def llama3_scaled(freq: jax.Array, s: RopeScaling) -> jax.Array:
     return jnp.where(low, freq / s.factor, jnp.where(high, freq, smooth))
 
 
-def frequencies(config: ModelConfig) -> jax.Array:
+def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
     """The inverse frequency of each rotated pair of a head, fp32 [head_dim / 2]."""
-    half = config.head_dim // 2
-    freq = config.rope_theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    return freq if config.rope_scaling is None else llama3_scaled(freq, config.rope_scaling)
+    half = head_dim // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    return freq if scaling is None else llama3_scaled(freq, scaling)
 
 
-def rope(x: jax.Array, positions: jax.Array, config: ModelConfig) -> jax.Array:
-    """Rotary embedding of ``x`` [batch, length, heads, head_dim] at integer ``positions`` [batch, length]."""
+def rope(
+    x: jax.Array, positions: jax.Array, theta: float = 10000.0, scaling: RopeScaling | None = None
+) -> jax.Array:
+    """Rotary embedding of ``x`` [batch, length, heads, head_dim] at integer ``positions`` [batch, length]:
+    base ``theta``, and Llama 3.1's frequency ``scaling`` (``model.rope_scaling``) when given."""
     half = x.shape[-1] // 2
-    angle = positions.astype(jnp.float32)[..., None, None] * frequencies(config)
+    angle = positions.astype(jnp.float32)[..., None, None] * frequencies(x.shape[-1], theta, scaling)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -193,11 +185,11 @@ class Attention(nnx.Module):
             overlap=c.tp_overlap,
             grads=self.grads,
         )
-        q = constrain(rope(q, positions, c), Q_AXES)
-        k = constrain(rope(k, positions, c), KV_AXES)
+        q = constrain(rope(q, positions, c.rope_theta, c.rope_scaling), Q_AXES)
+        k = constrain(rope(k, positions, c.rope_theta, c.rope_scaling), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
-        if c.remat == "selective" and not _RECOMPUTED.get():  # keep q, k, v; recompute the core in the backward
+        if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         out = core(q, k, v, document_ids(positions) if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")

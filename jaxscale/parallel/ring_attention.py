@@ -38,16 +38,15 @@ RoPE sees the true positions.
 With a ring of one device the same kernel is blockwise (flash) attention on
 one device: ``model.attention: blockwise``.
 
-Inside a ``shard_map`` that is already manual over the ring's axes (a pipeline stage's loop,
-:func:`manual_ring`) the kernel runs directly on each device's blocks: a ``shard_map`` of its own
+Inside a ``shard_map`` that is already manual over the ring's axes (a pipeline stage's loop: the
+active layout's :class:`~jaxscale.layout.Stage` names them) the kernel runs directly on each
+device's blocks: a ``shard_map`` of its own
 nested in that partly manual loop does not lower (Shardy: "manual axes must come before free
 axes" for its residuals, whose leading dimension spans the loop's free axes, e.g. fsdp).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from functools import partial
@@ -58,21 +57,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxscale.scoped import scoped
-from jaxscale.sharding import Axes, active, spec, spec_axes
+from jaxscale.sharding import Axes, active, spec, spec_axes, stage
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
 LAYOUTS = ("zigzag", "contiguous")
 _NEG = float(np.finfo(np.float32).min)
-_MANUAL: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("jaxscale_ring_manual", default=None)
-
-
-def manual_ring(axes: tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
-    """Within this block the caller is a ``shard_map`` already manual over the ring's mesh axes ``axes``
-    (possibly none: the sequence is whole on each device): :func:`attention` runs its per-device kernel
-    directly, no ``shard_map`` of its own, and leaves the other axes (heads on ``tensor``) to the partitioner.
-    A pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`) is such a caller."""
-    return scoped(_MANUAL, axes)
 
 
 def chunk_layout(cp: int, layout: str = "zigzag") -> np.ndarray:
@@ -349,9 +338,9 @@ def attention(
     sequence must be in :func:`sequence_order` when causal). Without ``ring``,
     or outside ``use_rules``, it is blockwise attention over the whole sequence.
     """
-    current, manual = active(), _MANUAL.get()
-    if manual is not None:
-        return _in_manual(q, k, v, manual, causal=causal, block=block, ring=ring, layout=layout)
+    current, inside = active(), stage()
+    if inside is not None:
+        return _in_manual(q, k, v, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
     if current is None:
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
     mesh, place = current

@@ -9,8 +9,9 @@ times (layers are grouped in that order, :mod:`jaxscale.parallel.pipeline`). The
 * ``gpipe`` (v = 1) and ``circular`` (v ≥ 2): every forward (microbatch by microbatch, one round of
   the ring after another), then every backward in the reverse order: what autodiff of a forward
   loop runs. A stage holds the inputs of all v·m of its forwards until their backwards.
-* ``1f1b`` (v = 1): stage s runs p − s − 1 forwards (warm-up), then alternates one forward and one
-  backward, then finishes the backwards: at most p − s microbatches are in flight on stage s.
+* ``1f1b`` (v = 1): stage s runs 2·(p − s − 1) forwards (warm-up: in lock-step ticks a microbatch's
+  round trip to the last stage and back takes that many), then alternates one forward and one
+  backward, then finishes the backwards.
 * ``interleaved_1f1b`` (v ≥ 2, Megatron-LM's): microbatches in groups of p go through chunk 0,
   then chunk 1, ...; stage s warms up with 2·(p − s − 1) + (v − 1)·p forwards, then alternates.
 
@@ -47,7 +48,7 @@ from jaxscale.schema import Schedule
 Kind = Literal["F", "B"]
 SCHEDULES: tuple[Schedule, ...] = typing.get_args(Schedule)
 
-# Branches of a slot (the index of ``lax.switch`` in the loop).
+# What a slot runs (:mod:`jaxscale.parallel.stage_program`): nothing, or the first, a middle or the last virtual stage.
 IDLE, FIRST, MIDDLE, LAST = 0, 1, 2, 3
 
 

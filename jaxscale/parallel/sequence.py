@@ -39,7 +39,7 @@ interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU.
 It needs SP axes (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one
 ring over their product.
 
-**Inside a pipeline stage** (:func:`by_partitioner`, entered by :mod:`jaxscale.parallel.pipeline`) the
+**Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) the
 ``shard_map`` cannot nest in the loop's partly manual one, so the same layout is left to the
 partitioner: both functions are the plain einsums, and the constraints (the rules put ``norm_length``
 on the SP axes) make XLA gather the sequence before a column-parallel matmul and scatter the partial
@@ -51,8 +51,6 @@ refuses them.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,23 +61,14 @@ from jax.sharding import PartitionSpec
 
 from jaxscale import fp8, precision
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxscale.scoped import scoped
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
 SEQUENCE = "norm_length"
-_PARTITIONED: contextvars.ContextVar[bool] = contextvars.ContextVar("sequence_by_partitioner", default=False)
-
-
-def by_partitioner() -> contextlib.AbstractContextManager[None]:
-    """Inside: SP by the partitioner's constraints instead of explicit collectives (a pipeline stage)."""
-    return scoped(_PARTITIONED, True)
-
-
 def sequence_axes() -> tuple[str, ...]:
     """SP axes under the active rules that this module's collectives run over: mesh axes of size > 1 that
-    shard ``norm_length`` but not ``length``; none under :func:`by_partitioner`."""
+    shard ``norm_length`` but not ``length``; none inside a pipeline stage (the partitioner's there)."""
     current = active()
-    return current[1].sequence_axes if current is not None and not _PARTITIONED.get() else ()
+    return current[1].sequence_axes if current is not None and current[1].stage is None else ()
 
 
 def _shard_map(fn, args: Sequence[Any], in_axes: Sequence[Axes], out_axes: Axes | Sequence[Axes]):

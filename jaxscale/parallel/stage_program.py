@@ -1,0 +1,407 @@
+"""What every pipeline stage runs: the loop of ticks as one frozen object, its slots as methods.
+
+:func:`jaxscale.parallel.pipeline.objective` works out once what is fixed for the step (stages,
+chunks, microbatches, the schedule's table, the loop's manual axes, whether idle slots are skipped,
+the compute dtype, the graphs of a block and of the rest of the model) and builds a
+:class:`StageProgram`; :meth:`StageProgram.run` is the body of the ``shard_map`` over ``stage``.
+
+A tick (:meth:`StageProgram.tick`) is one row of the table: each stage runs its *forward slot*
+(:meth:`~StageProgram.forward_slot`: the first virtual stage embeds its microbatch, every chunk keeps
+the input of each of its layers) and, training, its *backward slot* (:meth:`~StageProgram.backward_slot`:
+each layer recomputed from its kept input under ``jax.vjp``, last layer first, the last virtual stage's
+output gradient from the head and loss, :meth:`~StageProgram.head_grad`; the first virtual stage's
+input gradient into the embedding's, :meth:`~StageProgram.embedding_grad`). A slot is IDLE, FIRST,
+MIDDLE or LAST by the table; an idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
+axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
+
+**What crosses stages** is in one place, the last methods of the class: per tick the forward's
+output and the backward's input gradient, each a ``ppermute`` round the ring
+(:meth:`~StageProgram.send_forward`, :meth:`~StageProgram.send_backward`); once per step the sums
+of :meth:`~StageProgram.count_targets` (the batch's trained targets) and :meth:`~StageProgram.reduce`
+(gradients and loss over the manual data and context axes, loss and MoE metrics over ``stage``)
+and, outside the ``shard_map``, the embedding's and head's per-stage gradients over ``stage``
+(:meth:`~StageProgram.sum_stage_copies`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxscale.config import ModelConfig
+from jaxscale.models import moe
+from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
+from jaxscale.sharding import Layout, constrain, use_layout
+
+AXIS = "stage"
+F32 = jnp.float32
+
+
+def vary(tree: Any, axes: tuple[str, ...]) -> Any:
+    """``tree`` typed as varying over ``axes`` (each device's own values: no sum is inserted in autodiff)."""
+
+    def cast(x: jax.Array) -> jax.Array:
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
+    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part."""
+    i = jnp.maximum(slot, 0)
+    old = buf[i] if whole else lax.dynamic_slice_in_dim(buf[i], 0, x.shape[0])
+    start = (i, *([0] * (buf.ndim - 1)))
+    return lax.dynamic_update_slice(buf, jnp.where(slot >= 0, x, old)[None], start)
+
+
+def _take(tree: Any, i: jax.Array) -> Any:
+    """Entry ``i`` of every leaf's leading dimension."""
+    return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
+
+
+class Weights(NamedTuple):
+    """What a stage reads, unchanged through the loop."""
+
+    outer: Any  # its copy of the embedding, final norm and head (pure dict)
+    lookup: jax.Array  # the embedding table as the lookup reads it (:meth:`StageProgram.lookup_table`)
+    blocks: Any  # its chunks of the stacked blocks, [v, slots, ...] (pure dict)
+    xs: dict[str, jax.Array]  # inputs, positions, targets: [m, rows, length]
+    total: jax.Array  # the batch's trained targets (targets ≥ 0; at least 1): :meth:`StageProgram.count_targets`
+
+
+class Slot(NamedTuple):
+    """One stage's forward or backward slot in a tick, from the table."""
+
+    kind: jax.Array  # IDLE, FIRST, MIDDLE or LAST (the virtual stage's place in the ring)
+    micro: jax.Array  # the microbatch
+    chunk: jax.Array  # the stage's chunk (virtual stage chunk·p + stage)
+    src: jax.Array  # the buffer slot its input waits in (and its layers' inputs are kept in)
+    any_first: jax.Array  # whether some stage runs a FIRST slot of this kind in this tick
+    any_last: jax.Array  # whether some stage runs a LAST slot of this kind in this tick
+
+
+class Loop(NamedTuple):
+    """The loop's state, carried from tick to tick."""
+
+    acts: jax.Array  # [act_slots, slots, rows, length, embed]: each kept microbatch's layer inputs
+    grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
+    acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
+    acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
+    loss: jax.Array  # the objective's share of this device
+    metrics: dict[str, jax.Array]  # MoE metrics, summed
+
+
+def _slot(col: dict[str, jax.Array], stage: jax.Array, prefix: str) -> Slot:
+    kinds = col[prefix + "kind"]
+    mine = [col[prefix + k][stage] for k in ("kind", "micro", "chunk", "src")]
+    return Slot(*mine, jnp.any(kinds == FIRST), jnp.any(kinds == LAST))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StageProgram:
+    """A stage's program for one step: what ``objective`` fixed up front, and the loop's slots."""
+
+    table: Table  # the schedule (training: forwards and backwards; evaluation: forwards)
+    stages: int  # p
+    repeats: int  # v, chunks per stage
+    microbatches: int  # m
+    counts: tuple[int, ...]  # the stacked units (blocks, or MoE groups) of each virtual stage
+    slots: int  # unit slots per chunk: the largest virtual stage's
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
+    skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
+    inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
+    dtype: jnp.dtype  # the compute dtype of the activations
+    model: ModelConfig  # width, vocabulary and MoE settings
+    graph: Any  # the model's graph without its blocks, their shapes, and the rest's state: see head_model
+    block_shapes: Any
+    rest: Any
+    block_graph: Any  # one stacked unit's graph
+    outer_axes: Any  # the logical axes of the embedding, final norm and head
+    head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, y, targets) -> mean loss
+    aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
+
+    @property
+    def summed(self) -> tuple[str, ...]:
+        """The manual axes besides ``stage``: each device holds its own rows, summed once per step."""
+        return self.manual[1:]
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.counts)) > 1
+
+    # -- the model, in the stage ---------------------------------------------------------
+
+    def head_model(self, outer: Any) -> Any:
+        """The model with ``outer`` as its embedding, final norm and head (its blocks: shapes only)."""
+        state = jax.tree.map(lambda a: a, self.rest)
+        nnx.replace_by_pure_dict(state, outer)
+        return nnx.merge(self.graph, self.block_shapes, state)
+
+    def layer(self, lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """One stacked unit on ``h``: its output, its share of the MoE aux objective, its MoE metrics."""
+        y, aux = nnx.merge(self.block_graph, lp)(h, pos)
+        metrics = {k: a.astype(F32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
+        share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
+        return vary((y, jnp.asarray(share, F32), metrics), self.manual)
+
+    def zero_metrics(self) -> dict[str, jax.Array]:
+        return vary({k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())}, self.manual)
+
+    def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
+        """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
+        its trained targets over the batch's ``total`` (:mod:`jaxscale.loss`)."""
+        return self.head_loss(self.head_model(outer), y, targets) * (jnp.sum(targets >= 0, dtype=F32) / total)
+
+    def lookup_table(self, table: jax.Array) -> jax.Array:
+        """The embedding table as the lookup reads it: split over the vocabulary's mesh axes on its width.
+
+        Split on the vocabulary by a partitioner axis inside the partly manual ``shard_map``, the lookup
+        makes XLA's partitioner (jax 0.12) abort while it costs its ways of splitting the gather (a failed
+        check on the device groups of the masked lookup's all-reduce, ``spmd_partitioner_util``). Split on
+        the width, each device looks up its slice of every row and the rows are gathered."""
+        vocab = self.inner.mesh_axes(("vocab",))
+        width = vocab if vocab and table.shape[1] % self.inner.size(vocab) == 0 else None
+        return lax.with_sharding_constraint(
+            table, NamedSharding(jax.sharding.get_abstract_mesh(), PartitionSpec(None, width))
+        )
+
+    # -- conditionals ----------------------------------------------------------------------
+
+    def when(self, pred: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
+        """``f()`` where ``pred``, else ``zeros``: skipped by a conditional, or computed and masked.
+
+        With mesh axes left to the partitioner inside a stage, XLA's SPMD partitioner cannot split the
+        collectives of a conditional whose branch differs between stages (a check fails in
+        spmd_partitioner_util; on CPU a collective-permute in a branch waits for every device)."""
+        if self.skip:
+            return lax.cond(pred, lambda: vary(f(), self.manual), lambda: vary(zeros, self.manual))
+        return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
+
+    def at_end(self, here: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
+        """``f()`` on the stage where ``here`` holds (the head on the last virtual stage, the embedding's
+        gradient on the first). Unless idle slots are skipped, the conditional must take the same branch on
+        every stage: ``f`` then runs on every stage in the ticks where one needs it (``anywhere``), masked."""
+        if self.skip:
+            return self.when(here, f, zeros)
+        masked = functools.partial(self.when, here, f, zeros)
+        return lax.cond(anywhere, lambda: vary(masked(), self.manual), lambda: vary(zeros, self.manual))
+
+    # -- the forward slot ------------------------------------------------------------------
+
+    def unit_slot(self, lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple:
+        """A unit slot of a chunk: the unit where ``real``, else the identity (uneven stages' unused slots,
+        whose gradients are zero)."""
+        if not self.uneven:
+            return self.layer(lp, h, pos)
+        passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())})
+        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.manual))
+
+    def units(self, chunk: jax.Array, stage: jax.Array) -> jax.Array:
+        """How many units the stage's chunk ``chunk`` runs: those of virtual stage chunk·p + stage."""
+        return jnp.asarray(self.counts)[jnp.clip(chunk * self.stages + stage, 0, len(self.counts) - 1)]
+
+    def chunk_forward(self, pc: Any, h: jax.Array, pos: jax.Array, n: jax.Array) -> tuple:
+        """A chunk of ``n`` units in its slots: output, the input of every slot, aux objective share, metrics."""
+
+        def one(h: jax.Array, lk: tuple) -> tuple[jax.Array, tuple]:
+            y, obj, met = self.unit_slot(lk[0], h, pos, lk[1] < n)
+            return y, (h, obj, met)
+
+        y, (inputs, obj, met) = lax.scan(one, h, (pc, jnp.arange(self.slots)))
+        return y, inputs, jnp.sum(obj), jax.tree.map(jnp.sum, met)
+
+    def forward_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array) -> tuple:
+        """The chunk's output (sent on), its units' inputs (kept), its objective share and metrics; evaluating,
+        the loss on the last virtual stage is in the objective share."""
+        pos = w.xs["positions"][slot.micro]
+
+        def embedded() -> jax.Array:
+            return self.head_model({**w.outer, "embedding": w.lookup}).embed(w.xs["inputs"][slot.micro])
+
+        def run() -> tuple:
+            h = self.when(slot.kind == FIRST, embedded, acts[slot.src, 0])
+            y, inputs, obj, met = self.chunk_forward(_take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
+            if not self.table.train:
+                loss = functools.partial(self.loss_of, w.outer, y, w.xs["targets"][slot.micro], w.total)
+                obj = obj + self.at_end(slot.kind == LAST, slot.any_last, loss, jnp.zeros((), F32))
+            return y, inputs, obj, met
+
+        zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32), self.zero_metrics())
+        return self.when(slot.kind > IDLE, run, vary(zeros, self.manual))
+
+    # -- the backward slot -----------------------------------------------------------------
+
+    def head_grad(self, w: Weights, here: jax.Array, anywhere: jax.Array, y: jax.Array, targets: jax.Array,
+                  acc_outer: Any) -> tuple[jax.Array, jax.Array, Any]:
+        """Loss, its gradient in ``y``, and ``acc_outer`` plus the head's gradient, on the last virtual stage
+        (the sum inside the conditional: its cross-device sum then runs in these ticks only)."""
+
+        def run() -> tuple[jax.Array, jax.Array, Any]:
+            loss, pull = jax.vjp(lambda o, y: self.loss_of(o, y, targets, w.total), w.outer, y)
+            d_outer, dy = pull(jnp.ones_like(loss))
+            return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
+
+        return self.at_end(here, anywhere, run, (jnp.zeros((), F32), jnp.zeros_like(y), acc_outer))
+
+    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, table: jax.Array) -> jax.Array:
+        """``table`` plus the embedding's gradient from the first virtual stage's input gradient,
+        one-hot(tokens)ᵀ · dh, there.
+
+        A matmul, not the scatter-add that autodiff of the lookup gives: XLA's partitioner cannot split a
+        scatter into a sharded operand inside a partly manual ``shard_map``."""
+
+        def run() -> jax.Array:
+            hot = jax.nn.one_hot(w.xs["inputs"][slot.micro], self.model.vocab_size, dtype=dh.dtype)
+            return table + jnp.einsum("bsv,bse->ve", hot, dh, preferred_element_type=F32)
+
+        return self.at_end(slot.kind == FIRST, slot.any_first, run, table)
+
+    def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
+        """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
+        unit's output gradient: the head's on the last virtual stage, else ``dy_in`` from the next); each
+        unit's gradient added to ``acc`` as it comes. Returns acc, acc_outer, the chunk's input gradient,
+        the loss share and the metrics."""
+        pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
+        n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
+        cot = on.astype(F32)  # the aux objective's cotangent: 0 in a masked slot
+
+        def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
+            dx, acc, acc_outer, loss = carry
+            (y, obj, met), pull = jax.vjp(lambda lp, x: self.unit_slot(lp, x, pos, k < n), _take(pc, k), inputs[k])
+            head_loss, dy_head, acc_outer = self.head_grad(
+                w, (slot.kind == LAST) & (k == top), slot.any_last & (k == top), y, w.xs["targets"][slot.micro],
+                acc_outer,
+            )
+            dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
+            d_lp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.manual))
+            return (dx, self.add_unit_grad(acc, slot.chunk, k, d_lp), acc_outer, loss + head_loss + obj), met
+
+        def run() -> tuple:
+            init = vary((jnp.zeros_like(inputs[0]), state.acc, state.acc_outer, jnp.zeros((), F32)), self.manual)
+            (dx, acc, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
+            return acc, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
+
+        zeros = vary((state.acc, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32), self.zero_metrics()),
+                     self.manual)
+        if self.skip:
+            return self.when(on, run, zeros)
+        acc, *rest = run()  # masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``
+        return acc, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[1:])
+
+    @staticmethod
+    def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array, d_lp: Any) -> Any:
+        """``acc`` plus unit ``k``'s gradient ``d_lp``, at chunk ``chunk``'s slot k."""
+
+        def one(a: jax.Array, g: jax.Array) -> jax.Array:
+            start = (chunk, k, *([0] * g.ndim))
+            old = lax.dynamic_slice(a, start, (1, 1, *g.shape))
+            return lax.dynamic_update_slice(a, old + g.astype(a.dtype)[None, None], start)
+
+        return jax.tree.map(one, acc, d_lp)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def tick(self, w: Weights, stage: jax.Array, state: Loop, col: dict[str, jax.Array]) -> tuple[Loop, None]:
+        """One row of the table: the forward slot, the backward slot (training), then the two messages."""
+        fwd = _slot(col, stage, "f_")
+        y, inputs, f_loss, f_met = self.forward_slot(w, fwd, stage, state.acts)
+        if not self.table.train:
+            acts = self.send_forward(state.acts, y, col["recv_f"][stage])
+            return state._replace(acts=acts, loss=state.loss + f_loss,
+                                  metrics=jax.tree.map(jnp.add, state.metrics, f_met)), None
+        # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
+        state = state._replace(acts=_put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
+        bwd = _slot(col, stage, "b_")
+        acc, acc_outer, dh, b_loss, b_met = self.backward_slot(w, bwd, stage, state.grads[col["b_grad"][stage]], state)
+        acc_outer = {**acc_outer, "embedding": self.embedding_grad(w, bwd, dh, acc_outer["embedding"])}
+        state = Loop(
+            acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
+            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]),
+            acc=acc, acc_outer=acc_outer, loss=state.loss + b_loss,
+            metrics=jax.tree.map(jnp.add, state.metrics, b_met),
+        )
+        return state, None
+
+    def start(self, w: Weights) -> Loop:
+        """The loop's state before the first tick: empty buffers, zero gradients."""
+        h = (*w.xs["inputs"].shape[1:], self.model.embed)  # a microbatch's activations: rows, length, embed
+        train = self.table.train
+
+        def zeros(tree: Any) -> Any:
+            return jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree) if train else {}
+
+        state = Loop(
+            acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
+            grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
+            acc=zeros(w.blocks), acc_outer=zeros(w.outer), loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
+        )
+        return vary(state, self.manual)
+
+    def run(self, outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
+        """The ``shard_map``'s body: the stage's loop over the table's ticks under the stage's layout.
+
+        Returns loss and metrics and, training, the blocks' gradients and the per-stage gradients of the
+        embedding, final norm and head (a leading ``stage`` dimension of 1)."""
+        with use_layout(jax.sharding.get_abstract_mesh(), self.inner):
+            # The embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
+            # partition their lookup or scatter against FSDP shards inside the partly manual region.
+            outer = jax.tree.map(
+                lambda x, a: constrain(x[0], tuple(None if n == "embed" else n for n in a)), outer, self.outer_axes,
+                is_leaf=lambda x: isinstance(x, jax.Array),
+            )
+            held = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
+            w = Weights(*held, self.count_targets(held[3]["targets"]))
+            cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
+            tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
+            state, _ = lax.scan(tick, self.start(w), cols)
+            return self.reduce(state)
+
+    # -- what crosses stages ------------------------------------------------------------------
+
+    def _ring(self) -> list[tuple[int, int]]:
+        """Stage s sends to s + 1; with v > 1 chunks the last stage's output goes round to stage 0."""
+        p = self.stages
+        return [(s, (s + 1) % p) for s in range(p)] if self.repeats > 1 else [(s, s + 1) for s in range(p - 1)]
+
+    def send_forward(self, acts: jax.Array, y: jax.Array, recv: jax.Array) -> jax.Array:
+        """Each tick: the forward slot's output to the next stage, into its buffer slot ``recv`` (−1: none),
+        as the first unit's input there."""
+        return _put(acts, recv, lax.ppermute(y, AXIS, self._ring())[None], whole=False)
+
+    def send_backward(self, grads: jax.Array, dh: jax.Array, recv: jax.Array) -> jax.Array:
+        """Each tick (training): the backward slot's input gradient to the previous stage, into slot ``recv``."""
+        return _put(grads, recv, lax.ppermute(dh, AXIS, [(b, a) for a, b in self._ring()]))
+
+    def count_targets(self, targets: jax.Array) -> jax.Array:
+        """Once per step: the trained targets (≥ 0) of the batch, summed over the manual data and context axes
+        (each device's own rows; every stage holds the same), at least 1."""
+        trained = jnp.sum(targets >= 0, dtype=F32)
+        return jnp.maximum(lax.psum(trained, self.summed) if self.summed else trained, 1.0)
+
+    def reduce(self, state: Loop) -> tuple:
+        """Once per step: gradients and loss summed over the manual data and context axes (each device's
+        own rows), then loss and metrics over ``stage`` (each stage's own layers and microbatches). The
+        metrics need no sum over data axes: the loop of an MoE model is manual over ``stage`` alone."""
+        metrics = jax.tree.map(lambda a: a / (sum(self.counts) * self.microbatches), state.metrics)
+        acc, acc_outer, loss = state.acc, state.acc_outer, state.loss
+        if self.summed:
+            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), self.summed)
+        loss, metrics = lax.psum((loss, metrics), AXIS)
+        if not self.table.train:
+            return loss, metrics
+        return loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)
+
+    @staticmethod
+    def sum_stage_copies(d_outer: Any) -> Any:
+        """Once per step, outside the ``shard_map``: the embedding's, final norm's and head's gradients of each
+        stage's copy ([stage, ...]) summed over ``stage``."""
+        return jax.tree.map(lambda d: jnp.sum(d, axis=0), d_outer)
