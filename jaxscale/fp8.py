@@ -244,35 +244,31 @@ class Fp8(nnx.Module):
     """The fp8 state of one module's projections: an amax history per input, per weight and per weight's output.
 
     ``inputs``: the activations' names; ``weights``: each weight's attribute name on the owning module
-    mapped to its output's name. With ``fp8: off`` it holds nothing and hands back plain arrays.
+    mapped to its output's name. Made only with ``precision.fp8`` on: with it off the owning
+    module holds None and its projections never enter this module (:func:`jaxscale.models.llama.make_fp8`).
     """
 
     def __init__(self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str]):
-        on = precision.fp8 != "off"
-        self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block) if on else None
+        self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block)
         self.weights = dict(weights)
-        for name in (*inputs, *weights, *weights.values()) if on else ():
+        for name in (*inputs, *weights, *weights.values()):
             setattr(self, name, Fp8Meta(jnp.zeros((precision.amax_history,), jnp.float32), out_sharding=(None,)))
 
     @property
     def per_tensor(self) -> bool:
-        return self.recipe is not None and self.recipe.mode != "blockwise"
+        return self.recipe.mode != "blockwise"
 
-    def input(self, name: str, x: jax.Array) -> jax.Array | Operand:
+    def input(self, name: str, x: jax.Array) -> Operand:
         """Activation ``name``, the input of one or more projections (e4m3; its history updated once)."""
-        if self.recipe is None:
-            return x
         history = getattr(self, name)[...]
         if not self.per_tensor:
             return Operand(x, None, history, None, self.recipe)
         q = quantize(x, history, E4M3, self.recipe)
         return Operand(x, q._replace(q=checkpoint_name(q.q, RESIDUAL)), history, None, self.recipe)
 
-    def weight(self, name: str, w: jax.Array) -> jax.Array | Operand:
+    def weight(self, name: str, w: jax.Array) -> Operand:
         """Weight ``name`` (the module's attribute) in the compute dtype: its e4m3 copy made by :meth:`prepare`,
         or made here where there is none."""
-        if self.recipe is None:
-            return w
         history, grad_history = getattr(self, name)[...], getattr(self, self.weights[name])[...]
         cached = getattr(self, f"{name}_e4m3", None)
         if not self.per_tensor:
@@ -301,10 +297,8 @@ def prepare(root: nnx.Module) -> None:
         module.fp8.prepare({name: getattr(module, name)[...] for name in module.fp8.weights})
 
 
-def sharing(x: Any, n: int) -> list[Any]:
-    """``x`` for ``n`` projections that read it: its history (an fp8 input's) updated by the first only."""
-    if not isinstance(x, Operand):
-        return [x] * n
+def sharing(x: Operand, n: int) -> list[Operand]:
+    """fp8 input ``x`` for ``n`` projections that read it: its history updated by the first only."""
     return [x] + [x.replace(history=None)] * (n - 1)
 
 

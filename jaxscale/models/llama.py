@@ -83,6 +83,23 @@ def remat_policy(config: ModelConfig) -> Callable | None:
     }[config.remat]
 
 
+def make_fp8(config: Config, inputs: tuple[str, ...], weights: dict[str, str]) -> Fp8 | None:
+    """The fp8 state of a module's projections (:class:`jaxscale.fp8.Fp8`), or None with ``precision.fp8`` off:
+    decided here, once, so an fp32 or bf16 step never calls into :mod:`jaxscale.fp8`."""
+    return None if config.precision.fp8 == "off" else Fp8(config.precision, inputs, weights)
+
+
+def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
+    """Activation ``x`` (``name``) as the input of projections: an fp8 operand where there is fp8 state."""
+    return x if f8 is None else f8.input(name, x)
+
+
+def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
+    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``)."""
+    w = getattr(module, name)[...].astype(dtype)
+    return w if module.fp8 is None else module.fp8.weight(name, w)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model
@@ -139,7 +156,7 @@ class Attention(nnx.Module):
     """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads.
 
     The kernel is ``model.attention`` (:mod:`jaxscale.models.attention`); the projections
-    go through :class:`jaxscale.fp8.Fp8` (a no-op unless ``precision.fp8`` is on).
+    go through :class:`jaxscale.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
     """
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
@@ -152,17 +169,13 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
-        self.fp8 = Fp8(config.precision, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
+        self.fp8 = make_fp8(config, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        c, f8 = self.config, self.fp8
-        dt = jnp.dtype(c.dtype)
-
-        def weight(name: str) -> jax.Array | Operand:
-            return f8.weight(name, getattr(self, name)[...].astype(dt))
-
+        c = self.config
+        weight = functools.partial(fp8_weight, self, dtype=jnp.dtype(c.dtype))
         q, k, v = sequence.column_parallel(
-            f8.input("x", x),
+            fp8_input(self.fp8, "x", x),
             RESIDUAL,
             [
                 ("bse,ehd->bshd", weight("wq"), ("embed", "heads", "head_dim"), Q_AXES),
@@ -181,8 +194,8 @@ class Attention(nnx.Module):
         out = core(q, k, v, document_ids(positions) if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         y = sequence.row_parallel(
-            "bshd,hde->bse", f8.input("out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"), RESIDUAL,
-            overlap=c.tp_overlap, grads=self.grads,
+            "bshd,hde->bse", fp8_input(self.fp8, "out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"),
+            RESIDUAL, overlap=c.tp_overlap, grads=self.grads,
         )
         return checkpoint_name(y, "attention_out")
 
@@ -190,7 +203,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` of hidden size ``width`` (default ``model.mlp``).
 
-    The matmuls go through :class:`jaxscale.fp8.Fp8`.
+    The matmuls go through :class:`jaxscale.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
     """
 
     def __init__(self, config: Config, rngs: nnx.Rngs, width: int | None = None):
@@ -202,16 +215,12 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
-        self.fp8 = Fp8(config.precision, ("x", "hidden"), {"w_gate": "gate", "w_up": "up", "w_down": "down"})
+        self.fp8 = make_fp8(config, ("x", "hidden"), {"w_gate": "gate", "w_up": "up", "w_down": "down"})
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        dt, f8 = self.dtype, self.fp8
-
-        def weight(name: str) -> jax.Array | Operand:
-            return f8.weight(name, getattr(self, name)[...].astype(dt))
-
+        weight = functools.partial(fp8_weight, self, dtype=self.dtype)
         gate, up = sequence.column_parallel(
-            f8.input("x", x),
+            fp8_input(self.fp8, "x", x),
             RESIDUAL,
             [
                 ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
@@ -222,8 +231,8 @@ class MLP(nnx.Module):
         )
         hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
         y = sequence.row_parallel(
-            "bsf,fe->bse", f8.input("hidden", hidden), MLP_AXES, weight("w_down"), ("mlp", "embed"), RESIDUAL,
-            overlap=self.overlap, grads=self.grads,
+            "bsf,fe->bse", fp8_input(self.fp8, "hidden", hidden), MLP_AXES, weight("w_down"), ("mlp", "embed"),
+            RESIDUAL, overlap=self.overlap, grads=self.grads,
         )
         return checkpoint_name(y, "mlp_out")
 
@@ -291,6 +300,7 @@ class Llama(nnx.Module):
         if not c.tie_embeddings:
             self.lm_head = param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
         self.head_fp8 = Fp8(config.precision, ("x",), {"head": "logits"}) if config.precision.fp8_head else None
+        self.fp8_on = config.precision.fp8 != "off"
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         return self.forward(tokens, positions)[0]
@@ -319,7 +329,7 @@ class Llama(nnx.Module):
 
     def aux_loss(self, metrics: dict[str, jax.Array]) -> jax.Array | float:
         """The weighted MoE auxiliary losses of the metrics :meth:`hidden` returns (0 for a dense model)."""
-        return moe.aux_objective(metrics, self.config)
+        return 0.0 if self.config.moe is None else moe.aux_objective(metrics, self.config)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`)."""
@@ -344,6 +354,7 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
+        if self.fp8_on:
+            fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
         x, aux = scan(x, self.blocks)
-        return self.final_norm(x), moe.over_layers(aux)
+        return self.final_norm(x), moe.over_layers(aux) if c.moe else {}

@@ -88,18 +88,14 @@ def expert_width(config: ModelConfig) -> int:
     return config.moe.mlp or config.mlp
 
 
-def aux_objective(aux: dict[str, jax.Array], config: ModelConfig) -> jax.Array | float:
-    """The auxiliary terms the loss gets: weighted load-balance and z-loss (0 for a dense model)."""
-    if config.moe is None:
-        return 0.0
+def aux_objective(aux: dict[str, jax.Array], config: ModelConfig) -> jax.Array:
+    """The auxiliary terms the loss gets from an MoE model: weighted load-balance and z-loss."""
     return config.moe.aux_loss_weight * aux["moe_aux_loss"] + config.moe.z_loss_weight * aux["moe_z_loss"]
 
 
 def over_layers(aux: dict[str, jax.Array]) -> dict[str, Any]:
     """The MoE layers' stacked statistics [layers, ...] as the model returns them: ``METRICS`` averaged over
     the layers, and under ``moe_layers`` the per-layer ``LAYER_STATS`` (:func:`load_metrics`, the balance)."""
-    if not aux:
-        return {}
     out: dict[str, Any] = {k: jnp.mean(aux[k]) for k in METRICS}
     out["moe_layers"] = {k: aux[k] for k in LAYER_STATS if k in aux}
     return out

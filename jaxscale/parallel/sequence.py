@@ -96,6 +96,12 @@ def _arrays(fn: Callable[[jax.Array], jax.Array], x: Any) -> Any:
     return x.replace(value=fn(x.value), quantized=None if q is None else q._replace(q=fn(q.q)))
 
 
+def _readers(x: Any, n: int) -> list[Any]:
+    """``x`` for ``n`` projections that read it: an fp8 input's history updated by the first only
+    (:func:`jaxscale.fp8.sharing`)."""
+    return fp8.sharing(x, n) if isinstance(x, fp8.Operand) else [x] * n
+
+
 def _gather_weight(w: Any, s: PartitionSpec, manual: tuple[str, ...], grads: jnp.dtype | None) -> Any:
     """:func:`gather_shards` of a weight; an fp8 weight's float8 values are gathered as they are (1 byte each)."""
     if not isinstance(w, fp8.Operand):
@@ -119,7 +125,7 @@ def column_parallel(
     """
     manual = sequence_axes()
     if not manual:
-        pairs = zip(projections, fp8.sharing(x, len(projections)), strict=True)
+        pairs = zip(projections, _readers(x, len(projections)), strict=True)
         return [constrain(precision.einsum(eq, x, w, grads), out) for (eq, w, _, out), x in pairs]
     _, place = active()
     dim = x_axes.index(SEQUENCE)
@@ -131,7 +137,7 @@ def column_parallel(
         if overlap:
             return tuple(all_gather_matmul(x, weights, manual, dim, grads))
         x = _arrays(lambda a: lax.all_gather(a, manual, axis=dim, tiled=True), x)
-        xs = fp8.sharing(x, len(weights))
+        xs = _readers(x, len(weights))
         return tuple(precision.einsum(eq, x, w, grads) for (eq, w), x in zip(weights, xs, strict=True))
 
     args = [_arrays(lambda a: constrain(a, x_axes), x), *(w for _, w, _, _ in projections)]
