@@ -39,7 +39,7 @@ def run(config, devices=None, steps: int = 2):
     return losses[0], jax.device_get(state)
 
 
-MOE = ["model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp=32", "model.moe.shared_experts=1",
+MOE = ["model.moe={}", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp=32", "model.moe.shared_experts=1",
        "model.moe.capacity_factor=4"]
 LAYOUTS = {
     "current-fsdp_tp_sp": (("precision.fp8=current",), "fsdp_tp_sp", MESH),
