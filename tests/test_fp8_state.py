@@ -62,8 +62,12 @@ def test_fp8_layout_matches_single_device(optimized, case):
     ref_loss, ref_state = run(tiny_config(*overrides), jax.devices()[:1])
     loss, state = run(tiny_config(*overrides, rules=rules, mesh=mesh))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
-    # The amaxes are global maxima over the shards: each history is the single device's.
-    assert_trees_close(state.fp8, ref_state.fp8, RTOL)
+    # The amaxes are global maxima over the shards: each history is the single device's. Histories are newest
+    # first: the older entry comes from the initial parameters (at RTOL); the newer from the parameters after
+    # one step, which fp8 rounding lets differ (checked at PARAM_RTOL, as the parameters are; measured:
+    # blockwise's o-projection 1.28e-5).
+    assert_trees_close(jax.tree.map(lambda h: h[:, 1], state.fp8), jax.tree.map(lambda h: h[:, 1], ref_state.fp8), RTOL)
+    assert_trees_close(state.fp8, ref_state.fp8, PARAM_RTOL)
     assert all(np.all(h[:, :2] > 0) and np.all(h[:, 2:] == 0) for h in jax.tree.leaves(state.fp8))
     assert_trees_close(state.params, ref_state.params, PARAM_RTOL)
 
