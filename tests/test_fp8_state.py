@@ -15,9 +15,12 @@ RTOL = 1e-5
 # apart can round to neighbouring fp8 values (6% apart in e4m3), and a token's gradients move with
 # it. Measured on one device, scaling every parameter by (1 + 2^-23) moves the fp8 gradients by
 # 9.7e-3 relative (1e-6 without fp8); fsdp_tp_sp vs one device: loss 3.4e-7, amax histories 9e-7,
-# gradients 1.0e-2, parameters after two steps 7.8e-3. Loss and histories are held to RTOL, the
-# parameters to PARAM_RTOL.
+# gradients 1.0e-2, parameters after two steps 7.8e-3. The loss is held to RTOL, the histories to
+# HISTORY_RTOL, the parameters to PARAM_RTOL.
 PARAM_RTOL = 3e-2
+# An amax downstream of an fp8 matmul moves with its rounding flips (summation order): blockwise's o-projection
+# history measured 1.28e-5 and 1.94e-5 apart on fsdp_tp_sp (current scaling: 9e-7).
+HISTORY_RTOL = 1e-4
 
 
 @pytest.fixture
@@ -62,12 +65,8 @@ def test_fp8_layout_matches_single_device(optimized, case):
     ref_loss, ref_state = run(tiny_config(*overrides), jax.devices()[:1])
     loss, state = run(tiny_config(*overrides, rules=rules, mesh=mesh))
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
-    # The amaxes are global maxima over the shards: each history is the single device's. Histories are newest
-    # first: the older entry comes from the initial parameters (at RTOL); the newer from the parameters after
-    # one step, which fp8 rounding lets differ (checked at PARAM_RTOL, as the parameters are; measured:
-    # blockwise's o-projection 1.28e-5).
-    assert_trees_close(jax.tree.map(lambda h: h[:, 1], state.fp8), jax.tree.map(lambda h: h[:, 1], ref_state.fp8), RTOL)
-    assert_trees_close(state.fp8, ref_state.fp8, PARAM_RTOL)
+    # The amaxes are global maxima over the shards: each history is the single device's, at HISTORY_RTOL.
+    assert_trees_close(state.fp8, ref_state.fp8, HISTORY_RTOL)
     assert all(np.all(h[:, :2] > 0) and np.all(h[:, 2:] == 0) for h in jax.tree.leaves(state.fp8))
     assert_trees_close(state.params, ref_state.params, PARAM_RTOL)
 

@@ -98,7 +98,9 @@ def dropless_rows(
     tokens = jnp.broadcast_to(x[:, :, None, :], (b, s, k, h)).reshape(n, h)
     send = jnp.zeros((shards, rows, h), x.dtype).at[dest, pos].set(tokens[order])
     arriving = lax.all_to_all(sizes, axes, 0, 0, tiled=True)  # [sources, local experts]
-    trips = (lax.pmax(jnp.max(counts), every) + chunk - 1) // chunk
+    most = jnp.max(counts)  # the max over the axes it varies on (on the others it is the same everywhere)
+    varying = tuple(a for a in every if a in jax.typeof(most).manual_axis_type.varying)
+    trips = ((lax.pmax(most, varying) if varying else most) + chunk - 1) // chunk
     received = swap(send, trips, axes, chunk)
     # Each source's rows arrive sorted by local expert: row r of source j is expert e where the
     # running counts of source j first exceed r; rows past the source's count are padding.
