@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale import fp8, precision
-from jaxscale.config import load_config
+from jaxscale.config import MESH_AXES, load_config
 from jaxscale.train import Trainer
 
 MODES = ("off", "delayed", "current", "blockwise")
@@ -97,7 +97,7 @@ def projection(mode: str, shape: tuple[int, int, int], iters: int) -> dict[str, 
 
 def train_step(mode: str, overrides: list[str], iters: int) -> dict[str, Any]:
     """The train step on one device with ``precision.fp8=mode``."""
-    mesh = [f"mesh.{a}=1" for a in ("data", "stage", "fsdp", "context", "expert", "tensor")]
+    mesh = [f"mesh.{a}=1" for a in MESH_AXES]
     config = load_config(None, [*overrides, *mesh, "rules=dp", f"precision.fp8={mode}"])
     trainer = Trainer.build(config, jax.devices()[:1])
     lowered = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch())

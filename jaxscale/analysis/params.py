@@ -115,11 +115,6 @@ def stack_layers(m: ModelConfig, step: Step) -> int:
     return m.layers if split is None else len(split) * max(split)
 
 
-def chunk_layers(m: ModelConfig, step: Step, chunks: int) -> tuple[int, ...]:
-    """The layers of each of the ``chunks`` virtual stages."""
-    return step.layers_per_stage or (m.layers // chunks,) * chunks
-
-
 def stacked(params: Sequence[Param], m: ModelConfig, step: Step) -> list[Param]:
     """``params`` with the layer stack as the step's uneven stages pad it (unchanged when even or padded)."""
     unit = stage_layers.unit(m)
