@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,26 +48,32 @@ def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, q_axes: Axes, kv_axes: Axes,
     config: ModelConfig,
 ) -> jax.Array:
-    """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
-    with ``segments`` [batch, length] (:func:`document_ids`) a token attends only within its document (``dot``)."""
+    """Causal attention of q [batch, length, heads, head_dim] over k [batch, length, kv_heads, head_dim] and
+    v [batch, length, kv_heads, v_head_dim]; with ``segments`` [batch, length] (:func:`document_ids`) a token
+    attends only within its document (``dot``). The values' width may differ from the queries' (multi-head
+    latent attention): the tiled kernels take it as it is, XLA's and cuDNN's see both padded with zeros to the
+    wider (exact: zero columns of the values give zero outputs, cut off; zero query and key columns add nothing
+    to the scores, scaled by the true ``1/sqrt(head_dim)``)."""
     kind = config.attention
-    if segments is not None:
-        if kind != "dot":
-            raise ConfigError(f"data.documents: documents are masked by model.attention 'dot' only, not '{kind}'")
-        same = segments[:, None, :, None] == segments[:, None, None, :]  # [batch, 1, q, k]
-        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
         kind = resolve_attention(config, _platform(), q.shape[1])
+    if segments is not None and kind != "dot":
+        raise ConfigError(f"data.documents: documents are masked by model.attention 'dot' only, not '{kind}'")
     if kind in ("blockwise", "ring"):
         return ring_attention.attention(
             q, k, v, q_axes, kv_axes, causal=True, block=config.attention_block, ring=kind == "ring"
         )
-    if kind == "cudnn":
-        platform = _platform()
-        if platform != "gpu":
-            raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {platform}")
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if kind == "cudnn" and _platform() != "gpu":
+        raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {_platform()}")
+    scale, d_v = 1.0 / math.sqrt(q.shape[-1]), v.shape[-1]
+    width = max(q.shape[-1], d_v)
+    q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])]) for x in (q, k, v))
+    mask = None
+    if segments is not None:
+        mask = segments[:, None, :, None] == segments[:, None, None, :]  # [batch, 1, q, k]
+    implementation = "cudnn" if kind == "cudnn" else None
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True, implementation=implementation)
+    return out[..., :d_v]
 
 
 def _platform() -> str:

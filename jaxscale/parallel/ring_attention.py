@@ -202,7 +202,7 @@ def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring):
 
     def per_key(dq, j):
         kj, vj = _tile(k, j, block, 1), _tile(v, j, block, 1)
-        zeros = plan.zeros(kj.shape)
+        zeros = plan.zeros(kj.shape), plan.zeros(vj.shape)
 
         def per_query(carry, i):
             dq, dk, dv = carry
@@ -214,19 +214,20 @@ def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring):
                 acc = full(acc, *tiles, kj, vj)
             return (_put(dq, acc[0], i, block, 1), acc[1], acc[2]), None
 
-        (dq, dk, dv), _ = lax.scan(per_query, (dq, zeros, zeros), jnp.arange(q.shape[1] // block))
+        (dq, dk, dv), _ = lax.scan(per_query, (dq, *zeros), jnp.arange(q.shape[1] // block))
         return dq, (dk, dv)
 
     dq, (dk, dv) = lax.scan(per_key, dq, jnp.arange(k.shape[1] // block))
-    return dq, *(jnp.moveaxis(x, 0, 1).reshape(k.shape) for x in (dk, dv))
+    return dq, jnp.moveaxis(dk, 0, 1).reshape(k.shape), jnp.moveaxis(dv, 0, 1).reshape(v.shape)
 
 
 def _forward(q, k, v, plan: _Ring):
-    """Local blocks q [b, s/c, kv heads, group, d], k and v [b, s/c, kv heads, d] -> (out, log-sum-exp)."""
+    """Local blocks q [b, s/c, kv heads, group, d], k [b, s/c, kv heads, d] and v [b, s/c, kv heads, d_v]
+    -> (out [b, s/c, kv heads, group, d_v], log-sum-exp)."""
     me = plan.index()
     ids = jnp.asarray(plan.ids, jnp.int32)
     b, s, h, g, _ = q.shape
-    state = (plan.zeros(q.shape), plan.zeros((b, h, g, s), _NEG), plan.zeros((b, h, g, s)))
+    state = (plan.zeros((b, s, h, g, v.shape[-1])), plan.zeros((b, h, g, s), _NEG), plan.zeros((b, h, g, s)))
 
     # Checkpointed, though nothing here is ever differentiated (the custom VJP is): when the layer scan around
     # this is linearized, JAX hoists constant-only values (the causal masks) out of it and, without the
@@ -292,11 +293,12 @@ _attend.defvjp(_attend_fwd, _backward)
 
 
 def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """[b, s, heads, d] queries against [b, s, kv heads, d] keys and values, on this device's blocks."""
+    """[b, s, heads, d] queries against [b, s, kv heads, d] keys and [b, s, kv heads, d_v] values, on this
+    device's blocks: [b, s, heads, d_v]."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     out = _attend(plan, q.reshape(b, s, kv_heads, heads // kv_heads, d), k, v)
-    return out.reshape(q.shape)
+    return out.reshape(b, s, heads, v.shape[-1])
 
 
 def _plan(
@@ -329,7 +331,8 @@ def attention(
     ring: bool = True,
     layout: str = "zigzag",
 ) -> jax.Array:
-    """Attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim].
+    """Attention of q [batch, length, heads, head_dim] over k [batch, length, kv_heads, head_dim] and v
+    [batch, length, kv_heads, v_head_dim] (the values' width may differ: multi-head latent attention).
 
     Under :func:`jaxscale.sharding.use_rules` this is a ``jax.shard_map``
     manual over every mesh axis, with specs from the rules (``q_axes`` and
