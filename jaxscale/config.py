@@ -37,6 +37,7 @@ from jaxscale.schema import (  # the schema, importable from here
     Config,
     ConfigError,
     CopyDType,
+    DeepSeekConfig,
     DataConfig,
     DataSource,
     DcnConfig,
@@ -77,6 +78,7 @@ __all__ = [
     "ConfigError",
     "CopyDType",
     "DType",
+    "DeepSeekConfig",
     "DataConfig",
     "DataSource",
     "DcnConfig",
@@ -111,6 +113,7 @@ __all__ = [
     "requested_devices",
     "resolve_named",
     "validate",
+    "validate_deepseek",
     "validate_moe",
     "validate_pipeline",
     "validate_precision",
@@ -318,6 +321,28 @@ def validate_moe(m: ModelConfig) -> None:
         raise ConfigError("model.moe.balance=quantile needs top_k < experts (a token's cutoff is its (k+1)-th score)")
 
 
+def validate_deepseek(m: ModelConfig) -> None:
+    """``model.deepseek`` (the DeepSeek-V3-style decoder): MoE blocks after the dense ones, positive widths."""
+    d = m.deepseek
+    if d is None:
+        return
+    if m.moe is None:
+        raise ConfigError("model.deepseek: needs model.moe (the blocks after model.deepseek.dense_layers are MoE)")
+    if m.moe.every_n_layers != 1:
+        raise ConfigError("model.deepseek: every block after the dense ones is MoE (model.moe.every_n_layers: 1)")
+    if not 0 <= d.dense_layers < m.layers:
+        raise ConfigError(f"model.deepseek.dense_layers ({d.dense_layers}) must be in [0, model.layers)")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"model.deepseek.{key} must be positive, got {getattr(d, key)}")
+    if d.q_lora_rank is not None and d.q_lora_rank < 1:
+        raise ConfigError(f"model.deepseek.q_lora_rank must be positive or null, got {d.q_lora_rank}")
+    if d.qk_rope_head_dim % 2:
+        raise ConfigError(f"model.deepseek.qk_rope_head_dim ({d.qk_rope_head_dim}) must be even for rotary embeddings")
+    if d.mtp_depth < 0 or d.mtp_loss_weight < 0 or d.routed_scale <= 0:
+        raise ConfigError("model.deepseek: mtp_depth and mtp_loss_weight must be at least 0, routed_scale positive")
+
+
 def validate_rope(s: RopeScaling | None) -> None:
     """``model.rope_scaling``: a factor of at least 1, 0 < low_freq_factor < high_freq_factor, a positive context."""
     if s is None:
@@ -368,6 +393,7 @@ def validate(config: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
+    validate_deepseek(m)
     validate_rope(m.rope_scaling)
     if config.data.source in ("builtin", "stdlib") and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of "

@@ -9,7 +9,9 @@ parallelism when the rules split ``length``), its activations are laid out by lo
   :func:`document_ids`: packed documents' ids from positions that restart at each document.
 * :func:`rope`: rotary position embeddings (rotate-half layout; Llama 3.1's scaling optional).
 * :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.models.lean`.
-* :class:`MoE`: the mixture-of-experts layer, expert parallelism by the rules' ``expert``.
+* :class:`MoE`: the mixture-of-experts layer, expert parallelism by the rules' ``expert``;
+  :func:`moe_metrics`: a stack of MoE layers' metrics as the trainer reads them (losses averaged, the loads
+  per layer for the metrics and the routing bias); :func:`moe_objective`: their weighted auxiliary losses.
 * :func:`constrain`: an activation's layout by the logical names of its dimensions.
 * :func:`einsum`, :func:`weight_grads`: a weight matmul whose weight gradient is in the policy's dtype.
 * :func:`remat_policy`: the ``model.remat`` policy for ``nnx.remat`` (``save_named`` reads ``checkpoint_name``s).
@@ -33,13 +35,15 @@ from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESI
 from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.llama import remat_policy, rope
 from jaxscale.models.moe import MoE
+from jaxscale.models.moe import aux_objective as _aux_objective
+from jaxscale.models.moe import over_layers as moe_metrics
 from jaxscale.precision import einsum, weight_grads
 from jaxscale.sharding import constrain
 
 __all__ = [
     "HIDDEN", "KV_AXES", "LOGITS", "MLP_AXES", "Q_AXES", "RESIDUAL", "MoE", "RMSNorm", "attention",
-    "chunked_cross_entropy", "constrain", "cross_entropy", "document_ids", "einsum", "remat_policy", "rms_norm", "rope",
-    "swiglu", "weight_grads",
+    "chunked_cross_entropy", "constrain", "cross_entropy", "document_ids", "einsum", "moe_metrics", "moe_objective",
+    "remat_policy", "rms_norm", "rope", "swiglu", "weight_grads",
 ]
 
 
@@ -64,6 +68,11 @@ def attention(
     """
     model = config.model if isinstance(config, Config) else config
     return _attention.attention(q, k, v, segments, q_axes, kv_axes, model)
+
+
+def moe_objective(metrics: dict[str, jax.Array], config: Config | ModelConfig) -> jax.Array:
+    """``model.moe``'s weighted load-balance and z losses of :func:`moe_metrics`' means."""
+    return _aux_objective(metrics, config.model if isinstance(config, Config) else config)
 
 
 class RMSNorm(nnx.Module):

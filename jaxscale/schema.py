@@ -66,6 +66,23 @@ class MoEConfig:
 
 
 @dataclasses.dataclass
+class DeepSeekConfig:
+    """The DeepSeek-V3-style decoder (``jaxscale/models/deepseek.py``): multi-head latent attention, ``dense_layers``
+    dense blocks before the MoE ones (``model.moe``), multi-token prediction. ``model.heads`` are MLA's heads;
+    ``model.kv_heads`` and ``model.head_dim`` are not read by it."""
+
+    q_lora_rank: int | None = 1536  # the queries' latent width; None: a full-rank query projection
+    kv_lora_rank: int = 512  # the keys' and values' shared latent width
+    qk_nope_head_dim: int = 128  # each head's query/key width without rotation
+    qk_rope_head_dim: int = 64  # the rotated width, its key part shared by every head
+    v_head_dim: int = 128
+    dense_layers: int = 3  # the first layers with a dense SwiGLU of model.mlp (first_k_dense_replace)
+    routed_scale: float = 2.5  # the routed experts' output scaled by this (routed_scaling_factor)
+    mtp_depth: int = 1  # multi-token prediction modules (0: none)
+    mtp_loss_weight: float = 0.3  # lambda: the weight of the MTP losses' mean over the depths
+
+
+@dataclasses.dataclass
 class RopeScaling:
     """Llama 3.1's RoPE frequency scaling (:func:`jaxscale.models.llama.llama3_scaled`), as Hugging Face's
     ``rope_scaling``."""
@@ -98,6 +115,7 @@ class ModelConfig:
     remat: Remat = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
     moe: MoEConfig | None = None
+    deepseek: DeepSeekConfig | None = None  # None: Llama-style; set: DeepSeek-V3-style (MLA, MTP)
     attention: Attention = "dot"
     attention_block: int = 512
     loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)

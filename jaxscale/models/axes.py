@@ -9,7 +9,8 @@ of the residual stream, kept apart from the parameters' ``embed`` so FSDP can
 shard one and not the other); ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
 ``vocab``; for the experts ``expert`` and ``expert_batch`` (the batch of
 dispatched buffers). Parameters: ``vocab, embed, heads, kv_heads, head_dim,
-mlp, expert, expert_mlp, layers``.
+mlp, expert, expert_mlp, layers``; multi-head latent attention's latent widths ``q_lora`` and
+``kv_lora`` (parameters and the activations of the latents).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 # Every logical axis name a rules table may map (a key outside these is a typo, refused: jaxscale/layout.py).
 LOGICAL_AXES = (
     "batch", "length", "norm_length", "act_embed", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-    "expert", "expert_mlp", "expert_batch", "layers",
+    "expert", "expert_mlp", "expert_batch", "layers", "q_lora", "kv_lora",
 )
 RESIDUAL = ("batch", "norm_length", "act_embed")  # the residual stream, between the blocks
 HIDDEN = ("batch", "length", "act_embed")  # the final hidden states, whole sequences (the chunked loss)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from flax import nnx
 
 from jaxscale.config import Config
+from jaxscale.models.deepseek import DeepSeek
 from jaxscale.models.llama import Llama
 
 
 def build(config: Config, rngs: nnx.Rngs) -> nnx.Module:
-    """The Llama-style decoder of ``config.model`` (with ``model.moe``, Mixtral-style)."""
-    return Llama(config, rngs)
+    """The decoder of ``config.model``: DeepSeek-V3-style with ``model.deepseek``, else Llama-style (with
+    ``model.moe``, Mixtral-style)."""
+    return DeepSeek(config, rngs) if config.model.deepseek is not None else Llama(config, rngs)

@@ -1,0 +1,304 @@
+"""A DeepSeek-V3-style decoder, written as an ordinary user of the model contract (docs/models.md).
+
+Built from :mod:`jaxscale.nn` alone (attention kernel, rotary embeddings, RMSNorm, SwiGLU, the MoE layer,
+layouts by logical name), in the contract's richer form; ``model.deepseek`` selects it as the built-in model.
+
+* **Multi-head latent attention** (:class:`MLA`, the cache-free training form): the queries come from a
+  ``q_lora_rank`` latent of the input, RMS-normed (``wq_a``, ``q_norm``, ``wq_b``; with ``q_lora_rank: null`` one
+  full-rank ``wq``); keys and values from one ``kv_lora_rank`` latent, RMS-normed, expanded per head into a
+  ``qk_nope_head_dim`` key part and a ``v_head_dim`` value (``wkv_a``, ``kv_norm``, ``wkv_b``). The rotary part
+  is decoupled: ``qk_rope_head_dim`` more query columns per head, and one rotated key of that width computed
+  from the input beside the latent (``wkv_a``'s last columns) and shared by every head. Scores are scaled by
+  ``1/sqrt(nope + rope)``; the values are narrower than the queries, which every kernel takes.
+* **Blocks**: the first ``dense_layers`` with a dense SwiGLU of ``model.mlp`` (``dense``), the rest with
+  ``model.moe``'s routed experts (group-limited with ``moe.groups``, sigmoid router in DeepSeek-V3), their output
+  scaled by ``routed_scale``, plus a dense SwiGLU of ``shared_experts x moe.mlp`` (``blocks``): two stacks, each
+  scanned.
+* **Multi-token prediction** (:class:`MTP`, ``mtp_depth`` modules in sequence): depth k joins the previous
+  depth's hidden state of token i (the stack's output for k = 1), RMS-normed, with the embedding of token i+k,
+  RMS-normed, by a projection of their concatenation (embedding first, as DeepSeek-V3's checkpoints), runs one
+  MoE block, RMS-norms its output and predicts token i+k+1 with the shared head; embedding and head are the
+  model's. The objective adds ``mtp_loss_weight`` times the mean of the depths' cross-entropies. The tokens ahead
+  are read from the inputs in their logical order (positions, so ring attention's zig-zag order is followed):
+  each depth trains the positions whose token i+k+1 is in the sequence, all of them (loss masks are not seen).
+  The MTP blocks route without the balance bias (``model.moe.balance``): their load-balance and z losses join
+  the objective with the MoE weights.
+
+Not here: YaRN rope scaling (DeepSeek-V3's long-context extension), documents (``data.documents``) with MTP,
+and, under pipeline parallelism (which runs the contract's ``blocks`` only), dense layers or MTP: each a
+one-line error.
+
+Logical axes: the latents are ``q_lora`` and ``kv_lora`` (parameters and activations); a head's widths are
+``head_dim``; MLA has no grouped keys, so keys and values are laid out as queries (``Q_AXES``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale import nn
+from jaxscale.config import Config, ConfigError, ModelConfig
+from jaxscale.layout import Rules
+
+Q_LATENT = ("batch", "length", "q_lora")
+KV_LATENT = ("batch", "length", "kv_lora")
+Metrics = dict[str, Any]
+
+
+def param(rngs: nnx.Rngs, c: ModelConfig, shape: tuple[int, ...], axes: tuple[str | None, ...]) -> nnx.Param:
+    """A parameter drawn from a normal of deviation ``model.init_std``, named ``axes``."""
+    value = c.init_std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value.astype(c.param_dtype), out_sharding=axes)
+
+
+def norm(c: ModelConfig, features: int, axis: str) -> nn.RMSNorm:
+    return nn.RMSNorm(features, eps=c.norm_eps, dtype=c.dtype, param_dtype=c.param_dtype, axis=axis)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention: [batch, length, embed] -> the same."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        c = self.config = config.model
+        d = c.deepseek
+        self.grads = nn.weight_grads(config)
+        h, qk = c.heads, d.qk_nope_head_dim + d.qk_rope_head_dim
+        if d.q_lora_rank:
+            self.wq_a = param(rngs, c, (c.embed, d.q_lora_rank), ("embed", "q_lora"))
+            self.q_norm = norm(c, d.q_lora_rank, "q_lora")
+            self.wq_b = param(rngs, c, (d.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"))
+        else:
+            self.wq = param(rngs, c, (c.embed, h, qk), ("embed", "heads", "head_dim"))
+        self.wkv_a = param(rngs, c, (c.embed, d.kv_lora_rank + d.qk_rope_head_dim), ("embed", "kv_lora"))
+        self.kv_norm = norm(c, d.kv_lora_rank, "kv_lora")
+        self.wkv_b = param(rngs, c, (d.kv_lora_rank, h, d.qk_nope_head_dim + d.v_head_dim),
+                           ("kv_lora", "heads", "head_dim"))
+        self.wo = param(rngs, c, (h, d.v_head_dim, c.embed), ("heads", "head_dim", "embed"))
+
+    def _w(self, p: nnx.Param) -> jax.Array:
+        return p[...].astype(self.config.dtype)
+
+    def queries(self, x: jax.Array) -> jax.Array:
+        """[batch, length, heads, nope + rope], before the rotation."""
+        if not self.config.deepseek.q_lora_rank:
+            return nn.einsum("bse,ehd->bshd", x, self._w(self.wq), self.grads)
+        latent = nn.constrain(nn.einsum("bse,er->bsr", x, self._w(self.wq_a), self.grads), Q_LATENT)
+        return nn.einsum("bsr,rhd->bshd", self.q_norm(latent), self._w(self.wq_b), self.grads)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        c, d = self.config, self.config.deepseek
+        nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
+        rope = functools.partial(nn.rope, positions=positions, theta=c.rope_theta, scaling=c.rope_scaling)
+        q = self.queries(x)
+        q = nn.constrain(jnp.concatenate([q[..., :nope], rope(q[..., nope:])], -1), nn.Q_AXES)
+        kv = nn.constrain(nn.einsum("bse,er->bsr", x, self._w(self.wkv_a), self.grads), KV_LATENT)
+        k_rope = rope(kv[..., None, rank:])  # [batch, length, 1, rope]: one rotated key for every head
+        kv = nn.einsum("bsr,rhd->bshd", self.kv_norm(kv[..., :rank]), self._w(self.wkv_b), self.grads)
+        k_nope, v = kv[..., :nope], nn.constrain(kv[..., nope:], nn.Q_AXES)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1)
+        out = nn.attention(q, nn.constrain(k, nn.Q_AXES), v, c, kv_axes=nn.Q_AXES)
+        out = nn.constrain(out, nn.Q_AXES)
+        return nn.constrain(nn.einsum("bshd,hde->bse", out, self._w(self.wo), self.grads), nn.RESIDUAL)
+
+
+class MLP(nnx.Module):
+    """SwiGLU of hidden size ``width``: a dense block's MLP, or the shared experts."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs, width: int):
+        c = self.config = config.model
+        self.grads = nn.weight_grads(config)
+        self.w_gate = param(rngs, c, (c.embed, width), ("embed", "mlp"))
+        self.w_up = param(rngs, c, (c.embed, width), ("embed", "mlp"))
+        self.w_down = param(rngs, c, (width, c.embed), ("mlp", "embed"))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        dt = self.config.dtype
+        gate, up = (nn.constrain(nn.einsum("bse,ef->bsf", x, w[...].astype(dt), self.grads), nn.MLP_AXES)
+                    for w in (self.w_gate, self.w_up))
+        y = nn.einsum("bsf,fe->bse", nn.swiglu(gate, up), self.w_down[...].astype(dt), self.grads)
+        return nn.constrain(y, nn.RESIDUAL)
+
+
+class Block(nnx.Module):
+    """Pre-norm block: MLA, then a dense SwiGLU or (``moe``) the routed experts scaled plus the shared ones."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs, moe: bool):
+        c = config.model
+        self.attn_norm, self.mlp_norm = norm(c, c.embed, "embed"), norm(c, c.embed, "embed")
+        self.attn = MLA(config, rngs)
+        self.routed = nn.MoE(config, rngs) if moe else None
+        width = c.moe.shared_experts * (c.moe.mlp or c.mlp) if moe else c.mlp
+        self.mlp = MLP(config, rngs, width) if width else None
+        self.routed_scale = c.deepseek.routed_scale
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """The block's output and its MoE metrics (none for a dense block)."""
+        x = nn.constrain(x + self.attn(self.attn_norm(x), positions), nn.RESIDUAL)
+        h = self.mlp_norm(x)
+        y, metrics = jnp.zeros_like(x), {}
+        if self.routed is not None:
+            routed, metrics = self.routed(h)
+            y = self.routed_scale * routed
+        if self.mlp is not None:
+            y = y + self.mlp(h)
+        return nn.constrain(x + y, nn.RESIDUAL), metrics
+
+
+class MTP(nnx.Module):
+    """One multi-token prediction depth: (hidden state of token i, embedding of token i+k) -> its hidden state
+    and the normed one the head reads."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        c = config.model
+        self.embed_norm, self.hidden_norm, self.out_norm = (norm(c, c.embed, "embed") for _ in range(3))
+        self.proj = param(rngs, c, (2, c.embed, c.embed), (None, "embed", None))  # [embedding; hidden] -> embed
+        unbiased = dataclasses.replace(c.moe, balance="off")
+        self.block = Block(dataclasses.replace(config, model=dataclasses.replace(c, moe=unbiased)), rngs, True)
+        self.dtype = c.dtype
+
+    def __call__(self, h: jax.Array, emb: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, Metrics]:
+        w = self.proj[...].astype(self.dtype)
+        x = (jnp.einsum("bse,ef->bsf", self.embed_norm(emb), w[0])
+             + jnp.einsum("bse,ef->bsf", self.hidden_norm(h), w[1]))
+        x, metrics = self.block(nn.constrain(x, nn.RESIDUAL), positions)
+        return x, self.out_norm(x), metrics
+
+
+def stack(config: Config, rngs: nnx.Rngs, n: int, moe: bool) -> Block:
+    """``n`` blocks stacked on a leading ``layers`` axis."""
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs, moe)
+
+    return make(rngs)
+
+
+def check(config: Config) -> None:
+    """What this model cannot run, in one line: dense layers or MTP under the pipeline (it runs ``blocks``
+    only), MTP over packed documents (the tokens ahead cross documents; positions restart)."""
+    d = config.model.deepseek
+    layers = Rules.load(config.rules).params.get("layers", ())
+    if "stage" in layers and config.mesh.stage != 1 and (d.dense_layers or d.mtp_depth):
+        raise ConfigError(
+            f"model.deepseek: rules '{config.rules}' pipeline model.blocks only: dense_layers "
+            f"({d.dense_layers}) and mtp_depth ({d.mtp_depth}) must be 0"
+        )
+    if config.data.documents and d.mtp_depth:
+        raise ConfigError("model.deepseek.mtp_depth: not with data.documents (the tokens ahead cross documents)")
+
+
+class DeepSeek(nnx.Module):
+    """Token ids and positions [batch, length] -> logits [batch, length, vocab]; the richer form of the contract."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        c = self.config = config.model
+        d = c.deepseek
+        check(config)
+        self.grads = nn.weight_grads(config)
+        self.embedding = param(rngs, c, (c.vocab_size, c.embed), ("vocab", "embed"))
+        self.dense = stack(config, rngs, d.dense_layers, False) if d.dense_layers else None
+        self.blocks = stack(config, rngs, c.layers - d.dense_layers, True)
+        self.final_norm = norm(c, c.embed, "embed")
+        self.mtp = nnx.List([MTP(config, rngs) for _ in range(d.mtp_depth)])
+        if not c.tie_embeddings:
+            self.lm_head = param(rngs, c, (c.embed, c.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+        return self.logits(self.hidden(tokens, positions)[0])
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """The embedding rows of ``tokens`` in the compute dtype (a lookup, nothing else: the pipeline's contract)."""
+        return nn.constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(self.config.dtype), nn.RESIDUAL)
+
+    def head_weight(self) -> jax.Array:
+        """The output projection [embed, vocab] in the compute dtype (the embedding transposed when tied)."""
+        w = self.embedding[...].T if self.config.tie_embeddings else self.lm_head[...]
+        return w.astype(self.config.dtype)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        return nn.constrain(nn.einsum("bse,ev->bsv", x, self.head_weight(), self.grads), nn.LOGITS)
+
+    def run(self, blocks: Block, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """A stack of blocks scanned over ``x``, each recomputed by ``model.remat``'s policy."""
+
+        def body(x: jax.Array, block: Block) -> tuple[jax.Array, Metrics]:
+            return block(x, positions)
+
+        policy = nn.remat_policy(self.config)
+        if policy is not None:
+            body = nnx.remat(body, policy=policy, prevent_cse=False)
+        scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
+                        transform_metadata={nnx.PARTITION_NAME: "layers"})
+        return scan(x, blocks)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """The final-normed hidden states, the MoE metrics (:func:`jaxscale.nn.moe_metrics`) and the MTP losses."""
+        x = self.embed(tokens)
+        if self.dense is not None:
+            x, _ = self.run(self.dense, x, positions)
+        x, stats = self.run(self.blocks, x, positions)
+        metrics = nn.moe_metrics(stats)
+        if len(self.mtp):
+            metrics.update(self.predict_ahead(x, tokens, positions))
+        return self.final_norm(x), metrics
+
+    def cross_entropy(self, x: jax.Array, targets: jax.Array) -> jax.Array:
+        """The head's mean cross-entropy on final-normed ``x`` (chunked with ``model.loss_chunk``)."""
+        chunk = self.config.loss_chunk
+        if chunk:
+            return nn.chunked_cross_entropy(x, self.head_weight(), targets, chunk)
+        return nn.cross_entropy(self.logits(x), targets)
+
+    def predict_ahead(self, h: jax.Array, tokens: jax.Array, positions: jax.Array) -> Metrics:
+        """The MTP depths on the stack's output ``h``: their mean cross-entropy (``mtp_loss``) and their MoE
+        blocks' mean load-balance and z losses."""
+        s = tokens.shape[1]
+        order = jnp.argsort(positions, axis=1)  # the place in the row of each logical position
+
+        def ahead(k: int) -> tuple[jax.Array, jax.Array]:
+            """The token k places ahead of each (logically), and whether it is in the sequence."""
+            place = jnp.take_along_axis(order, jnp.minimum(positions + k, s - 1), axis=1)
+            return jnp.take_along_axis(tokens, place, axis=1), positions + k < s
+
+        losses, aux, z = [], [], []
+        for k, module in enumerate(self.mtp, start=1):
+            targets, inside = ahead(k + 1)
+            h, normed, stats = module(h, self.embed(ahead(k)[0]), positions)
+            losses.append(self.cross_entropy(normed, jnp.where(inside, targets, -1)))
+            aux.append(stats["moe_aux_loss"])
+            z.append(stats["moe_z_loss"])
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        return {"mtp_loss": mean(losses), "mtp_moe_aux_loss": mean(aux), "mtp_moe_z_loss": mean(z)}
+
+    def aux_loss(self, metrics: Metrics) -> jax.Array:
+        """The MoE layers' weighted auxiliary losses, plus ``mtp_loss_weight`` times the MTP loss and the MTP
+        blocks' MoE losses (where ``metrics`` has them: a pipeline stage's have the MoE ones only)."""
+        total = nn.moe_objective(metrics, self.config)
+        if "mtp_loss" in metrics:
+            mtp = {"moe_aux_loss": metrics["mtp_moe_aux_loss"], "moe_z_loss": metrics["mtp_moe_z_loss"]}
+            total = total + self.config.deepseek.mtp_loss_weight * metrics["mtp_loss"]
+            total = total + nn.moe_objective(mtp, self.config)
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x the matmul weights a token goes through (its top_k routed experts
+        only), plus causal attention's 3 x seq_len x heads x (qk + v) per layer, the MTP depths included."""
+        c, d, moe = self.config, self.config.deepseek, self.config.moe
+        e, h, f = c.embed, c.heads, moe.mlp or c.mlp
+        qk = d.qk_nope_head_dim + d.qk_rope_head_dim
+        q = e * d.q_lora_rank + d.q_lora_rank * h * qk if d.q_lora_rank else e * h * qk
+        attn = q + e * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * h * (d.qk_nope_head_dim + d.v_head_dim)
+        attn += h * d.v_head_dim * e
+        routed = e * moe.experts + 3 * e * f * (moe.top_k + moe.shared_experts)
+        moe_layers = c.layers - d.dense_layers + d.mtp_depth
+        weights = attn * (c.layers + d.mtp_depth) + 3 * e * c.mlp * d.dense_layers + routed * moe_layers
+        weights += (e * c.vocab_size + 2 * e * e) * d.mtp_depth + e * c.vocab_size
+        return 6.0 * weights + 3.0 * seq_len * h * (qk + d.v_head_dim) * (c.layers + d.mtp_depth)
