@@ -57,8 +57,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -67,6 +65,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxscale import bounds
+from jaxscale import convert_deepseek as deepseek
 from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
 from jaxscale.config import (
     Config,
@@ -77,58 +76,27 @@ from jaxscale.config import (
     _build,
     read_yaml,
     resolve_named,
+    validate_deepseek,
     validate_moe,
     validate_rope,
 )
+from jaxscale.hf_weights import Weight, hf_shape, slices, to_hf, to_ours
+from jaxscale.hf_weights import hf_int as _hf_int
 from jaxscale.train import abstract_model
 
 INDEX = "model.safetensors.index.json"
 HF_CONFIG = "hf_config.json"  # the imported config.json, kept next to the checkpoint for the way back
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", deepseek.MODEL_TYPE: deepseek.ARCHITECTURE,
+}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
-@dataclasses.dataclass(frozen=True)
-class Weight:
-    """One jaxscale parameter and the HF tensors it is made of.
-
-    ``hf`` names one tensor, with ``{i}`` for the layer and ``{e}`` for the expert when the parameter is
-    stacked over them. ``split``: the HF tensor is ``nn.Linear``'s ``[out, in]`` and ours (one layer, one
-    expert) is ``[in..., out...]`` with ``split`` leading "in" dimensions; None: the same layout.
-    """
-
-    path: tuple[str | int, ...]
-    hf: str
-    split: int | None = 1
-
-    @property
-    def layered(self) -> bool:
-        return "{i}" in self.hf
-
-    @property
-    def expert(self) -> bool:
-        return "{e}" in self.hf
-
-
-def hf_shape(w: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The HF tensor's shape for one layer's (and expert's) slice of ours of ``shape``."""
-    return shape if w.split is None else (math.prod(shape[w.split :]), math.prod(shape[: w.split]))
-
-
-def to_ours(w: Weight, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """One HF tensor as one layer's (and expert's) slice of ours, of ``shape``."""
-    return tensor if w.split is None else tensor.T.reshape(shape)
-
-
-def to_hf(w: Weight, value: np.ndarray) -> np.ndarray:
-    """One layer's (and expert's) slice of ours as the HF tensor."""
-    if w.split is None:
-        return value
-    return value.reshape(math.prod(value.shape[: w.split]), -1).T
-
-
 def weights(model: ModelConfig) -> list[Weight]:
-    """The table of every parameter of ``model`` (a Llama, or a Mixtral: an MoE block every layer)."""
+    """The table of every parameter of ``model`` (a Llama, or a Mixtral: an MoE block every layer; a DeepSeek-V3:
+    :mod:`jaxscale.convert_deepseek`)."""
+    if model.deepseek is not None:
+        return deepseek.weights(model)
     layer = "model.layers.{i}."
     block: tuple[str | int, ...] = ("blocks", "blocks", 0) if model.moe else ("blocks",)
     table = [
@@ -158,16 +126,6 @@ def weights(model: ModelConfig) -> list[Weight]:
     if not model.tie_embeddings:
         table.append(Weight(("lm_head",), "lm_head.weight"))
     return table
-
-
-def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str]]:
-    """Each (index into our stacked parameter, HF tensor name) of ``w``."""
-    layers = range(model.layers) if w.layered else [None]
-    experts = range(model.moe.experts) if w.expert else [None]
-    for i in layers:
-        for e in experts:
-            index = tuple(x for x in (i, e) if x is not None)
-            yield index, w.hf.format(i=i, e=e)
 
 
 # -- config.json <-> model YAML -------------------------------------------------------------------------
@@ -222,6 +180,8 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
     )
+    if kind == deepseek.MODEL_TYPE:
+        model = deepseek.model_from_hf(hf, model)
     if kind == "mixtral":
         top_k = hf.get("num_experts_per_tok", 2)
         model.moe = MoEConfig(
@@ -238,18 +198,6 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
     return model
 
 
-def _hf_int(hf: dict[str, Any], key: str, default: int | None = None) -> int:
-    """A positive integer field of an HF ``config.json`` (``default`` where it is missing or null)."""
-    value = hf.get(key)
-    if value is None and default is not None:
-        return default
-    if value is None:
-        raise ConfigError(f"config.json: no '{key}' (a partial config.json?)")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
-    return value
-
-
 def _read_json(path: Path) -> dict[str, Any]:
     """A JSON object read from ``path``; a one-line :class:`ConfigError` naming the file otherwise."""
     try:
@@ -263,6 +211,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """The HF ``config.json`` of ``model`` (over ``base``, the config it was imported from, if any)."""
+    if model.deepseek is not None:
+        return deepseek.hf_config(model, dtype, base)
     moe = model.moe
     if moe is not None:
         for key, want in (("every_n_layers", 1), ("shared_experts", 0), ("router", "softmax"),
@@ -308,8 +258,9 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
     raw = read_yaml(resolve_named(override, "models"))
     generated = dataclasses.asdict(model)
     merged = {**generated, **raw}
-    if isinstance(raw.get("moe"), dict) and generated["moe"] is not None:
-        merged["moe"] = {**generated["moe"], **raw["moe"]}
+    for section in ("moe", "deepseek"):
+        if isinstance(raw.get(section), dict) and generated[section] is not None:
+            merged[section] = {**generated[section], **raw[section]}
     out = _build(ModelConfig, merged, "model")
     for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "tie_embeddings"):
         if getattr(out, key) != getattr(model, key):
@@ -321,7 +272,15 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
             if getattr(out.moe, key) != getattr(model.moe, key):
                 raise ConfigError(f"{override}: model.moe.{key}={getattr(out.moe, key)!r}, config.json has "
                                   f"{getattr(model.moe, key)!r}")
-    elif out.mlp != model.mlp:
+    if (out.deepseek is None) != (model.deepseek is None):
+        raise ConfigError(f"{override}: model.deepseek does not match config.json's model_type")
+    if model.deepseek is not None:
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                    "dense_layers"):
+            if getattr(out.deepseek, key) != getattr(model.deepseek, key):
+                raise ConfigError(f"{override}: model.deepseek.{key}={getattr(out.deepseek, key)!r}, config.json has "
+                                  f"{getattr(model.deepseek, key)!r}")
+    if out.mlp != model.mlp and (model.moe is None or model.deepseek is not None):
         raise ConfigError(f"{override}: model.mlp={out.mlp!r}, config.json has {model.mlp!r}")
     return out
 
@@ -330,6 +289,7 @@ def _check_model(model: ModelConfig) -> None:
     if model.heads % model.kv_heads:
         raise ConfigError(f"model.heads ({model.heads}) is not divisible by model.kv_heads ({model.kv_heads})")
     validate_moe(model)
+    validate_deepseek(model)
     validate_rope(model.rope_scaling)
 
 
@@ -398,7 +358,8 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     missing = sorted(expected - set(where))
     if missing:
         raise ConfigError(f"{hf_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
-    unused = sorted(set(where) - expected - ({"lm_head.weight"} if model.tie_embeddings else set()))
+    left_out = {t for t in where if model.deepseek is not None and deepseek.left_out(model, t)}
+    unused = sorted(set(where) - expected - left_out - ({"lm_head.weight"} if model.tie_embeddings else set()))
     if unused:
         raise ConfigError(f"{hf_dir}: tensors with no place in the jaxscale model: {', '.join(unused[:5])}")
     shapes = by_name(abstract_model(Config(model=model))[1])
@@ -507,6 +468,8 @@ def main(direction: str, source: str, target: str, override: str | None, dtype: 
     if direction == "hf-to-jaxscale":
         model = hf_to_jaxscale(source, target, override)
         kind = f"{model.moe.experts}-expert Mixtral" if model.moe else "Llama"
+        if model.deepseek is not None:
+            kind = f"DeepSeek-V3 ({model.moe.experts} routed experts, no MTP)"
         return f"{target}: {kind}, {model.layers} layers; model config in {Path(target) / 'model.yaml'}"
     files = jaxscale_to_hf(source, target, override, dtype, max_shard_mb)
     return f"{target}: {len(files)} safetensors file{'s' * (len(files) > 1)} and config.json"

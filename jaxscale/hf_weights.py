@@ -1,0 +1,82 @@
+"""The vocabulary of a Hugging Face weight table: one jaxscale parameter, the HF tensors it is made of, and the
+array moves between them (:mod:`jaxscale.convert`; no jax, no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jaxscale.config import ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One jaxscale parameter and the HF tensors it is made of.
+
+    ``hf`` names one tensor, with ``{i}`` for the layer and ``{e}`` for the expert when the parameter is
+    stacked over them. ``split``: the HF tensor is ``nn.Linear``'s ``[out, in]`` and ours (one layer, one
+    expert) is ``[in..., out...]`` with ``split`` leading "in" dimensions; None: the same layout.
+    ``first``, ``count``: the HF layers our stack holds (default: all ``model.layers``, from 0).
+    ``columns``: ours' last dimension is HF's taken in this order (None: the same order).
+    """
+
+    path: tuple[str | int, ...]
+    hf: str
+    split: int | None = 1
+    first: int = 0
+    count: int | None = None
+    columns: tuple[int, ...] | None = None
+
+    @property
+    def layered(self) -> bool:
+        return "{i}" in self.hf
+
+    @property
+    def expert(self) -> bool:
+        return "{e}" in self.hf
+
+
+def hf_shape(w: Weight, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The HF tensor's shape for one layer's (and expert's) slice of ours of ``shape``."""
+    return shape if w.split is None else (math.prod(shape[w.split :]), math.prod(shape[: w.split]))
+
+
+def to_ours(w: Weight, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """One HF tensor as one layer's (and expert's) slice of ours, of ``shape``."""
+    value = tensor if w.split is None else tensor.T.reshape(shape)
+    return value if w.columns is None else value[..., list(w.columns)]
+
+
+def to_hf(w: Weight, value: np.ndarray) -> np.ndarray:
+    """One layer's (and expert's) slice of ours as the HF tensor."""
+    if w.columns is not None:
+        value = value[..., np.argsort(w.columns)]
+    if w.split is None:
+        return value
+    return value.reshape(math.prod(value.shape[: w.split]), -1).T
+
+
+def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str]]:
+    """Each (index into our stacked parameter, HF tensor name) of ``w``."""
+    layers = range(w.count if w.count is not None else model.layers) if w.layered else [None]
+    experts = range(model.moe.experts) if w.expert else [None]
+    for i in layers:
+        for e in experts:
+            index = tuple(x for x in (i, e) if x is not None)
+            yield index, w.hf.format(i=None if i is None else w.first + i, e=e)
+
+
+def hf_int(hf: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer field of an HF ``config.json`` (``default`` where it is missing or null)."""
+    value = hf.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise ConfigError(f"config.json: no '{key}' (a partial config.json?)")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value

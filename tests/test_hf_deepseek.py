@@ -1,0 +1,135 @@
+"""DeepSeek-V3 weights in and out (jaxscale/convert_deepseek.py): the logits of a converted tiny random
+``DeepseekV3ForCausalLM`` against transformers' own (MLA with interleaved rotary columns, group-limited sigmoid
+routing, shared experts, a dense first layer), and a bit-exact round trip with the MTP layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxscale import checkpoint, convert
+from jaxscale.config import Config, load_config
+from jaxscale.sharding import use_rules
+from jaxscale.train import Trainer, abstract_model
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+RTOL = 1e-4
+SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+             routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+             qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+             norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=5000.0)
+MESH = {"data": 1, "stage": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 2}
+
+
+def hf_model(**extra):
+    """A tiny random HF DeepSeek-V3: every weight drawn, the norm scales around 1 (so swapping two is seen)."""
+    config = transformers.DeepseekV3Config(**{**SIZES, **extra})
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
+
+
+def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
+
+
+def tokens() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, SIZES["vocab_size"], (4, 16), dtype=np.int32)
+
+
+class Forward:
+    """The model of ``model_yaml`` under ep_fsdp_tp (expert 2 x fsdp 2 x tensor 2): logits of a checkpoint's weights."""
+
+    def __init__(self, model_yaml: Path):
+        overrides = [f"model={model_yaml}", "rules=ep_fsdp_tp", *(f"mesh.{k}={v}" for k, v in MESH.items()),
+                     "train.global_batch=4", "train.seq_len=16"]
+        self.trainer = trainer = Trainer.build(load_config(None, overrides))
+
+        def forward(params, tokens):
+            with use_rules(trainer.mesh, trainer.rules):
+                positions = jax.numpy.broadcast_to(jax.numpy.arange(tokens.shape[1]), tokens.shape)
+                return nnx.merge(trainer.graphdef, params, trainer.fresh_balance())(tokens, positions)
+
+        self.forward = jax.jit(forward, in_shardings=(trainer.state_shardings.params, trainer.batch_sharding))
+
+    def logits(self, ckpt: Path, x: np.ndarray) -> np.ndarray:
+        params = checkpoint.restore_params(checkpoint.params_source(ckpt), self.trainer.abstract_state().params)
+        return np.asarray(jax.device_get(self.forward(params, x)))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deepseek")
+    hf = hf_model()
+    hf.save_pretrained(root / "hf", max_shard_size="100KB")
+    convert.hf_to_jaxscale(root / "hf", root / "ckpt")
+    return hf, root / "ckpt", Forward(root / "ckpt" / "model.yaml")
+
+
+def test_converted_deepseek_logits_match_transformers(converted):
+    hf, ckpt, forward = converted
+    x = tokens()
+    ours = forward.logits(ckpt, x)
+    assert rel_err(ours, hf_logits(hf, x)) < RTOL
+    model = load_config(None, [f"model={ckpt / 'model.yaml'}"]).model
+    d, moe = model.deepseek, model.moe
+    assert (d.q_lora_rank, d.kv_lora_rank, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim) == (32, 16, 16, 8, 16)
+    assert (d.dense_layers, d.routed_scale, d.mtp_depth) == (1, 2.5, 0)  # transformers' model has no MTP layer
+    assert (moe.router, moe.groups, moe.top_groups, moe.shared_experts, moe.mlp) == ("sigmoid", 4, 2, 1, 32)
+    shapes = checkpoint.param_shapes(checkpoint.params_source(ckpt))
+    assert sum(math.prod(shape) for shape in shapes.values()) == hf.num_parameters()
+    # The rotary columns' order shows: the same weights read as rotate-half pairs give other logits.
+    halves = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**SIZES, rope_interleave=False)).eval()
+    halves.load_state_dict(hf.state_dict())
+    assert rel_err(ours, hf_logits(halves, x)) > 100 * RTOL
+
+
+def random_params(model, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    shapes = abstract_model(Config(model=model))[1]
+    return jax.tree.map(lambda a: rng.normal(0, 0.08, a.shape).astype(np.float32), shapes)
+
+
+def test_deepseek_round_trip_with_mtp_is_bit_exact_and_transformers_loads_the_export(converted, tmp_path):
+    _, ckpt, forward = converted
+    base = load_config(None, [f"model={ckpt / 'model.yaml'}"]).model
+    model = dataclasses.replace(base, deepseek=dataclasses.replace(base.deepseek, mtp_depth=1))
+    params = random_params(model, seed=1)
+    checkpoint.save_params(tmp_path / "ours", params, dataclasses.asdict(model))
+    files = convert.jaxscale_to_hf(tmp_path / "ours", tmp_path / "hf", max_shard_mb=0.1)
+    assert len(files) > 1
+    (tmp_path / "mtp.yaml").write_text("deepseek:\n  mtp_depth: 1\n")
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "back", override=str(tmp_path / "mtp.yaml"))
+    back = checkpoint.params_source(tmp_path / "back")
+    table = convert.weights(model)
+    assert any(w.path[0] == "mtp" for w in table)  # layer 3 of the export: DeepSeek's MTP layer
+    for w in table:
+        saved = params
+        for key in w.path:
+            saved = saved[key]
+        again = checkpoint.read_param(back, w.path)
+        assert again.dtype == saved.dtype and np.array_equal(again, saved), w.path
+    # transformers reads the main model and skips the MTP layer; its logits are ours.
+    exported = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    plain = dataclasses.replace(model, deepseek=base.deepseek)
+    main_params = {k: v for k, v in params.items() if k != "mtp"}
+    checkpoint.save_params(tmp_path / "main", main_params, dataclasses.asdict(plain))
+    x = tokens()
+    assert rel_err(forward.logits(tmp_path / "main", x), hf_logits(exported, x)) < RTOL
