@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, rel_err, run_steps, tiny_config
 
-from jaxscale.config import CONFIG_DIR, ConfigError, MeshConfig
+from jaxscale.config import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig
 from jaxscale.mesh import make_mesh
-from jaxscale.models.attention import sequence_order
+from jaxscale.models.attention import attention, sequence_order
 from jaxscale.parallel import ring_attention
 from jaxscale.sharding import Rules, constrain, use_rules
 from jaxscale.train import Trainer
@@ -268,3 +268,28 @@ def test_sequence_parallel_axes_must_follow_the_context_axes(tmp_path):
     path.write_text(preset.replace("norm_length: [context, tensor]", "norm_length: [tensor, context]"))
     with pytest.raises(ConfigError, match=r"norm_length \['tensor', 'context'\] must start with the mesh axes of"):
         Trainer.build(tiny_config(rules=str(path), mesh={"fsdp": 2, "context": 2, "tensor": 2}))
+
+
+@pytest.mark.parametrize("kind", ["dot", "blockwise", "ring"])
+def test_values_of_another_width_than_queries_and_keys(kind):
+    """Multi-head latent attention's shapes: queries and keys 12 wide, values 8 or 16; each kernel gives the
+    textbook attention's output and gradients (the ring on context=4, fed the zig-zag order)."""
+    q, k, _, _ = inputs(2)
+    q, k = jnp.concatenate([q, q[..., :4]], -1), jnp.concatenate([k, k[..., :4]], -1)
+    model = ModelConfig(attention=kind, attention_block=TILE)
+    mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4])
+    order = ring_attention.sequence_order(SEQ, 4) if kind == "ring" else np.arange(SEQ)
+
+    def attend(q, k, v):
+        if kind != "ring":
+            return attention(q, k, v, None, Q_AXES, KV_AXES, model)
+        with use_rules(mesh, Rules.load("cp")):
+            return ring_attention.attention(q, k, v, Q_AXES, KV_AXES, block=TILE)
+
+    for width in (8, 16):
+        v = jax.random.normal(jax.random.PRNGKey(width), (*k.shape[:3], width))
+        ct = jax.random.normal(jax.random.PRNGKey(1), (*q.shape[:3], width))
+        want = jax.jit(value_and_grads, static_argnums=0)(partial(softmax_attention, causal=True), q, k, v, ct)
+        out, grads = jax.jit(value_and_grads, static_argnums=0)(attend, *(x[:, order] for x in (q, k, v, ct)))
+        inverse = np.argsort(order)
+        assert_close((out[:, inverse], [g[:, inverse] for g in grads]), want, f"{kind}, values {width} wide")
