@@ -190,8 +190,9 @@ class Trainer:
 
     @property
     def builtin_model(self) -> bool:
-        """Whether the model is the built-in one of ``model.*`` (the analytic model and formulas describe it)."""
-        return self.factory is builtin.build
+        """Whether the model is the built-in Llama-style one of ``model.*`` (the analytic model and formulas describe
+        it; not the DeepSeek-V3-style one of ``model.deepseek``, which counts its own FLOPs)."""
+        return self.factory is builtin.build and self.config.model.deepseek is None
 
     @property
     def pipelined(self) -> bool:

@@ -66,10 +66,11 @@ def test_deepseek_under_a_layout_gives_the_loss_and_gradients_of_one_device(name
 
 @pytest.mark.slow
 def test_deepseek_pipelines_1f1b_as_one_device():
-    """The MoE blocks (no dense ones, no MTP: the pipeline runs model.blocks) on 2 stages x 4 data shards."""
+    """The MoE blocks (no dense ones, no MTP: the pipeline runs model.blocks) on 2 stages x 4 data shards, against
+    one device on the same 4 microbatches (the routing statistics, and so the load-balance loss, are per microbatch)."""
     pipe = ("pipeline.schedule=1f1b", "pipeline.microbatches=4")
     trainer = Trainer.build(config(*PIPELINED, *pipe, rules="pp", mesh={"stage": 2, "data": 4}))
-    same_as_one_device(trainer, one_device(*PIPELINED))
+    same_as_one_device(trainer, one_device(*PIPELINED, "train.microbatches=4"))
 
 
 def test_deepseek_refuses_what_the_pipeline_cannot_run():
