@@ -8,6 +8,7 @@ import jax
 import pytest
 from helpers import assert_trees_close, fails_early, rel_err
 
+from jaxscale.analysis import plan
 from jaxscale.config import Config, load_config
 from jaxscale.train import Trainer
 
@@ -73,7 +74,9 @@ def test_deepseek_pipelines_1f1b_as_one_device():
     same_as_one_device(trainer, one_device(*PIPELINED, "train.microbatches=4"))
 
 
-def test_deepseek_refuses_what_the_pipeline_cannot_run():
+def test_deepseek_refuses_what_it_cannot_run_in_one_line():
     with fails_early(r"^model\.deepseek: rules 'pp' pipeline model\.blocks only: dense_layers \(1\) and "
                      r"mtp_depth \(1\) must be 0"):
         Trainer.build(config(rules="pp", mesh={"stage": 2, "data": 4}))
+    with fails_early(r"^plan: the analytic model describes Llama-style decoders, not model\.deepseek's"):
+        plan.search(config().model, [], None, 1024, 128)

@@ -230,6 +230,9 @@ def search(
 
     A layout that does not fit with the plain loss is tried with a chunked one (:func:`loss_chunk_for`).
     """
+    if m.deepseek is not None:
+        raise ConfigError("plan: the analytic model describes Llama-style decoders, not model.deepseek's (multi-head "
+                          "latent attention): inspect compiles it and reads its figures")
     if global_batch_tokens % seq_len:
         raise ConfigError(f"--global-batch-tokens ({global_batch_tokens}) is not a multiple of --seq-len ({seq_len})")
     sequences = global_batch_tokens // seq_len
