@@ -102,24 +102,33 @@ def test_converted_deepseek_logits_match_transformers(converted):
 
 
 def random_params(model, seed: int) -> dict:
+    """Parameters drawn wide enough (0.25) that the logits, and so the losses, tell the weights' roles apart."""
     rng = np.random.default_rng(seed)
     shapes = abstract_model(Config(model=model))[1]
-    return jax.tree.map(lambda a: rng.normal(0, 0.08, a.shape).astype(np.float32), shapes)
+    return jax.tree.map(lambda a: rng.normal(0, 0.25, a.shape).astype(np.float32), shapes)
 
 
-def test_deepseek_round_trip_with_mtp_is_bit_exact_and_transformers_loads_the_export(converted, tmp_path):
-    _, ckpt, forward = converted
-    base = load_config(None, [f"model={ckpt / 'model.yaml'}"]).model
+@pytest.fixture(scope="module")
+def exported(converted, tmp_path_factory):
+    """The converted model with one MTP depth, random parameters, exported to HF (the MTP layer as layer 3)."""
+    root = tmp_path_factory.mktemp("exported")
+    base = load_config(None, [f"model={converted[1] / 'model.yaml'}"]).model
     model = dataclasses.replace(base, deepseek=dataclasses.replace(base.deepseek, mtp_depth=1))
     params = random_params(model, seed=1)
-    checkpoint.save_params(tmp_path / "ours", params, dataclasses.asdict(model))
-    files = convert.jaxscale_to_hf(tmp_path / "ours", tmp_path / "hf", max_shard_mb=0.1)
+    checkpoint.save_params(root / "ours", params, dataclasses.asdict(model))
+    files = convert.jaxscale_to_hf(root / "ours", root / "hf", max_shard_mb=0.1)
     assert len(files) > 1
+    return model, params, root
+
+
+def test_deepseek_round_trip_with_mtp_is_bit_exact_and_transformers_loads_the_export(converted, exported, tmp_path):
+    forward = converted[2]
+    model, params, root = exported
     (tmp_path / "mtp.yaml").write_text("deepseek:\n  mtp_depth: 1\n")
-    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "back", override=str(tmp_path / "mtp.yaml"))
+    convert.hf_to_jaxscale(root / "hf", tmp_path / "back", override=str(tmp_path / "mtp.yaml"))
     back = checkpoint.params_source(tmp_path / "back")
     table = convert.weights(model)
-    assert any(w.path[0] == "mtp" for w in table)  # layer 3 of the export: DeepSeek's MTP layer
+    assert any(w.path[0] == "mtp" for w in table)
     for w in table:
         saved = params
         for key in w.path:
@@ -127,9 +136,68 @@ def test_deepseek_round_trip_with_mtp_is_bit_exact_and_transformers_loads_the_ex
         again = checkpoint.read_param(back, w.path)
         assert again.dtype == saved.dtype and np.array_equal(again, saved), w.path
     # transformers reads the main model and skips the MTP layer; its logits are ours.
-    exported = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    plain = dataclasses.replace(model, deepseek=base.deepseek)
+    exported_hf = transformers.DeepseekV3ForCausalLM.from_pretrained(root / "hf").eval()
+    plain = dataclasses.replace(model, deepseek=dataclasses.replace(model.deepseek, mtp_depth=0))
     main_params = {k: v for k, v in params.items() if k != "mtp"}
     checkpoint.save_params(tmp_path / "main", main_params, dataclasses.asdict(plain))
     x = tokens()
-    assert rel_err(forward.logits(tmp_path / "main", x), hf_logits(exported, x)) < RTOL
+    assert rel_err(forward.logits(tmp_path / "main", x), hf_logits(exported_hf, x)) < RTOL
+
+
+def mtp_reference(hf_dir: Path, x: np.ndarray) -> float:
+    """DeepSeek-V3's MTP loss of depth 1 written here with transformers' modules, from the exported tensors: the
+    main model's last layer output h (before the final norm), then eh_proj([enorm(emb(t[i+1])); hnorm(h[i])]),
+    transformers' decoder layer (MoE) under a causal mask, shared_head.norm, the shared head; the mean
+    cross-entropy against t[i+2]."""
+    from safetensors.numpy import load_file
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_modules
+
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()
+    cfg, layers = hf.config, hf.config.num_hidden_layers
+    prefix = f"model.layers.{layers}."
+    tensors = {}
+    for file in hf_dir.glob("*.safetensors"):
+        found = load_file(file)
+        tensors.update({k[len(prefix):]: torch.from_numpy(v) for k, v in found.items() if k.startswith(prefix)})
+    layer = hf_modules.DeepseekV3DecoderLayer(cfg, layer_idx=layers).eval()
+    experts = range(cfg.n_routed_experts)
+    state = {k: v for k, v in tensors.items() if k.split(".")[0] in ("self_attn", "input_layernorm",
+                                                                     "post_attention_layernorm")}
+    state.update({k: v for k, v in tensors.items() if k.startswith(("mlp.gate.", "mlp.shared_experts."))})
+    state["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([tensors[f"mlp.experts.{e}.gate_proj.weight"], tensors[f"mlp.experts.{e}.up_proj.weight"]])
+         for e in experts])
+    state["mlp.experts.down_proj"] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
+    state["mlp.gate.e_score_correction_bias"] = torch.zeros(cfg.n_routed_experts)
+    layer.load_state_dict(state)
+
+    def norm(name: str):
+        module = hf_modules.DeepseekV3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        module.weight.data = tensors[f"{name}.weight"]
+        return module
+
+    captured = {}
+    hf.model.layers[-1].register_forward_hook(lambda m, args, out: captured.setdefault("h", out))
+    ids = torch.from_numpy(x).long()
+    with torch.no_grad():
+        hf.model(ids)
+        h = captured["h"][:, :-1]
+        emb = hf.model.embed_tokens(ids[:, 1:])
+        joined = torch.cat([norm("enorm")(emb), norm("hnorm")(h)], -1) @ tensors["eh_proj.weight"].T
+        s = joined.shape[1]
+        positions = torch.arange(s)[None].expand(x.shape[0], s)
+        mask = torch.full((s, s), float("-inf")).triu(1)[None, None]
+        out = layer(joined, attention_mask=mask, position_embeddings=hf.model.rotary_emb(joined, positions))
+        logits = hf.lm_head(norm("shared_head.norm")(out))[:, :-1]
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 2:].reshape(-1)))
+
+
+def test_mtp_loss_is_deepseek_v3s(exported):
+    _, params, root = exported
+    overrides = [f"model={root / 'ours' / 'model.yaml'}", "rules=dp", "mesh.data=1", "train.global_batch=4",
+                 "train.seq_len=16"]
+    trainer = Trainer.build(load_config(None, overrides), jax.devices()[:1])
+    x = tokens()
+    batch = {"inputs": x, "targets": x, "positions": np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape)}
+    _, metrics = jax.jit(trainer.loss_and_metrics)(params, batch)
+    assert rel_err(metrics["mtp_loss"], mtp_reference(root / "hf", x)) < RTOL
