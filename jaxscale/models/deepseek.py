@@ -24,9 +24,9 @@ layouts by logical name), in the contract's richer form; ``model.deepseek`` sele
   The MTP blocks route without the balance bias (``model.moe.balance``): their load-balance and z losses join
   the objective with the MoE weights.
 
-Not here: YaRN rope scaling (DeepSeek-V3's long-context extension), documents (``data.documents``) with MTP,
-and, under pipeline parallelism (which runs the contract's ``blocks`` only), dense layers or MTP: each a
-one-line error.
+Not here: YaRN rope scaling (DeepSeek-V3's long-context extension; jaxscale has no such option). Refused in one
+line when the model is built: MTP with documents (``data.documents``), and dense layers or MTP under pipeline
+parallelism (which runs the contract's ``blocks`` only).
 
 Logical axes: the latents are ``q_lora`` and ``kv_lora`` (parameters and activations); a head's widths are
 ``head_dim``; MLA has no grouped keys, so keys and values are laid out as queries (``Q_AXES``).
