@@ -4,13 +4,15 @@ every gradient of one device (fp32, 1e-5)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import pytest
 from helpers import assert_trees_close, fails_early, rel_err
 
 from jaxscale.analysis import plan
 from jaxscale.config import Config, load_config
-from jaxscale.train import Trainer
+from jaxscale.train import Trainer, abstract_model
 
 TRAIN = ["train.global_batch=16", "train.seq_len=32", "train.steps=2", "train.warmup_steps=1",
          "train.learning_rate=0.01", "data.max_bytes=200000"]
@@ -80,3 +82,13 @@ def test_deepseek_refuses_what_it_cannot_run_in_one_line():
         Trainer.build(config(rules="pp", mesh={"stage": 2, "data": 4}))
     with fails_early(r"^plan: the analytic model describes Llama-style decoders, not model\.deepseek's"):
         plan.search(config().model, [], None, 1024, 128)
+
+
+def test_the_full_deepseek_v3_config_has_its_671b_parameters():
+    """configs/models/deepseek-v3-671b.yaml's shapes: DeepSeek-V3's technical report counts 671B parameters in the
+    main model; the MTP module (one MoE layer, its projection and norms; its embedding and head are the shared
+    ones) adds 11.6B."""
+    shapes = jax.tree_util.tree_flatten_with_path(abstract_model(load_config(None, ["model=deepseek-v3-671b"]))[1])[0]
+    total = sum(math.prod(a.shape) for _, a in shapes)
+    mtp = sum(math.prod(a.shape) for path, a in shapes if path[0].key == "mtp")
+    assert round((total - mtp) / 1e9) == 671 and round(mtp / 1e8) == 116
