@@ -1,10 +1,10 @@
-"""Hugging Face weights in and out: Llama and Mixtral safetensors <-> jaxscale parameters checkpoints.
+"""Hugging Face weights in and out: Llama, Mixtral and DeepSeek-V3 safetensors <-> jaxscale parameters checkpoints.
 
 ``jaxscale convert hf-to-jaxscale --from HF_DIR --to CKPT_DIR`` reads a local
 Hugging Face directory (``config.json`` and ``*.safetensors``, one file or
-shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM``
-or ``MixtralForCausalLM`` and writes a parameters checkpoint
-(:func:`jaxscale.checkpoint.save_params`): ``CKPT_DIR/params`` (orbax) and
+shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM``,
+``MixtralForCausalLM`` or ``DeepseekV3ForCausalLM`` (its table: :mod:`jaxscale.convert_deepseek`) and
+writes a parameters checkpoint (:func:`jaxscale.checkpoint.save_params`): ``CKPT_DIR/params`` (orbax) and
 ``CKPT_DIR/model.yaml``, the jaxscale model generated from ``config.json``
 (``--config`` layers a model YAML over it: compute dtype, remat, MoE dispatch).
 ``checkpoint.init_from: CKPT_DIR`` starts a run from it.
@@ -469,7 +469,7 @@ def main(direction: str, source: str, target: str, override: str | None, dtype: 
         model = hf_to_jaxscale(source, target, override)
         kind = f"{model.moe.experts}-expert Mixtral" if model.moe else "Llama"
         if model.deepseek is not None:
-            kind = f"DeepSeek-V3 ({model.moe.experts} routed experts, no MTP)"
+            kind = f"DeepSeek-V3 ({model.moe.experts} routed experts, MTP depth {model.deepseek.mtp_depth})"
         return f"{target}: {kind}, {model.layers} layers; model config in {Path(target) / 'model.yaml'}"
     files = jaxscale_to_hf(source, target, override, dtype, max_shard_mb)
     return f"{target}: {len(files)} safetensors file{'s' * (len(files) > 1)} and config.json"
