@@ -11,7 +11,7 @@ import pytest
 from helpers import assert_trees_close, fails_early, rel_err
 
 from jaxscale.analysis import plan
-from jaxscale.config import Config, load_config
+from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.train import Trainer, abstract_model
 
 TRAIN = ["train.global_batch=16", "train.seq_len=32", "train.steps=2", "train.warmup_steps=1",
@@ -82,6 +82,12 @@ def test_deepseek_refuses_what_it_cannot_run_in_one_line():
         Trainer.build(config(rules="pp", mesh={"stage": 2, "data": 4}))
     with fails_early(r"^plan: the analytic model describes Llama-style decoders, not model\.deepseek's"):
         plan.search(config().model, [], None, 1024, 128)
+    for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),
+                            ("model.deepseek.dense_layers=3", r"dense_layers \(3\) must be below model\.layers"),
+                            ("model.deepseek.mtp_loss_weight=nan", r"^model\.deepseek\.mtp_loss_weight must be"),
+                            ("model.moe=null", r"^model\.deepseek: needs model\.moe")]:
+        with pytest.raises(ConfigError, match=match):
+            config(override)
 
 
 def test_the_full_deepseek_v3_config_has_its_671b_parameters():
