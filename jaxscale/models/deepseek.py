@@ -28,6 +28,10 @@ Not here: YaRN rope scaling (DeepSeek-V3's long-context extension; jaxscale has 
 line when the model is built: MTP with documents (``data.documents``), and dense layers or MTP under pipeline
 parallelism (which runs the contract's ``blocks`` only).
 
+Recomputation (``model.remat``) as the built-in models': the layer policies of :func:`jaxscale.nn.remat_policy`,
+``selective`` recomputing the attention core, ``save_named`` keeping the named ``query``, ``key``, ``value``,
+``attention``, ``attention_out``, ``mlp_hidden`` (and the MoE layer's ``mlp_out``).
+
 Logical axes: the latents are ``q_lora`` and ``kv_lora`` (parameters and activations); a head's widths are
 ``head_dim``; MLA has no grouped keys, so keys and values are laid out as queries (``Q_AXES``).
 """
@@ -41,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import nn
 from jaxscale.config import Config, ConfigError, ModelConfig
@@ -102,9 +107,14 @@ class MLA(nnx.Module):
         kv = nn.einsum("bsr,rhd->bshd", self.kv_norm(kv[..., :rank]), self._w(self.wkv_b), self.grads)
         k_nope, v = kv[..., :nope], nn.constrain(kv[..., nope:], nn.Q_AXES)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1)
-        out = nn.attention(q, nn.constrain(k, nn.Q_AXES), v, c, kv_axes=nn.Q_AXES)
-        out = nn.constrain(out, nn.Q_AXES)
-        return nn.constrain(nn.einsum("bshd,hde->bse", out, self._w(self.wo), self.grads), nn.RESIDUAL)
+        q, k, v = (checkpoint_name(a, name) for a, name in ((q, "query"), (nn.constrain(k, nn.Q_AXES), "key"),
+                                                              (v, "value")))
+        core = functools.partial(nn.attention, config=c, kv_axes=nn.Q_AXES)
+        if c.remat == "selective":  # keep q, k, v; recompute the attention core in the backward
+            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        out = checkpoint_name(nn.constrain(core(q, k, v), nn.Q_AXES), "attention")
+        y = nn.einsum("bshd,hde->bse", out, self._w(self.wo), self.grads)
+        return checkpoint_name(nn.constrain(y, nn.RESIDUAL), "attention_out")
 
 
 class MLP(nnx.Module):
@@ -121,8 +131,8 @@ class MLP(nnx.Module):
         dt = self.config.dtype
         gate, up = (nn.constrain(nn.einsum("bse,ef->bsf", x, w[...].astype(dt), self.grads), nn.MLP_AXES)
                     for w in (self.w_gate, self.w_up))
-        y = nn.einsum("bsf,fe->bse", nn.swiglu(gate, up), self.w_down[...].astype(dt), self.grads)
-        return nn.constrain(y, nn.RESIDUAL)
+        hidden = checkpoint_name(nn.swiglu(gate, up), "mlp_hidden")
+        return nn.constrain(nn.einsum("bsf,fe->bse", hidden, self.w_down[...].astype(dt), self.grads), nn.RESIDUAL)
 
 
 class Block(nnx.Module):
