@@ -135,7 +135,10 @@ def build(
     ring = tuple(a for a in manual if a in place.stage_context_axes)
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
+    gathered = place.stage_gathered_axes(block_axes, c.moe is not None)
     return StageProgram(
+        gathers=tuple(tuple(tuple(a for a in place.mesh_axes((n,)) if a in gathered) for n in axes[1:])
+                      for axes in block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=Stage(manual, ring)),
@@ -170,7 +173,8 @@ def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
 
     def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
-        block_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), blocks)
+        specs = [PartitionSpec(None, AXIS, *(a or None for a in dims)) for dims in program.gathers]
+        block_specs = jax.tree.structure(blocks).unflatten(specs)
         out = jax.shard_map(
             program.run, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
             out_specs=(PartitionSpec(), PartitionSpec(), block_specs, stacked)[: 4 if program.table.train else 2],
