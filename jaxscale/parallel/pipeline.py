@@ -139,6 +139,7 @@ def build(
     return StageProgram(
         gathers=tuple(tuple(tuple(a for a in place.mesh_axes((n,)) if a in gathered) for n in axes[1:])
                       for axes in block_axes),
+        block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=Stage(manual, ring)),
@@ -163,7 +164,26 @@ def microbatches(x: jax.Array, m: int) -> jax.Array:
     return constrain(x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), (None, *TOKENS))
 
 
-def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
+def _flat(dims: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """The mesh axes of every dimension's."""
+    return tuple(a for axes in dims for a in axes)
+
+
+def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> Any:
+    """Once per step, outside the ``shard_map``: the blocks' gradients that each device of the stage's FSDP
+    axes handed out whole (a leading dimension over them) summed onto the parameters' shards."""
+
+    def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], axes: tuple[str | None, ...]) -> jax.Array:
+        if not _flat(dims):
+            return g
+        shards = NamedSharding(mesh, PartitionSpec(None, *rules.spec(axes)))
+        return lax.with_sharding_constraint(jnp.sum(g, axis=0), shards)
+
+    leaves, tree = jax.tree.flatten(grads)
+    return tree.unflatten([one(*a) for a in zip(leaves, program.gathers, program.block_axes, strict=True)])
+
+
+def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..., tuple]:
     """``program`` on every stage: a ``shard_map`` manual over its axes, the embedding and head entering each
     stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it."""
     ring = program.inner.stage.ring
@@ -173,14 +193,19 @@ def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
 
     def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
-        specs = [PartitionSpec(None, AXIS, *(a or None for a in dims)) for dims in program.gathers]
-        block_specs = jax.tree.structure(blocks).unflatten(specs)
+        tree = jax.tree.structure(blocks)
+        block_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), blocks)
+        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
+        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), None, AXIS)
+                                     for d in program.gathers])
         out = jax.shard_map(
             program.run, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
-            out_specs=(PartitionSpec(), PartitionSpec(), block_specs, stacked)[: 4 if program.table.train else 2],
+            out_specs=(PartitionSpec(), PartitionSpec(), grad_specs, stacked)[: 4 if program.table.train else 2],
             axis_names=set(program.manual),
         )(per_stage, blocks, xs)
-        return (*out[:3], program.sum_stage_copies(out[3])) if program.table.train else out
+        if not program.table.train:
+            return out
+        return (*out[:2], sum_shards(program, out[2], mesh, rules), program.sum_stage_copies(out[3]))
 
     return run
 
@@ -204,10 +229,10 @@ def objective(
 
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return shard_mapped(evaluate, mesh)(outer, blocks, xs)
+        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, xs)
 
     def pipelined_fwd(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh)(outer, blocks, xs)
+        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh, place.rules)(outer, blocks, xs)
         return (loss, metrics), (d_outer, d_blocks)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:

@@ -118,6 +118,7 @@ class StageProgram:
     slots: int  # unit slots per chunk: the largest virtual stage's
     manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
     gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the manual axes splitting each dim
+    block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
     skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
     inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
     dtype: jnp.dtype  # the compute dtype of the activations
@@ -359,7 +360,7 @@ class StageProgram:
                 lambda x, a: constrain(x[0], tuple(None if n == "embed" else n for n in a)), outer, self.outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
-            held = vary((outer, self.lookup_table(outer["embedding"]), self.gather(blocks), xs), self.manual)
+            held = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
             w = Weights(*held, self.count_targets(held[3]["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
@@ -401,30 +402,16 @@ class StageProgram:
             return loss, metrics
         return loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)
 
-    def gather(self, blocks: Any) -> Any:
-        """Once per step: the stage's blocks whole over the manual batch axes that split them (FSDP's)."""
-
-        def one(w: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
-            for i, axes in enumerate(dims):
-                if axes:
-                    w = lax.all_gather(w, axes, axis=2 + i, tiled=True)
-            return w
-
-        leaves, tree = jax.tree.flatten(blocks)
-        return tree.unflatten([one(w, dims) for w, dims in zip(leaves, self.gathers, strict=True)])
-
     def scatter(self, acc: Any) -> Any:
-        """Once per step: the blocks' gradients summed over the manual data and context axes, reduce-scattered
-        over those that split the parameter (back to the shards :meth:`gather` took), all-reduced over the rest."""
+        """Once per step: the blocks' gradients summed over the manual data and context axes that split no
+        block parameter; over those that do (FSDP's, the blocks entered gathered over them) each device's
+        own sum is handed out whole, in a leading dimension that :meth:`sum_shards` reduces onto the shards."""
 
         def one(g: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
             split = {a for axes in dims for a in axes}
             rest = tuple(a for a in self.summed if a not in split)
             g = lax.psum(g, rest) if rest else g
-            for i, axes in enumerate(dims):
-                if axes:
-                    g = lax.psum_scatter(g, axes, scatter_dimension=2 + i, tiled=True)
-            return g
+            return g[None] if split else g
 
         leaves, tree = jax.tree.flatten(acc)
         return tree.unflatten([one(g, dims) for g, dims in zip(leaves, self.gathers, strict=True)])
