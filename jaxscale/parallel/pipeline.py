@@ -3,9 +3,14 @@
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the data-parallel axes that shard no block parameter and the context axes, whose ring
-attention then runs its per-device kernel inside the loop: the stage's layout names them,
-:class:`~jaxscale.layout.Stage`). Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
+model, over the batch axes and the context axes, whose ring attention then runs its per-device kernel
+inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **FSDP inside a
+stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed``) are manual too
+(:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
+gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
+its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
+the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
+idle slots are skipped. Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
 with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
 *virtual stages* a microbatch visits in turn round the ring. With ``pipeline.layers_per_stage`` the
 virtual stages differ in size: each is a chunk of as many slots as the largest, its unused slots the
@@ -40,7 +45,7 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts; once per step
+axes stay with the partitioner (TP all-reduces, GShard-style experts, an MoE model's FSDP; once per step
 the embedding table is moved to the lookup's layout, split on its width,
 :meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); the ring's key/value blocks
 travel over ``context`` in every layer.
