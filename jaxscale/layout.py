@@ -273,11 +273,13 @@ class Layout:
 
         Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
         they split is split by batch axes alone: the loop gathers the stage's blocks over them once per step
-        and reduce-scatters their gradients once (:meth:`stage_gathered_axes`); else only the leading batch
+        and reduce-scatters their gradients once (:meth:`stage_gathered_axes`) unless ``pipeline.fsdp`` is
+        ``tick``; else only the leading batch
         axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
         if moe:
             return (STAGE,)
-        return (STAGE, *(self.axes_of("batch") if self._gatherable(blocks) else self.data_axes(blocks)),
+        once = self.pipeline is None or self.pipeline.fsdp == "step"
+        return (STAGE, *(self.axes_of("batch") if once and self._gatherable(blocks) else self.data_axes(blocks)),
                 *self.stage_context_axes)
 
     def _gatherable(self, blocks: Iterable[Axes]) -> bool:
