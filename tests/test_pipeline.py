@@ -98,14 +98,16 @@ def test_evaluation_runs_the_forward_table(reference):
     assert close(trainer.jit_eval_loss(params, placed(trainer, batches[0])), ref_loss)
 
 
-@pytest.mark.parametrize("schedule, v, attention", [("1f1b", 1, "dot"), ("interleaved_1f1b", 2, "blockwise")])
-def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, reference):
-    """Two steps of pp x fsdp x tp (2 x 2 x 2), masked slots: only messages and per-step sums cross stage.
-    The blockwise kernel runs inside the stage's loop as it is, no shard_map of its own."""
+@pytest.mark.parametrize("schedule, v, attention, gather", [("1f1b", 1, "dot", "step"),
+                                                             ("interleaved_1f1b", 2, "blockwise", "tick")])
+def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, gather, reference):
+    """Two steps of pp x fsdp x tp (2 x 2 x 2), masked slots: only messages and per-step sums cross stage, the
+    stage's FSDP gathers once a step (``pipeline.fsdp=step``) or every tick (``tick``). The blockwise kernel
+    runs inside the stage's loop as it is, no shard_map of its own."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
-                                        rules="pp_fsdp_tp", mesh={"stage": 2, "fsdp": 2, "tensor": 2}))
+                                        f"pipeline.fsdp={gather}", rules="pp_fsdp_tp", mesh={"stage": 2, "fsdp": 2, "tensor": 2}))
     compiled = xla.compile_step(trainer)
     state = jax.device_put(initial, trainer.state_shardings)
     for batch, ref_out in zip(batches, ref_outs, strict=True):
