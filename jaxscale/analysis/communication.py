@@ -196,7 +196,8 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         once = p.in_layers and layout.pipelined and bool(sp.gathered) and set(sp.gathered) <= set(stage_gathered)
         if once:
             # FSDP inside a stage: the stage's layers gathered once before the loop, their gradients
-            # reduce-scattered once after it (the gathered weights serve every slot, forward and backward).
+            # reduce-scattered once after it (the gathered weights serve every slot, forward and backward),
+            # exposed: the loop waits for the gather, the scatter waits for the loop.
             fsdp_runs = runs
         elif p.in_layers and layout.pipelined:
             # Every tick each slot runs a chunk (1/v of the stage's layers), computed and masked when idle
@@ -207,8 +208,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
             regather = 1
         if sp.gathered:
+            # once a step, before the pipeline's loop: nothing to hide behind
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
-                         True)
+                         not once)
             # SP's shard_map keeps it, unless recomputed
             if p.in_layers and not once and (not in_sp or m.remat != "none"):
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
@@ -218,7 +220,8 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
                          "backward", True)
         else:
             shard = grad / layout.size(sp.gathered)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, grad, fsdp_runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, grad, fsdp_runs, layout, "backward",
+                         not once)
             out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, layout, "backward", True)
             held = shard / layout.size(sp.scattered)
             out += _gradient_all_reduce(p.path + " gradient", sp.reduced, held, runs, layout)
