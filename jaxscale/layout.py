@@ -314,7 +314,7 @@ class Layout:
             raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
         if self.pipelined:
             self._check_pipeline(config)
-        self._check_stage_layers(config)
+        self.check_stage_layers(config)
         if self.pipelined:
             self._check_pipeline_shapes(config)
         self._check_sequence(config)
@@ -377,7 +377,7 @@ class Layout:
                     f"mesh axes {part} of size {self.size(part_axes(part))}"
                 )
 
-    def _check_stage_layers(self, config: Config) -> None:
+    def check_stage_layers(self, config: Config) -> None:
         """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
         pipeline = config.pipeline
         listed = pipeline.layers_per_stage

@@ -47,11 +47,12 @@ def test_uneven_stages_match_single_device(schedule, m, v, counts, rules, mesh, 
     evaluation loss (the forward table) too."""
     params, batch, ref_loss, ref_grads = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v, counts), rules=rules, mesh=mesh))
-    units = tuple(counts)
+    storage = trainer.storage
+    assert storage == stage_layers.Storage(tuple(counts), 2)
     assert jax.tree.leaves(trainer.abstract_params["blocks"])[0].shape[0] == len(counts) * max(counts)
-    unused = np.setdiff1d(np.arange(len(counts) * max(counts)), stage_layers.slots(units))
+    unused = np.setdiff1d(np.arange(len(counts) * max(counts)), storage.positions())
     # Unused slots hold layer 0's weights: a block of zero weights would be the identity anyway.
-    padded = {**params, "blocks": jax.tree.map(lambda w: _fill(w, unused), stage_layers.pad(params["blocks"], units))}
+    padded = {**params, "blocks": jax.tree.map(lambda w: _fill(w, unused), storage.place(params["blocks"]))}
     placed = jax.device_put(padded, trainer.param_shardings())
     batch = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
     loss, grads = trainer.loss_and_grads(placed, batch)
@@ -59,7 +60,7 @@ def test_uneven_stages_match_single_device(schedule, m, v, counts, rules, mesh, 
     if evaluate:
         assert abs(float(trainer.jit_eval_loss(placed, batch)) - ref_loss) <= RTOL * abs(ref_loss)
     grads = jax.device_get(grads)
-    assert_trees_close({**grads, "blocks": stage_layers.unpad(grads["blocks"], units)}, ref_grads)
+    assert_trees_close(storage.canonical_params(grads), ref_grads)
     assert unused.size and all(not np.asarray(g)[unused].any() for g in jax.tree.leaves(grads["blocks"]))
 
 
@@ -70,11 +71,19 @@ def _fill(w: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return w
 
 
-def test_pad_and_unpad_are_inverse():
-    stacked = {"w": np.arange(7 * 3, dtype=np.float32).reshape(7, 3)}
-    padded = stage_layers.pad(stacked, (1, 2, 2, 2))
-    assert padded["w"].shape == (8, 3) and not padded["w"][1].any()
-    np.testing.assert_array_equal(stage_layers.unpad(padded, (1, 2, 2, 2))["w"], stacked["w"])
+def test_the_storage_keeps_each_stages_chunks_together():
+    """7 units as [1, 2, 2, 2] on 2 stages x 2 chunks: virtual stages 0, 2 on stage 0 and 1, 3 on stage 1,
+    chunks of 2 slots: stage 0 holds [g0: 0, -], [g2: 3, 4]; stage 1 [g1: 1, 2], [g3: 5, 6]."""
+    storage = stage_layers.Storage((1, 2, 2, 2), 2)
+    np.testing.assert_array_equal(storage.positions(), [0, 4, 5, 2, 3, 6, 7])
+    stacked = {"w": np.arange(1, 7 * 3 + 1, dtype=np.float32).reshape(7, 3)}
+    placed = storage.place(stacked)
+    assert placed["w"].shape == (8, 3) and not placed["w"][1].any()
+    np.testing.assert_array_equal(placed["w"][[0, 2, 3, 4, 5, 6, 7], 0], [1, 10, 13, 4, 7, 16, 19])
+    np.testing.assert_array_equal(storage.canonical(placed)["w"], stacked["w"])
+    even = stage_layers.Storage((2, 2, 2, 2), 2)  # even, interleaved: a permutation, no padding
+    np.testing.assert_array_equal(even.positions(), [0, 1, 4, 5, 2, 3, 6, 7])
+    assert stage_layers.Storage((4, 4), 2).canonical_order and not even.canonical_order
 
 
 @pytest.mark.parametrize(

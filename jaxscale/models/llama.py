@@ -288,7 +288,7 @@ class Llama(nnx.Module):
         self.grads = precision.weight_grads(config)
         self.embedding = param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
-        steps = stage_layers.stack_size(config)  # uneven pipeline stages: padded slots
+        steps = c.layers // stage_layers.unit(c)  # the canonical stack: the trainer places it for a pipeline
 
         @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

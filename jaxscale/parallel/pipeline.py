@@ -5,11 +5,12 @@ When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model i
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
 model, over the data-parallel axes that shard no block parameter and the context axes, whose ring
 attention then runs its per-device kernel inside the loop: the stage's layout names them,
-:class:`~jaxscale.layout.Stage`). Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
-with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
-*virtual stages* a microbatch visits in turn round the ring. With ``pipeline.layers_per_stage`` the
-virtual stages differ in size: each is a chunk of as many slots as the largest, its unused slots the
-identity (:mod:`jaxscale.stage_layers`); a tick then lasts as long as the largest chunk,
+:class:`~jaxscale.layout.Stage`). With v chunks per stage (``pipeline.repeats``) stage s runs layer
+groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
+exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
+chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
+With ``pipeline.layers_per_stage`` the virtual stages differ in size: each is a chunk of as many slots as
+the largest, its unused slots the identity; a tick then lasts as long as the largest chunk,
 whose slots every stage keeps room for.
 
 **The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data; each stage's program is a
@@ -63,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxscale import stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
@@ -145,16 +146,6 @@ def build(
     )
 
 
-def chunked(blocks: Any, axes: Any, v: int, mesh: Mesh, rules: Rules) -> Any:
-    """The stacked blocks [layers, ...] as [v, layers / v, ...]: stage s holds groups c·p + s of every chunk c."""
-
-    def one(w: jax.Array, w_axes: tuple) -> jax.Array:
-        sharding = NamedSharding(mesh, PartitionSpec(None, *rules.spec(w_axes)))
-        return lax.with_sharding_constraint(w.reshape(v, w.shape[0] // v, *w.shape[1:]), sharding)
-
-    return jax.tree.map(one, blocks, axes, is_leaf=lambda a: isinstance(a, jax.Array))
-
-
 def microbatches(x: jax.Array, m: int) -> jax.Array:
     """[rows, ...] as [m, rows / m, ...]: row r of microbatch i is row r·m + i, so each device keeps its rows."""
     return constrain(x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), (None, *TOKENS))
@@ -162,17 +153,27 @@ def microbatches(x: jax.Array, m: int) -> jax.Array:
 
 def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
     """``program`` on every stage: a ``shard_map`` manual over its axes, the embedding and head entering each
-    stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it."""
+    stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it.
+    The stacked blocks enter as they are stored (:class:`~jaxscale.stage_layers.Storage`): stage s's shard
+    is its v chunks one after the other, [v·slots, ...], seen as [v, slots, ...] where it runs."""
     ring = program.inner.stage.ring
     data = tuple(a for a in program.summed if a not in ring)
     batch = PartitionSpec(None, data or None, ring or None)
     stacked = PartitionSpec(AXIS)
+    v = program.repeats
+
+    def local(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
+        chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
+        out = program.run(outer, chunks, xs)
+        if not program.table.train:
+            return out
+        return (*out[:2], jax.tree.map(lambda d: d.reshape(-1, *d.shape[2:]), out[2]), out[3])
 
     def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
-        block_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), blocks)
+        block_specs = jax.tree.map(lambda _: stacked, blocks)
         out = jax.shard_map(
-            program.run, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
+            local, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
             out_specs=(PartitionSpec(), PartitionSpec(), block_specs, stacked)[: 4 if program.table.train else 2],
             axis_names=set(program.manual),
         )(per_stage, blocks, xs)
@@ -194,7 +195,7 @@ def objective(
     parts = split_model(model)
     train = build(mesh, place, parts, model, head_loss)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
-    blocks = chunked(parts.blocks, parts.block_axes, train.repeats, mesh, place.rules)
+    blocks = parts.blocks  # stored with each stage's chunks together: no reshuffle
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
 
