@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxscale import flops, runlock
+from jaxscale import flops, restack, runlock
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import (
     Checkpointer,
@@ -173,9 +173,12 @@ def _start(
         check_compatible(saved.config, c, saved.step)
         trainer.batches.check_state(saved.data, saved.step)
 
-    restored, damaged = checkpointer.restore_latest(trainer.abstract_state(), check)
+    restored, damaged = checkpointer.restore_latest(
+        lambda saved: restack.abstract_state(trainer, restack.saved_storage(saved.loop, saved.config)), check
+    )
     removed = checkpointer.remove_uncommitted()
-    return restored.state, restored.loop, True, removed, damaged
+    state = restack.convert_state(trainer, restored.state, restack.saved_storage(restored.loop, restored.config))
+    return state, restored.loop, True, removed, damaged
 
 
 class _Run:
@@ -319,7 +322,8 @@ class _Run:
             )
         start = time.perf_counter()
         data = self.trainer.batches.state(done)
-        loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row}
+        loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row,
+                restack.KEY: self.trainer.storage.to_dict()}
         try:
             self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
         except CheckpointError:  # the save before failed (orbax waits for it first)

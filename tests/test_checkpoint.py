@@ -101,7 +101,7 @@ def test_resume_reads_the_same_batches(straight, resumed):
     assert resumed.batches == straight.batches and sorted(resumed.batches) == list(range(10))
     saved = Checkpointer(resumed.dir / "checkpoints").read_json(5)
     assert saved.data["step"] == 5 and saved.data["sequences_read"] == 5 * 16
-    assert saved.loop == {"skipped_updates": 0, "skipped_in_a_row": 0}
+    assert saved.loop == {"skipped_updates": 0, "skipped_in_a_row": 0, "layer_storage": {"counts": [2], "stages": 1}}
     assert saved.config["rules"] == "zero3" and saved.config["model"]["embed"] == 64
 
 

@@ -1,15 +1,20 @@
-"""Uneven pipeline stages (``pipeline.layers_per_stage``): equal to one device; the padded stack; errors."""
+"""Uneven pipeline stages (``pipeline.layers_per_stage``): equal to one device, from the unpipelined weights;
+the stack's storage; checkpoints across splits and layouts; errors."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import RTOL, assert_trees_close, fails_early, tiny_config
+from helpers import RTOL, TINY, assert_trees_close, fails_early, tiny_config
 
-from jaxscale import stage_layers
-from jaxscale.checkpoint import check_compatible, init_state_from
-from jaxscale.config import ConfigError
+from jaxscale import restack, stage_layers
+from jaxscale.checkpoint import Checkpointer, init_state_from, save_params
+from jaxscale.cli import main
+from jaxscale.report import read_records
 from jaxscale.train import Trainer
 
 # Seven layers: no even split over 2 stages, nor over 2 stages x 2 chunks.
@@ -123,17 +128,84 @@ def test_bad_lists_fail_before_compiling(overrides, rules, mesh, match):
         Trainer.build(config)
 
 
-def test_resume_needs_the_same_split():
-    """[3, 4] and [4, 3] both pad to 8 slots: restoring one into the other would move layers silently."""
-    config = tiny_config(*BASE, "pipeline.layers_per_stage=[3, 4]", rules="pp", mesh={"stage": 2, "data": 4})
-    saved = tiny_config(*BASE, "pipeline.layers_per_stage=[4, 3]", rules="pp", mesh={"stage": 2, "data": 4})
-    check_compatible(config.to_dict(), config, 5)
-    with pytest.raises(ConfigError, match=r"^resume: checkpoint step 5 has pipeline\.layers_per_stage=\[4, 3\]"):
-        check_compatible(saved.to_dict(), config, 5)
+# Through the command line: 7 layers unpipelined (zero3 on 8 devices) and as [3, 4] and [4, 3] on pp_fsdp_tp
+# (stage 2 x fsdp 2 x tensor 2), the same seed; [3, 4]'s checkpoint after 3 steps resumed onto zero3 and [4, 3].
+CLI = [*TINY, "model.layers=7", "train.schedule_steps=5", "train.log_every=1", "pipeline.microbatches=2"]
+UNPIPELINED = ["rules=zero3", "mesh.data=1", "mesh.fsdp=8", "mesh.stage=1", "mesh.tensor=1"]
 
 
-def test_init_from_a_model_into_padded_slots_is_refused(tmp_path):
+def split(counts: str) -> list[str]:
+    return ["rules=pp_fsdp_tp", "mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2",
+            f"pipeline.layers_per_stage={counts}"]
+
+
+def train(run: Path, steps: int, *sets: str, resume: bool = False) -> dict[int, float]:
+    """``jaxscale train`` of the 7-layer model into ``run``: its losses by step (this call's)."""
+    argv = [f"--set={s}" for s in (*CLI, *sets, f"train.steps={steps}", f"run_dir={run}")]
+    assert main(["train", "--no-progress", *(["--resume"] if resume else []), *argv]) == 0
+    return {r["step"]: r["loss"] for r in read_records(run / "metrics.jsonl") if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, dict[int, float]]:
+    root = tmp_path_factory.mktemp("runs")
+    out = {"straight": train(root / "straight", 5, *UNPIPELINED),
+           "[3, 4]": train(root / "34", 3, *split("[3, 4]"), "checkpoint.every=3"),
+           "[4, 3]": train(root / "43", 3, *split("[4, 3]"))}
+    for name, layout in (("zero3", UNPIPELINED), ("[4, 3] resumed", split("[4, 3]"))):
+        shutil.copytree(root / "34" / "checkpoints", root / name / "checkpoints")
+        out[name] = train(root / name, 5, *layout, resume=True)
+    return out
+
+
+def close_losses(got: dict[int, float], want: dict[int, float]) -> bool:
+    return all(abs(loss - want[step]) <= RTOL * abs(want[step]) for step, loss in got.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["[3, 4]", "[4, 3]"])
+def test_uneven_runs_are_the_unpipelined_run(runs, name):
+    """The padded stack is the unpipelined model's stack placed in slots: the same losses from step 0 on."""
+    assert sorted(runs[name]) == [0, 1, 2] and close_losses(runs[name], runs["straight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero3", "[4, 3] resumed"])
+def test_a_checkpoint_resumes_onto_another_split_or_layout(runs, name):
+    """[3, 4]'s checkpoint after 3 steps goes on as the straight run, unpipelined or split the other way."""
+    assert sorted(runs[name]) == [3, 4] and close_losses(runs[name], runs["straight"])
+
+
+def test_a_checkpoint_written_before_storages_were_recorded_restores(tmp_path):
+    """Interleaved [1, 2, 2, 2] as jaxscale wrote it before: chunks of padded slots in the order of the virtual
+    stages (g·Lmax + j), no ``layer_storage`` in the loop item; restored into the chunk-order storage."""
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("interleaved_1f1b", 4, 2, [1, 2, 2, 2]), rules="pp",
+                                        mesh={"stage": 2, "data": 4}))
+    state = jax.device_get(trainer.init_state())
+    model = trainer.storage.canonical_params(state.params)
+    old = stage_layers.Storage((1, 2, 2, 2))
+    assert old.positions().tolist() == [0, 2, 3, 4, 5, 6, 7]
+    checkpointer = Checkpointer(tmp_path, async_save=False)
+    loop = {"skipped_updates": 0, "skipped_in_a_row": 0}
+    checkpointer.save(1, state._replace(params=old.place_params(model)), trainer.batches.state(1), loop,
+                      trainer.config.to_dict())
+    checkpointer.wait()
+    saved = checkpointer.read_json(1)
+    storage = restack.saved_storage(saved.loop, saved.config)
+    assert storage == old
+    restored = checkpointer.restore_state(restack.abstract_state(trainer, storage), 1)
+    params = jax.device_get(restack.convert_state(trainer, restored, storage).params)
+    checkpointer.close()
+    assert_trees_close(trainer.storage.canonical_params(params), model, rtol=0)
+
+
+def test_init_from_a_model_fills_the_padded_slots(tmp_path):
+    """A parameters checkpoint (the canonical stack) read into [3, 4]'s padded storage."""
     trainer = Trainer.build(tiny_config(*BASE, "pipeline.microbatches=2", "pipeline.layers_per_stage=[3, 4]",
                                         rules="pp", mesh={"stage": 2, "data": 4}))
-    with pytest.raises(ConfigError, match=r"^checkpoint\.init_from with pipeline\.layers_per_stage is not supported"):
-        init_state_from(trainer, tmp_path)
+    model = trainer.storage.canonical_params(jax.device_get(trainer.init_state().params))
+    model = jax.tree.map(lambda w: w + 1, model)  # not the run's own initial weights
+    save_params(tmp_path, model, trainer.config.to_dict()["model"])
+    params = jax.device_get(init_state_from(trainer, tmp_path).params)
+    assert_trees_close(trainer.storage.canonical_params(params), model, rtol=0)
+    assert not jax.tree.leaves(params["blocks"])[0][3].any()  # stage 0's unused slot
