@@ -397,8 +397,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; the fp32
     gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
-    and head, and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged
-    into chunks. ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
+    and head, and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no
+    copy of them). ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
     the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
     the gradient and its transpose, and :func:`_top_layer_at_loss`) or the layer backward's gradient
@@ -434,7 +434,6 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
         loss *= m.loss_chunk / step.seq_len
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
-    blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
@@ -444,7 +443,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
     partitioned = layout.stage_free_axes([p.axes for p in params if p.in_layers], m.moe is not None)
     out["pipeline accumulator"] = 4 * held if partitioned else 0.0
-    out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
+    out["pipeline copies"] = outer * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
         out["mask"] = float(step.seq_len**2)
