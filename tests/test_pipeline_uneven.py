@@ -176,12 +176,18 @@ def test_a_checkpoint_resumes_onto_another_split_or_layout(runs, name):
     assert sorted(runs[name]) == [3, 4] and close_losses(runs[name], runs["straight"])
 
 
-def test_a_checkpoint_written_before_storages_were_recorded_restores(tmp_path):
-    """Interleaved [1, 2, 2, 2] as jaxscale wrote it before: chunks of padded slots in the order of the virtual
-    stages (g·Lmax + j), no ``layer_storage`` in the loop item; restored into the chunk-order storage."""
+@pytest.fixture(scope="module")
+def interleaved():
+    """Interleaved [1, 2, 2, 2] on 2 stages x 2 chunks: the trainer and its initial state (host copy)."""
     trainer = Trainer.build(tiny_config(*BASE, *pipe("interleaved_1f1b", 4, 2, [1, 2, 2, 2]), rules="pp",
                                         mesh={"stage": 2, "data": 4}))
-    state = jax.device_get(trainer.init_state())
+    return trainer, jax.device_get(trainer.init_state())
+
+
+def test_a_checkpoint_written_before_storages_were_recorded_restores(interleaved, tmp_path):
+    """[1, 2, 2, 2] as jaxscale wrote it before: chunks of padded slots in the order of the virtual stages
+    (g·Lmax + j), no ``layer_storage`` in the loop item; restored into the chunk-order storage."""
+    trainer, state = interleaved
     model = trainer.storage.canonical_params(state.params)
     old = stage_layers.Storage((1, 2, 2, 2))
     assert old.positions().tolist() == [0, 2, 3, 4, 5, 6, 7]
@@ -199,13 +205,11 @@ def test_a_checkpoint_written_before_storages_were_recorded_restores(tmp_path):
     assert_trees_close(trainer.storage.canonical_params(params), model, rtol=0)
 
 
-def test_init_from_a_model_fills_the_padded_slots(tmp_path):
-    """A parameters checkpoint (the canonical stack) read into [3, 4]'s padded storage."""
-    trainer = Trainer.build(tiny_config(*BASE, "pipeline.microbatches=2", "pipeline.layers_per_stage=[3, 4]",
-                                        rules="pp", mesh={"stage": 2, "data": 4}))
-    model = trainer.storage.canonical_params(jax.device_get(trainer.init_state().params))
-    model = jax.tree.map(lambda w: w + 1, model)  # not the run's own initial weights
+def test_init_from_a_model_fills_the_storage(interleaved, tmp_path):
+    """A parameters checkpoint (the canonical stack) read into [1, 2, 2, 2]'s padded, chunk-order storage."""
+    trainer, state = interleaved
+    model = jax.tree.map(lambda w: w + 1, trainer.storage.canonical_params(state.params))  # not the run's own
     save_params(tmp_path, model, trainer.config.to_dict()["model"])
     params = jax.device_get(init_state_from(trainer, tmp_path).params)
     assert_trees_close(trainer.storage.canonical_params(params), model, rtol=0)
-    assert not jax.tree.leaves(params["blocks"])[0][3].any()  # stage 0's unused slot
+    assert not jax.tree.leaves(params["blocks"])[0][1].any()  # stage 0's unused slot
