@@ -89,6 +89,11 @@ def test_the_storage_keeps_each_stages_chunks_together():
     even = stage_layers.Storage((2, 2, 2, 2), 2)  # even, interleaved: a permutation, no padding
     np.testing.assert_array_equal(even.positions(), [0, 1, 4, 5, 2, 3, 6, 7])
     assert stage_layers.Storage((4, 4), 2).canonical_order and not even.canonical_order
+    # A checkpoint's stack between schedules and splits: interleaved [1, 2, 2, 2] -> 1F1B [3, 4] -> unpipelined.
+    split = restack.moved(placed["w"], storage, stage_layers.Storage((3, 4), 2))
+    np.testing.assert_array_equal(split[:, 0], [1, 4, 7, 0, 10, 13, 16, 19])
+    np.testing.assert_array_equal(restack.moved(split, stage_layers.Storage((3, 4), 2), stage_layers.Storage((7,))),
+                                  stacked["w"])
 
 
 @pytest.mark.parametrize(
