@@ -33,7 +33,8 @@ Resume (``checkpoint.resume=auto``; ``required``, the command line's
 ``--resume``, is an error without a checkpoint) starts from the latest
 complete checkpoint that reads back (a damaged one is set aside, with a
 warning line and an ``event`` record): the state is read straight into this
-trainer's shardings (whatever its mesh and rules table), the loader's saved
+trainer's shardings (whatever its mesh and rules table; a layer stack stored for another pipeline split or
+schedule is converted once, :mod:`jaxscale.restack`), the loader's saved
 state must describe this data at that step, the schedule must keep its length
 (:func:`~jaxscale.checkpoint.check_compatible`), and the counters carry on; the temporary directories
 of a save that a killed run left uncommitted are deleted (an ``event`` record
@@ -64,6 +65,7 @@ from jaxscale.checkpoint import (
 )
 from jaxscale.config import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.data import Loader
+from jaxscale.stage_layers import Storage
 
 TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
 
@@ -79,6 +81,8 @@ class Trainer(Protocol):
     compiled_guarded_step: tuple[Any, float]
     flops_per_step: float
     jit_eval_loss: Any
+    storage: Storage  # the layer stack's: recorded in checkpoints, converted from theirs on resume
+    state_shardings: TrainState
 
     def abstract_state(self) -> TrainState: ...
 
