@@ -101,7 +101,7 @@ class Parts(NamedTuple):
     block_shapes: Any
     rest: Any
     block_graph: Any  # one stacked unit's graph
-    blocks: Any  # the blocks' parameters [layers, ...] (pure dict) and their logical axes
+    blocks: Any  # the blocks' parameters as stored, [slots, ...] (pure dict), and their logical axes
     block_axes: Any
     outer: Any  # the rest's parameters (pure dict) and their logical axes
     outer_axes: Any
