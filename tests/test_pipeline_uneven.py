@@ -12,7 +12,7 @@ import pytest
 from helpers import RTOL, TINY, assert_trees_close, fails_early, tiny_config
 
 from jaxscale import restack, stage_layers
-from jaxscale.checkpoint import Checkpointer, init_state_from, save_params
+from jaxscale.checkpoint import Checkpointer, init_state_from, params_source, read_param, save_params
 from jaxscale.cli import main
 from jaxscale.report import read_records
 from jaxscale.train import Trainer
@@ -218,3 +218,18 @@ def test_init_from_a_model_fills_the_storage(interleaved, tmp_path):
     params = jax.device_get(init_state_from(trainer, tmp_path).params)
     assert_trees_close(trainer.storage.canonical_params(params), model, rtol=0)
     assert not jax.tree.leaves(params["blocks"])[0][1].any()  # stage 0's unused slot
+
+
+def test_a_runs_parameters_read_back_in_the_models_order(interleaved, tmp_path):
+    """A run's checkpoint records its storage; a parameter read from it (``jaxscale convert``'s way) is the
+    model's stack."""
+    trainer, state = interleaved
+    checkpointer = Checkpointer(tmp_path, async_save=False)
+    loop = {"skipped_updates": 0, restack.KEY: trainer.storage.to_dict()}
+    checkpointer.save(1, state, trainer.batches.state(1), loop, trainer.config.to_dict())
+    checkpointer.close()
+    source = params_source(tmp_path)
+    assert source.storage == trainer.storage
+    path = ("blocks", "attn", "wq")
+    want = trainer.storage.canonical_params(state.params)["blocks"]["attn"]["wq"]
+    np.testing.assert_array_equal(read_param(source, path), want)
