@@ -100,7 +100,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     attention: Attention = "dot"
     attention_block: int = 512
-    loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
+    loss_chunk: int = 0  # > 0: chunked cross-entropy, logits blocks of this many tokens' size (jaxscale/loss.py)
     tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
 
 
