@@ -102,6 +102,7 @@ class ModelConfig:
     attention_block: int = 512
     loss_chunk: int = 0  # > 0: chunked cross-entropy, logits blocks of this many tokens' size (jaxscale/loss.py)
     tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
+    fused_projections: bool = False  # one w_qkv and one w_gate_up GEMM per layer (jaxscale/models/fusion.py)
 
 
 @dataclasses.dataclass
