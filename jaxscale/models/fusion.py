@@ -90,3 +90,21 @@ def separate_reader(read: Callable[[tuple], np.ndarray]) -> Callable[[tuple], np
         return unfuse({fused: read((*path[:-1], fused))})[path[-1]]
 
     return reader
+
+
+def other_layout(target: Any, fused: bool) -> Any:
+    """The shapes (ShapeDtypeStructs) of ``target``'s parameters in the other layout."""
+    import jax
+
+    return jax.eval_shape(unfuse if fused else fuse, target)
+
+
+def converted(read: Callable[[tuple], np.ndarray], saved: Any, target: Any, fused: bool) -> Any:
+    """``target``'s parameters (ShapeDtypeStructs with shardings; fused or not as ``fused``) from a checkpoint
+    of the other layout, whose shapes are ``saved``: each parameter read whole on the host (``read``, a path
+    -> its array), converted there, and placed in ``target``'s sharding and dtype."""
+    import jax
+
+    host = jax.tree_util.tree_map_with_path(lambda path, _: read(tuple(k.key for k in path)), saved)
+    out = (fuse if fused else unfuse)(host)
+    return jax.tree.map(lambda v, a: jax.device_put(v.astype(a.dtype), a.sharding), out, target)
