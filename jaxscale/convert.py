@@ -71,7 +71,15 @@ import ml_dtypes
 import numpy as np
 
 from jaxscale import bounds
-from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
+from jaxscale.checkpoint import (
+    PARAMS_DIR,
+    ParamsSource,
+    by_name,
+    param_shapes,
+    params_source,
+    read_param,
+    save_params,
+)
 from jaxscale.config import (
     Config,
     ConfigError,
@@ -480,7 +488,7 @@ def jaxscale_to_hf(
     size = total = 0
     read = functools.partial(read_param, source)
     if model.fused_projections:  # a fused run's parameters, exported as the separate HF tensors
-        read = separate_reader(read)
+        read = separate_reader(read, set(param_shapes(source)))
     for w in weights(model):
         value = read(w.path)
         for index, tensor in slices(w, model):

@@ -28,8 +28,9 @@ def test_fuse_puts_each_query_head_under_its_key_value_head_and_unfuse_inverts_i
     np.testing.assert_array_equal(fused["mlp"]["w_gate_up"][..., 1, :], wq[..., 1])
     assert fused["experts"].keys() == tree["experts"].keys()  # an MoE block's experts stay separate
     jax.tree.map(np.testing.assert_array_equal, unfuse(fused), tree)
-    reader = separate_reader(lambda path: fused[path[0]][path[1]])
+    reader = separate_reader(lambda path: fused[path[0]][path[1]], {"attn.w_qkv", "experts.w_gate"})
     np.testing.assert_array_equal(reader(("attn", "wk")), wk)
+    np.testing.assert_array_equal(reader(("experts", "w_gate")), wq)  # saved as such: read as such
 
 
 def loss_and_grads(config, params, devices=None):
@@ -48,12 +49,13 @@ def separate():
 
 
 @pytest.mark.parametrize(
-    ("rules", "mesh"),
-    [("dp", {}), ("fsdp_tp", {"fsdp": 4, "tensor": 2}), ("tp_sp", {"tensor": 2})],
+    ("rules", "mesh", "overrides"),
+    [("dp", {}, ()), ("fsdp_tp", {"fsdp": 4, "tensor": 2}, ()), ("tp_sp", {"tensor": 2}, ("model.tp_overlap=true",))],
+    ids=["one-device", "fsdp_tp", "tp_sp-collective-matmul"],
 )
-def test_fused_equals_separate_one_device(rules, mesh, separate):
+def test_fused_equals_separate_one_device(rules, mesh, overrides, separate):
     params, ref_loss, ref_grads = separate
     devices = jax.devices()[: int(np.prod(list(mesh.values())))] if mesh else jax.devices()[:1]
-    loss, grads = loss_and_grads(tiny_config(FUSED, rules=rules, mesh=mesh), fuse(params), devices)
+    loss, grads = loss_and_grads(tiny_config(FUSED, *overrides, rules=rules, mesh=mesh), fuse(params), devices)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert_trees_close(unfuse(grads), ref_grads, rtol=1e-5)

@@ -18,7 +18,7 @@ the Hugging Face conversion reads and writes the separate weights whatever the r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -78,14 +78,15 @@ def unfuse(tree: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def separate_reader(read: Callable[[tuple], np.ndarray]) -> Callable[[tuple], np.ndarray]:
-    """``read`` (a parameter path -> its array) of a fused checkpoint, answering for the separate weights:
-    ``(..., "attn", "wk")`` is read as ``(..., "attn", "w_qkv")`` and split (the Hugging Face export)."""
+def separate_reader(read: Callable[[tuple], np.ndarray], saved: Collection[str]) -> Callable[[tuple], np.ndarray]:
+    """``read`` (a parameter path -> its array) of a fused checkpoint holding the parameters named ``saved``
+    (dotted), answering for the separate weights: ``(..., "attn", "wk")``, not saved, is read as
+    ``(..., "attn", "w_qkv")`` and split (the Hugging Face export); an MoE block's experts are read as saved."""
     fused_of = {name: fused for fused, names in SEPARATE.items() for name in names}
 
     def reader(path: tuple) -> np.ndarray:
         fused = fused_of.get(path[-1])
-        if fused is None:
+        if fused is None or ".".join(map(str, path)) in saved:
             return read(path)
         return unfuse({fused: read((*path[:-1], fused))})[path[-1]]
 
