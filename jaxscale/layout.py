@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale import stage_layers
+from jaxscale.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.config import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
-from jaxscale.models.axes import LOGICAL_AXES, WHOLE_AXES
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -118,7 +118,7 @@ class Rules:
     def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
         """The PartitionSpec entries of an array whose dimensions have these logical names.
 
-        Raises for a name the table lacks (but :data:`~jaxscale.models.axes.WHOLE_AXES`, whole where
+        Raises for a name the table lacks (but :data:`~jaxscale.axes.WHOLE_AXES`, whole where
         unmapped) and for a mesh axis that would split two dimensions.
         """
         table = self.table(kind)

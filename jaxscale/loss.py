@@ -59,8 +59,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale.axes import HIDDEN
 from jaxscale.layout import TOKENS
-from jaxscale.models.axes import HIDDEN
 from jaxscale.parallel import pipeline
 from jaxscale.sharding import active, constrain
 
