@@ -12,7 +12,7 @@ from typing import Any, Literal
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
+Remat = Literal["none", "selective", "full", "save_dots", "save_named", "auto"]  # auto: jaxscale/analysis/remat.py
 # resolved at build (models/attention.py): auto -> the kernel the devices run
 Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
 MoEDispatch = Literal["capacity", "dropless"]

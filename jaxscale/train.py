@@ -135,6 +135,9 @@ class Trainer:
         or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``); its
         state is laid out by the rules' ``optimizer`` section.
         """
+        if config.model.remat == "auto":
+            raise ConfigError("model.remat: auto is chosen before the trainer is built, by the predicted memory "
+                              "(jaxscale.analysis.remat.resolved; the jaxscale command applies it)")
         mesh = make_mesh(config.mesh, devices)
         xla_flags.warn(config.xla, mesh.devices.flat[0].platform)
         rules = Rules.load(config.rules)
