@@ -85,6 +85,14 @@ def weight_grads(config: Config) -> jnp.dtype | None:
     return None if grads is None else jnp.dtype(grads)
 
 
+def takes_wide(config: Config) -> bool:
+    """Whether the projections hand :func:`einsum` their weights as held, for it to cast to the compute dtype
+    (a gradient in :func:`weight_grads`, wider than the compute dtype, and the compute copy in the compute
+    dtype: a wider weight can then only be the fp32 master the trainer differentiates,
+    :attr:`jaxscale.train.Trainer.wide_grads`; a compute copy kept wider is cast before, as ever)."""
+    return weight_grads(config) is not None and policy(config).compute == jnp.dtype(config.model.dtype)
+
+
 WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves
 
 

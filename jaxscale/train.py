@@ -212,7 +212,7 @@ class Trainer:
         tensor parallelism only), for
         the built-in model without fp8 (its projections cast inside that einsum)."""
         config, place = self.config, self.layout
-        if not (self.policy.two_copies and precision.weight_grads(config) is not None and self.builtin_model):
+        if not (self.policy.two_copies and precision.takes_wide(config) and self.builtin_model):
             return False
         return not (place.token_axes or place.sequence_axes or self.pipelined or config.precision.fp8 != "off")
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from helpers import rel_err, tiny_config
 
+from jaxscale import precision
 from jaxscale.train import Trainer
 
 BF16 = "model.dtype=bfloat16"
@@ -28,6 +29,13 @@ PROJECTIONS = ("wq", "wk", "wv", "wo")
 def test_wide_gradients_only_where_no_cross_device_sum_needs_them(overrides, rules, mesh, wide):
     n = int(np.prod(list(mesh.values()))) if mesh else 1
     assert Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh), jax.devices()[:n]).wide_grads is wide
+
+
+def test_projections_take_wide_weights_only_with_a_compute_copy_in_the_compute_dtype():
+    """A compute copy kept in fp32 (``precision.params=float32``) is cast before the projections, as ever."""
+    assert precision.takes_wide(tiny_config(BF16))
+    assert not precision.takes_wide(tiny_config(BF16, "precision.params=float32"))
+    assert not precision.takes_wide(tiny_config())  # fp32 compute
 
 
 def test_one_device_bf16_weight_gradients_are_fp32_and_unrounded(monkeypatch):

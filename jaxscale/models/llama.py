@@ -96,10 +96,10 @@ def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
 
 def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
     """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``).
-    Where :func:`jaxscale.precision.einsum` takes its weight gradient in ``module.grads``, the weight as held:
-    that einsum casts it to ``dtype`` inside (no rounding of a wider parameter's gradient on the way back)."""
+    Where :func:`jaxscale.precision.takes_wide` (``module.wide``), the weight as held: that einsum casts it to
+    ``dtype`` inside (no rounding of a wider parameter's gradient on the way back)."""
     w = getattr(module, name)[...]
-    if module.fp8 is None and module.grads is not None:
+    if module.fp8 is None and module.wide:
         return w
     w = w.astype(dtype)
     return w if module.fp8 is None else module.fp8.weight(name, w)
@@ -169,6 +169,7 @@ class Attention(nnx.Module):
         self.config = c
         self.documents = config.data.documents  # packed documents: attention masked across them
         self.grads = precision.weight_grads(config)
+        self.wide = precision.takes_wide(config)
         std, pdt = c.init_std, c.param_dtype
         if c.fused_projections:  # jaxscale/models/fusion.py
             group = c.heads // c.kv_heads + 2
@@ -211,7 +212,7 @@ class Attention(nnx.Module):
     def fused_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k, v from one GEMM with ``w_qkv`` [embed, kv_heads, q_per_kv + 2, head_dim], split on its group."""
         c = self.config
-        w = self.w_qkv[...] if self.grads is not None else self.w_qkv[...].astype(jnp.dtype(c.dtype))
+        w = self.w_qkv[...] if self.wide else self.w_qkv[...].astype(jnp.dtype(c.dtype))
         (qkv,) = sequence.column_parallel(
             x, RESIDUAL, [("bse,ekgd->bskgd", w, W_QKV, QKV_AXES)], overlap=c.tp_overlap, grads=self.grads
         )
@@ -232,6 +233,7 @@ class MLP(nnx.Module):
         self.dtype = jnp.dtype(c.dtype)
         self.overlap = c.tp_overlap
         self.grads = precision.weight_grads(config)
+        self.wide = precision.takes_wide(config)
         self.fused = c.fused_projections  # jaxscale/models/fusion.py
         if self.fused:
             self.w_gate_up = param(rngs, (c.embed, 2, f), W_GATE_UP, c.init_std, c.param_dtype)
@@ -244,7 +246,7 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = functools.partial(fp8_weight, self, dtype=self.dtype)
         if self.fused:  # one GEMM, split on its gate_up dimension
-            w = self.w_gate_up[...] if self.grads is not None else self.w_gate_up[...].astype(self.dtype)
+            w = self.w_gate_up[...] if self.wide else self.w_gate_up[...].astype(self.dtype)
             (both,) = sequence.column_parallel(
                 x, RESIDUAL, [("bse,egf->bsgf", w, W_GATE_UP, GATE_UP_AXES)], overlap=self.overlap, grads=self.grads
             )
