@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, tiny_config
 
+from jaxscale.config import ConfigError
 from jaxscale.models.fusion import fuse, fuse_qkv, separate_reader, unfuse
 from jaxscale.train import Trainer
 
@@ -59,3 +60,8 @@ def test_fused_equals_separate_one_device(rules, mesh, overrides, separate):
     loss, grads = loss_and_grads(tiny_config(FUSED, *overrides, rules=rules, mesh=mesh), fuse(params), devices)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
     assert_trees_close(unfuse(grads), ref_grads, rtol=1e-5)
+
+
+def test_fused_with_fp8_is_a_one_line_error():
+    with pytest.raises(ConfigError, match=r"^model\.fused_projections: not supported with precision\.fp8"):
+        tiny_config(FUSED, "precision.fp8=current")
