@@ -29,6 +29,7 @@ Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 DEFAULT_SCHEDULE: Schedule = "1f1b"
+FsdpGather = Literal["step", "tick"]  # when a pipeline stage gathers its FSDP-split blocks (parallel/pipeline.py)
 XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -220,13 +221,17 @@ class PipelineConfig:
     stage once in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
     of each virtual stage 0..p·v−1 (e.g. the first and last one lighter: they also hold the embedding
     and the head), summing to ``model.layers``; None splits them evenly
-    (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots).
+    (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots). ``fsdp``: with FSDP inside a
+    stage, ``step`` gathers the stage's blocks once a step and reduces their gradients once (the stage's
+    blocks and their fp32 gradients held whole; idle slots skipped unless TP, SP or CP is inside too),
+    ``tick`` leaves the gathers to the partitioner, every tick (the blocks stay sharded; idle slots masked).
     """
 
     microbatches: int | None = None  # None: as many as there are stages
     repeats: int = 1
     schedule: Schedule = DEFAULT_SCHEDULE
     layers_per_stage: list[int] | None = None
+    fsdp: FsdpGather = "step"
 
 
 @dataclasses.dataclass

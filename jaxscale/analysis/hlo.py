@@ -552,6 +552,27 @@ def grouped(found: list[Collective]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
 
 
+def dots(hlo_text: str) -> dict[str, int]:
+    """The matmul instructions (``dot``, and fusions' dots counted where they are called) of a compiled step:
+    how many sit in a conditional's branch (run only where the branch is taken) and how many outside one."""
+    comps, entry = _parse(hlo_text)
+    out = {"in_conditional": 0, "outside": 0}
+    seen: set[tuple[str, bool]] = set()
+
+    def visit(name: str, branch: bool) -> None:
+        if (name, branch) in seen or name not in comps:
+            return
+        seen.add((name, branch))
+        for instr in comps[name].instrs.values():
+            if instr.opcode == "dot":
+                out["in_conditional" if branch else "outside"] += 1
+            for role, callee in _callees(instr):
+                visit(callee, branch or role in ("branch_computations", "true_computation", "false_computation"))
+
+    visit(entry, False)
+    return out
+
+
 # -- bytes written ----------------------------------------------------------------
 
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # write no buffer of their own
