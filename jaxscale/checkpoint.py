@@ -79,8 +79,9 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxscale import fp8, precision
 from jaxscale.config import Config, ConfigError, checkpoint_dir, read_yaml
+from jaxscale.models import fusion
 from jaxscale.optim import schedule_length
-from jaxscale.restack import convert_params, read_as, same, saved_storage
+from jaxscale.restack import convert_params, placed, read_as, saved_storage
 from jaxscale.sharding import param_name
 from jaxscale.stage_layers import Storage, written_before
 
@@ -566,8 +567,14 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
     abstract = trainer.abstract_state()
     # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.
     target = precision.updated(abstract.params, abstract.master)
-    saved = read_as(target, source.storage, trainer.mesh) if not same(source.storage, trainer.storage) else target
-    check_params(source, "checkpoint.init_from", trainer.config, saved)
-    params = restore_params(source, saved)
+    in_source = read_as(target, source.storage, trainer.mesh)  # the shapes it holds (its own layer stack)
+    fused = trainer.config.model.fused_projections
+    if bool(source.model.get("fused_projections")) != fused:  # the other layout (models/fusion.py)
+        saved = fusion.other_layout(target, fused)
+        check_params(source, "checkpoint.init_from", trainer.config, fusion.other_layout(in_source, fused))
+        read = placed(trainer.storage, lambda path: read_param(source, path))  # read_param: the model's order
+        return trainer.init_state(fusion.converted(read, saved, target, fused))
+    check_params(source, "checkpoint.init_from", trainer.config, in_source)
     shardings = jax.tree.map(lambda a: a.sharding, target)
+    params = restore_params(source, in_source)
     return trainer.init_state(convert_params(params, source.storage, trainer.storage, shardings))

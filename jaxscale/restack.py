@@ -13,6 +13,7 @@ optimizer's moments; nothing else changes. Parameters checkpoints (``checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -59,6 +60,11 @@ def moved(w: Any, saved: Storage, target: Storage) -> Any:
 def _donated(saved: Storage, target: Storage) -> tuple[int, ...]:
     """The input donated where its stacks can hold the output's (a stack of another size cannot)."""
     return (0,) if saved.size == target.size else ()
+
+
+def placed(storage: Storage, read: Callable[[tuple], Any]) -> Callable[[tuple], Any]:
+    """``read`` (a parameter's path -> its array, the model's order) with a block's array placed in ``storage``."""
+    return lambda path: storage.place(read(path)) if path[0] == "blocks" else read(path)
 
 
 def read_as(abstract: Any, saved: Storage, mesh: Mesh) -> Any:
