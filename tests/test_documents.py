@@ -110,29 +110,49 @@ def test_packed_logits_equal_the_documents_one_at_a_time(reference):
     assert rel_err(logits_of(plain, params, batch), back) > 1e-2
 
 
+RING = ("model.attention=ring", "model.attention_block=4")  # 4-token tiles: several per zig-zag chunk
+PIPE = ("pipeline.microbatches=4", "pipeline.schedule=1f1b")
 LAYOUTS = {
     "dot": ({}, {"rules": "dp", "mesh": {"data": 8}}),
     "tp_sp": ({}, {"rules": "tp_sp", "mesh": {"data": 2, "tensor": 4}}),
-    "pp_1f1b": (("pipeline.microbatches=4", "pipeline.schedule=1f1b"),
-                {"rules": "pp", "mesh": {"stage": 2, "data": 4}}),
+    "pp_1f1b": (PIPE, {"rules": "pp", "mesh": {"stage": 2, "data": 4}}),
+    "blockwise": (("model.attention=blockwise", "model.attention_block=8"), {"rules": "dp", "mesh": {"data": 8}}),
+    "ring_cp4": (RING, {"rules": "cp", "mesh": {"fsdp": 2, "context": 4}}),
+    "ring_cp2": pytest.param(RING, {"rules": "cp", "mesh": {"fsdp": 4, "context": 2}}, marks=pytest.mark.slow),
+    "blockwise_tp_sp": pytest.param(("model.attention=blockwise", "model.attention_block=8"),
+                                    {"rules": "tp_sp", "mesh": {"data": 2, "tensor": 4}}, marks=pytest.mark.slow),
+    "ring_cp2_pp_1f1b": pytest.param((*RING, *PIPE), {"rules": "pp_tp_cp", "mesh": {"stage": 2, "context": 2,
+                                                                                     "tensor": 2}},
+                                     marks=pytest.mark.slow),
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+def layout_case(name: str) -> tuple:
+    case = LAYOUTS[name]
+    return tuple(case.values) if hasattr(case, "values") else case
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=getattr(c, "marks", ())) for n, c in LAYOUTS.items()])
 def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(reference, docs, name):
+    """Every kernel and layout that masks across documents: dot (as tp_sp, in 1F1B stages), blockwise (also under
+    tp_sp) and ring with contexts of 4 and 2 (also in 1F1B stages), the ring fed the sequence in its zig-zag order."""
     _, params, batch, _, _, ref_loss, ref_grads, _ = reference
-    overrides, layout = LAYOUTS[name]
+    overrides, layout = layout_case(name)
     trainer = Trainer.build(config(docs, "data.documents=true", *overrides, **layout))
+    order = trainer.sequence_order
+    if order is not None:
+        batch = {k: v[:, order] for k, v in batch.items()}
     placed = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
     loss, grads = trainer.loss_and_grads(jax.device_put(params, trainer.param_shardings()), placed)
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     assert_trees_close(grads, ref_grads)
 
 
-def test_documents_need_the_dot_kernel_and_token_data(docs):
-    with pytest.raises(ConfigError, match=r"^data\.documents: documents are masked by model\.attention 'dot' only, "
-                                          r"not 'blockwise'"):
-        Trainer.build(config(docs, "data.documents=true", "model.attention=blockwise", mesh={"data": 8}))
+def test_cudnn_refuses_documents_and_names_the_kernel_to_use(docs):
+    with pytest.raises(ConfigError, match=r"^data\.documents: model\.attention 'cudnn' does not mask across "
+                                          r"documents .*: use 'blockwise'"):
+        Trainer.build(config(docs, "data.documents=true", "model.attention=cudnn", "model.dtype=bfloat16",
+                             mesh={"data": 8}))
     with pytest.raises(ConfigError, match=r"^data\.documents: needs data\.source=tokens"):
         tiny_config("data.documents=true")
 
