@@ -153,12 +153,18 @@ def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(reference, 
 
 
 def test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key():
-    full, skip = ring_attention.FULL, ring_attention.SKIP
+    full, skip, across = ring_attention.FULL, ring_attention.SKIP, ring_attention.FULL + ring_attention.ACROSS
+    visible = ring_attention._visible
     # Document starts of 4-token tiles (two rows): the query tile's documents begin at 8 and 10, or at 12.
     q = jnp.array([[8, 8, 10, 10], [12, 12, 12, 12]])
-    assert ring_attention._visible(full, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == full  # row 0 shares 8
-    assert ring_attention._visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 4, 4]])) == skip  # none shares one
-    assert ring_attention._visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 12, 12]])) == full  # row 1 shares 12
+    assert visible(full, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == across  # row 0 shares 8: masked pairwise
+    assert visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 4, 4]])) == skip  # none shares one
+    assert visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 12, 12]])) == across  # row 1 shares 12
+    one = jnp.array([[8, 8, 8, 8], [12, 12, 12, 12]])
+    assert visible(full, one, one) == full  # each row in one document: no mask
+    assert visible(ring_attention.DIAGONAL, one, one) == ring_attention.DIAGONAL  # causal only
+    assert visible(skip, one, one) == skip  # causally masked stays skipped
+    assert visible(skip, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == skip  # however its documents lie
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["blockwise", "ring_cp4"])

@@ -40,8 +40,9 @@ named by where it starts in the sequence, its index in the sequence's natural or
 (:func:`document_starts`; each device knows the natural index of its tokens from the tile ids). The key
 side's starts travel the ring with their K and V blocks. A tile where no query shares a document with
 any key is skipped as the causally masked ones are (its tokens are contiguous in the natural order and
-the starts non-decreasing, so the test on the tiles' least and greatest starts is exact); the others
-are masked to the pairs of one document, a ``block x block`` comparison made inside the tile.
+the starts non-decreasing, so the test on the tiles' least and greatest starts is exact); a tile in one
+document is computed as without documents; only a tile spanning a boundary is masked to the pairs of one
+document, a ``block x block`` comparison made inside the tile.
 
 With a ring of one device the same kernel is blockwise (flash) attention on
 one device: ``model.attention: blockwise``.
@@ -68,6 +69,7 @@ from jax.sharding import PartitionSpec
 from jaxscale.sharding import Axes, active, spec, spec_axes, stage
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
+ACROSS = 2  # added to DIAGONAL or FULL: a tile whose pairs span documents, masked pair by pair
 LAYOUTS = ("zigzag", "contiguous")
 _NEG = float(np.finfo(np.float32).min)
 
@@ -153,10 +155,26 @@ def document_starts(positions: jax.Array, natural: jax.Array) -> jax.Array:
 
 
 def _visible(kind, q_starts: jax.Array, k_starts: jax.Array):
-    """``kind``, or SKIP where no query of the tile shares a document with a key (the starts [b, block] of
-    contiguous tokens are non-decreasing: the documents of a tile are those between its least and greatest)."""
-    overlap = (q_starts.min(1) <= k_starts.max(1)) & (k_starts.min(1) <= q_starts.max(1))
-    return jnp.where(overlap.any(), kind, SKIP)
+    """``kind`` of a tile given its queries' and keys' document starts ([b, block] each; non-decreasing over
+    contiguous tokens, so a tile's documents are those between its least and greatest start): SKIP where no
+    query shares a document with a key, ``kind`` where every row's tile is in one document, else
+    ``kind + ACROSS`` (masked pair by pair)."""
+    q_lo, q_hi, k_lo, k_hi = q_starts.min(1), q_starts.max(1), k_starts.min(1), k_starts.max(1)
+    overlap = (q_lo <= k_hi) & (k_lo <= q_hi)
+    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    return jnp.where(overlap.any() & (kind != SKIP), jnp.where(one.all(), kind, kind + ACROSS), SKIP)
+
+
+def _branches(tile_fn, scale: float, documents: bool) -> list:
+    """The tile functions by kind: SKIP, DIAGONAL, FULL and, with ``documents``, the two masked across them;
+    each takes (acc, *tiles, docs)."""
+
+    def make(masked: bool, across: bool):
+        fn = partial(tile_fn, masked=masked, scale=scale)
+        return fn if across else lambda *args: fn(*args[:-1], None)
+
+    skip = [lambda acc, *_: acc, make(True, False), make(False, False)]
+    return [*skip, make(True, True), make(False, True)] if documents else skip
 
 
 def _scores(q: jax.Array, k: jax.Array, docs, masked: bool, scale: float) -> jax.Array:
@@ -202,8 +220,7 @@ def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring, starts=None):
     """Fold the key/value tiles ``k_ids`` into the running (out, max, sum) of the query tiles ``q_ids``;
     ``starts``: the queries' and keys' document starts, or None."""
     block = plan.block
-    full = partial(_fold_tile, masked=False, scale=plan.scale)
-    branches = (lambda acc, *_: acc, partial(_fold_tile, masked=True, scale=plan.scale), full)
+    branches = _branches(_fold_tile, plan.scale, starts is not None)
 
     def per_query(state, i):
         o, m, total = state
@@ -212,7 +229,7 @@ def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring, starts=None):
         def per_key(acc, j):
             kj, vj, docs = _tile(k, j, block, 1), _tile(v, j, block, 1), _tile_docs(starts, i, j, block)
             if not plan.causal and docs is None:
-                return full(acc, qi, kj, vj, None), None
+                return branches[FULL](acc, qi, kj, vj, None), None
             return lax.switch(_kind(plan, q_ids[i], k_ids[j], docs), branches, acc, qi, kj, vj, docs), None
 
         acc = (_tile(o, i, block, 1), _tile(m, i, block, 3), _tile(total, i, block, 3))
@@ -238,8 +255,7 @@ def _grad_tile(acc, q, do, lse, delta, k, v, docs, *, masked: bool, scale: float
 def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring, starts=None):
     """Gradients of one key/value block: adds to ``dq``, returns it with this block's (dk, dv)."""
     block = plan.block
-    full = partial(_grad_tile, masked=False, scale=plan.scale)
-    branches = (lambda acc, *_: acc, partial(_grad_tile, masked=True, scale=plan.scale), full)
+    branches = _branches(_grad_tile, plan.scale, starts is not None)
 
     def per_key(dq, j):
         kj, vj = _tile(k, j, block, 1), _tile(v, j, block, 1)
@@ -252,7 +268,7 @@ def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring, starts=None):
             if plan.causal or docs is not None:
                 acc = lax.switch(_kind(plan, q_ids[i], k_ids[j], docs), branches, acc, *tiles, kj, vj, docs)
             else:
-                acc = full(acc, *tiles, kj, vj, None)
+                acc = branches[FULL](acc, *tiles, kj, vj, None)
             return (_put(dq, acc[0], i, block, 1), acc[1], acc[2]), None
 
         (dq, dk, dv), _ = lax.scan(per_query, (dq, zeros, zeros), jnp.arange(q.shape[1] // block))
