@@ -1,14 +1,18 @@
 """Packed documents: the step time and temp memory of masking across documents (``data.documents``) against the
 unmasked packed stream, per attention kernel, as JSON.
 
-The tiny Llama, byte tokens of the standard library's sources (prepared into a temporary directory); for each
-kernel the same compiled-shape step with and without the document mask, each timed over ``--steps`` steps after
-one warm-up step (median step time), and the compiled step's ``memory_analysis()`` temp bytes per device.
+The tiny Llama, byte tokens of the standard library's sources (prepared into a temporary directory): with
+``--corpus files`` each file is a document (a few thousand tokens: most tiles in one document), with
+``paragraphs`` each blank-line-separated paragraph (a few hundred: many tiles across documents, skipped or
+masked). For each kernel the same compiled-shape step with and without the document mask, each timed over
+``--steps`` steps after one warm-up step, the two runs' steps interleaved (median step time), and the compiled
+step's ``memory_analysis()`` temp bytes per device.
 ``dot`` and ``blockwise`` run on one device, ``ring`` on a ring of ``--context`` simulated CPU devices (rules
 ``cp``). One line per run, then one per kernel with the masked run's step time and temp memory over the
 unmasked one's. CPU timings are noisy on a shared machine: compare the rows of one run.
 
-    python benchmarks/documents_mask.py [--kernels dot,blockwise,ring] [--seq-len 1024] [--batch 8] [--steps 5]
+    python benchmarks/documents_mask.py [--kernels dot,blockwise,ring] [--corpus files|paragraphs] [--seq-len 1024]
+        [--batch 8] [--steps 5]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,7 +34,8 @@ from jaxscale import simulate_devices
 KERNELS = ("dot", "blockwise", "ring")
 
 
-def measure(tokens: Path, kernel: str, documents: bool, args: argparse.Namespace) -> dict[str, object]:
+def build(tokens: Path, kernel: str, documents: bool, args: argparse.Namespace) -> dict[str, Any]:
+    """The trainer of one run, its compiled step and its state after one warm-up step."""
     import jax
 
     from jaxscale.config import CONFIG_DIR, load_config
@@ -43,23 +49,41 @@ def measure(tokens: Path, kernel: str, documents: bool, args: argparse.Namespace
                  f"train.seq_len={args.seq_len}", f"train.global_batch={args.batch}"]
     trainer = Trainer.build(load_config(CONFIG_DIR / "experiments" / "tiny.yaml", overrides), jax.devices()[:devices])
     step, _ = trainer.compiled_guarded_step
-    state = trainer.init_state()
-    state, out = step(state, trainer.batch(0))
+    state, out = step(trainer.init_state(), trainer.batch(0))
     jax.block_until_ready(out)
-    times = []
+    return {"trainer": trainer, "step": step, "state": state, "times": [], "out": out}
+
+
+def timed_step(run: dict[str, Any], k: int) -> None:
+    import jax
+
+    batch = run["trainer"].batch(k)
+    start = time.perf_counter()
+    run["state"], run["out"] = run["step"](run["state"], batch)
+    jax.block_until_ready(run["out"])
+    run["times"].append(time.perf_counter() - start)
+
+
+def measure(tokens: Path, kernel: str, args: argparse.Namespace) -> list[dict[str, object]]:
+    """The unmasked and the masked run of ``kernel``, their steps interleaved (the machine's load shared)."""
+    runs = [build(tokens, kernel, documents, args) for documents in (False, True)]
     for k in range(1, args.steps + 1):
-        batch = trainer.batch(k)
-        start = time.perf_counter()
-        state, out = step(state, batch)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-    return {"kernel": kernel, "documents": documents, "median_step_s": round(statistics.median(times), 4),
-            "temp_bytes": step.memory_analysis().temp_size_in_bytes, "loss": round(float(out["loss"]), 4)}
+        for run in runs:
+            timed_step(run, k)
+    rows = [{"kernel": kernel, "corpus": args.corpus, "documents": documents,
+             "median_step_s": round(statistics.median(run["times"]), 4),
+             "temp_bytes": run["step"].memory_analysis().temp_size_in_bytes,
+             "loss": round(float(run["out"]["loss"]), 4)} for documents, run in zip((False, True), runs, strict=True)]
+    plain, masked = rows
+    return [*rows, {"kernel": kernel, "step_time_ratio": round(masked["median_step_s"] / plain["median_step_s"], 3),
+                    "temp_ratio": round(masked["temp_bytes"] / plain["temp_bytes"], 4)}]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated: dot, blockwise, ring")
+    parser.add_argument("--corpus", choices=("files", "paragraphs"), default="files",
+                        help="a document per standard-library file, or per paragraph")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--block", type=int, default=128, help="model.attention_block: the tile of blockwise/ring")
@@ -72,14 +96,14 @@ def main() -> None:
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:60]
     with tempfile.TemporaryDirectory() as tmp:
+        if args.corpus == "paragraphs":
+            texts = [p for f in files for p in f.read_text(encoding="utf-8").split("\n\n") if p.strip()]
+            (Path(tmp) / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+            files = [Path(tmp) / "docs.jsonl"]
         prepare_data(files, Path(tmp) / "tokens", val_fraction=0.0)
         for kernel in kernels:
-            plain, masked = (measure(Path(tmp) / "tokens", kernel, documents, args) for documents in (False, True))
-            print(json.dumps(plain))
-            print(json.dumps(masked))
-            print(json.dumps({"kernel": kernel, "step_time_ratio": round(masked["median_step_s"] /
-                                                                         plain["median_step_s"], 3),
-                              "temp_ratio": round(masked["temp_bytes"] / plain["temp_bytes"], 4)}))
+            for row in measure(Path(tmp) / "tokens", kernel, args):
+                print(json.dumps(row))
 
 
 if __name__ == "__main__":
