@@ -17,7 +17,7 @@ from helpers import assert_trees_close, rel_err, tiny_config
 from jaxscale.config import ConfigError, MeshConfig
 from jaxscale.data import IGNORE, make_loader
 from jaxscale.mesh import make_mesh
-from jaxscale.models.attention import document_ids
+from jaxscale.models.attention import document_ids, resolve_attention
 from jaxscale.packing import PackedBins, first_fit
 from jaxscale.parallel import ring_attention
 from jaxscale.prepare import TokenDir, prepare_data
@@ -200,6 +200,10 @@ def test_cudnn_refuses_documents_and_names_the_kernel_to_use(docs):
                              mesh={"data": 8}))
     with pytest.raises(ConfigError, match=r"^data\.documents: needs data\.source=tokens"):
         tiny_config("data.documents=true")
+    model = tiny_config("model.attention=auto", "model.dtype=bfloat16").model
+    assert resolve_attention(model, "gpu", 32) == "cudnn"
+    assert resolve_attention(model, "gpu", 32, documents=True) == "dot"  # auto never picks cuDNN for documents
+    assert resolve_attention(model, "gpu", 4096, documents=True) == "blockwise"
 
 
 def test_first_fit_places_each_document_in_the_first_sequence_with_room():
