@@ -211,7 +211,8 @@ def _tile_docs(starts, i: jax.Array, j: jax.Array, block: int):
 
 
 def _kind(plan: _Ring, q_id, k_id, docs):
-    """SKIP, DIAGONAL or FULL for a query tile against a key tile, fully masked across documents skipped."""
+    """SKIP, DIAGONAL or FULL for a query tile against a key tile; with documents (``docs``) SKIP where none is
+    shared, and ``+ ACROSS`` where the tile spans a boundary (:func:`_visible`)."""
     kind = tile_kind(q_id, k_id, plan.causal)
     return kind if docs is None else _visible(kind, *docs)
 
