@@ -122,26 +122,20 @@ LAYOUTS = {
     "pp_1f1b": (PIPE, {"rules": "pp", "mesh": {"stage": 2, "data": 4}}),
     "blockwise": (("model.attention=blockwise", "model.attention_block=8"), {"rules": "dp", "mesh": {"data": 8}}),
     "ring_cp4": (RING, {"rules": "cp", "mesh": {"fsdp": 2, "context": 4}}),
-    "blockwise_tp_sp": pytest.param(("model.attention=blockwise", "model.attention_block=8"),
-                                    {"rules": "tp_sp", "mesh": {"data": 2, "tensor": 4}}, marks=pytest.mark.slow),
-    "ring_cp2_pp_1f1b": pytest.param((*RING, *PIPE), {"rules": "pp_tp_cp",
-                                                      "mesh": {"stage": 2, "context": 2, "tensor": 2}},
-                                     marks=pytest.mark.slow),  # ring with a context of 2, in 1F1B stages
+    "blockwise_tp_sp": (("model.attention=blockwise", "model.attention_block=8"),
+                        {"rules": "tp_sp", "mesh": {"data": 2, "tensor": 4}}),
+    # ring with a context of 2 (and tensor 2) in 1F1B stages
+    "ring_cp2_pp_1f1b": ((*RING, *PIPE), {"rules": "pp_tp_cp", "mesh": {"stage": 2, "context": 2, "tensor": 2}}),
 }
 
 
-def layout_case(name: str) -> tuple:
-    case = LAYOUTS[name]
-    return tuple(case.values) if hasattr(case, "values") else case
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=getattr(c, "marks", ())) for n, c in LAYOUTS.items()])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(reference, docs, name):
     """Every kernel and layout that masks across documents: dot (also under tp_sp and in 1F1B stages), blockwise
-    (also under tp_sp), ring with a context of 4 and of 2 (in 1F1B stages, with tensor 2), the ring fed the
-    sequence in its zig-zag order."""
+    (also under tp_sp), ring with a context of 4 and of 2 (in 1F1B stages, with tensor 2), the ring fed
+    the sequence in its zig-zag order."""
     _, params, batch, _, _, ref_loss, ref_grads, _ = reference
-    overrides, layout = layout_case(name)
+    overrides, layout = LAYOUTS[name]
     trainer = Trainer.build(config(docs, "data.documents=true", *overrides, **layout))
     order = trainer.sequence_order
     if order is not None:
