@@ -40,7 +40,7 @@ from jaxscale.config import Config, ModelConfig, RopeScaling
 from jaxscale.fp8 import Fp8, Operand
 from jaxscale.lean import rms_norm, swiglu
 from jaxscale.models import moe
-from jaxscale.models.attention import attention, document_ids
+from jaxscale.models.attention import attention
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain, lookup, stage
@@ -201,7 +201,7 @@ class Attention(nnx.Module):
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v, document_ids(positions) if self.documents else None)
+        out = core(q, k, v, positions if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         y = sequence.row_parallel(
             "bshd,hde->bse", fp8_input(self.fp8, "out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"),
