@@ -36,7 +36,7 @@ nothing in the step branches). Scales are fp32 scalars. ``blockwise`` is
 DeepSeek-V3's recipe (:mod:`jaxscale.fp8_blockwise`).
 
 Weights are quantized once per forward (per step; per microbatch under
-``train.microbatches``), before the layer scan (:func:`prepare`): the layers
+``train.microbatches``; once per step in a pipeline), before the layer scan (:func:`prepare`): the layers
 get their e4m3 copy and scale as scanned inputs, so the remat recompute does
 not quantize them again, and FSDP gathers the e4m3 copy (XLA:CPU widens it to
 f16 for the collective; the tiny model under ``zero3``: every weight gather
@@ -58,7 +58,11 @@ Sharding: inputs and weights are quantized in the partitioned program, so
 their amax is the partitioner's global reduction; inside a sequence-parallel
 ``shard_map`` the f8 arrays are what is gathered, and the output gradient's
 amax is a ``pmax`` over the axes it varies over: every layout quantizes as
-one device. Pipeline parallelism and collective matmuls are refused
+one device. Inside a pipeline stage (:mod:`jaxscale.parallel.stage_program`)
+each stage holds its own layers' histories and quantizes its weights once per
+step, before the loop of ticks; a history's update is the largest of the
+microbatches' (:func:`global_amax`, :meth:`~jaxscale.parallel.stage_program.StageProgram.add_amax`).
+Collective matmuls (``model.tp_overlap``) are refused
 (:meth:`jaxscale.layout.Layout.validate`).
 """
 
@@ -132,16 +136,24 @@ class Operand:
         return dataclasses.replace(self, **changes)
 
 
-def _amax(x: jax.Array) -> jax.Array:
-    """``max|x|`` in fp32, over every device that holds a part of ``x`` (a ``pmax`` inside a ``shard_map``)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    axes = tuple(sorted(jax.typeof(x).mat.varying))
+def global_amax(amax: jax.Array, history: jax.Array) -> jax.Array:
+    """A device's ``amax`` as the tensor's: the ``pmax`` over the manual mesh axes it varies over and
+    ``history`` does not. Whole histories (a sequence-parallel ``shard_map``) reduce over every axis the
+    tensor is split over; inside a pipeline stage each stage holds its own layers' histories (varying over
+    ``stage``): a stage's amax is its own."""
+    axes = tuple(sorted(jax.typeof(amax).mat.varying - jax.typeof(history).mat.varying))
     return lax.pmax(amax, axes) if axes else amax
 
 
+def _amax(x: jax.Array, history: jax.Array) -> jax.Array:
+    """``max|x|`` in fp32 over the devices that hold parts of ``x`` (:func:`global_amax`)."""
+    return global_amax(jnp.max(jnp.abs(x)).astype(jnp.float32), history)
+
+
 def pushed(history: jax.Array | None, amax: jax.Array) -> jax.Array | None:
-    """The history with ``amax`` as its newest entry and the oldest dropped (None: no history to update)."""
-    return None if history is None else jnp.roll(history, 1).at[0].set(amax)
+    """The history with ``amax`` (:func:`global_amax`) as its newest entry and the oldest dropped (None: no
+    history to update)."""
+    return None if history is None else jnp.roll(history, 1).at[0].set(global_amax(amax, history))
 
 
 def scale_of(amax: jax.Array, fmt: Any, margin: int) -> jax.Array:
@@ -167,9 +179,9 @@ def cast(x: jax.Array, s: jax.Array, fmt: Any) -> jax.Array:
 
 def quantize(x: jax.Array, history: jax.Array, fmt: Any, recipe: Recipe) -> Quantized:
     """``x`` in ``fmt`` scaled per tensor by ``recipe`` (no gradient flows through it)."""
-    x = lax.stop_gradient(x)
-    amax = _amax(x)
-    s = scale(lax.stop_gradient(history), amax, fmt, recipe)
+    x, history = lax.stop_gradient(x), lax.stop_gradient(history)
+    amax = _amax(x, history)
+    s = scale(history, amax, fmt, recipe)
     return Quantized(cast(x, s, fmt), s, amax)
 
 
@@ -277,24 +289,46 @@ class Fp8(nnx.Module):
             q = cached.get_value() if cached is not None else quantize(w, history, E4M3, self.recipe)
         return Operand(w, q, history, grad_history, self.recipe)
 
-    def prepare(self, weights: Mapping[str, jax.Array]) -> None:
-        """Quantize ``weights`` (stacked like the histories: ``[layers, ...]``) for :meth:`weight`."""
+    def prepare(self, weights: Mapping[str, jax.Array]) -> dict[str, Quantized]:
+        """Quantize ``weights`` (stacked like the histories: ``[layers, ...]``) for :meth:`weight`; returned too."""
         if not self.per_tensor:
-            return
+            return {}
+        copies = {}
         for name, w in weights.items():
             history = getattr(self, name)[...]
             fn = functools.partial(quantize, fmt=E4M3, recipe=self.recipe)
             for _ in range(history.ndim - 1):  # one quantization per layer of the stack
                 fn = jax.vmap(fn)
-            setattr(self, f"{name}_e4m3", Fp8Weight(fn(w, history)))
+            copies[name] = fn(w, history)
+        self.use(copies)
+        return copies
+
+    def use(self, copies: Mapping[str, Quantized]) -> None:
+        """Read the weights' e4m3 copies ``copies`` (made by :meth:`prepare`) in :meth:`weight`."""
+        for name, q in copies.items():
+            setattr(self, f"{name}_e4m3", Fp8Weight(q))
 
 
-def prepare(root: nnx.Module) -> None:
+def _owners(root: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """The modules under ``root`` whose ``fp8`` is an :class:`Fp8`, by their path."""
+    found = nnx.iter_graph(root)
+    return [("/".join(map(str, p)), m) for p, m in found if isinstance(getattr(m, "fp8", None), Fp8)]
+
+
+def prepare(root: nnx.Module) -> dict[str, dict[str, Quantized]]:
     """Quantize every fp8 weight under ``root`` once, before the layers run: each module whose ``fp8`` is an
-    :class:`Fp8` has its weights (the attributes it names) quantized into it."""
-    owners = [m for _, m in nnx.iter_graph(root) if isinstance(getattr(m, "fp8", None), Fp8)]
-    for module in owners:
-        module.fp8.prepare({name: getattr(module, name)[...] for name in module.fp8.weights})
+    :class:`Fp8` has its weights (the attributes it names) quantized into it. Returns the copies by the
+    owner's path (for :func:`attach`)."""
+    return {
+        path: module.fp8.prepare({name: getattr(module, name)[...] for name in module.fp8.weights})
+        for path, module in _owners(root)
+    }
+
+
+def attach(root: nnx.Module, copies: Mapping[str, Mapping[str, Quantized]]) -> None:
+    """Give the modules under ``root`` the e4m3 weight copies :func:`prepare` made (of another copy of it)."""
+    for path, module in _owners(root):
+        module.fp8.use(copies.get(path, {}))
 
 
 def sharing(x: Operand, n: int) -> list[Operand]:

@@ -114,8 +114,9 @@ def test_precision_config_errors():
     with pytest.raises(ConfigError, match=r"blockwise: model\.embed \(64\) is not divisible by precision\.fp8_block"):
         tiny_config("precision.fp8=blockwise")
     assert tiny_config("precision.fp8=off").precision.fp8 == "off"  # YAML reads off as false
-    with pytest.raises(ConfigError, match=r"precision\.fp8=delayed: not supported with pipeline parallelism"):
-        Trainer.build(tiny_config("precision.fp8=delayed", rules="pp", mesh={"stage": 2, "data": 4}))
+    with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with pipeline parallelism"):
+        Trainer.build(tiny_config("precision.fp8=delayed", "precision.fp8_head=true", rules="pp",
+                                  mesh={"stage": 2, "data": 4}))
     with pytest.raises(ConfigError, match=r"precision\.fp8=current: not supported with model\.tp_overlap"):
         overlap = tiny_config("precision.fp8=current", "model.tp_overlap=true", rules="fsdp_tp_sp", mesh={"tensor": 2})
         Trainer.build(overlap, jax.devices()[:2])

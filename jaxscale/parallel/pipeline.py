@@ -65,7 +65,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import stage_layers
+from jaxscale import fp8, stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage
 from jaxscale.models.params import logical_axes
@@ -103,18 +103,20 @@ class Parts(NamedTuple):
     block_graph: Any  # one stacked unit's graph
     blocks: Any  # the blocks' parameters [layers, ...] (pure dict) and their logical axes
     block_axes: Any
+    histories: Any  # the blocks' fp8 amax histories [layers, history] (pure dict; empty: fp8 off), their axes
+    history_axes: Any
     outer: Any  # the rest's parameters (pure dict) and their logical axes
     outer_axes: Any
 
 
 def split_model(model: Any) -> Parts:
-    """``model``'s blocks (``model.blocks``, stacked) apart from the rest."""
+    """``model``'s blocks (``model.blocks``, stacked; their fp8 histories apart) apart from the rest."""
     graph, blocks_state, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
-    block_graph, block_state = nnx.split(model.blocks)
+    block_graph, histories, block_state = nnx.split(model.blocks, fp8.Fp8Meta, ...)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
     return Parts(
         graph, shapes, rest, block_graph, nnx.to_pure_dict(block_state), logical_axes(block_state),
-        nnx.to_pure_dict(rest), logical_axes(rest),
+        nnx.to_pure_dict(histories), logical_axes(histories), nnx.to_pure_dict(rest), logical_axes(rest),
     )
 
 
@@ -168,15 +170,15 @@ def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
     batch = PartitionSpec(None, data or None, ring or None)
     stacked = PartitionSpec(AXIS)
 
-    def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
+    def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
-        block_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), blocks)
+        block_specs, history_specs = (jax.tree.map(lambda _: PartitionSpec(None, AXIS), t) for t in (blocks, histories))
+        outs = (PartitionSpec(), PartitionSpec(), block_specs, history_specs, stacked)
         out = jax.shard_map(
-            program.run, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
-            out_specs=(PartitionSpec(), PartitionSpec(), block_specs, stacked)[: 4 if program.table.train else 2],
-            axis_names=set(program.manual),
-        )(per_stage, blocks, xs)
-        return (*out[:3], program.sum_stage_copies(out[3])) if program.table.train else out
+            program.run, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
+            out_specs=outs if program.table.train else outs[:2], axis_names=set(program.manual),
+        )(per_stage, blocks, histories, xs)
+        return (*out[:4], program.sum_stage_copies(out[4])) if program.table.train else out
 
     return run
 
@@ -194,23 +196,28 @@ def objective(
     parts = split_model(model)
     train = build(mesh, place, parts, model, head_loss)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
-    blocks = chunked(parts.blocks, parts.block_axes, train.repeats, mesh, place.rules)
+    blocks, histories = (
+        chunked(t, axes, train.repeats, mesh, place.rules)
+        for t, axes in ((parts.blocks, parts.block_axes), (parts.histories, parts.history_axes))
+    )
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
 
     @jax.custom_vjp
-    def pipelined(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return shard_mapped(evaluate, mesh)(outer, blocks, xs)
+    def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        return shard_mapped(evaluate, mesh)(outer, blocks, histories, xs)
 
-    def pipelined_fwd(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh)(outer, blocks, xs)
-        return (loss, metrics), (d_outer, d_blocks)
+    def pipelined_fwd(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
+        loss, metrics, d_blocks, new_histories, d_outer = shard_mapped(train, mesh)(outer, blocks, histories, xs)
+        return (loss, metrics), ((d_outer, d_blocks), new_histories)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
-        # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable).
+        # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
+        # the histories' "gradients" are their updates (jaxscale/fp8.py), as they are.
+        grads, new_histories = res
         g = cotangents[0]
-        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), res, dtypes), None)
+        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), grads, dtypes), new_histories, None)
 
     pipelined.defvjp(pipelined_fwd, pipelined_bwd)
-    loss, metrics = pipelined(parts.outer, blocks, xs)
+    loss, metrics = pipelined(parts.outer, blocks, histories, xs)
     return loss, jax.tree.map(lax.stop_gradient, metrics)
