@@ -44,6 +44,7 @@ def run(config, devices=None, steps: int = 2):
 
 MOE = ["model.moe={}", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp=32", "model.moe.shared_experts=1",
        "model.moe.capacity_factor=4"]
+PP_1F1B = ["pipeline.microbatches=2", "pipeline.schedule=1f1b"]
 LAYOUTS = {
     "current-fsdp_tp_sp": (("precision.fp8=current",), "fsdp_tp_sp", MESH),
     # 16-element tiles and blocks: every block lies within one tensor-parallel shard (the key/value
@@ -52,6 +53,11 @@ LAYOUTS = {
     "current-fsdp_tp": (("precision.fp8=current",), "fsdp_tp", {"fsdp": 2, "tensor": 4}),
     # Measured: loss 3e-7, histories 1e-7, parameters 3e-5 (the routed experts stay bf16, the shared one is fp8).
     "current-moe-ep": (("precision.fp8=current", *MOE), "ep", {"expert": 8}),
+    # Blockwise scales are per tile within a sequence: a pipeline's microbatches quantize as the whole batch.
+    "blockwise-pp_1f1b": (
+        ("precision.fp8=blockwise", "precision.fp8_block=16", *PP_1F1B), "pp", {"stage": 2, "data": 4}
+    ),
+    "blockwise-moe-ep": (("precision.fp8=blockwise", "precision.fp8_block=16", *MOE), "ep", {"expert": 8}),
 }
 
 
