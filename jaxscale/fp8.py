@@ -135,6 +135,10 @@ class Operand:
     def replace(self, **changes: Any) -> Operand:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
+
 
 def global_amax(amax: jax.Array, history: jax.Array) -> jax.Array:
     """A device's ``amax`` as the tensor's: the ``pmax`` over the manual mesh axes it varies over and
@@ -152,8 +156,10 @@ def _amax(x: jax.Array, history: jax.Array) -> jax.Array:
 
 def pushed(history: jax.Array | None, amax: jax.Array) -> jax.Array | None:
     """The history with ``amax`` (:func:`global_amax`) as its newest entry and the oldest dropped (None: no
-    history to update)."""
-    return None if history is None else jnp.roll(history, 1).at[0].set(global_amax(amax, history))
+    history to update); per expert, histories ``[experts, steps]`` and amaxes ``[experts]``."""
+    if history is None:
+        return None
+    return jnp.roll(history, 1, axis=-1).at[..., 0].set(global_amax(amax, history))
 
 
 def scale_of(amax: jax.Array, fmt: Any, margin: int) -> jax.Array:
@@ -167,7 +173,7 @@ def scale(history: jax.Array, amax: jax.Array, fmt: Any, recipe: Recipe) -> jax.
     amax) or from ``amax``. A select, not a branch."""
     if not recipe.delayed:
         return scale_of(amax, fmt, recipe.margin)
-    past = jnp.max(history)
+    past = jnp.max(history, axis=-1)
     return jnp.where(past > 0, scale_of(past, fmt, recipe.margin), scale_of(amax, fmt, recipe.margin))
 
 
@@ -183,6 +189,24 @@ def quantize(x: jax.Array, history: jax.Array, fmt: Any, recipe: Recipe) -> Quan
     amax = _amax(x, history)
     s = scale(history, amax, fmt, recipe)
     return Quantized(cast(x, s, fmt), s, amax)
+
+
+def stacked(x: jax.Array, history: jax.Array, recipe: Recipe) -> Quantized:
+    """``x`` in e4m3 with one scale per leading index of ``history`` (``[..., steps]``): a stack of layers'
+    weights, or of experts' (``[experts, ...]`` with ``[experts, steps]`` histories)."""
+    fn = functools.partial(quantize, fmt=E4M3, recipe=recipe)
+    for _ in range(history.ndim - 1):
+        fn = jax.vmap(fn)
+    return fn(x, history)
+
+
+def along(scale: jax.Array, have: str, want: str) -> jax.Array:
+    """A scale over the leading letters of ``have`` (a scalar: per tensor; ``[experts]``: per expert) shaped to
+    broadcast against an array of letters ``want``."""
+    lead = have[: scale.ndim]
+    order = [c for c in want if c in lead]
+    scale = jnp.transpose(scale, [lead.index(c) for c in order])
+    return scale.reshape([scale.shape[order.index(c)] if c in lead else 1 for c in want])
 
 
 def letters(equation: str) -> tuple[str, str, str]:
@@ -228,7 +252,8 @@ def _einsum(static: _Static, x: Operand, w: Operand) -> jax.Array:
 
 def _forward(static: _Static, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     qx, qw = x.quantized, w.quantized
-    y = dot(static.equation, qx.q, qw.q) * (qx.scale * qw.scale)
+    _, rhs, out = letters(static.equation)
+    y = dot(static.equation, qx.q, qw.q) * qx.scale * along(qw.scale, rhs, out)
     return y.astype(static.x_dtype), (qx, qw, x.history, w.history, w.grad_history)
 
 
@@ -237,7 +262,7 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
     recipe = static.recipe
     lhs, rhs, out = letters(static.equation)
     qg = quantize(g, g_history, E5M2, recipe)
-    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * (qg.scale * qw.scale)
+    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * qg.scale * along(qw.scale, rhs, lhs)
     dw = dot(f"{lhs},{out}->{rhs}", qx.q, qg.q) * (qx.scale * qg.scale)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices x is split over, in fp32
@@ -252,19 +277,50 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
 _einsum.defvjp(_forward, _backward)
 
 
+def activation(x: jax.Array, history: jax.Array, recipe: Recipe) -> Operand:
+    """Activation ``x`` as the input of one or more projections (e4m3 but for ``blockwise``; ``history``
+    updated once, :func:`sharing`)."""
+    if recipe.mode == "blockwise":
+        return Operand(x, None, history, None, recipe)
+    q = quantize(x, history, E4M3, recipe)
+    return Operand(x, q._replace(q=checkpoint_name(q.q, RESIDUAL)), history, None, recipe)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["histories"], meta_fields=["recipe"])
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The activations' histories of a module's projections as a pytree (:meth:`Fp8.inputs`): what code that
+    holds no module (a ``shard_map``'s body) quantizes its projections' inputs with."""
+
+    histories: dict[str, jax.Array]
+    recipe: Recipe
+
+    def input(self, name: str, x: jax.Array) -> Operand:
+        return activation(x, self.histories[name], self.recipe)
+
+
 class Fp8(nnx.Module):
     """The fp8 state of one module's projections: an amax history per input, per weight and per weight's output.
 
     ``inputs``: the activations' names; ``weights``: each weight's attribute name on the owning module
-    mapped to its output's name. Made only with ``precision.fp8`` on: with it off the owning
-    module holds None and its projections never enter this module (:func:`jaxscale.models.llama.make_fp8`).
+    mapped to its output's name; ``experts``: the weights are stacks of that many experts', each with its
+    own scale and history (``[experts, amax_history]``). Made only with ``precision.fp8`` on: with it off
+    the owning module holds None and its projections never enter this module
+    (:func:`jaxscale.models.llama.make_fp8`).
     """
 
-    def __init__(self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str]):
+    def __init__(
+        self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str], experts: int = 0
+    ):
         self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block)
         self.weights = dict(weights)
-        for name in (*inputs, *weights, *weights.values()):
-            setattr(self, name, Fp8Meta(jnp.zeros((precision.amax_history,), jnp.float32), out_sharding=(None,)))
+        self.input_names = tuple(inputs)
+        steps = precision.amax_history
+        for name in (*inputs, *weights.values()):
+            setattr(self, name, Fp8Meta(jnp.zeros((steps,), jnp.float32), out_sharding=(None,)))
+        per_weight = ((experts, steps), (None, None)) if experts else ((steps,), (None,))
+        for name in weights:
+            setattr(self, name, Fp8Meta(jnp.zeros(per_weight[0], jnp.float32), out_sharding=per_weight[1]))
 
     @property
     def per_tensor(self) -> bool:
@@ -272,11 +328,11 @@ class Fp8(nnx.Module):
 
     def input(self, name: str, x: jax.Array) -> Operand:
         """Activation ``name``, the input of one or more projections (e4m3; its history updated once)."""
-        history = getattr(self, name)[...]
-        if not self.per_tensor:
-            return Operand(x, None, history, None, self.recipe)
-        q = quantize(x, history, E4M3, self.recipe)
-        return Operand(x, q._replace(q=checkpoint_name(q.q, RESIDUAL)), history, None, self.recipe)
+        return activation(x, getattr(self, name)[...], self.recipe)
+
+    def inputs(self) -> Inputs:
+        """The activations' histories, to quantize inputs with outside this module (:class:`Inputs`)."""
+        return Inputs({name: getattr(self, name)[...] for name in self.input_names}, self.recipe)
 
     def weight(self, name: str, w: jax.Array) -> Operand:
         """Weight ``name`` (the module's attribute) in the compute dtype: its e4m3 copy made by :meth:`prepare`,
@@ -286,20 +342,14 @@ class Fp8(nnx.Module):
         if not self.per_tensor:
             q = None
         else:
-            q = cached.get_value() if cached is not None else quantize(w, history, E4M3, self.recipe)
+            q = cached.get_value() if cached is not None else stacked(w, history, self.recipe)
         return Operand(w, q, history, grad_history, self.recipe)
 
     def prepare(self, weights: Mapping[str, jax.Array]) -> dict[str, Quantized]:
         """Quantize ``weights`` (stacked like the histories: ``[layers, ...]``) for :meth:`weight`; returned too."""
         if not self.per_tensor:
             return {}
-        copies = {}
-        for name, w in weights.items():
-            history = getattr(self, name)[...]
-            fn = functools.partial(quantize, fmt=E4M3, recipe=self.recipe)
-            for _ in range(history.ndim - 1):  # one quantization per layer of the stack
-                fn = jax.vmap(fn)
-            copies[name] = fn(w, history)
+        copies = {name: stacked(w, getattr(self, name)[...], self.recipe) for name, w in weights.items()}
         self.use(copies)
         return copies
 
