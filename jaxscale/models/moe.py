@@ -51,6 +51,10 @@ which states only the layouts (the buffers' ``expert`` dimension on the rules'
 ``expert`` axes, their batch on ``expert_batch``) and leaves the collectives to
 XLA's SPMD partitioner.
 
+With ``precision.fp8`` delayed or current, the experts' matmuls run in fp8 with a scale per expert
+(:class:`MoE`'s ``fp8``: per-expert weight histories, the buffers' and hidden activations' per tensor);
+``blockwise`` leaves them in ``model.dtype``.
+
 The routing math and the kernels both places share (dispatch, combine,
 grouped matmuls) are :mod:`jaxscale.models.routing`.
 
