@@ -255,7 +255,7 @@ def _einsum(static: _Static, x: Operand, w: Operand) -> jax.Array:
 def _forward(static: _Static, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     qx, qw = x.quantized, w.quantized
     _, rhs, out = letters(static.equation)
-    y = dot(static.equation, qx.q, qw.q) * qx.scale * along(qw.scale, rhs, out)
+    y = dot(static.equation, qx.q, qw.q) * (qx.scale * along(qw.scale, rhs, out))
     return y.astype(static.x_dtype), (qx, qw, x.history, w.history, w.grad_history)
 
 
@@ -264,7 +264,7 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
     recipe = static.recipe
     lhs, rhs, out = letters(static.equation)
     qg = quantize(g, g_history, E5M2, recipe)
-    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * qg.scale * along(qw.scale, rhs, lhs)
+    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * (qg.scale * along(qw.scale, rhs, lhs))
     dw = dot(f"{lhs},{out}->{rhs}", qx.q, qg.q) * (qx.scale * qg.scale)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices x is split over, in fp32

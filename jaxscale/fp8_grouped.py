@@ -55,7 +55,7 @@ def _ragged(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> jax.Ar
 def _forward(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple[jax.Array, tuple]:
     qx, qw = x.quantized, w.quantized
     y = lax.ragged_dot(qx.q, qw.q, sizes, preferred_element_type=jnp.float32)
-    y = y * qx.scale * _row_scales(qw.scale, sizes, y.shape[0])
+    y = y * (qx.scale * _row_scales(qw.scale, sizes, y.shape[0]))
     return y.astype(static.x_dtype), (qx, qw, sizes, x.history, w.history, w.grad_history)
 
 
@@ -63,7 +63,7 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
     qx, qw, sizes, x_history, w_history, g_history = saved
     qg = quantize(g, g_history, E5M2, static.recipe)
     dx = lax.ragged_dot(qg.q, jnp.swapaxes(qw.q, 1, 2), sizes, preferred_element_type=jnp.float32)
-    dx = dx * qg.scale * _row_scales(qw.scale, sizes, dx.shape[0])
+    dx = dx * (qg.scale * _row_scales(qw.scale, sizes, dx.shape[0]))
     dw = lax.ragged_dot_general(qx.q, qg.q, sizes, _WGRAD, preferred_element_type=jnp.float32)
     dw = dw * (qx.scale * qg.scale)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))

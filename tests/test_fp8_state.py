@@ -75,7 +75,7 @@ def test_fp8_layout_matches_single_device(optimized, case):
     assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
     # The amaxes are global maxima over the shards: each history is the single device's, at HISTORY_RTOL.
     assert_trees_close(state.fp8, ref_state.fp8, HISTORY_RTOL)
-    assert all(np.all(h[:, :2] > 0) and np.all(h[:, 2:] == 0) for h in jax.tree.leaves(state.fp8))
+    assert all(np.all(h[..., :2] > 0) and np.all(h[..., 2:] == 0) for h in jax.tree.leaves(state.fp8))
     assert_trees_close(state.params, ref_state.params, PARAM_RTOL)
 
 
