@@ -41,7 +41,7 @@ updated after each step (:mod:`jaxscale.models.balance`).
 
 Load, per MoE layer and whole-batch (so summed over every data and expert
 shard by construction): the choices routed to each expert, the fraction
-dropped, the router's entropy (:func:`jaxscale.models.routing.route`); the
+dropped, the router's entropy (:func:`jaxscale.routing.route`); the
 train step logs their summary (:func:`load_metrics`) as one value per layer.
 
 Where the experts run is ``model.moe.impl``: ``shard_map`` is expert
@@ -56,7 +56,7 @@ With ``precision.fp8`` delayed or current, the experts' matmuls run in fp8 with 
 ``blockwise`` leaves them in ``model.dtype``.
 
 The routing math and the kernels both places share (dispatch, combine,
-grouped matmuls) are :mod:`jaxscale.models.routing`.
+grouped matmuls) are :mod:`jaxscale.routing`.
 
 Logical axes: parameters ``expert, embed, expert_mlp`` (the router is
 ``embed x None``: replicated over experts); activations ``expert`` and
@@ -73,17 +73,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import fp8, precision
+from jaxscale import fp8, lean, precision
+from jaxscale.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config import Config, ModelConfig, MoEConfig
 from jaxscale.fp8 import Fp8
-from jaxscale.models import balance, lean
-from jaxscale.models.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.models import balance
 from jaxscale.models.params import param
-from jaxscale.models.routing import Routing, Weight, capacity, dropless, flat_slot, route
 from jaxscale.parallel import expert
+from jaxscale.routing import METRICS, Routing, Weight, capacity, dropless, flat_slot, route
 from jaxscale.sharding import active, constrain
 
-METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # means over the MoE layers
 LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # kept per layer: "moe_layers"
 WEIGHTS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}  # the experts' weights, their outputs' names
 LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")

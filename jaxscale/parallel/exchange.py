@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale import fp8
-from jaxscale.models import routing as kernels
+from jaxscale import routing as kernels
 
 CHUNKS_PER_MEAN = 32  # a chunk is at most 1/32 of a destination's mean rows: the rounding's bound
 

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import fp8
 from jaxscale.config import ModelConfig
-from jaxscale.models import moe
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
+from jaxscale.routing import METRICS
 from jaxscale.sharding import Layout, constrain, use_layout
 
 AXIS = "stage"
@@ -161,12 +161,12 @@ class StageProgram:
         unit = nnx.merge(self.block_graph, lp.params, lp.histories)
         fp8.attach(unit, lp.copies)
         y, aux = unit(h, pos)
-        metrics = {k: a.astype(F32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
+        metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}  # no per-layer loads here
         share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
         return vary((y, jnp.asarray(share, F32), metrics), self.manual)
 
     def zero_metrics(self) -> dict[str, jax.Array]:
-        return vary({k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())}, self.manual)
+        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.manual)
 
     def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
         """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
@@ -214,7 +214,7 @@ class StageProgram:
         whose gradients are zero)."""
         if not self.uneven:
             return self.layer(lp, h, pos)
-        passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())})
+        passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())})
         return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.manual))
 
     def units(self, chunk: jax.Array, stage: jax.Array) -> jax.Array:
