@@ -59,6 +59,12 @@ LAYOUTS = {
     "blockwise-pp_1f1b": (
         ("precision.fp8=blockwise", "precision.fp8_block=16", *PP_1F1B), "pp", {"stage": 2, "data": 4}
     ),
+    # A stage with axes left to the partitioner: idle slots computed and masked, their amaxes too.
+    "blockwise-pp_fsdp_tp": (
+        ("precision.fp8=blockwise", "precision.fp8_block=16", *PP_1F1B),
+        "pp_fsdp_tp",
+        {"stage": 2, "fsdp": 2, "tensor": 2},
+    ),
     "blockwise-moe-ep": (("precision.fp8=blockwise", "precision.fp8_block=16", *MOE), "ep", {"expert": 8}),
 }
 
