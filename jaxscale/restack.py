@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale.stage_layers import Storage, written_before
 
 KEY = "layer_storage"  # the loop item's record of the stack's storage
-MOVED = ("params", "opt_state", "master")  # the state's fields with the stack in them
+MOVED = ("params", "opt_state", "master", "fp8", "balance")  # the state's fields with the stack in them
 
 
 def saved_storage(loop: dict[str, Any], config: dict[str, Any]) -> Storage:

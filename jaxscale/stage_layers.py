@@ -124,12 +124,16 @@ class Storage:
         return _map(lambda w: w[where], stored)
 
     def place_params(self, params: Any) -> Any:
-        """A model's parameters (a pure dict) with their canonical ``blocks`` placed in this stack."""
-        return params if self.canonical_order else {**params, "blocks": self.place(params["blocks"])}
+        """A model's parameters or per-layer state (a pure dict) with the canonical ``blocks`` in this stack."""
+        if self.canonical_order or "blocks" not in params:
+            return params
+        return {**params, "blocks": self.place(params["blocks"])}
 
     def canonical_params(self, params: Any) -> Any:
-        """Parameters stored in this stack with their ``blocks`` in the canonical order."""
-        return params if self.canonical_order else {**params, "blocks": self.canonical(params["blocks"])}
+        """Parameters or per-layer state stored in this stack with their ``blocks`` in the canonical order."""
+        if self.canonical_order or "blocks" not in params:
+            return params
+        return {**params, "blocks": self.canonical(params["blocks"])}
 
     def to_dict(self) -> dict[str, Any]:
         return {"counts": list(self.counts), "stages": self.stages}

@@ -318,11 +318,12 @@ class Trainer:
         with nnx.use_eager_sharding(False):
             model = make_model(self.config, self.factory)
         _, fresh, fp8_state, bias = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias)
-        fresh = self.storage.place_params(nnx.to_pure_dict(fresh))  # the canonical stack in the pipeline's storage
+        # The canonical stack in the pipeline's storage: parameters, fp8 histories and routing biases alike.
+        fresh, fp8_state, bias = (self.storage.place_params(nnx.to_pure_dict(t)) for t in (fresh, fp8_state, bias))
         params, master = precision.split(self.policy, fresh if weights is None else weights)
         opt_state = self.optimizer.init(precision.updated(params, master))
         step = jnp.zeros((), jnp.int32)
-        return TrainState(step, params, opt_state, nnx.to_pure_dict(fp8_state), master, nnx.to_pure_dict(bias))
+        return TrainState(step, params, opt_state, fp8_state, master, bias)
 
     @cached_property
     def _shapes(self) -> TrainState:

@@ -71,7 +71,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import stage_layers
+from jaxscale import fp8, stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage
 from jaxscale.parallel import schedules
@@ -108,18 +108,20 @@ class Parts(NamedTuple):
     block_graph: Any  # one stacked unit's graph
     blocks: Any  # the blocks' parameters as stored, [slots, ...] (pure dict), and their logical axes
     block_axes: Any
+    histories: Any  # the blocks' fp8 amax histories [layers, history] (pure dict; empty: fp8 off), their axes
+    history_axes: Any
     outer: Any  # the rest's parameters (pure dict) and their logical axes
     outer_axes: Any
 
 
 def split_model(model: Any) -> Parts:
-    """``model``'s blocks (``model.blocks``, stacked) apart from the rest."""
+    """``model``'s blocks (``model.blocks``, stacked; their fp8 histories apart) apart from the rest."""
     graph, blocks_state, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
-    block_graph, block_state = nnx.split(model.blocks)
+    block_graph, histories, block_state = nnx.split(model.blocks, fp8.Fp8Meta, ...)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
     return Parts(
         graph, shapes, rest, block_graph, nnx.to_pure_dict(block_state), logical_axes(block_state),
-        nnx.to_pure_dict(rest), logical_axes(rest),
+        nnx.to_pure_dict(histories), logical_axes(histories), nnx.to_pure_dict(rest), logical_axes(rest),
     )
 
 
@@ -194,30 +196,31 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         lead = 1 if _flat(dims) else 0
         return d.reshape(*d.shape[:lead], -1, *d.shape[lead + 2 :])
 
-    def local(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
-        chunks = jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), blocks)
-        out = program.run(outer, chunks, xs)
+    def local(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
+        chunks, hist = (jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), t)
+                        for t in (blocks, histories))
+        out = program.run(outer, chunks, hist, xs)
         if not program.table.train:
             return out
         leaves, tree = jax.tree.flatten(out[2])
         grads = tree.unflatten([stored(d, dims) for d, dims in zip(leaves, program.gathers, strict=True)])
-        return (*out[:2], grads, out[3])
+        return (*out[:2], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[3]), out[4])
 
-    def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
+    def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
         tree = jax.tree.structure(blocks)
-        block_specs = jax.tree.map(lambda _: stacked, blocks)
+        block_specs, history_specs = (jax.tree.map(lambda _: stacked, t) for t in (blocks, histories))
         # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
         grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), AXIS)
                                      for d in program.gathers])
+        outs = (PartitionSpec(), PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
-            local, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
-            out_specs=(PartitionSpec(), PartitionSpec(), grad_specs, stacked)[: 4 if program.table.train else 2],
-            axis_names=set(program.manual),
-        )(per_stage, blocks, xs)
+            local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
+            out_specs=outs if program.table.train else outs[:2], axis_names=set(program.manual),
+        )(per_stage, blocks, histories, xs)
         if not program.table.train:
             return out
-        return (*out[:2], sum_shards(program, out[2], mesh, rules), program.sum_stage_copies(out[3]))
+        return (*out[:2], sum_shards(program, out[2], mesh, rules), out[3], program.sum_stage_copies(out[4]))
 
     return run
 
@@ -235,23 +238,27 @@ def objective(
     parts = split_model(model)
     train = build(mesh, place, parts, model, head_loss)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
-    blocks = parts.blocks  # stored with each stage's chunks together: no reshuffle
+    blocks, histories = parts.blocks, parts.histories  # stored with each stage's chunks together: no reshuffle
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
 
     @jax.custom_vjp
-    def pipelined(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, xs)
+    def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, histories, xs)
 
-    def pipelined_fwd(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh, place.rules)(outer, blocks, xs)
-        return (loss, metrics), (d_outer, d_blocks)
+    def pipelined_fwd(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
+        loss, metrics, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
+            outer, blocks, histories, xs
+        )
+        return (loss, metrics), ((d_outer, d_blocks), new_histories)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
-        # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable).
+        # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
+        # the histories' "gradients" are their updates (jaxscale/fp8.py), as they are.
+        grads, new_histories = res
         g = cotangents[0]
-        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), res, dtypes), None)
+        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), grads, dtypes), new_histories, None)
 
     pipelined.defvjp(pipelined_fwd, pipelined_bwd)
-    loss, metrics = pipelined(parts.outer, blocks, xs)
+    loss, metrics = pipelined(parts.outer, blocks, histories, xs)
     return loss, jax.tree.map(lax.stop_gradient, metrics)
