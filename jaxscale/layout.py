@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale import stage_layers
-from jaxscale.axes import LOGICAL_AXES
+from jaxscale.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.config import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
@@ -118,13 +118,14 @@ class Rules:
     def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
         """The PartitionSpec entries of an array whose dimensions have these logical names.
 
-        Raises for a name the table lacks and for a mesh axis that would split two dimensions.
+        Raises for a name the table lacks (but :data:`~jaxscale.axes.WHOLE_AXES`, whole where
+        unmapped) and for a mesh axis that would split two dimensions.
         """
         table = self.table(kind)
         used: dict[str, str] = {}
         parts: list[Part] = []
         for name in axes:
-            if name is None:
+            if name is None or (name in WHOLE_AXES and name not in table):
                 parts.append(None)
                 continue
             if name not in table:
@@ -315,11 +316,10 @@ class Layout:
     def validate(self, config: Config) -> None:
         """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
         model, where = config.model, f"rules '{self.name}'"
-        if self.stage_axes and config.precision.fp8 != "off":
+        if self.stage_axes and config.precision.fp8_head:
             raise ConfigError(
-                f"precision.fp8={config.precision.fp8}: not supported with pipeline parallelism ({where} "
-                f"put layers on {list(self.stage_axes)}): a stage reuses each layer's amax history for several "
-                "microbatches"
+                f"precision.fp8_head: not supported with pipeline parallelism ({where} put layers on "
+                f"{list(self.stage_axes)}): the loop keeps no amax history for the head"
             )
         if self.stage_axes and model.moe is not None and model.moe.balance != "off":
             raise ConfigError(
@@ -335,7 +335,7 @@ class Layout:
             raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
         if self.pipelined:
             self._check_pipeline(config)
-        self._check_stage_layers(config)
+        self.check_stage_layers(config)
         if self.pipelined:
             self._check_pipeline_shapes(config)
         self._check_sequence(config)
@@ -398,7 +398,7 @@ class Layout:
                     f"mesh axes {part} of size {self.size(part_axes(part))}"
                 )
 
-    def _check_stage_layers(self, config: Config) -> None:
+    def check_stage_layers(self, config: Config) -> None:
         """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
         pipeline = config.pipeline
         listed = pipeline.layers_per_stage

@@ -12,7 +12,7 @@ from typing import Any, Literal
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
+Remat = Literal["none", "selective", "full", "save_dots", "save_named", "auto"]  # auto: jaxscale/analysis/remat.py
 # resolved at build (models/attention.py): auto -> the kernel the devices run
 Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
 MoEDispatch = Literal["capacity", "dropless"]
@@ -119,8 +119,9 @@ class ModelConfig:
     deepseek: DeepSeekConfig | None = None  # None: Llama-style; set: DeepSeek-V3-style (MLA, MTP)
     attention: Attention = "dot"
     attention_block: int = 512
-    loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
+    loss_chunk: int = 0  # > 0: chunked cross-entropy, logits blocks of this many tokens' size (jaxscale/loss.py)
     tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
+    fused_projections: bool = False  # one w_qkv and one w_gate_up GEMM per layer (jaxscale/models/fusion.py)
 
 
 @dataclasses.dataclass

@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import flops, fp8, loop, precision, xla_flags
+from jaxscale import flops, fp8, loop, precision, stage_layers, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
@@ -135,12 +135,19 @@ class Trainer:
         or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``); its
         state is laid out by the rules' ``optimizer`` section.
         """
+        if config.model.remat == "auto":
+            raise ConfigError("model.remat: auto is chosen before the trainer is built, by the predicted memory "
+                              "(jaxscale.analysis.remat.resolved; the jaxscale command applies it)")
         mesh = make_mesh(config.mesh, devices)
         xla_flags.warn(config.xla, mesh.devices.flat[0].platform)
         rules = Rules.load(config.rules)
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         factory = model or builtin.build
-        graphdef, abstract_params, axes, parts = abstract_model(config, factory)
+        layout = layout_of(mesh, rules)
+        layout.check_stage_layers(config)  # before the stack's storage is laid out from the list
+        storage = stage_layers.storage(config, layout.stages)
+        graphdef, canonical, axes, parts = abstract_model(config, factory)
+        abstract_params = jax.eval_shape(storage.place_params, canonical)
         trainer = cls(
             config, mesh, rules, graphdef, abstract_params, axes, optimizer or make_optimizer(config.train, axes),
             factory, parts, objective, optimizer is not None,
@@ -188,6 +195,11 @@ class Trainer:
         """The rules table on this mesh (:class:`jaxscale.layout.Layout`)."""
         return layout_of(self.mesh, self.rules)
 
+    @cached_property
+    def storage(self) -> stage_layers.Storage:
+        """Where the parameters keep the model's stacked blocks (:mod:`jaxscale.stage_layers`)."""
+        return stage_layers.storage(self.config, self.layout.stages)
+
     @property
     def builtin_model(self) -> bool:
         """Whether the model is the built-in Llama-style one of ``model.*`` (the analytic model and formulas describe
@@ -198,6 +210,21 @@ class Trainer:
     def pipelined(self) -> bool:
         """Whether the rules run the pipeline (``layers`` on ``stage`` of size > 1)."""
         return self.layout.stages > 1
+
+    @cached_property
+    def wide_grads(self) -> bool:
+        """Whether the step differentiates the fp32 master (``precision.grads_reduce`` wide, bf16 compute), not
+        the bf16 compute copy (its cast): the weight-gradient matmuls' fp32 output (:func:`jaxscale.precision.einsum`
+        casts the weight inside) then reaches the optimizer as it is, where the compute copy's gradient would
+        round it to bf16 and the update widen it again. The layers read fp32 weights (their bf16 cast fused
+        into each use) and no bf16 gradient is held. Only where no cross-device sum touches a gradient and the
+        master is whole (no axis splits the tokens, no sequence parallelism, no pipeline: one device or
+        tensor parallelism only), for
+        the built-in model without fp8 (its projections cast inside that einsum)."""
+        config, place = self.config, self.layout
+        if not (self.policy.two_copies and precision.takes_wide(config) and self.builtin_model):
+            return False
+        return not (place.token_axes or place.sequence_axes or self.pipelined or config.precision.fp8 != "off")
 
     @cached_property
     def flops_per_step(self) -> float:
@@ -292,10 +319,12 @@ class Trainer:
         with nnx.use_eager_sharding(False):
             model = make_model(self.config, self.factory)
         _, fresh, fp8_state, bias = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias)
-        params, master = precision.split(self.policy, nnx.to_pure_dict(fresh) if weights is None else weights)
+        # The canonical stack in the pipeline's storage: parameters, fp8 histories and routing biases alike.
+        fresh, fp8_state, bias = (self.storage.place_params(nnx.to_pure_dict(t)) for t in (fresh, fp8_state, bias))
+        params, master = precision.split(self.policy, fresh if weights is None else weights)
         opt_state = self.optimizer.init(precision.updated(params, master))
         step = jnp.zeros((), jnp.int32)
-        return TrainState(step, params, opt_state, nnx.to_pure_dict(fp8_state), master, nnx.to_pure_dict(bias))
+        return TrainState(step, params, opt_state, fp8_state, master, bias)
 
     @cached_property
     def _shapes(self) -> TrainState:
@@ -353,6 +382,8 @@ class Trainer:
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
         value_and_grad = jax.value_and_grad(self.loss_and_metrics, argnums=(0, 2), has_aux=True)
+        if self.wide_grads:  # differentiated at fp32 weights (the master; given the compute copy, its exact cast)
+            params = precision.cast(params, self.policy.reduce)
         if m == 1:
             # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
             # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
@@ -389,7 +420,8 @@ class Trainer:
         return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8, state.balance)
+        weights = state.master if self.wide_grads else state.params  # the compute copy is the master's cast
+        loss, grads, aux, fp8_state = self._grads(weights, batch, state.fp8, state.balance)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
         params, master, opt_state, grads_o = precision.update(
             self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,

@@ -571,3 +571,26 @@ def dots(hlo_text: str) -> dict[str, int]:
 
     visit(entry, False)
     return out
+
+
+# -- bytes written ----------------------------------------------------------------
+
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # write no buffer of their own
+
+
+def scoped_bytes(hlo_text: str, scope: str) -> int:
+    """Bytes per step that the instructions traced under ``jax.named_scope(scope)`` write: each top-level
+    instruction whose ``op_name`` holds ``scope`` as a path component, its result's bytes times its runs
+    per step (the trip counts of the loops around it). A fusion counts as one instruction."""
+    comps, entry = _parse(hlo_text)
+    fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
+             for _, c in _callees(i)}
+    total = 0
+    for name, (runs, _) in _contexts(comps, entry).items():
+        if name in fused:
+            continue
+        for instr in comps[name].instrs.values():
+            op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
+            if instr.opcode not in _FREE and op_name and scope in op_name.group(1).split("/"):
+                total += _bytes(instr.type) * runs
+    return total

@@ -35,12 +35,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import flops, fp8, precision, stage_layers
-from jaxscale.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
 from jaxscale.config import Config, ModelConfig, RopeScaling
 from jaxscale.fp8 import Fp8, Operand
 from jaxscale.lean import rms_norm, swiglu
 from jaxscale.models import moe
-from jaxscale.models.attention import attention, document_ids
+from jaxscale.models.attention import attention
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain, lookup, stage
@@ -95,8 +95,13 @@ def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
 
 
 def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
-    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``)."""
-    w = getattr(module, name)[...].astype(dtype)
+    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``).
+    Where :func:`jaxscale.precision.takes_wide` (``module.wide``), the weight as held: that einsum casts it to
+    ``dtype`` inside (no rounding of a wider parameter's gradient on the way back)."""
+    w = getattr(module, name)[...]
+    if module.fp8 is None and module.wide:
+        return w
+    w = w.astype(dtype)
     return w if module.fp8 is None else module.fp8.weight(name, w)
 
 
@@ -164,17 +169,22 @@ class Attention(nnx.Module):
         self.config = c
         self.documents = config.data.documents  # packed documents: attention masked across them
         self.grads = precision.weight_grads(config)
+        self.wide = precision.takes_wide(config)
         std, pdt = c.init_std, c.param_dtype
-        self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
-        self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
-        self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+        if c.fused_projections:  # jaxscale/models/fusion.py
+            group = c.heads // c.kv_heads + 2
+            self.w_qkv = param(rngs, (c.embed, c.kv_heads, group, c.head_dim), W_QKV, std, pdt)
+        else:
+            self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
+            self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+            self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
         self.fp8 = make_fp8(config, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         weight = functools.partial(fp8_weight, self, dtype=jnp.dtype(c.dtype))
-        q, k, v = sequence.column_parallel(
+        q, k, v = self.fused_qkv(x) if c.fused_projections else sequence.column_parallel(
             fp8_input(self.fp8, "x", x),
             RESIDUAL,
             [
@@ -191,13 +201,24 @@ class Attention(nnx.Module):
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v, document_ids(positions) if self.documents else None)
+        out = core(q, k, v, positions if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         y = sequence.row_parallel(
             "bshd,hde->bse", fp8_input(self.fp8, "out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"),
             RESIDUAL, overlap=c.tp_overlap, grads=self.grads,
         )
         return checkpoint_name(y, "attention_out")
+
+    def fused_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v from one GEMM with ``w_qkv`` [embed, kv_heads, q_per_kv + 2, head_dim], split on its group."""
+        c = self.config
+        w = self.w_qkv[...] if self.wide else self.w_qkv[...].astype(jnp.dtype(c.dtype))
+        (qkv,) = sequence.column_parallel(
+            x, RESIDUAL, [("bse,ekgd->bskgd", w, W_QKV, QKV_AXES)], overlap=c.tp_overlap, grads=self.grads
+        )
+        b, s, k, g, d = qkv.shape
+        q = constrain(qkv[..., : g - 2, :].reshape(b, s, k * (g - 2), d), Q_AXES)
+        return q, constrain(qkv[..., g - 2, :], KV_AXES), constrain(qkv[..., g - 1, :], KV_AXES)
 
 
 class MLP(nnx.Module):
@@ -212,23 +233,35 @@ class MLP(nnx.Module):
         self.dtype = jnp.dtype(c.dtype)
         self.overlap = c.tp_overlap
         self.grads = precision.weight_grads(config)
-        self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
-        self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
+        self.wide = precision.takes_wide(config)
+        self.fused = c.fused_projections  # jaxscale/models/fusion.py
+        if self.fused:
+            self.w_gate_up = param(rngs, (c.embed, 2, f), W_GATE_UP, c.init_std, c.param_dtype)
+        else:
+            self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
+            self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
         self.fp8 = make_fp8(config, ("x", "hidden"), {"w_gate": "gate", "w_up": "up", "w_down": "down"})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = functools.partial(fp8_weight, self, dtype=self.dtype)
-        gate, up = sequence.column_parallel(
-            fp8_input(self.fp8, "x", x),
-            RESIDUAL,
-            [
-                ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
-                ("bse,ef->bsf", weight("w_up"), ("embed", "mlp"), MLP_AXES),
-            ],
-            overlap=self.overlap,
-            grads=self.grads,
-        )
+        if self.fused:  # one GEMM, split on its gate_up dimension
+            w = self.w_gate_up[...] if self.wide else self.w_gate_up[...].astype(self.dtype)
+            (both,) = sequence.column_parallel(
+                x, RESIDUAL, [("bse,egf->bsgf", w, W_GATE_UP, GATE_UP_AXES)], overlap=self.overlap, grads=self.grads
+            )
+            gate, up = constrain(both[..., 0, :], MLP_AXES), constrain(both[..., 1, :], MLP_AXES)
+        else:
+            gate, up = sequence.column_parallel(
+                fp8_input(self.fp8, "x", x),
+                RESIDUAL,
+                [
+                    ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
+                    ("bse,ef->bsf", weight("w_up"), ("embed", "mlp"), MLP_AXES),
+                ],
+                overlap=self.overlap,
+                grads=self.grads,
+            )
         hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
         y = sequence.row_parallel(
             "bsf,fe->bse", fp8_input(self.fp8, "hidden", hidden), MLP_AXES, weight("w_down"), ("mlp", "embed"),
@@ -288,7 +321,7 @@ class Llama(nnx.Module):
         self.grads = precision.weight_grads(config)
         self.embedding = param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
-        steps = stage_layers.stack_size(config)  # uneven pipeline stages: padded slots
+        steps = c.layers // stage_layers.unit(c)  # the canonical stack: the trainer places it for a pipeline
 
         @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
