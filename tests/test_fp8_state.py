@@ -63,8 +63,8 @@ LAYOUTS = {
     ),
     # Interleaved: each stage's two chunks stored together, histories in that storage, compared in layer order.
     "blockwise-pp_interleaved": (
-        ("precision.fp8=blockwise", "precision.fp8_block=16", "model.layers=4", "pipeline.microbatches=2", "pipeline.schedule=interleaved_1f1b",
-         "pipeline.repeats=2"),
+        ("precision.fp8=blockwise", "precision.fp8_block=16", "model.layers=4", "pipeline.microbatches=2",
+         "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"),
         "pp",
         {"stage": 2, "data": 4},
     ),
