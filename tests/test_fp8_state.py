@@ -39,7 +39,9 @@ def run(config, devices=None, steps: int = 2):
     for step in range(steps):
         state, out = trainer.step(state, trainer.batch(step))
         losses.append(float(out["loss"]))
-    return losses[0], jax.device_get(state)
+    state = jax.device_get(state)  # per-layer entries in the model's order, whatever the pipeline's storage
+    return losses[0], state._replace(params=trainer.storage.canonical_params(state.params),
+                                     fp8=trainer.storage.canonical_params(state.fp8))
 
 
 MOE = ["model.moe={}", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp=32", "model.moe.shared_experts=1",
@@ -58,6 +60,13 @@ LAYOUTS = {
     # Blockwise scales are per tile within a sequence: a pipeline's microbatches quantize as the whole batch.
     "blockwise-pp_1f1b": (
         ("precision.fp8=blockwise", "precision.fp8_block=16", *PP_1F1B), "pp", {"stage": 2, "data": 4}
+    ),
+    # Interleaved: each stage's two chunks stored together, histories in that storage, compared in layer order.
+    "blockwise-pp_interleaved": (
+        ("precision.fp8=blockwise", "precision.fp8_block=16", "model.layers=4", "pipeline.microbatches=2",
+         "pipeline.schedule=interleaved_1f1b", "pipeline.repeats=2"),
+        "pp",
+        {"stage": 2, "data": 4},
     ),
     # A stage with axes left to the partitioner: idle slots computed and masked, their amaxes too.
     "blockwise-pp_fsdp_tp": (
