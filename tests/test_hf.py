@@ -42,6 +42,12 @@ CASES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}, "ep_fsdp_tp",
                 {"expert": 2, "fsdp": 2, "tensor": 2}),
+    # Qwen3-MoE: q/k norms, head_dim 16 (hidden_size / heads is 8), 4 layers with an MoE one every 2nd
+    # (decoder_sparse_step; dense ones of width 128 between), 4 experts of width 32, gates not renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 16, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
+                  "ep_fsdp_tp", {"expert": 2, "fsdp": 2, "tensor": 2}),
 }
 
 
@@ -115,6 +121,7 @@ def test_converted_logits_match_transformers(converted):
     assert model.kv_heads < model.heads
     assert model.rope_theta == SIZES["rope_theta"] and model.norm_eps == SIZES["rms_norm_eps"]
     assert model.tie_embeddings == (converted.case == "llama_tied")
+    assert model.qk_norm == (converted.case == "qwen3_moe")
     if converted.case == "llama31":
         assert model.head_dim * model.heads != model.embed
         assert model.rope_scaling.factor == 8.0 and model.rope_scaling.original_max_position_embeddings == 64
@@ -123,6 +130,9 @@ def test_converted_logits_match_transformers(converted):
         unscaled = transformers.LlamaForCausalLM(plain).eval()
         unscaled.load_state_dict(converted.hf.state_dict())
         assert rel_err(converted.logits(converted.ckpt, x), hf_logits(unscaled, x)) > 100 * RTOL
+    if converted.case == "qwen3_moe":
+        assert model.head_dim * model.heads != model.embed and not model.moe.normalize_gates
+        assert (model.moe.every_n_layers, model.moe.mlp, model.mlp) == (2, 32, 128)
     shapes = checkpoint.param_shapes(checkpoint.params_source(converted.ckpt))
     assert sum(math.prod(shape) for shape in shapes.values()) == converted.hf.num_parameters()
 
