@@ -241,7 +241,11 @@ def test_init_from_a_mismatched_model_is_a_config_error(llama_ckpt, tmp_path):
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, r"rope scaling 'yarn' is not supported"),
         ({"attention_bias": True}, r"attention_bias=true"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
-        ({"model_type": "qwen2"}, r"model_type 'qwen2' is not one of llama, mixtral"),
+        ({"model_type": "qwen2"}, r"model_type 'qwen2' is not one of llama, mixtral, qwen3_moe$"),
+        ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+        ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "decoder_sparse_step": 3},
+         r"num_hidden_layers \(2\) is not a multiple of decoder_sparse_step \(3\)$"),
+        ({"model_type": "qwen3_moe", "sliding_window": 64, "use_sliding_window": True}, r"sliding_window=64"),
         ({"model_type": "mixtral", "sliding_window": 4096}, r"sliding_window=4096"),
     ],
 )
@@ -279,6 +283,20 @@ def test_bf16_checkpoint_and_the_command_line(llama_ckpt, tmp_path, capsys):
                                 tmp_path / "hf16" / "extra.safetensors")
     with pytest.raises(ConfigError, match=r"no place in the jaxscale model: model\.layers\.0\.mlp\.up_proj\.bias"):
         convert.hf_to_jaxscale(tmp_path / "hf16", tmp_path / "y")
+
+
+def test_qwen3_moe_config_and_its_export_refusals():
+    hf = {"model_type": "qwen3_moe", **SIZES, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+          "norm_topk_prob": True,
+          "sliding_window": 4096, "use_sliding_window": False, "router_aux_loss_coef": 0.001}
+    model = convert.model_from_hf(hf)
+    assert model.qk_norm and model.moe.normalize_gates and model.moe.dispatch == "dropless"
+    assert (model.moe.experts, model.moe.top_k, model.moe.mlp, model.moe.every_n_layers) == (4, 2, 32, 1)
+    assert model.moe.aux_loss_weight == pytest.approx(0.002)  # HF's loss counts top_k times ours
+    with pytest.raises(ConfigError, match=r"^model\.moe\.shared_experts=1: Qwen3MoeForCausalLM needs 0$"):
+        convert.hf_config(dataclasses.replace(model, moe=dataclasses.replace(model.moe, shared_experts=1)), "float32")
+    with pytest.raises(ConfigError, match=r"^model\.qk_norm without model\.moe: only Qwen3-MoE"):
+        convert.hf_config(dataclasses.replace(model, moe=None), "float32")
 
 
 def write_yaml(path: Path, text: str) -> Path:
