@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxscale import checkpoint, convert
+from jaxscale import checkpoint, convert, flops
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, ModelConfig, load_config
 from jaxscale.loop import fit
@@ -293,6 +293,8 @@ def test_qwen3_moe_config_and_its_export_refusals():
     assert model.qk_norm and model.moe.normalize_gates and model.moe.dispatch == "dropless"
     assert (model.moe.experts, model.moe.top_k, model.moe.mlp, model.moe.every_n_layers) == (4, 2, 32, 1)
     assert model.moe.aux_loss_weight == pytest.approx(0.002)  # HF's loss counts top_k times ours
+    shapes = abstract_model(Config(model=model))[1]
+    assert flops.param_count(model)["total"] == sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
     with pytest.raises(ConfigError, match=r"^model\.moe\.shared_experts=1: Qwen3MoeForCausalLM needs 0$"):
         convert.hf_config(dataclasses.replace(model, moe=dataclasses.replace(model.moe, shared_experts=1)), "float32")
     with pytest.raises(ConfigError, match=r"^model\.qk_norm without model\.moe: only Qwen3-MoE"):
