@@ -46,12 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale import routing as kernels
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, load_config
 from jaxscale.loop import fit
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
-from jaxscale.models import routing as kernels
 from jaxscale.parallel import exchange
 from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale import stage_layers
+from jaxscale.axes import LOGICAL_AXES
 from jaxscale.config import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
-from jaxscale.models.axes import LOGICAL_AXES
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several

@@ -8,7 +8,7 @@ just dispatched is read too, then:
 
 - evaluation (``train.eval_every``, and at the last step): the mean loss of
   ``train.eval_steps`` held-out batches, logged as ``{"step", "eval_loss"}`` (a mixture's sources each
-  apart too: ``eval_loss/<name>``; its training records carry ``share/<name>``, :mod:`jaxscale.mixture`);
+  apart too: ``eval_loss/<name>``; its training records carry ``share/<name>``, :mod:`jaxscale.data`);
 - checkpoint (``checkpoint.every``, and at the end): refused if any value of
   the state is not finite; asynchronous, training goes on while it is written.
   Its ``{"step", "checkpoint"}`` record is logged once the save is committed

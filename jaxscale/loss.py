@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxscale.axes import HIDDEN, LOGITS
 from jaxscale.layout import TOKENS
-from jaxscale.models.axes import HIDDEN, LOGITS
 from jaxscale.parallel import pipeline
 from jaxscale.sharding import active, constrain, spec
 

@@ -8,7 +8,7 @@ parallelism when the rules split ``length``), its activations are laid out by lo
 * :func:`attention`: causal attention, the kernel chosen by the config and the active rules;
   :func:`document_ids`: packed documents' ids from positions that restart at each document.
 * :func:`rope`: rotary position embeddings (rotate-half layout; Llama 3.1's scaling optional).
-* :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.models.lean`.
+* :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.lean`.
 * :class:`MoE`: the mixture-of-experts layer, expert parallelism by the rules' ``expert``.
 * :func:`constrain`: an activation's layout by the logical names of its dimensions.
 * :func:`einsum`, :func:`weight_grads`: a weight matmul whose weight gradient is in the policy's dtype.
@@ -24,13 +24,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config import Config, ModelConfig
 from jaxscale.layout import Axes
+from jaxscale.lean import rms_norm, swiglu
 from jaxscale.loss import chunked_cross_entropy, cross_entropy
 from jaxscale.models import attention as _attention
 from jaxscale.models.attention import document_ids
-from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
-from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.llama import remat_policy, rope
 from jaxscale.models.moe import MoE
 from jaxscale.precision import einsum, weight_grads

@@ -182,7 +182,7 @@ class DataConfig:
     text_field: str = "text"
     prompt_field: str | None = None  # with response_field: prompt/response records, trained on the response
     response_field: str | None = None
-    mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/mixture.py)
+    mixture: list[MixturePart] | None = None  # several sources by weight, in place of path (jaxscale/data.py)
     documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
     packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
     boundary_targets: bool = False  # with documents: train a document's first token, predicted from the one before

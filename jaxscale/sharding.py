@@ -25,9 +25,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import layout, precision
+from jaxscale.axes import RESIDUAL
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Axes, Layout, Stage, is_axes
-from jaxscale.models.axes import RESIDUAL
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
 

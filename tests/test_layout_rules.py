@@ -32,7 +32,7 @@ def edited(preset: str, **changes: str | list[str] | None) -> Rules:
 
 def test_layout_and_axis_names_do_not_import_jax():
     modules = ", ".join(["jaxscale.layout", "jaxscale.stage_layers", "jaxscale.dtypes", "jaxscale.parallel.schedules",
-                         "jaxscale.models.axes"])
+                         "jaxscale.axes"])
     code = f"import sys, {modules}; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

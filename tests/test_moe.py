@@ -7,12 +7,12 @@ import pytest
 from flax import nnx
 from helpers import RTOL, assert_trees_close, fails_early, rel_err, run_steps, tiny_config
 
+from jaxscale import routing as kernels
 from jaxscale.analysis import hlo
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config
 from jaxscale.flops import param_count
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
-from jaxscale.models import routing as kernels
 from jaxscale.parallel import expert
 from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer

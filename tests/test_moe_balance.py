@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
+from jaxscale import routing as kernels
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError
 from jaxscale.models import balance
-from jaxscale.models import routing as kernels
 from jaxscale.train import Trainer
 
 EXPERTS, TOP_K = 8, 2

@@ -10,10 +10,10 @@ from flax import nnx
 from helpers import tiny_config
 
 from jaxscale import report
+from jaxscale import routing as kernels
 from jaxscale.loop import fit
 from jaxscale.mesh import make_mesh
 from jaxscale.models import moe
-from jaxscale.models import routing as kernels
 from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
 

@@ -14,13 +14,12 @@ import pytest
 from helpers import loss_curve, partitioned_hlo, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxscale import precision
+from jaxscale import lean, precision
 from jaxscale.analysis import hlo
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.xla import per_device_bytes
 from jaxscale.checkpoint import Checkpointer
 from jaxscale.config import ConfigError
-from jaxscale.models import lean
 from jaxscale.train import Trainer
 
 N = 8

@@ -18,7 +18,7 @@ import jaxscale
 from jaxscale.train import Trainer
 
 PACKAGE = Path(jaxscale.__file__).resolve().parent
-# 10: the step (train, optim, precision, loss), the model (models/llama, models/attention, models/lean) and the
+# 10: the step (train, optim, precision, loss), the model (models/llama, models/attention, lean) and the
 # layout (layout, sharding, parallel/sequence). fp8.py and models/moe.py are skipped by plain config checks at
 # their call sites (models/llama.py, parallel/sequence.py) when precision.fp8 is off and the model is dense.
 MAX_FILES = 10

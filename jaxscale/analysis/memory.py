@@ -37,7 +37,7 @@ optimizer state, gradients and parameters in turn):
   at the layer backward's peak);
 
 Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`jaxscale.analysis.formulas.korthikanti`)
-count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.models.lean`: a norm's input
+count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.lean`: a norm's input
 and statistics, SwiGLU's gate and up); jaxscale keeps in addition both the scores and the
 probabilities of ``dot`` attention, or the kernel's output next to the output projection's
 input under flash-style attention; without remat the weights cast to the compute dtype too. Under
@@ -55,9 +55,9 @@ import dataclasses
 from collections.abc import Sequence
 
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
+from jaxscale.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
-from jaxscale.models.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 
 SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
 REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, logical axes)
@@ -96,7 +96,7 @@ def _mlp_per_token(m: ModelConfig) -> int:
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
     """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
 
-    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.models.lean` keeps them);
+    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.lean` keeps them);
     ``selective``: ``none`` less the attention core's own residuals; ``full``: the layer input;
     ``save_dots``: the input and the outputs of the weight matmuls that the recomputation needs
     (q, k, v, attention out, gate, up); ``save_named``: the input and ``model.remat_names``.

@@ -3,7 +3,7 @@
 With ``model.moe.balance`` on, every MoE layer holds a :class:`RouterBias`
 ``[experts]`` (stacked with the blocks: ``[moe layers, experts]``). It is added
 to the router's scores for the choice of the top k only; the gates stay the
-unbiased scores (:func:`jaxscale.models.routing.route`). The bias is not a
+unbiased scores (:func:`jaxscale.routing.route`). The bias is not a
 parameter: the trainer splits it from them into ``TrainState.balance``
 (replicated, checkpointed with the state, never seen by the optimizer or the
 gradients) and sets its new value after each optimizer update with
@@ -17,7 +17,8 @@ gradients) and sets its new value after each optimizer update with
   when ``b_e`` exceeds ``cutoff_t − s_te``, ``cutoff_t`` being the token's
   ``(k+1)``-th biased score. The bias that gives every expert the balanced
   share ``k / experts`` of the tokens on this step's scores is, per expert, the
-  ``k / experts`` quantile of ``cutoff_t − s_te`` over the tokens; it is centred
+  ``k / experts`` quantile of ``cutoff_t − s_te`` over the tokens
+  (:func:`jaxscale.routing.quantile_bias`); it is centred
   (a shift of every bias changes no choice) and mixed with the previous bias,
   ``b = ema · b + (1 − ema) · target``.
 
@@ -46,13 +47,6 @@ def router_bias(moe: MoEConfig) -> RouterBias | None:
     if moe.balance == "off":
         return None
     return RouterBias(jnp.zeros((moe.experts,), jnp.float32), out_sharding=(None,))
-
-
-def quantile_bias(need: jax.Array, share: float) -> jax.Array:
-    """The centred ``share`` quantile over tokens of ``need`` [..., experts] (the bias each token needs
-    for each expert to be chosen): the bias under which each expert gets ``share`` of the tokens."""
-    target = jnp.quantile(need.reshape(-1, need.shape[-1]), share, axis=0)
-    return target - jnp.mean(target)
 
 
 def updated(bias: Any, layers: dict[str, jax.Array], moe: MoEConfig) -> Any:

@@ -7,7 +7,7 @@ carries the logical names of its dimensions (``out_sharding`` metadata) and
 the activations that decide communication are constrained by logical name
 through :func:`jaxscale.sharding.constrain`.
 
-The logical axes are listed in :mod:`jaxscale.models.axes`.
+The logical axes are listed in :mod:`jaxscale.axes`.
 
 The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
 ``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
@@ -35,12 +35,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import flops, fp8, precision, stage_layers
+from jaxscale.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config import Config, ModelConfig, RopeScaling
 from jaxscale.fp8 import Fp8, Operand
+from jaxscale.lean import rms_norm, swiglu
 from jaxscale.models import moe
 from jaxscale.models.attention import attention, document_ids
-from jaxscale.models.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
-from jaxscale.models.lean import rms_norm, swiglu
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain, lookup, stage

@@ -41,7 +41,7 @@ updated after each step (:mod:`jaxscale.models.balance`).
 
 Load, per MoE layer and whole-batch (so summed over every data and expert
 shard by construction): the choices routed to each expert, the fraction
-dropped, the router's entropy (:func:`jaxscale.models.routing.route`); the
+dropped, the router's entropy (:func:`jaxscale.routing.route`); the
 train step logs their summary (:func:`load_metrics`) as one value per layer.
 
 Where the experts run is ``model.moe.impl``: ``shard_map`` is expert
@@ -52,7 +52,7 @@ which states only the layouts (the buffers' ``expert`` dimension on the rules'
 XLA's SPMD partitioner.
 
 The routing math and the kernels both places share (dispatch, combine,
-grouped matmuls) are :mod:`jaxscale.models.routing`.
+grouped matmuls) are :mod:`jaxscale.routing`.
 
 Logical axes: parameters ``expert, embed, expert_mlp`` (the router is
 ``embed x None``: replicated over experts); activations ``expert`` and
@@ -69,16 +69,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import precision
+from jaxscale import lean, precision
+from jaxscale.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config import Config, ModelConfig, MoEConfig
-from jaxscale.models import balance, lean
-from jaxscale.models.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.models import balance
 from jaxscale.models.params import param
-from jaxscale.models.routing import Routing, capacity, dropless, flat_slot, route
 from jaxscale.parallel import expert
+from jaxscale.routing import METRICS, Routing, capacity, dropless, flat_slot, route
 from jaxscale.sharding import active, constrain
 
-METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # means over the MoE layers
 LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # kept per layer: "moe_layers"
 LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")
 

@@ -1,6 +1,6 @@
 """The parameter initialisers: every parameter is created with the logical names of its dimensions.
 
-The names (``out_sharding`` metadata, :mod:`jaxscale.models.axes`) are what the
+The names (``out_sharding`` metadata, :mod:`jaxscale.axes`) are what the
 rules table lays out; the model never names a device.
 """
 
@@ -11,9 +11,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.layout import Axes
-from jaxscale.sharding import logical_axes
-
-__all__ = ["logical_axes", "ones", "param"]
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float, dtype) -> nnx.Param:

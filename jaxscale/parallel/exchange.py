@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxscale.models import routing as kernels
+from jaxscale import routing as kernels
 
 CHUNKS_PER_MEAN = 32  # a chunk is at most 1/32 of a destination's mean rows: the rounding's bound
 RAGGED_PLATFORMS = ("gpu", "tpu")  # where XLA compiles lax.ragged_all_to_all (XLA:CPU does not)

@@ -12,7 +12,7 @@ and out specs from the rules, so XLA gathers no auto-axis shard around the
 collectives):
 
 * capacity dispatch: the device scatters its ``b`` sequences into fixed-size
-  buffers ``[b, E, C, h]`` (:func:`jaxscale.models.routing.dispatch`), an
+  buffers ``[b, E, C, h]`` (:func:`jaxscale.routing.dispatch`), an
   **all-to-all** over the EP axes sends each expert's slice to the device
   holding it (``[ep·b, E/ep, C, h]``), the experts run, and a second
   all-to-all brings the outputs back to be combined. Each all-to-all moves
@@ -56,9 +56,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxscale import routing as kernels
+from jaxscale.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config import MoEConfig
-from jaxscale.models import routing as kernels
-from jaxscale.models.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.parallel import exchange
 from jaxscale.sharding import active, constrain, gather_shards, spec
 

@@ -68,11 +68,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxscale import stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage
-from jaxscale.models.params import logical_axes
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_program import AXIS, StageProgram, vary
-from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of
+from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
 
 __all__ = ["AXIS", "objective", "settings", "table", "vary"]
 

@@ -37,8 +37,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config import ModelConfig
-from jaxscale.models import moe
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
+from jaxscale.routing import METRICS
 from jaxscale.sharding import Layout, constrain, use_layout
 
 AXIS = "stage"
@@ -149,12 +149,12 @@ class StageProgram:
     def layer(self, lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One stacked unit on ``h``: its output, its share of the MoE aux objective, its MoE metrics."""
         y, aux = nnx.merge(self.block_graph, lp)(h, pos)
-        metrics = {k: a.astype(F32) for k, a in aux.items() if k in moe.METRICS}  # no per-layer loads here
+        metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}  # no per-layer loads here
         share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
         return vary((y, jnp.asarray(share, F32), metrics), self.manual)
 
     def zero_metrics(self) -> dict[str, jax.Array]:
-        return vary({k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())}, self.manual)
+        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.manual)
 
     def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
         """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
@@ -202,7 +202,7 @@ class StageProgram:
         whose gradients are zero)."""
         if not self.uneven:
             return self.layer(lp, h, pos)
-        passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (moe.METRICS if self.model.moe else ())})
+        passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())})
         return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.manual))
 
     def units(self, chunk: jax.Array, stage: jax.Array) -> jax.Array:

@@ -2,7 +2,8 @@
 
 Pure array functions of the routing decisions, shared by the two places the
 experts run: under the partitioner (:func:`jaxscale.models.moe.partitioner_experts`)
-and in expert parallelism's ``shard_map`` (:mod:`jaxscale.parallel.expert`).
+and in expert parallelism's ``shard_map`` (:mod:`jaxscale.parallel.expert`), so
+this module sits below both ``models/`` and ``parallel/``.
 See :mod:`jaxscale.models.moe` for the routing rules (GShard's capacity
 priority, the auxiliary losses).
 """
@@ -16,10 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale import precision
+from jaxscale import lean, precision
 from jaxscale.config import MoEConfig
-from jaxscale.models import balance, lean
 from jaxscale.sharding import constrain
+
+METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # of route's statistics, the means over the MoE layers
 
 
 class Routing(NamedTuple):
@@ -47,6 +49,13 @@ def group_limited(scores: jax.Array, groups: int, top_groups: int) -> jax.Array:
     return jnp.where(keep[..., None], grouped, -jnp.inf).reshape(scores.shape)
 
 
+def quantile_bias(need: jax.Array, share: float) -> jax.Array:
+    """The centred ``share`` quantile over tokens of ``need`` [..., experts] (the bias each token needs
+    for each expert to be chosen): the bias under which each expert gets ``share`` of the tokens."""
+    target = jnp.quantile(need.reshape(-1, need.shape[-1]), share, axis=0)
+    return target - jnp.mean(target)
+
+
 def route(
     logits: jax.Array, moe: MoEConfig, seq_capacity: int, bias: jax.Array | None = None
 ) -> tuple[Routing, dict[str, jax.Array]]:
@@ -57,7 +66,7 @@ def route(
     group-limited (:func:`group_limited`). The load statistics (whole-batch, so every
     layout counts the same) are ``moe_load`` (choices per expert, before dropping), ``moe_dropped`` (the
     fraction of choices dropped), ``moe_entropy`` (the router distribution's mean entropy, nats) and,
-    with ``balance: quantile``, ``moe_bias_target`` (:func:`jaxscale.models.balance.quantile_bias`).
+    with ``balance: quantile``, ``moe_bias_target`` (:func:`quantile_bias`).
     """
     logits = logits.astype(jnp.float32)
     n, k = moe.experts, moe.top_k
@@ -86,7 +95,7 @@ def route(
     }
     if moe.balance == "quantile":
         cutoff = jnp.take_along_axis(biased, ranked[..., k : k + 1], axis=-1)  # each token's (k+1)-th score
-        aux["moe_bias_target"] = balance.quantile_bias(cutoff - scores, k / n)
+        aux["moe_bias_target"] = quantile_bias(cutoff - scores, k / n)
     if moe.dispatch == "capacity":
         b, s = index.shape[:2]
         # Choice-major order within a whole sequence: every first choice, then every second, ...
