@@ -117,9 +117,10 @@ def test_ragged_exchange_matches_one_device(one_device, monkeypatch):
     assert_trees_close(grads, ref_grads)
 
 
-def test_ragged_exchange_lowers_and_cpu_cannot_compile_it(one_device, monkeypatch):
+@pytest.mark.parametrize("ep", list(LAYOUTS))
+def test_ragged_exchange_lowers_and_cpu_cannot_compile_it(ep, one_device, monkeypatch):
     params, x, probe, _ = one_device
-    config = tiny_config(*MOE, rules="ep", mesh=LAYOUTS[8])
+    config = tiny_config(*MOE, rules="ep", mesh=LAYOUTS[ep])
     assert not exchange.ragged_compiles(make_mesh(config.mesh))  # on CPU: the chunked all-to-alls
     monkeypatch.setattr(exchange, "RAGGED_PLATFORMS", ("cpu",))
     _, fn = layer_and_grads(config, "ep")
