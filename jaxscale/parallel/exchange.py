@@ -130,6 +130,14 @@ def dropless_rows(
     return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))
 
 
+def varying_like(a: jax.Array, like: jax.Array) -> jax.Array:
+    """``a`` marked as varying over every mesh axis ``like`` varies over. A ``ragged_all_to_all`` result has
+    its ``output`` buffer's type: a buffer invariant over an axis the rows differ on (data, fsdp) would
+    have autodiff sum the rows' cotangents over it."""
+    more = tuple(jax.typeof(like).manual_axis_type.varying - jax.typeof(a).manual_axis_type.varying)
+    return lax.pcast(a, more, to="varying") if more else a
+
+
 def ragged_rows(
     x: jax.Array,
     routing: kernels.Routing,
@@ -155,12 +163,13 @@ def ragged_rows(
     per_expert = arriving.sum(0)
     at = (jnp.cumsum(per_expert) - per_expert)[None, :] + jnp.cumsum(arriving, 0) - arriving  # [sources, local]
     tokens = jnp.broadcast_to(x[:, :, None, :], (b, s, k, h)).reshape(n, h)[order]
-    buffer = lax.pcast(jnp.zeros((shards * n, h), x.dtype), axes, to="varying")
+    buffer = varying_like(jnp.zeros((shards * n, h), x.dtype), tokens)
     received = lax.ragged_all_to_all(tokens, buffer, starts, sizes, swap(at).reshape(-1), arriving.reshape(-1),
                                      axis_name=axes)
     which = jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(shards * n), side="right")  # == local: padding
     out = kernels.grouped_swiglu(received, which, *weights)
-    back = lax.ragged_all_to_all(out, jnp.zeros_like(tokens), at.reshape(-1), arriving.reshape(-1),
-                                 swap(starts).reshape(-1), sizes, axis_name=axes)
+    home = varying_like(jnp.zeros((n, h), x.dtype), out)
+    back = lax.ragged_all_to_all(out, home, at.reshape(-1), arriving.reshape(-1), swap(starts).reshape(-1), sizes,
+                                 axis_name=axes)
     y = jnp.zeros((n, h), x.dtype).at[order].set(back)
     return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))
