@@ -98,7 +98,7 @@ def projection(mode: str, shape: tuple[int, int, int], iters: int) -> dict[str, 
 def train_step(mode: str, overrides: list[str], iters: int) -> dict[str, Any]:
     """The train step on one device with ``precision.fp8=mode``."""
     mesh = [f"mesh.{a}=1" for a in MESH_AXES]
-    config = load_config(None, [*overrides, *mesh, "rules=dp", f"precision.fp8={mode}"])
+    config = load_config(None, [*overrides, *mesh, "rules=dp", f"precision.fp8={mode}", "model.remat=full"])
     trainer = Trainer.build(config, jax.devices()[:1])
     lowered = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch())
     compiled = lowered.compile()

@@ -2,11 +2,13 @@
 
 The tiny Llama (``configs/experiments/tiny.yaml``) with a large vocabulary, one
 training step lowered and compiled (never run) per layout and ``model.loss_chunk``
-(0 is the plain loss). Printed per row: ``memory_analysis()`` temp bytes per
-device, whether any buffer of the per-device logits shape ``[b, s, V/t]`` (fp32)
-appears in the compiled HLO (instructions of that shape), and how many all-reduces the step has.
+(0 is the plain loss; ``seq_len / chunk`` vocabulary slices otherwise). Printed per row:
+``memory_analysis()`` temp bytes per device, whether any buffer of the per-device logits shape
+``[b, s, V/t]`` (fp32) appears in the compiled HLO (instructions of that shape), how many
+all-reduces the step has, and the bytes per step that the chunked loss's head-gradient
+instructions write (:func:`jaxscale.analysis.hlo.scoped_bytes`; the same for every slice count).
 
-    python benchmarks/loss_memory.py [--vocab 32768] [--seq-len 512] [--batch 8] [--chunk 128]
+    python benchmarks/loss_memory.py [--vocab 32768] [--seq-len 512] [--batch 8] [--chunks 256 64]
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
 
+from jaxscale.analysis.hlo import scoped_bytes
 from jaxscale.config import CONFIG_DIR, load_config
+from jaxscale.loss import HEAD_GRADIENT
 from jaxscale.train import Trainer
 
 LAYOUTS = {  # name: (rules, mesh sizes)
@@ -53,6 +57,7 @@ def measure(layout: str, chunk: int, args: argparse.Namespace) -> dict:
         "logits_fp32_MiB": round(rows * args.seq_len * args.vocab // sizes["tensor"] * 4 / 2**20, 1),
         "logits_shaped_instructions": text.count(f"{logits}{{"),
         "all_reduces": text.count(" all-reduce("),
+        "head_gradient_MiB": round(scoped_bytes(text, HEAD_GRADIENT) / 2**20, 1),
     }
 
 
@@ -62,11 +67,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[256, 64], help="loss_chunk values besides 0")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
     for layout in args.layouts:
-        for chunk in (0, args.chunk):
+        for chunk in (0, *args.chunks):
             print(json.dumps(measure(layout, chunk, args)), flush=True)
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/pp_bubble.py                     # every schedule, p in {2, 4}, m in {p, 2p, 4p}
     python benchmarks/pp_bubble.py --schedules 1f1b --stages 4 --steps 5
+    python benchmarks/pp_bubble.py --inside --stages 2 4   # FSDP and TP inside a stage, 1F1B at m = 4p
 
 One JSON object per line: first the same model without a pipeline (``rules=dp``, data = 8), then for
 each schedule and (p, m, v) the step on mesh ``stage=p`` x ``data=8/p`` (``rules=pp``):
@@ -22,6 +23,12 @@ conditional frees a core for another stage, so the ratio measures the work a sch
 stage recompute, the messages) more than its bubble, which the table's count gives instead. The
 model has 8 layers of h = 256 (fp32), 32 sequences of 128 tokens a step; b = 32 / m / (8 / p) rows
 of a microbatch on a device.
+
+``--inside`` measures the pipeline with FSDP and TP inside each stage against the same axes without
+one, 1F1B at m = 4p: ``pp_fsdp_tp`` on ``stage=p`` x ``fsdp=4/p`` x ``tensor=2`` against ``fsdp_tp`` on
+``fsdp=4`` x ``tensor=2`` (step time ratio next to (m + p − 1)/m), and ``pp_fsdp`` on ``stage=2`` x
+``fsdp=4`` against ``fsdp`` 8 (``zero3``): collective wire bytes per device per step from the compiled
+step, the pipeline's next to the reference's plus its permutes.
 """
 
 from __future__ import annotations
@@ -82,8 +89,7 @@ def step_time(trainer: Trainer, compiled, steps: int) -> float:
 def measure(schedule: str, p: int, m: int, steps: int, baseline: float) -> dict:
     """One JSON record: the compiled pipelined step's loop, collectives over ``stage``, memory and time."""
     v = REPEATS[schedule]
-    pipe = [f"pipeline.microbatches={m}", f"pipeline.repeats={v}", f"pipeline.schedule={schedule}"]
-    trainer = build("pp", {"stage": p, "data": 8 // p}, pipe)
+    trainer = build("pp", {"stage": p, "data": 8 // p}, pipe(schedule, m, v))
     compiled = xla.compile_step(trainer)
     config = trainer.config
     table = schedules.build(schedule, p, m, v)
@@ -113,12 +119,47 @@ def measure(schedule: str, p: int, m: int, steps: int, baseline: float) -> dict:
     }
 
 
+def wire(compiled, trainer: Trainer) -> dict[str, float]:
+    """Collective wire bytes per device per step of a compiled step (an all-reduce only sliced read as the
+    reduce-scatter GPU and TPU run): all, and the permutes over ``stage``."""
+    found = hlo.collectives(compiled.as_text(), trainer.mesh)
+    permutes = sum(c.wire_bytes for c in found if c.kind == "collective-permute" and c.axes == ("stage",))
+    return {"all": sum(c.rs_wire_bytes for c in found), "permutes": permutes}
+
+
+def inside(stages: list[int], steps: int) -> None:
+    """One JSON line per comparison: FSDP and TP inside a stage against the same axes unpipelined."""
+    for p in stages:
+        m = 4 * p
+        ref = build("fsdp_tp", {"fsdp": 4, "tensor": 2}, [])
+        base = step_time(ref, xla.compile_step(ref), steps)
+        trainer = build("pp_fsdp_tp", {"stage": p, "fsdp": 4 // p, "tensor": 2}, pipe("1f1b", m))
+        seconds = step_time(trainer, xla.compile_step(trainer), steps)
+        print(json.dumps({"layout": "pp_fsdp_tp vs fsdp_tp", "schedule": "1f1b", "p": p, "m": m,
+                          "seconds": round(seconds, 4), "reference_seconds": round(base, 4),
+                          "ratio": round(seconds / base, 3), "formula": round((m + p - 1) / m, 3)}), flush=True)
+    ref = build("zero3", {"fsdp": 8}, [])
+    trainer = build("pp_fsdp", {"stage": 2, "fsdp": 4}, pipe("1f1b", 8))
+    mine, theirs = wire(xla.compile_step(trainer), trainer), wire(xla.compile_step(ref), ref)
+    print(json.dumps({"layout": "pp_fsdp (stage 2 x fsdp 4) vs zero3 (fsdp 8)", "schedule": "1f1b", "m": 8,
+                      "wire_bytes": mine["all"], "reference_wire_bytes": theirs["all"], "permutes": mine["permutes"],
+                      "ratio": round(mine["all"] / (theirs["all"] + mine["permutes"]), 3)}), flush=True)
+
+
+def pipe(schedule: str, m: int, v: int = 1) -> list[str]:
+    return [f"pipeline.microbatches={m}", f"pipeline.repeats={v}", f"pipeline.schedule={schedule}"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", nargs="+", default=list(REPEATS), choices=list(REPEATS))
     parser.add_argument("--stages", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--inside", action="store_true", help="FSDP and TP inside a stage against no pipeline")
     args = parser.parse_args()
+    if args.inside:
+        inside(args.stages, args.steps)
+        return
     trainer = build("dp", {"data": 8}, [])
     baseline = step_time(trainer, xla.compile_step(trainer), args.steps)
     print(json.dumps({"schedule": "none (rules=dp, data=8)", "step_time": {"seconds": round(baseline, 4)}}),

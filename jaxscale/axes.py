@@ -17,7 +17,7 @@ from __future__ import annotations
 # Every logical axis name a rules table may map (a key outside these is a typo, refused: jaxscale/layout.py).
 LOGICAL_AXES = (
     "batch", "length", "norm_length", "act_embed", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-    "expert", "expert_mlp", "expert_batch", "layers",
+    "expert", "expert_mlp", "expert_batch", "layers", "qkv", "gate_up",
 )
 RESIDUAL = ("batch", "norm_length", "act_embed")  # the residual stream, between the blocks
 HIDDEN = ("batch", "length", "act_embed")  # the final hidden states, whole sequences (the chunked loss)
@@ -25,6 +25,13 @@ Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "length", "mlp")
 LOGITS = ("batch", "length", "vocab")
+# Fused projections (model.fused_projections, jaxscale/models/fusion.py): ``qkv`` and ``gate_up`` index the
+# fused parts; a rules table need not map them (unmapped: whole on every device).
+WHOLE_AXES = ("qkv", "gate_up")
+W_QKV = ("embed", "kv_heads", "qkv", "head_dim")
+QKV_AXES = ("batch", "length", "kv_heads", "qkv", "head_dim")
+W_GATE_UP = ("embed", "gate_up", "mlp")
+GATE_UP_AXES = ("batch", "length", "gate_up", "mlp")
 
 ROUTING = ("batch", "norm_length", None)  # each token's top-k choices
 BUFFER = ("expert_batch", "expert", None, "act_embed")  # dispatched tokens [sequences, experts, slots, embed]

@@ -82,6 +82,7 @@ import jax
 from jaxscale import flops, xla_flags
 from jaxscale.analysis.params import trainer_inputs
 from jaxscale.analysis.predict import predict
+from jaxscale.analysis.remat import resolved
 from jaxscale.analysis.xla import memory
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config, read_yaml, requested_devices
 from jaxscale.train import Trainer
@@ -189,9 +190,10 @@ def check_memory(runs: list[Run], config: str | Path | None) -> None:
             continue
         try:
             cfg = load_config(config, run.overrides)
+            devices = jax.devices()[: requested_devices(cfg.mesh) or None]
             with warnings.catch_warnings():  # the run itself warns (XLA flags this process lacks, ...)
                 warnings.simplefilter("ignore")
-                trainer = Trainer.build(cfg, jax.devices()[: requested_devices(cfg.mesh) or None])
+                trainer = Trainer.build(resolved(cfg, devices), devices)  # model.remat: auto by memory
         except ConfigError:
             continue
         device = trainer.mesh.devices.flat[0]
@@ -352,7 +354,8 @@ def run_one(
         fresh = xla_flags.environment(cfg.xla, os.environ)
         if any(os.environ.get(var) != value for var, value in fresh.items()):
             return _in_fresh_process(row, suite, run, config, steps, warmup, rounds, fresh, cluster)
-        trainer = Trainer.build(cfg, jax.devices()[: requested_devices(cfg.mesh) or None])
+        devices = jax.devices()[: requested_devices(cfg.mesh) or None]
+        trainer = Trainer.build(resolved(cfg, devices), devices)  # model.remat: auto by memory
         row.update(_describe(trainer))
         if run.compile_only:
             compiled, times = timed_compile(trainer)

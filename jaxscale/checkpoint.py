@@ -77,6 +77,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from jaxscale import fp8, precision
 from jaxscale.config import Config, ConfigError, checkpoint_dir, read_yaml
+from jaxscale.models import fusion
 from jaxscale.optim import schedule_length
 from jaxscale.sharding import param_name
 
@@ -570,5 +571,10 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
     abstract = trainer.abstract_state()
     # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.
     target = precision.updated(abstract.params, abstract.master)
+    fused = trainer.config.model.fused_projections
+    if bool(source.model.get("fused_projections")) != fused:  # the other layout (models/fusion.py)
+        saved = fusion.other_layout(target, fused)
+        check_params(source, "checkpoint.init_from", trainer.config, saved)
+        return trainer.init_state(fusion.converted(lambda path: read_param(source, path), saved, target, fused))
     check_params(source, "checkpoint.init_from", trainer.config, target)
     return trainer.init_state(restore_params(source, target))

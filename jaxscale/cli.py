@@ -91,12 +91,13 @@ def _train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     # Imports jax: after the device count and XLA flags are in the environment.
     import jax
 
+    from jaxscale.analysis.remat import resolved
     from jaxscale.checkpoint import CheckpointError
     from jaxscale.loop import NonFiniteError, fit
     from jaxscale.train import Trainer
 
     try:
-        trainer = Trainer.build(config)
+        trainer = Trainer.build(resolved(config))  # model.remat: auto -> by the predicted memory
         with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
             _, history = fit(trainer, progress=not args.no_progress)
             distributed.finish(config.distributed.init_timeout_s)
@@ -156,9 +157,10 @@ def _inspect(args: argparse.Namespace) -> int:
     xla_flags.apply(config.xla)
     # Imports jax: after the device count and XLA flags are in the environment.
     from jaxscale.analysis.inspect import format_inspect, inspect_report
+    from jaxscale.analysis.remat import resolved
     from jaxscale.train import Trainer
 
-    trainer = Trainer.build(config)
+    trainer = Trainer.build(resolved(config))
     out = inspect_report(trainer)
     print(json.dumps(out, indent=1) if args.json else format_inspect(out))
     if args.png:

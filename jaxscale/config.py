@@ -363,6 +363,8 @@ def validate(config: Config) -> None:
         raise ConfigError(f"model.loss_chunk must be at least 0 (0: the plain loss), got {m.loss_chunk}")
     if m.loss_chunk and t.seq_len % m.loss_chunk:
         raise ConfigError(f"model.loss_chunk ({m.loss_chunk}) does not divide train.seq_len ({t.seq_len})")
+    if m.fused_projections and config.precision.fp8 != "off":
+        raise ConfigError("model.fused_projections: not supported with precision.fp8 (fp8 scales each projection)")
     if m.heads % m.kv_heads:
         raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:

@@ -47,6 +47,9 @@ dispatch (capacity dispatch may drop tokens that HF keeps); HF's
 ``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
 jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default
 and Llama 3.1's ``llama3``, biases, a sliding window, another activation) is a :class:`ConfigError`.
+Fused projections (``model.fused_projections``, :mod:`jaxscale.models.fusion`): the import always
+writes the separate layout (``checkpoint.init_from`` fuses it for a fused run); the export of a fused
+checkpoint splits ``w_qkv`` and ``w_gate_up`` into the same HF tensors, bit for bit.
 ``head_dim`` may differ from ``hidden_size / num_attention_heads`` (``model.head_dim``). The export writes
 a ``llama3`` scaling as Llama 3.1's own ``config.json`` does: ``rope_scaling`` with a top-level ``rope_theta``.
 
@@ -74,7 +77,15 @@ import ml_dtypes
 import numpy as np
 
 from jaxscale import bounds
-from jaxscale.checkpoint import PARAMS_DIR, ParamsSource, by_name, params_source, read_param, save_params
+from jaxscale.checkpoint import (
+    PARAMS_DIR,
+    ParamsSource,
+    by_name,
+    param_shapes,
+    params_source,
+    read_param,
+    save_params,
+)
 from jaxscale.config import (
     Config,
     ConfigError,
@@ -87,6 +98,7 @@ from jaxscale.config import (
     validate_moe,
     validate_rope,
 )
+from jaxscale.models.fusion import separate_reader
 from jaxscale.train import abstract_model
 
 INDEX = "model.safetensors.index.json"
@@ -437,7 +449,8 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     if (out_dir / PARAMS_DIR).exists():
         raise ConfigError(f"{out_dir / PARAMS_DIR} already exists: choose another directory")
     hf = _read_json(hf_dir / "config.json")
-    model = _layer_over(model_from_hf(hf), override)
+    # The separate projections' layout whatever --config says: a fused run converts it at checkpoint.init_from.
+    model = dataclasses.replace(_layer_over(model_from_hf(hf), override), fused_projections=False)
     _check_model(model)
     where = _tensor_files(hf_dir)
     table = weights(model)
@@ -519,8 +532,11 @@ def jaxscale_to_hf(
     weight_map: dict[str, int] = {}
     pending: dict[str, np.ndarray] = {}
     size = total = 0
+    read = functools.partial(read_param, source)
+    if model.fused_projections:  # a fused run's parameters, exported as the separate HF tensors
+        read = separate_reader(read, set(param_shapes(source)))
     for w in weights(model):
-        value = read_param(source, w.path)
+        value = read(w.path)
         for index, tensor in slices(w, model):
             hf_value = np.ascontiguousarray(to_hf(w, value[index]).astype(NUMPY_DTYPES[dtype]))
             if pending and size + hf_value.nbytes > limit:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale import stage_layers
-from jaxscale.axes import LOGICAL_AXES
+from jaxscale.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.config import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
@@ -118,13 +118,14 @@ class Rules:
     def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
         """The PartitionSpec entries of an array whose dimensions have these logical names.
 
-        Raises for a name the table lacks and for a mesh axis that would split two dimensions.
+        Raises for a name the table lacks (but :data:`~jaxscale.axes.WHOLE_AXES`, whole where
+        unmapped) and for a mesh axis that would split two dimensions.
         """
         table = self.table(kind)
         used: dict[str, str] = {}
         parts: list[Part] = []
         for name in axes:
-            if name is None:
+            if name is None or (name in WHOLE_AXES and name not in table):
                 parts.append(None)
                 continue
             if name not in table:
@@ -268,10 +269,31 @@ class Layout:
         return self.mesh[STAGE] if self.pipelined else 1
 
     def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
-        """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the leading
-        batch axes that split none of the ``blocks``' parameter axes and the context axes, whose ring
-        attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`)."""
-        return (STAGE, *(() if moe else (*self.data_axes(blocks), *self.stage_context_axes)))
+        """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the batch axes
+        and the context axes, whose ring attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`).
+
+        Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
+        they split is split by batch axes alone: the loop gathers the stage's blocks over them once per step
+        and reduce-scatters their gradients once (:meth:`stage_gathered_axes`) unless ``pipeline.fsdp`` is
+        ``tick``; else only the leading batch
+        axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
+        if moe:
+            return (STAGE,)
+        once = self.pipeline is None or self.pipeline.fsdp == "step"
+        return (STAGE, *(self.axes_of("batch") if once and self._gatherable(blocks) else self.data_axes(blocks)),
+                *self.stage_context_axes)
+
+    def _gatherable(self, blocks: Iterable[Axes]) -> bool:
+        batch = set(self.axes_of("batch"))
+        splits = [set(self.axes_of(name)) for axes in blocks for name in axes if name]
+        return all(axes <= batch or not axes & batch for axes in splits)
+
+    def stage_gathered_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+        """The mesh axes of size > 1 over which a pipeline stage gathers its blocks once per step: the
+        manual batch axes that split a block parameter (FSDP's, inside a stage)."""
+        blocks = list(blocks)
+        manual = self.stage_manual_axes(blocks, moe)
+        return tuple(a for a in self.mesh_axes(n for axes in blocks for n in axes) if a in manual and a != STAGE)
 
     @property
     def stage_context_axes(self) -> tuple[str, ...]:

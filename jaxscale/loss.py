@@ -17,38 +17,38 @@ vocabulary and 8k tokens per device, 4 GiB per fp32 buffer.
 
 :func:`chunked_cross_entropy` never builds them: it takes the hidden states
 ``[b, s, e]`` and the head weight ``[e, V]`` and runs a ``lax.scan`` over
-``s / chunk`` slices of the sequence; each step computes one
-``[b, chunk, V]`` block of logits (matmul accumulated in fp32), its
-log-sum-exp and the target logit, and keeps only the log-sum-exp (``b·s``
-floats in all). The backward is a ``custom_vjp`` that runs the scan again,
-recomputing each block of logits to form its gradient (softmax minus one-hot)
-and accumulating the gradients of the hidden states and of the head weight
-block by block. Peak loss memory falls from ``b·s·V·4`` per buffer to
-``b·chunk·V·4``.
+``n`` slices of the **vocabulary** (``n = s / chunk``, rounded up to divide
+each vocabulary shard: :func:`slice_count`), so each block of logits
+``[b, s, V/n]`` is no larger than ``[b, chunk, V]`` (``model.loss_chunk``
+keeps its meaning for memory). The forward keeps an online log-sum-exp (running
+maximum and sum) and the target logit, ``b·s`` floats per vocabulary shard,
+combined over the shards once after the loop. The backward is a
+``custom_vjp`` that runs the scan again, recomputing each block of logits to
+form its gradient (softmax minus one-hot). Each slice's head gradient
+``[e, V/n]`` is complete after its step (a sum over all the tokens): it is a
+loop **output**, written once, reduced over the batch shards into the weight's
+own layout (a reduce-scatter over fsdp under ZeRO-3/HSDP) inside the step that
+made it, so the head gradient's bytes do not grow with ``n``. What is
+accumulated is the hidden states' gradient, ``b·s·e`` fp32 (one part per
+vocabulary shard, summed over the shards once after the loop): for a 128k
+vocabulary and 16k tokens per device 8x fewer bytes per step than a
+``[e, V]`` accumulator, which chunking the tokens would need.
 
 **What it costs**: the head matmul runs once more (recomputed in the backward:
 4 head matmuls instead of 3, +2·b·s·e·V FLOPs); Liger's variant computes the
 gradient in the forward instead, which wastes it in evaluation, so the
-recomputation is chosen here. The chunks are strided (chunk ``j`` holds tokens
-``j, j + s/chunk, ...``): the loss is a sum over tokens, so any partition
-will do, and a strided one keeps a sequence-sharded layout (context
-parallelism) sharded inside every chunk. **What it communicates** under the
-rules: the hidden states are constrained to ``('batch', 'length',
-'act_embed')`` (under sequence parallelism, an all-gather of the sequence,
-which the plain path does inside its column-parallel head); the head weight is
-gathered over its ``embed`` axes once before the scan; with ``vocab`` sharded
-(tensor parallelism) the log-sum-exp and the target logit of each chunk are
-all-reduced (``b·chunk`` floats each, a few per chunk) and the gradient of the
-hidden states is summed over the vocabulary shards (``b·chunk·e`` per chunk,
-as the plain head's backward sums ``b·s·e``; XLA:CPU all-reduces it where SP's
-plain head reduce-scatters). The head gradient is accumulated per batch shard
-(a ``[shards, e, V]`` fp32 accumulator sharded on the batch axes: ``e·V/t``
-floats per device, the size of the plain path's unreduced head gradient) and
-summed over the shards once after the loop: a partial sum carried through
-the loop would be all-reduced by XLA in every chunk, ``s / chunk`` times the
-head's gradient reduction. The sum lands in the weight's own layout: under
-HSDP over the fsdp shards first (a reduce-scatter), then over the replicas
-(:func:`_sum_shards`), as the plain head's gradient is reduced.
+recomputation is chosen here. **What it communicates** under the rules: the
+hidden states are constrained to ``('batch', 'length', 'act_embed')`` (under
+sequence parallelism, an all-gather of the sequence, which the plain path does
+inside its column-parallel head); the head weight is gathered over its
+``embed`` axes once before the scan. The slices are laid out
+``[n, e, shards, width]`` with the vocabulary shards a dimension of their
+own, so every per-slice statistic stays on its shard: nothing is reduced over
+the vocabulary inside the loop; after it, the log-sum-exp and target logit
+(``b·s`` floats) and the hidden states' gradient (``b·s·e``, as the plain
+head's backward sums it) are summed over the vocabulary shards once. The
+head gradient's reductions over the batch shards run per slice, ``e·V/n``
+each, the plain head's one reduction in ``n`` parts.
 """
 
 from __future__ import annotations
@@ -58,33 +58,59 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale.axes import HIDDEN, LOGITS
+from jaxscale.axes import HIDDEN
 from jaxscale.layout import TOKENS
 from jaxscale.parallel import pipeline
-from jaxscale.sharding import active, constrain, spec
+from jaxscale.sharding import active, constrain
 
 WEIGHT = ("embed", "vocab")  # the head weight [embed, vocab] as its parameter is laid out
 HEAD = (None, "vocab")  # ... gathered on embed for the loop
-SHARD_HEAD = ("batch", None, "vocab")  # partial head gradients, one per batch shard
+SLICE = (None, "vocab", None)  # one vocabulary slice of the weight [embed, shards, width], gathered on embed
+SLICE_GRAD = ("embed", "vocab", None)  # ... its gradient, in the weight's own layout
+BLOCK = ("batch", "length", "vocab", None)  # one block of logits [batch, length, shards, width]
+PER_SHARD = ("batch", "length", "vocab")  # running statistics, one per vocabulary shard [batch, length, shards]
+HIDDEN_PARTS = ("batch", "length", "vocab", None)  # the hidden states' gradient, one part per vocabulary shard
+HEAD_GRADIENT = "head_gradient"  # the named scope of the head gradient's instructions (hlo.scoped_bytes counts them)
 
 
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
-    """[b, s, ...] -> [s / chunk, b, chunk, ...]: step j of the scan holds tokens j, j + s/chunk, ..."""
-    b, s = x.shape[:2]
-    return jnp.moveaxis(x.reshape(b, chunk, s // chunk, *x.shape[2:]), 2, 0)
+def _vocab_shards() -> int:
+    """How many ways the active rules split ``vocab`` (1 outside :func:`jaxscale.sharding.use_rules`)."""
+    current = active()
+    return current[1].size(current[1].mesh_axes(("vocab",))) if current is not None else 1
 
 
-def _unchunk(x: jax.Array) -> jax.Array:
-    """The inverse of :func:`_chunks`."""
-    n, b, chunk = x.shape[:3]
-    return jnp.moveaxis(x, 0, 2).reshape(b, chunk * n, *x.shape[3:])
+def slice_count(vocab: int, shards: int, length: int, chunk: int) -> int:
+    """How many vocabulary slices the loss runs in: the fewest that keep every block of logits within
+    ``[batch, chunk, vocab]`` (``length / chunk`` of them), rounded up to divide each shard's vocabulary."""
+    local, want = vocab // shards, length // chunk
+    return next(n for n in range(want, local + 1) if local % n == 0)
 
 
-def _logits(h: jax.Array, w: jax.Array) -> jax.Array:
-    """One chunk's logits [b, chunk, V] in fp32 (the matmul accumulated in fp32)."""
-    return constrain(jnp.einsum("bce,ev->bcv", h, w, preferred_element_type=jnp.float32), LOGITS)
+def _sliced(w: jax.Array, n: int) -> jax.Array:
+    """[e, V] -> [n, e, shards, V / (shards n)]: slice j holds columns j·width ... of every vocabulary shard."""
+    t = _vocab_shards()
+    e, v = w.shape
+    return jnp.moveaxis(w.reshape(e, t, n, v // (t * n)), 2, 0)
+
+
+def _unsliced(dw: jax.Array) -> jax.Array:
+    """The inverse of :func:`_sliced`."""
+    n, e, t, c = dw.shape
+    return jnp.moveaxis(dw, 0, 2).reshape(e, t * n * c)
+
+
+def _block(h: jax.Array, w: jax.Array) -> jax.Array:
+    """One slice's logits [b, s, shards, width] in fp32 (the matmul accumulated in fp32)."""
+    return constrain(jnp.einsum("bse,etc->bstc", h, w, preferred_element_type=jnp.float32), BLOCK)
+
+
+def _is_target_in(block: jax.Array, j: jax.Array, vocab: int, targets: jax.Array) -> jax.Array:
+    """One-hot mask of the targets in slice ``j``'s block, by comparison with the columns' global ids."""
+    t, c = block.shape[2:]
+    shard = jax.lax.broadcasted_iota(jnp.int32, block.shape, 2)
+    column = shard * (vocab // t) + j * c + jax.lax.broadcasted_iota(jnp.int32, block.shape, 3)
+    return column == targets[..., None, None]
 
 
 def _is_target(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -97,19 +123,34 @@ def trained_count(targets: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.sum(targets >= 0, dtype=jnp.float32), 1.0)
 
 
-def _forward(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, jax.Array]:
-    """Mean loss over the trained targets and the log-sum-exp of every token, chunked as :func:`_chunks`;
-    ``w`` gathered (``HEAD``)."""
+def _varying(x: jax.Array, *like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over the manual axes ``like`` vary on (a scan's carry inside a pipeline stage's
+    shard_map is typed as its body's output)."""
+    manual = tuple(sorted(set().union(*(jax.typeof(a).manual_axis_type.varying for a in like))))
+    return pipeline.vary(x, manual)
 
-    def body(_: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, tuple[jax.Array, jax.Array]]:
-        h, t = xs
-        logits = _logits(constrain(h, HIDDEN), w)
-        picked = jnp.sum(jnp.where(_is_target(logits, t), logits, 0.0), axis=-1)
-        return None, (jax.nn.logsumexp(logits, axis=-1), picked)
 
-    _, (lse, picked) = jax.lax.scan(body, None, (_chunks(hidden, chunk), _chunks(targets, chunk)))
-    trained = _chunks(targets, chunk) >= 0
-    return jnp.sum(jnp.where(trained, lse - picked, 0.0)) / trained_count(targets), lse
+def _forward(hidden: jax.Array, slices: jax.Array, targets: jax.Array, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Mean loss over the trained targets and the log-sum-exp of every token [b, s]: an online log-sum-exp
+    over the vocabulary ``slices`` [n, e, shards, width] (gathered on embed), one per vocabulary shard."""
+    b, s = targets.shape
+
+    def body(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, jax.Array]) -> tuple[tuple[jax.Array, ...], None]:
+        peak, total, picked = carry
+        w, j = xs
+        logits = _block(hidden, constrain(w, SLICE))
+        new = jnp.maximum(peak, jnp.max(logits, axis=-1))
+        total = total * jnp.exp(peak - new) + jnp.sum(jnp.exp(logits - new[..., None]), axis=-1)
+        picked = picked + jnp.sum(jnp.where(_is_target_in(logits, j, vocab, targets), logits, 0.0), axis=-1)
+        return (constrain(new, PER_SHARD), constrain(total, PER_SHARD), constrain(picked, PER_SHARD)), None
+
+    shape = (b, s, slices.shape[2])
+    zeros = _varying(constrain(jnp.zeros(shape, jnp.float32), PER_SHARD), hidden, slices)
+    start = (_varying(constrain(jnp.full(shape, -jnp.inf), PER_SHARD), hidden, slices), zeros, zeros)
+    (peak, total, picked), _ = jax.lax.scan(body, start, (slices, jnp.arange(slices.shape[0])))
+    lse = jax.nn.logsumexp(peak + jnp.log(total), axis=-1)  # over the vocabulary shards
+    per_token = lse - jnp.sum(picked, axis=-1)
+    return jnp.sum(jnp.where(targets >= 0, per_token, 0.0)) / trained_count(targets), lse
 
 
 def microbatch_weights(targets: jax.Array) -> jax.Array:
@@ -119,90 +160,60 @@ def microbatch_weights(targets: jax.Array) -> jax.Array:
     return counts / jnp.maximum(jnp.sum(counts), 1.0)
 
 
-def _batch_shards() -> int:
-    """How many ways the active rules split the batch (1 outside :func:`jaxscale.sharding.use_rules`)."""
-    current = active()
-    return current[1].batch_shards if current is not None else 1
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    return _forward(hidden, constrain(w, HEAD), targets, chunk)[0]
+def _cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, n: int) -> jax.Array:
+    return _forward(hidden, _sliced(constrain(w, HEAD), n), targets, w.shape[1])[0]
 
 
-def _cross_entropy_fwd(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> tuple[jax.Array, Any]:
-    w = constrain(w, HEAD)  # gathered once: the backward reuses it
-    loss, lse = _forward(hidden, w, targets, chunk)
-    return loss, (hidden, w, targets, lse)
+def _cross_entropy_fwd(hidden: jax.Array, w: jax.Array, targets: jax.Array, n: int) -> tuple[jax.Array, Any]:
+    slices = _sliced(constrain(w, HEAD), n)  # gathered once: the backward reuses it
+    loss, lse = _forward(hidden, slices, targets, w.shape[1])
+    return loss, (hidden, slices, targets, lse)
 
 
-def _cross_entropy_bwd(chunk: int, residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
-    hidden, w, targets, lse = residuals
-    scale = g / trained_count(targets)
-    shards = _batch_shards()
+def _cross_entropy_bwd(n: int, residuals: Any, g: jax.Array) -> tuple[jax.Array, jax.Array, None]:
+    hidden, slices, targets, lse = residuals
+    vocab = slices.shape[0] * slices.shape[2] * slices.shape[3]
+    weight = jnp.where(targets >= 0, g / trained_count(targets), 0.0)[..., None, None]  # IGNORE: no gradient
 
-    def by_shard(x: jax.Array) -> jax.Array:
-        return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
+    def body(dh: jax.Array, xs: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        w, j = xs
+        w = constrain(w, SLICE)
+        logits = _block(hidden, w)
+        dlogits = (jnp.exp(logits - lse[..., None, None]) - _is_target_in(logits, j, vocab, targets)) * weight
+        dlogits = constrain(dlogits.astype(w.dtype), BLOCK)
+        # The slice's head gradient, summed over the tokens (and their shards) once: a loop output, not a carry.
+        with jax.named_scope(HEAD_GRADIENT):
+            dw = jnp.einsum("bse,bstc->etc", hidden, dlogits, preferred_element_type=jnp.float32)
+            dw = constrain(dw, SLICE_GRAD).astype(w.dtype)
+        # The hidden states' gradient, one part per vocabulary shard, summed over the shards once after the loop.
+        dh = dh + jnp.einsum("bstc,etc->bste", dlogits, w, preferred_element_type=jnp.float32)
+        return constrain(dh, HIDDEN_PARTS), dw
 
-    def body(dw: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        h, t, chunk_lse = xs
-        h = constrain(h, HIDDEN)
-        logits = _logits(h, w)
-        weight = jnp.where(t >= 0, scale, 0.0)[..., None]  # an IGNORE target has no gradient
-        dlogits = (jnp.exp(logits - chunk_lse[..., None]) - _is_target(logits, t)) * weight
-        dlogits = constrain(dlogits.astype(w.dtype), LOGITS)
-        dh = jnp.einsum("bcv,ev->bce", dlogits, w, preferred_element_type=jnp.float32)
-        # Each batch shard's partial head gradient, summed over the shards once after the loop.
-        dw = dw + jnp.einsum("sbce,sbcv->sev", by_shard(h), by_shard(dlogits), preferred_element_type=jnp.float32)
-        return constrain(dw, SHARD_HEAD), constrain(dh.astype(hidden.dtype), HIDDEN)
-
-    # Inside a pipeline stage's shard_map the scan's carry is typed as varying as its body's output.
-    manual = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (hidden, w)))))
-    dw0 = pipeline.vary(constrain(jnp.zeros((shards, *w.shape), jnp.float32), SHARD_HEAD), manual)
-    dw, dh = jax.lax.scan(body, dw0, (_chunks(hidden, chunk), _chunks(targets, chunk), lse))
-    return _unchunk(dh), _sum_shards(dw).astype(w.dtype), None
-
-
-def _sum_shards(dw: jax.Array) -> jax.Array:
-    """The batch shards' head gradients [shards, e, V] summed into the weight's layout (``WEIGHT``).
-
-    Summed at once, XLA all-reduces the whole gradient over every batch axis. Where some batch axes also
-    split the weight (HSDP: batch over data x fsdp, embed over fsdp) the sum runs over those first (a
-    reduce-scatter onto each device's slice), then over the others (an all-reduce of the slice), as the
-    layers' gradients are reduced.
-    """
-    current = active()
-    if current is None:
-        return jnp.sum(dw, axis=0)
-    mesh, place = current
-    batch, held = place.batch_axes, place.mesh_axes(WEIGHT)
-    rest = tuple(a for a in batch if a not in held)
-    if len(rest) in (0, len(batch)):
-        return constrain(jnp.sum(dw, axis=0), WEIGHT)
-    embed, vocab = spec(place, WEIGHT)
-    dw = dw.reshape(*(mesh.shape[a] for a in batch), *dw.shape[1:])  # a dimension per batch axis
-    dw = jax.lax.with_sharding_constraint(dw, NamedSharding(mesh, PartitionSpec(*batch, None, vocab)))
-    dw = jnp.sum(dw, axis=tuple(i for i, a in enumerate(batch) if a in held))
-    dw = jax.lax.with_sharding_constraint(dw, NamedSharding(mesh, PartitionSpec(*rest, embed, vocab)))
-    return constrain(jnp.sum(dw, axis=tuple(range(len(rest)))), WEIGHT)
+    b, s, e = hidden.shape
+    dh0 = _varying(constrain(jnp.zeros((b, s, slices.shape[2], e), jnp.float32), HIDDEN_PARTS), hidden, slices)
+    dh, dw = jax.lax.scan(body, dh0, (slices, jnp.arange(n)))
+    return constrain(jnp.sum(dh, axis=2).astype(hidden.dtype), HIDDEN), constrain(_unsliced(dw), WEIGHT), None
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
 def chunked_cross_entropy(hidden: jax.Array, w: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    """Mean cross-entropy of ``hidden @ w`` against ``targets``, ``chunk`` tokens of each sequence at a time.
+    """Mean cross-entropy of ``hidden @ w`` against ``targets``, in slices of the vocabulary no larger than
+    ``chunk`` tokens of each sequence would make (:func:`slice_count`).
 
     ``hidden`` [batch, length, embed] and ``w`` [embed, vocab] in the compute dtype, ``targets``
     [batch, length] integers (negative: not trained, as :func:`cross_entropy`); ``chunk`` must divide
-    ``length``. Equal to ``cross_entropy(hidden @ w, targets)`` in value and gradient (exactly so in fp32), without
-    ever holding more than one ``[batch, chunk, vocab]`` block of logits.
+    ``length``. Equal to ``cross_entropy(hidden @ w, targets)`` in value and gradient (to rounding in fp32),
+    without ever holding more than one ``[batch, chunk, vocab]``-sized block of logits.
     """
     s = hidden.shape[1]
     if chunk <= 0 or s % chunk:
         raise ValueError(f"chunk {chunk} does not divide the sequence length {s}")
+    n = slice_count(w.shape[1], _vocab_shards(), s, chunk)
     hidden = constrain(hidden, HIDDEN)
-    return _cross_entropy(hidden, constrain(w, WEIGHT), constrain(targets, TOKENS), chunk)
+    return _cross_entropy(hidden, constrain(w, WEIGHT), constrain(targets, TOKENS), n)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -85,6 +85,14 @@ def weight_grads(config: Config) -> jnp.dtype | None:
     return None if grads is None else jnp.dtype(grads)
 
 
+def takes_wide(config: Config) -> bool:
+    """Whether the projections hand :func:`einsum` their weights as held, for it to cast to the compute dtype
+    (a gradient in :func:`weight_grads`, wider than the compute dtype, and the compute copy in the compute
+    dtype: a wider weight can then only be the fp32 master the trainer differentiates,
+    :attr:`jaxscale.train.Trainer.wide_grads`; a compute copy kept wider is cast before, as ever)."""
+    return weight_grads(config) is not None and policy(config).compute == jnp.dtype(config.model.dtype)
+
+
 WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves
 
 
@@ -102,6 +110,9 @@ def einsum(
     ``einsum(x, g, preferred_element_type=grads)``, summed over the mesh axes ``x`` varies over and
     ``w`` does not (inside a ``shard_map``: data parallelism's ``psum``), then cast to ``w``'s dtype.
     Under the partitioner, the cross-device sum XLA puts right after that matmul is in ``grads``.
+    A ``w`` wider than ``x`` (the trainer's :attr:`~jaxscale.train.Trainer.wide_grads`: the parameters
+    in ``grads``) is cast to ``x``'s dtype inside: the product is the same, and its gradient leaves in
+    ``grads`` with no rounding to the compute dtype on the way to the optimizer.
     A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
     without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
     """
@@ -123,17 +134,17 @@ def _letters(equation: str) -> tuple[str, str, str]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _weight_einsum(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, x, w)
+    return jnp.einsum(equation, x, w.astype(x.dtype))
 
 
 def _weight_einsum_forward(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
-    return jnp.einsum(equation, x, w), (x, w)
+    return jnp.einsum(equation, x, w.astype(x.dtype)), (x, w)
 
 
 def _weight_einsum_backward(equation: str, grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, ...]:
     x, w = saved
     lhs, rhs, out = _letters(equation)
-    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w), x)
+    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w.astype(x.dtype)), x)
     dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w).mat.varying))
     if summed:

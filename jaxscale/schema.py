@@ -12,7 +12,7 @@ from typing import Any, Literal
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "selective", "full", "save_dots", "save_named"]
+Remat = Literal["none", "selective", "full", "save_dots", "save_named", "auto"]  # auto: jaxscale/analysis/remat.py
 # resolved at build (models/attention.py): auto -> the kernel the devices run
 Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
 MoEDispatch = Literal["capacity", "dropless"]
@@ -29,6 +29,7 @@ Resume = Literal["off", "auto", "required"]
 Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 DEFAULT_SCHEDULE: Schedule = "1f1b"
+FsdpGather = Literal["step", "tick"]  # when a pipeline stage gathers its FSDP-split blocks (parallel/pipeline.py)
 XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -101,8 +102,9 @@ class ModelConfig:
     moe: MoEConfig | None = None
     attention: Attention = "dot"
     attention_block: int = 512
-    loss_chunk: int = 0  # > 0: chunked cross-entropy, this many tokens of each sequence at a time (jaxscale/loss.py)
+    loss_chunk: int = 0  # > 0: chunked cross-entropy, logits blocks of this many tokens' size (jaxscale/loss.py)
     tp_overlap: bool = False  # collective matmul for sequence parallelism (jaxscale/parallel/collective_matmul.py)
+    fused_projections: bool = False  # one w_qkv and one w_gate_up GEMM per layer (jaxscale/models/fusion.py)
 
 
 @dataclasses.dataclass
@@ -220,13 +222,17 @@ class PipelineConfig:
     stage once in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
     of each virtual stage 0..p·v−1 (e.g. the first and last one lighter: they also hold the embedding
     and the head), summing to ``model.layers``; None splits them evenly
-    (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots).
+    (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots). ``fsdp``: with FSDP inside a
+    stage, ``step`` gathers the stage's blocks once a step and reduces their gradients once (the stage's
+    blocks and their fp32 gradients held whole; idle slots skipped unless TP, SP or CP is inside too),
+    ``tick`` leaves the gathers to the partitioner, every tick (the blocks stay sharded; idle slots masked).
     """
 
     microbatches: int | None = None  # None: as many as there are stages
     repeats: int = 1
     schedule: Schedule = DEFAULT_SCHEDULE
     layers_per_stage: list[int] | None = None
+    fsdp: FsdpGather = "step"
 
 
 @dataclasses.dataclass

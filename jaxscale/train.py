@@ -135,6 +135,9 @@ class Trainer:
         or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``); its
         state is laid out by the rules' ``optimizer`` section.
         """
+        if config.model.remat == "auto":
+            raise ConfigError("model.remat: auto is chosen before the trainer is built, by the predicted memory "
+                              "(jaxscale.analysis.remat.resolved; the jaxscale command applies it)")
         mesh = make_mesh(config.mesh, devices)
         xla_flags.warn(config.xla, mesh.devices.flat[0].platform)
         rules = Rules.load(config.rules)
@@ -197,6 +200,21 @@ class Trainer:
     def pipelined(self) -> bool:
         """Whether the rules run the pipeline (``layers`` on ``stage`` of size > 1)."""
         return self.layout.stages > 1
+
+    @cached_property
+    def wide_grads(self) -> bool:
+        """Whether the step differentiates the fp32 master (``precision.grads_reduce`` wide, bf16 compute), not
+        the bf16 compute copy (its cast): the weight-gradient matmuls' fp32 output (:func:`jaxscale.precision.einsum`
+        casts the weight inside) then reaches the optimizer as it is, where the compute copy's gradient would
+        round it to bf16 and the update widen it again. The layers read fp32 weights (their bf16 cast fused
+        into each use) and no bf16 gradient is held. Only where no cross-device sum touches a gradient and the
+        master is whole (no axis splits the tokens, no sequence parallelism, no pipeline: one device or
+        tensor parallelism only), for
+        the built-in model without fp8 (its projections cast inside that einsum)."""
+        config, place = self.config, self.layout
+        if not (self.policy.two_copies and precision.takes_wide(config) and self.builtin_model):
+            return False
+        return not (place.token_axes or place.sequence_axes or self.pipelined or config.precision.fp8 != "off")
 
     @cached_property
     def flops_per_step(self) -> float:
@@ -352,6 +370,8 @@ class Trainer:
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
         value_and_grad = jax.value_and_grad(self.loss_and_metrics, argnums=(0, 2), has_aux=True)
+        if self.wide_grads:  # differentiated at fp32 weights (the master; given the compute copy, its exact cast)
+            params = precision.cast(params, self.policy.reduce)
         if m == 1:
             # No accumulator: the gradients go straight to the optimizer's layout (a reduce-scatter
             # under ZeRO-1/2/3, an all-reduce under DP), never through a replicated copy.
@@ -388,7 +408,8 @@ class Trainer:
         return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
     def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, aux, fp8_state = self._grads(state.params, batch, state.fp8, state.balance)
+        weights = state.master if self.wide_grads else state.params  # the compute copy is the master's cast
+        loss, grads, aux, fp8_state = self._grads(weights, batch, state.fp8, state.balance)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
         params, master, opt_state, grads_o = precision.update(
             self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,

@@ -15,20 +15,43 @@ unknown name with "Unknown command line flag" before it looks for a TPU).
 
 ``gpu`` (``XLA_FLAGS``; sources: JAX's "GPU performance tips", NVIDIA
 JAX-Toolbox "GPU performance" (rosetta/docs/GPU_performance.md), OpenXLA's
-"GPU optimization levels", MaxText's GPU recipes):
+"GPU optimization levels", MaxText's H100 recipes (the A3 Llama 2 7B xpk
+script and NVIDIA's DGX Cloud MaxText Llama 3 benchmark), re-checked against
+them for H100):
 
 * the latency-hiding scheduler, which moves asynchronous collectives to overlap
-  compute, and their stream at the highest priority;
+  compute, and their stream at the highest priority (all of them);
 * pipelined all-gather / reduce-scatter / all-reduce and while-loop double
   buffering: FSDP's per-layer gathers and gradient reductions cross the layer
-  scan's iterations;
+  scan's iterations (all of them);
 * combine thresholds of 128 MiB (fewer, larger NCCL calls; the figure
-  ``launch/slurm.sbatch`` already used), combined per operand, not by dimension;
-* cuBLAS rather than Triton for GEMMs;
+  ``launch/slurm.sbatch`` already used), combined per operand, not by dimension.
+  The recipes disagree on the size (JAX-Toolbox 8 GiB; MaxText's A3 script
+  64-128 MiB; NVIDIA's MaxText benchmark 2 GiB for gathers and all-reduces but
+  32 MiB for reduce-scatters, so the backward's gradient reductions start as
+  the layers produce them); within one layer-scan iteration, what this
+  project's steps hold per layer is below 128 MiB up to 8B, so the threshold
+  combines a layer's collectives and no more;
+* cuBLAS rather than Triton for GEMMs (all of them);
+* XLA's own rematerialization pass off (``--xla_disable_hlo_passes=rematerialization``,
+  both MaxText H100 recipes): recomputation is ``model.remat``'s choice, which
+  the planner sizes against the device's memory (:mod:`jaxscale.analysis.plan`);
+  XLA's pass would recompute behind it when its own estimate runs short;
 * XLA's own collective matmul (windowed einsum) for every size, on the
   all-gather/reduce-scatter + dot patterns the partitioner emits (jaxscale's
   sequence-parallel regions state their collectives inside ``shard_map``;
   ``model.tp_overlap`` decomposes those).
+
+Left out: command buffers (CUDA graphs) keep XLA's default, on for fusions,
+cuBLAS, cuDNN and custom calls: MaxText's recipes turned them off with
+``--xla_gpu_graph_level=0``, a flag jaxlib 0.10.2 no longer knows, and
+JAX-Toolbox's current advice keeps them for launch-bound steps (a step's
+``lax.cond`` cuts the capture: the fp8 scales avoid it). Flags the recipes still
+list that abort jaxlib 0.10.2: ``--xla_gpu_enable_triton_softmax_fusion``,
+``--xla_gpu_enable_async_*``, ``--xla_gpu_graph_level``,
+``--xla_gpu_simplify_all_fp_conversions``. The profile-guided latency estimator
+(``jax_enable_pgle``) needs a profiled run first, and ``CUDA_DEVICE_MAX_CONNECTIONS``
+and the NCCL variables are the launcher's environment, not XLA flags.
 
 ``tpu`` (``LIBTPU_INIT_ARGS``; source: MaxText benchmarks/xla_flags_library.py,
 ``CF_FOR_ALL_REDUCE_AND_ALL_GATHER``, ``DATA_PARALLEL_OVERLAP`` and its
@@ -73,6 +96,7 @@ GPU_FLAGS = (
     "--xla_gpu_enable_all_gather_combine_by_dim=false",
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
     "--xla_gpu_enable_triton_gemm=false",
+    "--xla_disable_hlo_passes=rematerialization",
     "--xla_gpu_threshold_for_windowed_einsum_mib=0",
     "--xla_gpu_multi_streamed_windowed_einsum=true",
 )

@@ -18,6 +18,7 @@ from jaxscale import checkpoint, convert, flops
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, ModelConfig, load_config
 from jaxscale.loop import fit
+from jaxscale.models import fusion
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer, abstract_model
 
@@ -304,3 +305,33 @@ def test_qwen3_moe_config_and_its_export_refusals():
 def write_yaml(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+def test_fused_projections_restore_from_and_export_to_the_separate_layout(llama_ckpt, tmp_path):
+    """``model.fused_projections``: an HF-converted (separate) checkpoint restores into a fused model as
+    ``fusion.fuse`` of its parameters, a fused checkpoint back into a separate model, and the fused run's
+    export is the same HF tensors, bit for bit."""
+    _, ckpt = llama_ckpt
+    source = checkpoint.params_source(ckpt)
+    model = load_config(None, [f"model={ckpt / 'model.yaml'}"]).model
+    shapes = abstract_model(Config(model=model))[1]
+    separate = jax.tree_util.tree_map_with_path(
+        lambda path, _: checkpoint.read_param(source, tuple(k.key for k in path)), shapes
+    )
+    base = [f"model={ckpt / 'model.yaml'}", "rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4",
+            "train.global_batch=4", "train.seq_len=32"]
+    fused_trainer = Trainer.build(load_config(None, [*base, "model.fused_projections=true"]))
+    fused = jax.device_get(checkpoint.init_state_from(fused_trainer, ckpt).params)
+    jax.tree.map(np.testing.assert_array_equal, fused, fusion.fuse(separate))
+    fused_model = dataclasses.replace(model, fused_projections=True)
+    checkpoint.save_params(tmp_path / "fused", fused, dataclasses.asdict(fused_model))
+    back = jax.device_get(checkpoint.init_state_from(Trainer.build(load_config(None, base)), tmp_path / "fused").params)
+    jax.tree.map(np.testing.assert_array_equal, back, separate)
+    convert.jaxscale_to_hf(tmp_path / "fused", tmp_path / "hf")
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "again")
+    again = checkpoint.params_source(tmp_path / "again")
+    for w in convert.weights(model):
+        value = separate
+        for key in w.path:
+            value = value[key]
+        assert np.array_equal(checkpoint.read_param(again, w.path), value), w.path

@@ -6,8 +6,9 @@ import jax.numpy as jnp
 import pytest
 from helpers import assert_trees_close, rel_err, tiny_config
 
+from jaxscale.analysis.hlo import scoped_bytes
 from jaxscale.config import ConfigError
-from jaxscale.loss import chunked_cross_entropy, cross_entropy
+from jaxscale.loss import HEAD_GRADIENT, chunked_cross_entropy, cross_entropy
 from jaxscale.models.attention import resolve_attention
 from jaxscale.train import Trainer
 
@@ -86,8 +87,8 @@ def reference():
 
 @pytest.fixture(scope="module")
 def sharded():
-    """fsdp_tp_sp on 8 devices, the chunked loss."""
-    return grads_of(tiny_config(*MODEL, "model.loss_chunk=8", **SHARDED))
+    """fsdp_tp_sp on 8 devices, the chunked loss: 4 tokens of 32 a chunk, so 8 vocabulary slices."""
+    return grads_of(tiny_config(*MODEL, "model.loss_chunk=4", **SHARDED))
 
 
 def test_model_loss_chunked_with_accumulation_equals_plain_one_device(reference):
@@ -111,8 +112,24 @@ def test_chunked_step_never_holds_the_logits(sharded):
     _, _, text, temp = sharded
     logits = "f32[4,32,4096]"  # 16 sequences over data x fsdp, 32 tokens, 8192 words over tensor
     assert logits in plain_text and logits not in text
-    assert "f32[4,8,4096]" in text  # one chunk of 8 tokens
+    assert "f32[4,32,1,512]" in text  # one slice: [rows, tokens, tensor shard, 4096 / 8 words]
     assert temp < plain_temp - 4 * 32 * 4096 * 4 / 2, (temp, plain_temp)  # at least half of that buffer less
+
+
+def test_head_gradient_bytes_and_temp_memory_do_not_grow_with_the_chunks(sharded):
+    """2 vocabulary slices against 8: the head gradient's instructions write the same bytes per step (each
+    slice's gradient once, no accumulator rewritten per slice), and temp memory does not grow."""
+    trainer = Trainer.build(tiny_config(*MODEL, "model.loss_chunk=16", **SHARDED))
+    state = trainer.abstract_state()
+    compiled = trainer.jit_loss_and_grads.lower(state.params, trainer.abstract_batch()).compile()
+    two, eight = compiled.as_text(), sharded[2]
+    assert "f32[4,32,1,2048]" in two and "f32[4,32,1,512]" in eight  # 2 and 8 slices
+    # Per device the head is [64 embed, 4096 words]: its fp32 gradient is 1 MiB, written once by the dot, once
+    # by its sum over fsdp (all-reduce on CPU), then halved (the fsdp slice) and summed over data: 3 MiB.
+    head = 64 * 4096 * 4
+    assert scoped_bytes(two, HEAD_GRADIENT) == scoped_bytes(eight, HEAD_GRADIENT)
+    assert 3 * head <= scoped_bytes(eight, HEAD_GRADIENT) <= 3 * head + 64
+    assert sharded[3] <= compiled.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize(

@@ -35,6 +35,25 @@ def test_each_preset_sets_its_flags_in_its_variable():
         assert all(f.startswith("--") and "=" in f for f in xla_flags.PRESETS[preset])
 
 
+def test_gpu_preset_follows_the_h100_recipes_and_holds_no_removed_flag():
+    """What the JAX-Toolbox and MaxText H100 recipes agree on is in the preset; the names they still list that
+    jaxlib 0.10.2 no longer knows (its parser aborts the process on them) are not."""
+    names = {xla_flags.flag_name(f): f.split("=", 1)[1] for f in xla_flags.GPU_FLAGS}
+    agreed = {
+        "xla_gpu_enable_latency_hiding_scheduler": "true",
+        "xla_gpu_enable_pipelined_all_gather": "true",
+        "xla_gpu_enable_pipelined_reduce_scatter": "true",
+        "xla_gpu_enable_while_loop_double_buffering": "true",
+        "xla_gpu_enable_triton_gemm": "false",
+        "xla_disable_hlo_passes": "rematerialization",  # jaxscale's remat, sized by the planner, decides
+    }
+    assert {k: names.get(k) for k in agreed} == agreed
+    removed = {"xla_gpu_enable_triton_softmax_fusion", "xla_gpu_graph_level", "xla_gpu_enable_async_collectives",
+               "xla_gpu_enable_async_all_gather", "xla_gpu_simplify_all_fp_conversions"}
+    assert not removed & set(names)
+    assert "xla_gpu_enable_command_buffer" not in names  # XLA's default (on) is kept
+
+
 def test_flags_already_set_are_kept_and_win():
     user = f"{DEVICES} --xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/x"
     merged = xla_flags.environment(XlaConfig("gpu", ["--xla_dump_to=/tmp/y"]), {"XLA_FLAGS": user})["XLA_FLAGS"]
@@ -62,7 +81,7 @@ def test_after_the_backend_started_apply_refuses_and_build_warns(monkeypatch):
     messages = sorted(str(w.message) for w in record if str(w.message).startswith("xla."))
     assert messages == [
         "xla.preset=gpu on the cpu backend: its flags have no effect there",
-        "xla.preset=gpu: 14 flag(s) not in XLA_FLAGS (e.g. xla_gpu_enable_latency_hiding_scheduler): call "
+        "xla.preset=gpu: 15 flag(s) not in XLA_FLAGS (e.g. xla_gpu_enable_latency_hiding_scheduler): call "
         "jaxscale.xla_flags.apply(config.xla) before jax starts, or use the jaxscale command",
     ]
 

@@ -174,14 +174,17 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
 
 
 
-def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float) -> list[Flow]:
-    """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter."""
+def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float,
+                 stage_gathered: tuple[str, ...] = ()) -> list[Flow]:
+    """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
+    the axes over which a pipeline stage gathers its blocks once a step
+    (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
     out: list[Flow] = []
     if layout.pipelined and not p.in_layers:
-        out += _pipeline_outer_flows(p, sp, layout, step, pbytes)
+        out += _pipeline_outer_flows(p, sp, layout, step, pbytes, bool(stage_gathered))
     elif p.is_embedding:
         ids = bsh / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
         out += _embedding_flows(sp, layout, step, bsh, ids, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
@@ -190,7 +193,13 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and p.in_sp_region
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
-        if p.in_layers and layout.pipelined:
+        once = p.in_layers and layout.pipelined and bool(sp.gathered) and set(sp.gathered) <= set(stage_gathered)
+        if once:
+            # FSDP inside a stage: the stage's layers gathered once before the loop, their gradients
+            # reduce-scattered once after it (the gathered weights serve every slot, forward and backward),
+            # exposed: the loop waits for the gather, the scatter waits for the loop.
+            fsdp_runs = runs
+        elif p.in_layers and layout.pipelined:
             # Every tick each slot runs a chunk (1/v of the stage's layers), computed and masked when idle
             # (a stage with partitioner axes), gathering and scattering as it goes: the forward slot gathers
             # once, the backward slot once more (each layer's vjp keeps its gathered weights from its
@@ -199,9 +208,11 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             fsdp_runs = runs * pipeline_ticks(layout, step) / step.repeats
             regather = 1
         if sp.gathered:
+            # once a step, before the pipeline's loop: nothing to hide behind
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
-                         True)
-            if p.in_layers and (not in_sp or m.remat != "none"):  # SP's shard_map keeps it, unless recomputed
+                         not once)
+            # SP's shard_map keeps it, unless recomputed
+            if p.in_layers and not once and (not in_sp or m.remat != "none"):
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
         if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
             out += flow(p.path + " gradient", "all-reduce", sp.reduced, grad, runs, layout, "backward", True)
@@ -209,7 +220,8 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
                          "backward", True)
         else:
             shard = grad / layout.size(sp.gathered)
-            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, grad, fsdp_runs, layout, "backward", True)
+            out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, grad, fsdp_runs, layout, "backward",
+                         not once)
             out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, layout, "backward", True)
             held = shard / layout.size(sp.scattered)
             out += _gradient_all_reduce(p.path + " gradient", sp.reduced, held, runs, layout)
@@ -223,7 +235,7 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
 
 
 
-def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int) -> list[Flow]:
+def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int, manual: bool) -> list[Flow]:
     """The embedding, final norm and head of a pipelined model (:mod:`jaxscale.parallel.pipeline`).
 
     Each stage gets its own copy gathered over the stage's axes once (no lookup traffic); each
@@ -231,16 +243,19 @@ def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbyte
     embedding's gradient (counted T times, as the loop's trip count gives it): the embedding's
     one-hot matmul all-reduces the whole table, the head's vjp reduce-scatters onto its shards (as
     compiled); once a step the per-stage accumulators are summed over ``stage`` and then reduced
-    over the data axes.
+    over the data axes. Where the loop is manual over the stage's FSDP axes (``manual``) each device adds up
+    its own rows' gradient and the sum over those axes runs once, after the loop: an all-reduce, and the
+    stages' copies are then summed whole.
     """
     micro = step.microbatches
     whole, shard = sp.whole * pbytes, sp.whole / layout.size(sp.gathered) * 4
     ticks = pipeline_ticks(layout, step)
     out = flow(p.path + " (stage copy)", "all-gather", sp.gathered, whole, micro, layout, "forward", False)
-    kind = "all-reduce" if p.is_embedding else "reduce-scatter"
-    out += flow(p.path + " gradient", kind, sp.gathered, sp.whole * 4, ticks * micro, layout, "backward", True)
+    kind = "all-reduce" if p.is_embedding or manual else "reduce-scatter"
+    runs = micro if manual else ticks * micro
+    out += flow(p.path + " gradient", kind, sp.gathered, sp.whole * 4, runs, layout, "backward", True)
     out += flow("PP: " + p.path + " gradient summed over stages", "all-reduce", layout.mesh_axes(("layers",)),
-                shard, micro, layout, "backward", False)
+                sp.whole * 4 if manual else shard, micro, layout, "backward", False)
     out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, micro, layout, "backward", True)
     return out + _gradient_all_reduce(p.path + " gradient", sp.reduced, shard / layout.size(sp.scattered), micro,
                                       layout)
@@ -293,8 +308,9 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     micro = step.microbatches
     layers = stack_layers(m, step) / layout.ways(("layers",))  # uneven stages: the slots, as masked ones run
     flows: list[Flow] = []
+    gathered = layout.stage_gathered_axes([p.axes for p in params if p.in_layers], m.moe is not None)
     for p in params:
-        flows += _param_flows(p, m, layout, step, bsh)
+        flows += _param_flows(p, m, layout, step, bsh, gathered)
 
     tensor = [a for a in layout.mesh_axes(("heads",)) if a not in layout.token_axes]
     sp = layout.sequence_axes

@@ -550,3 +550,47 @@ def grouped(found: list[Collective]) -> list[dict[str, Any]]:
             rows[key] = {"kind": c.reading, "axes": c.axes_text, "phase": c.phase, **_zero()}
         _add(rows[key], c)
     return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
+
+
+def dots(hlo_text: str) -> dict[str, int]:
+    """The matmul instructions (``dot``, and fusions' dots counted where they are called) of a compiled step:
+    how many sit in a conditional's branch (run only where the branch is taken) and how many outside one."""
+    comps, entry = _parse(hlo_text)
+    out = {"in_conditional": 0, "outside": 0}
+    seen: set[tuple[str, bool]] = set()
+
+    def visit(name: str, branch: bool) -> None:
+        if (name, branch) in seen or name not in comps:
+            return
+        seen.add((name, branch))
+        for instr in comps[name].instrs.values():
+            if instr.opcode == "dot":
+                out["in_conditional" if branch else "outside"] += 1
+            for role, callee in _callees(instr):
+                visit(callee, branch or role in ("branch_computations", "true_computation", "false_computation"))
+
+    visit(entry, False)
+    return out
+
+
+# -- bytes written ----------------------------------------------------------------
+
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # write no buffer of their own
+
+
+def scoped_bytes(hlo_text: str, scope: str) -> int:
+    """Bytes per step that the instructions traced under ``jax.named_scope(scope)`` write: each top-level
+    instruction whose ``op_name`` holds ``scope`` as a path component, its result's bytes times its runs
+    per step (the trip counts of the loops around it). A fusion counts as one instruction."""
+    comps, entry = _parse(hlo_text)
+    fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
+             for _, c in _callees(i)}
+    total = 0
+    for name, (runs, _) in _contexts(comps, entry).items():
+        if name in fused:
+            continue
+        for instr in comps[name].instrs.values():
+            op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
+            if instr.opcode not in _FREE and op_name and scope in op_name.group(1).split("/"):
+                total += _bytes(instr.type) * runs
+    return total

@@ -398,7 +398,9 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
     and head, and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged
-    into chunks. ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
+    into chunks. With FSDP inside a stage (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`) the
+    stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too.
+    ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
     the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
     the gradient and its transpose, and :func:`_top_layer_at_loss`) or the layer backward's gradient
@@ -442,9 +444,16 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    partitioned = layout.stage_free_axes([p.axes for p in params if p.in_layers], m.moe is not None)
-    out["pipeline accumulator"] = 4 * held if partitioned else 0.0
-    out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0)) * pbytes
+    block_axes = [p.axes for p in params if p.in_layers]
+    partitioned = layout.stage_free_axes(block_axes, m.moe is not None)
+    # FSDP inside a stage: the stage's blocks gathered whole over its manual batch axes once a step, their
+    # fp32 gradients accumulated whole beside them and reduce-scattered after the loop.
+    gathered = layout.stage_gathered_axes(block_axes, m.moe is not None)
+    whole = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in gathered])
+                for p in params if p.in_layers)
+    out["pipeline accumulator"] = 4 * (whole if gathered else 0.0) + (4 * (held - blocks if gathered else held)
+                                                                        if partitioned else 0.0)
+    out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0) + (whole if gathered else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
         out["mask"] = float(step.seq_len**2)

@@ -132,7 +132,7 @@ def stacked(params: Sequence[Param], m: ModelConfig, step: Step) -> list[Param]:
 def trainer_inputs(trainer: Any) -> tuple[list[Param], Layout, Step]:
     """The parameters, placement and step of a built :class:`jaxscale.train.Trainer` (its model, rules, mesh)."""
     params = params_of(trainer.abstract_params, trainer.axes)
-    layout = Layout(trainer.rules, dict(trainer.mesh.shape))
+    layout = Layout(trainer.rules, dict(trainer.mesh.shape), pipeline=trainer.config.pipeline)
     return params, layout, Step.from_config(trainer.config, trainer.mesh.shape["stage"])
 
 

@@ -145,7 +145,10 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             # A stage applies no layer remat (its backward recomputes each chunk once): one policy there.
             remats = ("none",) if p > 1 else REMATS
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
-                yield Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
+                one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
+                yield one
+                if p > 1 and f > 1:  # FSDP in a stage gathered every tick: less memory than once a step
+                    yield dataclasses.replace(one, fsdp_gather="tick")
 
 
 def loss_chunk_for(seq_len: int) -> int:
@@ -345,15 +348,22 @@ def reasons(ranked: Sequence[Candidate]) -> list[str]:
     return lines
 
 
+# The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.
+BLOCK_AXES = (("layers", "embed", "heads", "head_dim"), ("layers", "embed", "mlp"))
+
+
 def _bubble_note(c: Candidate) -> str:
     """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula."""
     lay, t = c.layout, c.time
     if lay.stage == 1 or t["bubble"] < max(t["exposed"], t["contention"]):
         return ""
     p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
+    place = placement(lay)
+    free = (*place.stage_context_axes, *place.stage_free_axes(BLOCK_AXES, lay.expert > 1))
+    slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage" if free else
+             "idle slots skipped")
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
-            f"((p-1)/(v·m+p-1) = {100 * formula_bubble(p, m, v):.0f}% by the formula, idle slots computed masked "
-            "where a stage has partitioner axes)")
+            f"((p-1)/(v·m+p-1) = {100 * formula_bubble(p, m, v):.0f}% by the formula, {slots})")
 
 
 def _gb(x: float) -> str:

@@ -20,7 +20,16 @@ from typing import Any
 import yaml
 
 from jaxscale.analysis.params import Step
-from jaxscale.config import CONFIG_DIR, DEFAULT_SCHEDULE, MESH_AXES, Config, ModelConfig, load_config, read_yaml
+from jaxscale.config import (
+    CONFIG_DIR,
+    DEFAULT_SCHEDULE,
+    MESH_AXES,
+    Config,
+    ModelConfig,
+    PipelineConfig,
+    load_config,
+    read_yaml,
+)
 from jaxscale.layout import Layout, Rules
 
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
@@ -47,6 +56,7 @@ class Strategy:
     schedule: str = DEFAULT_SCHEDULE  # pipeline.schedule when stage > 1
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
     layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
+    fsdp_gather: str = "step"  # pipeline.fsdp: a stage's FSDP gathers once a step, or every tick
 
     def mesh(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
@@ -88,6 +98,8 @@ class Strategy:
                                                                           else "")
             if self.layers_per_stage:
                 text += f" layers {min(self.layers_per_stage)}-{max(self.layers_per_stage)}"
+            if self.fsdp > 1:
+                text += f" gather/{self.fsdp_gather}"
         if self.loss_chunk:
             text += f" loss_chunk={self.loss_chunk}"
         return text
@@ -127,7 +139,8 @@ def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str,
 
 def placement(layout: Strategy, base: dict[str, Any] | None = None) -> Layout:
     """The rules table of ``layout`` on its mesh sizes: what the analytic model and the runtime both ask."""
-    return Layout(Rules.from_dict(layout.family, rules_for(layout, base)), layout.mesh())
+    return Layout(Rules.from_dict(layout.family, rules_for(layout, base)), layout.mesh(),
+                  pipeline=PipelineConfig(fsdp=layout.fsdp_gather))
 
 
 def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
@@ -178,6 +191,8 @@ def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path
         }
         if layout.layers_per_stage:
             out["pipeline"]["layers_per_stage"] = list(layout.layers_per_stage)
+        if layout.fsdp > 1:
+            out["pipeline"]["fsdp"] = layout.fsdp_gather
     return out
 
 

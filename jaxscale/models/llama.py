@@ -35,7 +35,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import flops, fp8, precision, stage_layers
-from jaxscale.axes import KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
 from jaxscale.config import Config, ModelConfig, RopeScaling
 from jaxscale.fp8 import Fp8, Operand
 from jaxscale.lean import rms_norm, swiglu
@@ -95,8 +95,13 @@ def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
 
 
 def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
-    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``)."""
-    w = getattr(module, name)[...].astype(dtype)
+    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``).
+    Where :func:`jaxscale.precision.takes_wide` (``module.wide``), the weight as held: that einsum casts it to
+    ``dtype`` inside (no rounding of a wider parameter's gradient on the way back)."""
+    w = getattr(module, name)[...]
+    if module.fp8 is None and module.wide:
+        return w
+    w = w.astype(dtype)
     return w if module.fp8 is None else module.fp8.weight(name, w)
 
 
@@ -177,10 +182,15 @@ class Attention(nnx.Module):
         self.config = c
         self.documents = config.data.documents  # packed documents: attention masked across them
         self.grads = precision.weight_grads(config)
+        self.wide = precision.takes_wide(config)
         std, pdt = c.init_std, c.param_dtype
-        self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
-        self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
-        self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+        if c.fused_projections:  # jaxscale/models/fusion.py
+            group = c.heads // c.kv_heads + 2
+            self.w_qkv = param(rngs, (c.embed, c.kv_heads, group, c.head_dim), W_QKV, std, pdt)
+        else:
+            self.wq = param(rngs, (c.embed, c.heads, c.head_dim), ("embed", "heads", "head_dim"), std, pdt)
+            self.wk = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
+            self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
         self.fp8 = make_fp8(config, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
         if c.qk_norm:
@@ -189,7 +199,7 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
         weight = functools.partial(fp8_weight, self, dtype=jnp.dtype(c.dtype))
-        q, k, v = sequence.column_parallel(
+        q, k, v = self.fused_qkv(x) if c.fused_projections else sequence.column_parallel(
             fp8_input(self.fp8, "x", x),
             RESIDUAL,
             [
@@ -216,6 +226,17 @@ class Attention(nnx.Module):
         )
         return checkpoint_name(y, "attention_out")
 
+    def fused_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v from one GEMM with ``w_qkv`` [embed, kv_heads, q_per_kv + 2, head_dim], split on its group."""
+        c = self.config
+        w = self.w_qkv[...] if self.wide else self.w_qkv[...].astype(jnp.dtype(c.dtype))
+        (qkv,) = sequence.column_parallel(
+            x, RESIDUAL, [("bse,ekgd->bskgd", w, W_QKV, QKV_AXES)], overlap=c.tp_overlap, grads=self.grads
+        )
+        b, s, k, g, d = qkv.shape
+        q = constrain(qkv[..., : g - 2, :].reshape(b, s, k * (g - 2), d), Q_AXES)
+        return q, constrain(qkv[..., g - 2, :], KV_AXES), constrain(qkv[..., g - 1, :], KV_AXES)
+
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` of hidden size ``width`` (default ``model.mlp``).
@@ -229,23 +250,35 @@ class MLP(nnx.Module):
         self.dtype = jnp.dtype(c.dtype)
         self.overlap = c.tp_overlap
         self.grads = precision.weight_grads(config)
-        self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
-        self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
+        self.wide = precision.takes_wide(config)
+        self.fused = c.fused_projections  # jaxscale/models/fusion.py
+        if self.fused:
+            self.w_gate_up = param(rngs, (c.embed, 2, f), W_GATE_UP, c.init_std, c.param_dtype)
+        else:
+            self.w_gate = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
+            self.w_up = param(rngs, (c.embed, f), ("embed", "mlp"), c.init_std, c.param_dtype)
         self.w_down = param(rngs, (f, c.embed), ("mlp", "embed"), c.init_std, c.param_dtype)
         self.fp8 = make_fp8(config, ("x", "hidden"), {"w_gate": "gate", "w_up": "up", "w_down": "down"})
 
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = functools.partial(fp8_weight, self, dtype=self.dtype)
-        gate, up = sequence.column_parallel(
-            fp8_input(self.fp8, "x", x),
-            RESIDUAL,
-            [
-                ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
-                ("bse,ef->bsf", weight("w_up"), ("embed", "mlp"), MLP_AXES),
-            ],
-            overlap=self.overlap,
-            grads=self.grads,
-        )
+        if self.fused:  # one GEMM, split on its gate_up dimension
+            w = self.w_gate_up[...] if self.wide else self.w_gate_up[...].astype(self.dtype)
+            (both,) = sequence.column_parallel(
+                x, RESIDUAL, [("bse,egf->bsgf", w, W_GATE_UP, GATE_UP_AXES)], overlap=self.overlap, grads=self.grads
+            )
+            gate, up = constrain(both[..., 0, :], MLP_AXES), constrain(both[..., 1, :], MLP_AXES)
+        else:
+            gate, up = sequence.column_parallel(
+                fp8_input(self.fp8, "x", x),
+                RESIDUAL,
+                [
+                    ("bse,ef->bsf", weight("w_gate"), ("embed", "mlp"), MLP_AXES),
+                    ("bse,ef->bsf", weight("w_up"), ("embed", "mlp"), MLP_AXES),
+                ],
+                overlap=self.overlap,
+                grads=self.grads,
+            )
         hidden = checkpoint_name(constrain(swiglu(gate, up), MLP_AXES), "mlp_hidden")
         y = sequence.row_parallel(
             "bsf,fe->bse", fp8_input(self.fp8, "hidden", hidden), MLP_AXES, weight("w_down"), ("mlp", "embed"),

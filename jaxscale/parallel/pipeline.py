@@ -3,9 +3,14 @@
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the data-parallel axes that shard no block parameter and the context axes, whose ring
-attention then runs its per-device kernel inside the loop: the stage's layout names them,
-:class:`~jaxscale.layout.Stage`). Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
+model, over the batch axes and the context axes, whose ring attention then runs its per-device kernel
+inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **FSDP inside a
+stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed``) are manual too
+(:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
+gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
+its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
+the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
+idle slots are skipped. Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
 with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
 *virtual stages* a microbatch visits in turn round the ring. With ``pipeline.layers_per_stage`` the
 virtual stages differ in size: each is a chunk of as many slots as the largest, its unused slots the
@@ -40,7 +45,7 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (FSDP gathers, TP all-reduces, GShard-style experts; once per step
+axes stay with the partitioner (TP all-reduces, GShard-style experts, an MoE model's FSDP; once per step
 the embedding table is moved to the lookup's layout, split on its width,
 :meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); the ring's key/value blocks
 travel over ``context`` in every layer.
@@ -134,7 +139,11 @@ def build(
     ring = tuple(a for a in manual if a in place.stage_context_axes)
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
+    gathered = place.stage_gathered_axes(block_axes, c.moe is not None)
     return StageProgram(
+        gathers=tuple(tuple(tuple(a for a in place.mesh_axes((n,)) if a in gathered) for n in axes[1:])
+                      for axes in block_axes),
+        block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=Stage(manual, ring)),
@@ -159,7 +168,26 @@ def microbatches(x: jax.Array, m: int) -> jax.Array:
     return constrain(x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), (None, *TOKENS))
 
 
-def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
+def _flat(dims: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    """The mesh axes of every dimension's."""
+    return tuple(a for axes in dims for a in axes)
+
+
+def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> Any:
+    """Once per step, outside the ``shard_map``: the blocks' gradients that each device of the stage's FSDP
+    axes handed out whole (a leading dimension over them) summed onto the parameters' shards."""
+
+    def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], axes: tuple[str | None, ...]) -> jax.Array:
+        if not _flat(dims):
+            return g
+        shards = NamedSharding(mesh, PartitionSpec(None, *rules.spec(axes)))
+        return lax.with_sharding_constraint(jnp.sum(g, axis=0), shards)
+
+    leaves, tree = jax.tree.flatten(grads)
+    return tree.unflatten([one(*a) for a in zip(leaves, program.gathers, program.block_axes, strict=True)])
+
+
+def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..., tuple]:
     """``program`` on every stage: a ``shard_map`` manual over its axes, the embedding and head entering each
     stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it."""
     ring = program.inner.stage.ring
@@ -169,13 +197,19 @@ def shard_mapped(program: StageProgram, mesh: Mesh) -> Callable[..., tuple]:
 
     def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
+        tree = jax.tree.structure(blocks)
         block_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), blocks)
+        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
+        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), None, AXIS)
+                                     for d in program.gathers])
         out = jax.shard_map(
             program.run, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
-            out_specs=(PartitionSpec(), PartitionSpec(), block_specs, stacked)[: 4 if program.table.train else 2],
+            out_specs=(PartitionSpec(), PartitionSpec(), grad_specs, stacked)[: 4 if program.table.train else 2],
             axis_names=set(program.manual),
         )(per_stage, blocks, xs)
-        return (*out[:3], program.sum_stage_copies(out[3])) if program.table.train else out
+        if not program.table.train:
+            return out
+        return (*out[:2], sum_shards(program, out[2], mesh, rules), program.sum_stage_copies(out[3]))
 
     return run
 
@@ -199,10 +233,10 @@ def objective(
 
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return shard_mapped(evaluate, mesh)(outer, blocks, xs)
+        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, xs)
 
     def pipelined_fwd(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh)(outer, blocks, xs)
+        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh, place.rules)(outer, blocks, xs)
         return (loss, metrics), (d_outer, d_blocks)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:

@@ -117,6 +117,8 @@ class StageProgram:
     counts: tuple[int, ...]  # the stacked units (blocks, or MoE groups) of each virtual stage
     slots: int  # unit slots per chunk: the largest virtual stage's
     manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
+    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the manual axes splitting each dim
+    block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
     skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
     inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
     dtype: jnp.dtype  # the compute dtype of the activations
@@ -392,13 +394,27 @@ class StageProgram:
         own rows), then loss and metrics over ``stage`` (each stage's own layers and microbatches). The
         metrics need no sum over data axes: the loop of an MoE model is manual over ``stage`` alone."""
         metrics = jax.tree.map(lambda a: a / (sum(self.counts) * self.microbatches), state.metrics)
-        acc, acc_outer, loss = state.acc, state.acc_outer, state.loss
+        acc, acc_outer, loss = self.scatter(state.acc) if self.table.train else state.acc, state.acc_outer, state.loss
         if self.summed:
-            acc, acc_outer, loss = lax.psum((acc, acc_outer, loss), self.summed)
+            acc_outer, loss = lax.psum((acc_outer, loss), self.summed)
         loss, metrics = lax.psum((loss, metrics), AXIS)
         if not self.table.train:
             return loss, metrics
         return loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)
+
+    def scatter(self, acc: Any) -> Any:
+        """Once per step: the blocks' gradients summed over the manual data and context axes that split no
+        block parameter; over those that do (FSDP's, the blocks entered gathered over them) each device's
+        own sum is handed out whole, in a leading dimension that :meth:`sum_shards` reduces onto the shards."""
+
+        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
+            split = {a for axes in dims for a in axes}
+            rest = tuple(a for a in self.summed if a not in split)
+            g = lax.psum(g, rest) if rest else g
+            return g[None] if split else g
+
+        leaves, tree = jax.tree.flatten(acc)
+        return tree.unflatten([one(g, dims) for g, dims in zip(leaves, self.gathers, strict=True)])
 
     @staticmethod
     def sum_stage_copies(d_outer: Any) -> Any:
