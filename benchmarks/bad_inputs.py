@@ -252,6 +252,35 @@ def prepare_kinds() -> list[Kind]:
     ]
 
 
+def _parquet(tmp: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [1, 2], "body": ["a text", "another"]}), tmp / "docs.parquet")
+
+
+def data_kinds() -> list[Kind]:
+    """Issue 27's bad inputs: mixtures, sources, prompt/response records, documents, first-fit packing."""
+    tokens = ("data.source=tokens", "data.path={tmp}/tokens", "model.vocab_size=264")
+    mixture = "data.mixture=[{path: '{tmp}/tokens', weight: 0.5, name: a}, {path: '{tmp}/%s', weight: %s, name: b}]"
+    return [
+        Kind("mixture weight not positive", train(*tokens[::2], mixture % ("tokens", "0")),
+             ("data.mixture[1].weight",), _prepare),
+        Kind("mixture source missing", train(*tokens[::2], mixture % ("none", "0.5")),
+             ("data.mixture[1].path", "none"), _prepare),
+        Kind("parquet without the column", lambda tmp: ["prepare-data", str(tmp / "docs.parquet"), "--out",
+                                                        str(tmp / "out")], ("docs.parquet", "'text'"), _parquet),
+        Kind("response field missing", lambda tmp: ["prepare-data", str(tmp / "qa.jsonl"), "--out", str(tmp / "out"),
+                                                    "--prompt-field", "q", "--response-field", "a"],
+             ("qa.jsonl:2", "'a'"), _write("qa.jsonl", '{"q": "a", "a": "b"}\n{"q": "no response"}\n')),
+        Kind("first_fit document longer than a sequence", train(*tokens, "data.documents=true",
+                                                                "data.packing=first_fit", "train.seq_len=32"),
+             ("data.packing=first_fit", "train.seq_len"), _prepare),
+        Kind("documents under cudnn", train(*tokens, "data.documents=true", "model.attention=cudnn",
+                                            "model.dtype=bfloat16"), ("data.documents", "blockwise"), _prepare),
+    ]
+
+
 def _hf(tmp: Path) -> None:
     """A tiny Llama in Hugging Face's layout under ``tmp/hf``, in several shards with an index."""
     import jax
@@ -356,7 +385,8 @@ def other_kinds() -> list[Kind]:
 
 
 def all_kinds() -> list[Kind]:
-    kinds = [*range_kinds(), *config_kinds(), *run_kinds(), *prepare_kinds(), *convert_kinds(), *other_kinds()]
+    kinds = [*range_kinds(), *config_kinds(), *run_kinds(), *prepare_kinds(), *data_kinds(), *convert_kinds(),
+             *other_kinds()]
     for kind in kinds:
         if kind.name == "rules key typo":
             kind.setup = _typo_rules

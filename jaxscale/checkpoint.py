@@ -10,7 +10,9 @@ A checkpoint is one orbax step directory ``<checkpoint.dir>/<step>`` with four i
   embedding rows never seen take less); each array is written once, each process
   writing only the shards it holds (one replica).
 - ``data``: the loader's state (next step, sequences read, epoch, identity of the data).
-- ``loop``: the loop's counters (updates skipped for a non-finite loss or gradient).
+- ``loop``: the loop's counters (updates skipped for a non-finite loss or gradient), and the storage of
+  the layer stack (:mod:`jaxscale.restack`: a checkpoint resumes onto another pipeline split, schedule or
+  layout, converted on restore).
 - ``config``: the resolved config.
 
 What it communicates: saving copies each process's shards device -> host (the
@@ -79,7 +81,9 @@ from jaxscale import fp8, precision
 from jaxscale.config import Config, ConfigError, checkpoint_dir, read_yaml
 from jaxscale.models import fusion
 from jaxscale.optim import schedule_length
+from jaxscale.restack import convert_params, placed, read_as, saved_storage
 from jaxscale.sharding import param_name
+from jaxscale.stage_layers import Storage, written_before
 
 ITEMS = ("state", "data", "loop", "config")
 PARAMS_DIR = "params"
@@ -254,14 +258,16 @@ class Checkpointer:
         return restored
 
     def restore_latest(
-        self, abstract_state: Any, check: Callable[[Restored], None]
+        self, abstract_for: Callable[[Restored], Any], check: Callable[[Restored], None]
     ) -> tuple[Restored, list[str]]:
         """The newest checkpoint that reads back whole, and a line for each newer one that did not.
 
         ``check`` vets a step's JSON items before its arrays are read (its :class:`ConfigError`, a
-        checkpoint of another run, stops the search). A damaged step (unreadable JSON or arrays) is
-        renamed ``<step>.damaged`` (``.damaged.<k>`` when taken: kept, but no longer a step, so new saves
-        can take its number) and the step before it is tried; if none reads, a :class:`ConfigError` lists why.
+        checkpoint of another run, stops the search); the arrays are read into ``abstract_for(items)``
+        (the layer stack in the storage the checkpoint records: :mod:`jaxscale.restack`). A damaged step
+        (unreadable JSON or arrays) is renamed ``<step>.damaged`` (``.damaged.<k>`` when taken: kept, but no
+        longer a step, so new saves can take its number) and the step before it is tried; if none reads, a
+        :class:`ConfigError` lists why.
         """
         damaged: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
@@ -272,7 +278,7 @@ class Checkpointer:
                 continue
             check(restored)
             try:
-                restored.state = self.restore_state(abstract_state, step)
+                restored.state = self.restore_state(abstract_for(restored), step)
             except Exception as e:
                 damaged.append((step, _first_line(e)))
                 continue
@@ -347,7 +353,8 @@ def _stored(state: Any) -> dict[str, Any]:
 
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
     """Raise if the checkpoint's model would not restore into ``config``'s shapes, or if its learning-rate
-    schedule would change length without ``train.schedule_steps`` saying so."""
+    schedule would change length without ``train.schedule_steps`` saying so. (Another pipeline split,
+    schedule or layout is converted on restore: :mod:`jaxscale.restack`.)"""
     current = config.to_dict()["model"]
     for key in SHAPE_KEYS:
         if saved["model"].get(key) != current[key]:
@@ -355,13 +362,6 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
                 f"resume: checkpoint step {step} has model.{key}={saved['model'].get(key)!r}, "
                 f"the config has {current[key]!r}"
             )
-    split = saved.get("pipeline", {}).get("layers_per_stage")
-    if split != config.pipeline.layers_per_stage:
-        raise ConfigError(
-            f"resume: checkpoint step {step} has pipeline.layers_per_stage={split!r}, the config has "
-            f"{config.pipeline.layers_per_stage!r} (the layer stack's padded slots differ: "
-            "jaxscale.stage_layers.pad/unpad map one to the other)"
-        )
     fp8.check_resume(saved, config.precision, step)
     precision.check_resume(saved, config, step)
     t = saved["train"]
@@ -432,11 +432,12 @@ class Preemption:
 @dataclasses.dataclass(frozen=True)
 class ParamsSource:
     """Where a checkpoint keeps a model's parameters: an orbax pytree directory, the keys of the
-    parameters within it, and the model config (a mapping) they belong to."""
+    parameters within it, the model config (a mapping) they belong to, and the storage of its layer stack."""
 
     item: Path
     prefix: tuple[str, ...]
     model: dict[str, Any]
+    storage: Storage
 
 
 def params_source(path: str | Path) -> ParamsSource:
@@ -445,28 +446,25 @@ def params_source(path: str | Path) -> ParamsSource:
     if (root / PARAMS_DIR).is_dir():
         if not (root / MODEL_FILE).exists():
             raise ConfigError(f"{root}: has {PARAMS_DIR}/ but no {MODEL_FILE} naming its model")
-        return ParamsSource(root / PARAMS_DIR, (), read_yaml(root / MODEL_FILE))
+        model = read_yaml(root / MODEL_FILE)
+        return ParamsSource(root / PARAMS_DIR, (), model, written_before(model, {}))
     step = None
     if root.is_dir():
         checkpointer = Checkpointer(root, async_save=False)
         try:
             step = checkpointer.latest_step()
-            saved = checkpointer.read_json(step).config if step is not None else None
+            items = checkpointer.read_json(step) if step is not None else None
         finally:
             checkpointer.close()
     if step is None:
         raise ConfigError(
             f"{root}: not a parameters checkpoint ({PARAMS_DIR}/ and {MODEL_FILE}) nor a run's checkpoint directory"
         )
-    if saved.get("pipeline", {}).get("layers_per_stage") is not None:
-        raise ConfigError(
-            f"{root}: a run with pipeline.layers_per_stage stores its layers in padded slots; reading them as "
-            "a model's parameters is not supported yet (jaxscale.stage_layers.unpad maps them back)"
-        )
+    saved = items.config
     # The full-precision weights: the master where the run kept one apart from its compute copy.
     kept = saved.get("precision", {})
     field = "master" if "params" in kept and precision.resolve(saved["model"], kept).two_copies else "params"
-    return ParamsSource(root / str(step) / "state", (field,), saved["model"])
+    return ParamsSource(root / str(step) / "state", (field,), saved["model"], saved_storage(items.loop, saved))
 
 
 def save_params(directory: str | Path, params: Any, model: dict[str, Any]) -> None:
@@ -514,14 +512,16 @@ def param_shapes(source: ParamsSource) -> dict[str, tuple[int, ...]]:
 
 
 def read_param(source: ParamsSource, path: tuple[str | int, ...]) -> np.ndarray:
-    """One parameter (``path`` in the params tree) read whole into host memory, and nothing else."""
+    """One parameter (``path`` in the params tree) read whole into host memory, and nothing else; a block's
+    with its layer stack in the canonical order."""
     item = _nest((*source.prefix, *path), np.zeros(0))
     args = ocp.args.PyTreeRestore(
         item=item, restore_args=_nest((*source.prefix, *path), ocp.RestoreArgs(restore_type=np.ndarray)),
         partial_restore=True,
     )
     with ocp.PyTreeCheckpointer() as checkpointer:
-        return _unnest((*source.prefix, *path), checkpointer.restore(source.item, args=args))
+        value = _unnest((*source.prefix, *path), checkpointer.restore(source.item, args=args))
+    return source.storage.canonical(value) if path[0] == "blocks" else value
 
 
 def check_params(source: ParamsSource, where: str, config: Config, abstract_params: Any) -> None:
@@ -561,20 +561,20 @@ def restore_params(source: ParamsSource, abstract_params: Any) -> Any:
 
 
 def init_state_from(trainer: Any, path: str | Path) -> Any:
-    """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``)."""
-    if trainer.config.pipeline.layers_per_stage is not None:
-        raise ConfigError(
-            "checkpoint.init_from with pipeline.layers_per_stage is not supported yet: the layer stack is padded "
-            "(jaxscale.stage_layers.pad maps a model's parameters into it)"
-        )
+    """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``),
+    their layer stack moved into the trainer's storage."""
     source = params_source(path)
     abstract = trainer.abstract_state()
     # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.
     target = precision.updated(abstract.params, abstract.master)
+    in_source = read_as(target, source.storage, trainer.mesh)  # the shapes it holds (its own layer stack)
     fused = trainer.config.model.fused_projections
     if bool(source.model.get("fused_projections")) != fused:  # the other layout (models/fusion.py)
         saved = fusion.other_layout(target, fused)
-        check_params(source, "checkpoint.init_from", trainer.config, saved)
-        return trainer.init_state(fusion.converted(lambda path: read_param(source, path), saved, target, fused))
-    check_params(source, "checkpoint.init_from", trainer.config, target)
-    return trainer.init_state(restore_params(source, target))
+        check_params(source, "checkpoint.init_from", trainer.config, fusion.other_layout(in_source, fused))
+        read = placed(trainer.storage, lambda path: read_param(source, path))  # read_param: the model's order
+        return trainer.init_state(fusion.converted(read, saved, target, fused))
+    check_params(source, "checkpoint.init_from", trainer.config, in_source)
+    shardings = jax.tree.map(lambda a: a.sharding, target)
+    params = restore_params(source, in_source)
+    return trainer.init_state(convert_params(params, source.storage, trainer.storage, shardings))

@@ -1,10 +1,12 @@
 """FP8 projections: float8 arrays handed to ``lax.dot_general``, forward and backward (``precision.fp8``).
 
 What is quantized: the projections of every block, q/k/v/o of attention and
-gate/up/down of the MLP (the shared expert's too). The embedding, the MoE
-router and the routed experts stay in ``model.dtype``; so does the LM head
+gate/up/down of the MLP (the shared expert's too), and with ``delayed`` or
+``current`` scaling the routed experts' (a scale and a history per expert,
+:mod:`jaxscale.models.routing`; grouped matmuls: :mod:`jaxscale.fp8_grouped`).
+The embedding and the MoE router stay in ``model.dtype``; so does the LM head
 unless ``precision.fp8_head`` (the head and the router are small and
-sensitive; the experts' ragged matmuls have no fp8 path here). Master
+sensitive), and the routed experts under ``blockwise``. Master
 weights, gradients and Adam's moments stay fp32 (:mod:`jaxscale.optim`).
 
 One ``custom_vjp`` per projection ``y = x · w`` (:func:`einsum`):
@@ -36,7 +38,7 @@ nothing in the step branches). Scales are fp32 scalars. ``blockwise`` is
 DeepSeek-V3's recipe (:mod:`jaxscale.fp8_blockwise`).
 
 Weights are quantized once per forward (per step; per microbatch under
-``train.microbatches``), before the layer scan (:func:`prepare`): the layers
+``train.microbatches``; once per step in a pipeline), before the layer scan (:func:`prepare`): the layers
 get their e4m3 copy and scale as scanned inputs, so the remat recompute does
 not quantize them again, and FSDP gathers the e4m3 copy (XLA:CPU widens it to
 f16 for the collective; the tiny model under ``zero3``: every weight gather
@@ -58,7 +60,11 @@ Sharding: inputs and weights are quantized in the partitioned program, so
 their amax is the partitioner's global reduction; inside a sequence-parallel
 ``shard_map`` the f8 arrays are what is gathered, and the output gradient's
 amax is a ``pmax`` over the axes it varies over: every layout quantizes as
-one device. Pipeline parallelism and collective matmuls are refused
+one device. Inside a pipeline stage (:mod:`jaxscale.parallel.stage_program`)
+each stage holds its own layers' histories and quantizes its weights once per
+step, before the loop of ticks; a history's update is the largest of the
+microbatches' (:func:`global_amax`, :meth:`~jaxscale.parallel.stage_program.StageProgram.add_amax`).
+Collective matmuls (``model.tp_overlap``) are refused
 (:meth:`jaxscale.layout.Layout.validate`).
 """
 
@@ -131,17 +137,31 @@ class Operand:
     def replace(self, **changes: Any) -> Operand:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.value.shape
 
-def _amax(x: jax.Array) -> jax.Array:
-    """``max|x|`` in fp32, over every device that holds a part of ``x`` (a ``pmax`` inside a ``shard_map``)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    axes = tuple(sorted(jax.typeof(x).mat.varying))
+
+def global_amax(amax: jax.Array, history: jax.Array) -> jax.Array:
+    """A device's ``amax`` as the tensor's: the ``pmax`` over the manual mesh axes it varies over and
+    ``history`` does not. Whole histories (a sequence-parallel ``shard_map``) reduce over every axis the
+    tensor is split over; inside a pipeline stage each stage holds its own layers' histories (varying over
+    ``stage``): a stage's amax is its own."""
+    axes = tuple(sorted(jax.typeof(amax).mat.varying - jax.typeof(history).mat.varying))
     return lax.pmax(amax, axes) if axes else amax
 
 
+def _amax(x: jax.Array, history: jax.Array) -> jax.Array:
+    """``max|x|`` in fp32 over the devices that hold parts of ``x`` (:func:`global_amax`)."""
+    return global_amax(jnp.max(jnp.abs(x)).astype(jnp.float32), history)
+
+
 def pushed(history: jax.Array | None, amax: jax.Array) -> jax.Array | None:
-    """The history with ``amax`` as its newest entry and the oldest dropped (None: no history to update)."""
-    return None if history is None else jnp.roll(history, 1).at[0].set(amax)
+    """The history with ``amax`` (:func:`global_amax`) as its newest entry and the oldest dropped (None: no
+    history to update); per expert, histories ``[experts, steps]`` and amaxes ``[experts]``."""
+    if history is None:
+        return None
+    return jnp.roll(history, 1, axis=-1).at[..., 0].set(global_amax(amax, history))
 
 
 def scale_of(amax: jax.Array, fmt: Any, margin: int) -> jax.Array:
@@ -155,7 +175,7 @@ def scale(history: jax.Array, amax: jax.Array, fmt: Any, recipe: Recipe) -> jax.
     amax) or from ``amax``. A select, not a branch."""
     if not recipe.delayed:
         return scale_of(amax, fmt, recipe.margin)
-    past = jnp.max(history)
+    past = jnp.max(history, axis=-1)
     return jnp.where(past > 0, scale_of(past, fmt, recipe.margin), scale_of(amax, fmt, recipe.margin))
 
 
@@ -167,10 +187,28 @@ def cast(x: jax.Array, s: jax.Array, fmt: Any) -> jax.Array:
 
 def quantize(x: jax.Array, history: jax.Array, fmt: Any, recipe: Recipe) -> Quantized:
     """``x`` in ``fmt`` scaled per tensor by ``recipe`` (no gradient flows through it)."""
-    x = lax.stop_gradient(x)
-    amax = _amax(x)
-    s = scale(lax.stop_gradient(history), amax, fmt, recipe)
+    x, history = lax.stop_gradient(x), lax.stop_gradient(history)
+    amax = _amax(x, history)
+    s = scale(history, amax, fmt, recipe)
     return Quantized(cast(x, s, fmt), s, amax)
+
+
+def stacked(x: jax.Array, history: jax.Array, recipe: Recipe) -> Quantized:
+    """``x`` in e4m3 with one scale per leading index of ``history`` (``[..., steps]``): a stack of layers'
+    weights, or of experts' (``[experts, ...]`` with ``[experts, steps]`` histories)."""
+    fn = functools.partial(quantize, fmt=E4M3, recipe=recipe)
+    for _ in range(history.ndim - 1):
+        fn = jax.vmap(fn)
+    return fn(x, history)
+
+
+def along(scale: jax.Array, have: str, want: str) -> jax.Array:
+    """A scale over the leading letters of ``have`` (a scalar: per tensor; ``[experts]``: per expert) shaped to
+    broadcast against an array of letters ``want``."""
+    lead = have[: scale.ndim]
+    order = [c for c in want if c in lead]
+    scale = jnp.transpose(scale, [lead.index(c) for c in order])
+    return scale.reshape([scale.shape[order.index(c)] if c in lead else 1 for c in want])
 
 
 def letters(equation: str) -> tuple[str, str, str]:
@@ -216,7 +254,8 @@ def _einsum(static: _Static, x: Operand, w: Operand) -> jax.Array:
 
 def _forward(static: _Static, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     qx, qw = x.quantized, w.quantized
-    y = dot(static.equation, qx.q, qw.q) * (qx.scale * qw.scale)
+    _, rhs, out = letters(static.equation)
+    y = dot(static.equation, qx.q, qw.q) * (qx.scale * along(qw.scale, rhs, out))
     return y.astype(static.x_dtype), (qx, qw, x.history, w.history, w.grad_history)
 
 
@@ -225,7 +264,7 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
     recipe = static.recipe
     lhs, rhs, out = letters(static.equation)
     qg = quantize(g, g_history, E5M2, recipe)
-    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * (qg.scale * qw.scale)
+    dx = dot(f"{out},{rhs}->{lhs}", qg.q, qw.q) * (qg.scale * along(qw.scale, rhs, lhs))
     dw = dot(f"{lhs},{out}->{rhs}", qx.q, qg.q) * (qx.scale * qg.scale)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices x is split over, in fp32
@@ -240,19 +279,50 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
 _einsum.defvjp(_forward, _backward)
 
 
+def activation(x: jax.Array, history: jax.Array, recipe: Recipe) -> Operand:
+    """Activation ``x`` as the input of one or more projections (e4m3 but for ``blockwise``; ``history``
+    updated once, :func:`sharing`)."""
+    if recipe.mode == "blockwise":
+        return Operand(x, None, history, None, recipe)
+    q = quantize(x, history, E4M3, recipe)
+    return Operand(x, q._replace(q=checkpoint_name(q.q, RESIDUAL)), history, None, recipe)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["histories"], meta_fields=["recipe"])
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """The activations' histories of a module's projections as a pytree (:meth:`Fp8.inputs`): what code that
+    holds no module (a ``shard_map``'s body) quantizes its projections' inputs with."""
+
+    histories: dict[str, jax.Array]
+    recipe: Recipe
+
+    def input(self, name: str, x: jax.Array) -> Operand:
+        return activation(x, self.histories[name], self.recipe)
+
+
 class Fp8(nnx.Module):
     """The fp8 state of one module's projections: an amax history per input, per weight and per weight's output.
 
     ``inputs``: the activations' names; ``weights``: each weight's attribute name on the owning module
-    mapped to its output's name. Made only with ``precision.fp8`` on: with it off the owning
-    module holds None and its projections never enter this module (:func:`jaxscale.models.llama.make_fp8`).
+    mapped to its output's name; ``experts``: the weights are stacks of that many experts', each with its
+    own scale and history (``[experts, amax_history]``). Made only with ``precision.fp8`` on: with it off
+    the owning module holds None and its projections never enter this module
+    (:func:`jaxscale.models.llama.make_fp8`).
     """
 
-    def __init__(self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str]):
+    def __init__(
+        self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str], experts: int = 0
+    ):
         self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block)
         self.weights = dict(weights)
-        for name in (*inputs, *weights, *weights.values()):
-            setattr(self, name, Fp8Meta(jnp.zeros((precision.amax_history,), jnp.float32), out_sharding=(None,)))
+        self.input_names = tuple(inputs)
+        steps = precision.amax_history
+        for name in (*inputs, *weights.values()):
+            setattr(self, name, Fp8Meta(jnp.zeros((steps,), jnp.float32), out_sharding=(None,)))
+        per_weight = ((experts, steps), (None, None)) if experts else ((steps,), (None,))
+        for name in weights:
+            setattr(self, name, Fp8Meta(jnp.zeros(per_weight[0], jnp.float32), out_sharding=per_weight[1]))
 
     @property
     def per_tensor(self) -> bool:
@@ -260,11 +330,11 @@ class Fp8(nnx.Module):
 
     def input(self, name: str, x: jax.Array) -> Operand:
         """Activation ``name``, the input of one or more projections (e4m3; its history updated once)."""
-        history = getattr(self, name)[...]
-        if not self.per_tensor:
-            return Operand(x, None, history, None, self.recipe)
-        q = quantize(x, history, E4M3, self.recipe)
-        return Operand(x, q._replace(q=checkpoint_name(q.q, RESIDUAL)), history, None, self.recipe)
+        return activation(x, getattr(self, name)[...], self.recipe)
+
+    def inputs(self) -> Inputs:
+        """The activations' histories, to quantize inputs with outside this module (:class:`Inputs`)."""
+        return Inputs({name: getattr(self, name)[...] for name in self.input_names}, self.recipe)
 
     def weight(self, name: str, w: jax.Array) -> Operand:
         """Weight ``name`` (the module's attribute) in the compute dtype: its e4m3 copy made by :meth:`prepare`,
@@ -274,27 +344,43 @@ class Fp8(nnx.Module):
         if not self.per_tensor:
             q = None
         else:
-            q = cached.get_value() if cached is not None else quantize(w, history, E4M3, self.recipe)
+            q = cached.get_value() if cached is not None else stacked(w, history, self.recipe)
         return Operand(w, q, history, grad_history, self.recipe)
 
-    def prepare(self, weights: Mapping[str, jax.Array]) -> None:
-        """Quantize ``weights`` (stacked like the histories: ``[layers, ...]``) for :meth:`weight`."""
+    def prepare(self, weights: Mapping[str, jax.Array]) -> dict[str, Quantized]:
+        """Quantize ``weights`` (stacked like the histories: ``[layers, ...]``) for :meth:`weight`; returned too."""
         if not self.per_tensor:
-            return
-        for name, w in weights.items():
-            history = getattr(self, name)[...]
-            fn = functools.partial(quantize, fmt=E4M3, recipe=self.recipe)
-            for _ in range(history.ndim - 1):  # one quantization per layer of the stack
-                fn = jax.vmap(fn)
-            setattr(self, f"{name}_e4m3", Fp8Weight(fn(w, history)))
+            return {}
+        copies = {name: stacked(w, getattr(self, name)[...], self.recipe) for name, w in weights.items()}
+        self.use(copies)
+        return copies
+
+    def use(self, copies: Mapping[str, Quantized]) -> None:
+        """Read the weights' e4m3 copies ``copies`` (made by :meth:`prepare`) in :meth:`weight`."""
+        for name, q in copies.items():
+            setattr(self, f"{name}_e4m3", Fp8Weight(q))
 
 
-def prepare(root: nnx.Module) -> None:
+def _owners(root: nnx.Module) -> list[tuple[str, nnx.Module]]:
+    """The modules under ``root`` whose ``fp8`` is an :class:`Fp8`, by their path."""
+    found = nnx.iter_graph(root)
+    return [("/".join(map(str, p)), m) for p, m in found if isinstance(getattr(m, "fp8", None), Fp8)]
+
+
+def prepare(root: nnx.Module) -> dict[str, dict[str, Quantized]]:
     """Quantize every fp8 weight under ``root`` once, before the layers run: each module whose ``fp8`` is an
-    :class:`Fp8` has its weights (the attributes it names) quantized into it."""
-    owners = [m for _, m in nnx.iter_graph(root) if isinstance(getattr(m, "fp8", None), Fp8)]
-    for module in owners:
-        module.fp8.prepare({name: getattr(module, name)[...] for name in module.fp8.weights})
+    :class:`Fp8` has its weights (the attributes it names) quantized into it. Returns the copies by the
+    owner's path (for :func:`attach`)."""
+    return {
+        path: module.fp8.prepare({name: getattr(module, name)[...] for name in module.fp8.weights})
+        for path, module in _owners(root)
+    }
+
+
+def attach(root: nnx.Module, copies: Mapping[str, Mapping[str, Quantized]]) -> None:
+    """Give the modules under ``root`` the e4m3 weight copies :func:`prepare` made (of another copy of it)."""
+    for path, module in _owners(root):
+        module.fp8.use(copies.get(path, {}))
 
 
 def sharing(x: Operand, n: int) -> list[Operand]:

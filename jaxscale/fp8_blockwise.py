@@ -39,11 +39,12 @@ from jaxscale.fp8 import E4M3, E5M2, Operand, Quantized, Recipe, cast, letters, 
 
 
 def tiles(a: jax.Array, block: int, fmt: Any, margin: int) -> Quantized:
-    """``a`` [M, K] in ``fmt`` with one scale per ``1 x block`` tile (scale [M, K/block]); amax: the tensor's."""
+    """``a`` [M, K] in ``fmt`` with one scale per ``1 x block`` tile (scale [M, K/block]); amax: the device's
+    part's (:func:`jaxscale.fp8.pushed` takes the tensor's)."""
     m, k = a.shape
     amax = jnp.max(jnp.abs(a.astype(jnp.float32)).reshape(m, k // block, block), axis=-1)
     s = scale_of(amax, fmt, margin)
-    return Quantized(cast(a, jnp.repeat(s, block, axis=1), fmt), s, _global(jnp.max(amax)))
+    return Quantized(cast(a, jnp.repeat(s, block, axis=1), fmt), s, jnp.max(amax))
 
 
 def blocks(w: jax.Array, block: int, fmt: Any, margin: int) -> Quantized:
@@ -51,12 +52,7 @@ def blocks(w: jax.Array, block: int, fmt: Any, margin: int) -> Quantized:
     k, n = w.shape
     amax = jnp.max(jnp.abs(w.astype(jnp.float32)).reshape(k // block, block, n // block, block), axis=(1, 3))
     s = scale_of(amax, fmt, margin)
-    return Quantized(cast(w, _expand(s, block), fmt), s, _global(jnp.max(amax)))
-
-
-def _global(amax: jax.Array) -> jax.Array:
-    axes = tuple(sorted(jax.typeof(amax).mat.varying))
-    return lax.pmax(amax, axes) if axes else amax
+    return Quantized(cast(w, _expand(s, block), fmt), s, jnp.max(amax))
 
 
 def _expand(s: jax.Array, block: int) -> jax.Array:

@@ -316,11 +316,10 @@ class Layout:
     def validate(self, config: Config) -> None:
         """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
         model, where = config.model, f"rules '{self.name}'"
-        if self.stage_axes and config.precision.fp8 != "off":
+        if self.stage_axes and config.precision.fp8_head:
             raise ConfigError(
-                f"precision.fp8={config.precision.fp8}: not supported with pipeline parallelism ({where} "
-                f"put layers on {list(self.stage_axes)}): a stage reuses each layer's amax history for several "
-                "microbatches"
+                f"precision.fp8_head: not supported with pipeline parallelism ({where} put layers on "
+                f"{list(self.stage_axes)}): the loop keeps no amax history for the head"
             )
         if self.stage_axes and model.moe is not None and model.moe.balance != "off":
             raise ConfigError(
@@ -336,7 +335,7 @@ class Layout:
             raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
         if self.pipelined:
             self._check_pipeline(config)
-        self._check_stage_layers(config)
+        self.check_stage_layers(config)
         if self.pipelined:
             self._check_pipeline_shapes(config)
         self._check_sequence(config)
@@ -399,7 +398,7 @@ class Layout:
                     f"mesh axes {part} of size {self.size(part_axes(part))}"
                 )
 
-    def _check_stage_layers(self, config: Config) -> None:
+    def check_stage_layers(self, config: Config) -> None:
         """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
         pipeline = config.pipeline
         listed = pipeline.layers_per_stage

@@ -33,7 +33,8 @@ Resume (``checkpoint.resume=auto``; ``required``, the command line's
 ``--resume``, is an error without a checkpoint) starts from the latest
 complete checkpoint that reads back (a damaged one is set aside, with a
 warning line and an ``event`` record): the state is read straight into this
-trainer's shardings (whatever its mesh and rules table), the loader's saved
+trainer's shardings (whatever its mesh and rules table; a layer stack stored for another pipeline split or
+schedule is converted once, :mod:`jaxscale.restack`), the loader's saved
 state must describe this data at that step, the schedule must keep its length
 (:func:`~jaxscale.checkpoint.check_compatible`), and the counters carry on; the temporary directories
 of a save that a killed run left uncommitted are deleted (an ``event`` record
@@ -51,7 +52,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from jaxscale import flops, runlock
+from jaxscale import flops, restack, runlock
 from jaxscale import metrics as metrics_lib
 from jaxscale.checkpoint import (
     Checkpointer,
@@ -64,6 +65,7 @@ from jaxscale.checkpoint import (
 )
 from jaxscale.config import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.data import Loader
+from jaxscale.stage_layers import Storage
 
 TrainState = Any  # jaxscale.train.TrainState: the loop only passes it on
 
@@ -79,6 +81,8 @@ class Trainer(Protocol):
     compiled_guarded_step: tuple[Any, float]
     flops_per_step: float
     jit_eval_loss: Any
+    storage: Storage  # the layer stack's: recorded in checkpoints, converted from theirs on resume
+    state_shardings: TrainState
 
     def abstract_state(self) -> TrainState: ...
 
@@ -173,9 +177,12 @@ def _start(
         check_compatible(saved.config, c, saved.step)
         trainer.batches.check_state(saved.data, saved.step)
 
-    restored, damaged = checkpointer.restore_latest(trainer.abstract_state(), check)
+    restored, damaged = checkpointer.restore_latest(
+        lambda saved: restack.abstract_state(trainer, restack.saved_storage(saved.loop, saved.config)), check
+    )
     removed = checkpointer.remove_uncommitted()
-    return restored.state, restored.loop, True, removed, damaged
+    state = restack.convert_state(trainer, restored.state, restack.saved_storage(restored.loop, restored.config))
+    return state, restored.loop, True, removed, damaged
 
 
 class _Run:
@@ -319,7 +326,8 @@ class _Run:
             )
         start = time.perf_counter()
         data = self.trainer.batches.state(done)
-        loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row}
+        loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row,
+                restack.KEY: self.trainer.storage.to_dict()}
         try:
             self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
         except CheckpointError:  # the save before failed (orbax waits for it first)

@@ -6,7 +6,7 @@ parallelism when the rules split ``length``), its activations are laid out by lo
 (:func:`constrain`), its weight matmuls follow the precision policy (:func:`einsum`).
 
 * :func:`attention`: causal attention, the kernel chosen by the config and the active rules;
-  :func:`document_ids`: packed documents' ids from positions that restart at each document.
+  :func:`document_ids`: packed documents' ids from positions that restart at each document (natural order).
 * :func:`rope`: rotary position embeddings (rotate-half layout; Llama 3.1's scaling optional).
 * :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.lean`.
 * :class:`MoE`: the mixture-of-experts layer, expert parallelism by the rules' ``expert``.
@@ -51,11 +51,11 @@ def attention(
     *,
     q_axes: Axes = Q_AXES,
     kv_axes: Axes = KV_AXES,
-    segments: jax.Array | None = None,
+    documents: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
-    with ``segments`` [batch, length] (packed documents' ids, ``document_ids(positions)``) a token attends only
-    within its document.
+    with ``documents``, the ``positions`` [batch, length] of packed documents (``data.documents``: restarting
+    at 0 at each, in the order the trainer feeds them), a token attends only within its document.
 
     The kernel is ``config.model.attention`` as the trainer resolved it for its devices and rules
     (``auto`` becomes ``ring`` where the rules split ``length``: the trainer then feeds each sequence
@@ -63,7 +63,7 @@ def attention(
     grouped-query attention.
     """
     model = config.model if isinstance(config, Config) else config
-    return _attention.attention(q, k, v, segments, q_axes, kv_axes, model)
+    return _attention.attention(q, k, v, documents, q_axes, kv_axes, model)
 
 
 class RMSNorm(nnx.Module):

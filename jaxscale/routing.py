@@ -4,6 +4,10 @@ Pure array functions of the routing decisions, shared by the two places the
 experts run: under the partitioner (:func:`jaxscale.models.moe.partitioner_experts`)
 and in expert parallelism's ``shard_map`` (:mod:`jaxscale.parallel.expert`), so
 this module sits below both ``models/`` and ``parallel/``.
+With ``precision.fp8`` on (delayed or current scaling) the experts' matmuls run in fp8: the weights
+are fp8 operands with a scale per expert (:class:`jaxscale.fp8.Operand`), the buffers and hidden
+activations are quantized per tensor by ``f8`` (:class:`jaxscale.fp8.Inputs`), the einsums of capacity
+dispatch by :func:`jaxscale.fp8.einsum` and the grouped matmuls by :func:`jaxscale.fp8_grouped.ragged`.
 See :mod:`jaxscale.models.moe` for the routing rules (GShard's capacity
 priority, the auxiliary losses).
 """
@@ -17,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale import lean, precision
+from jaxscale import fp8, fp8_grouped, lean, precision
 from jaxscale.config import MoEConfig
 from jaxscale.sharding import constrain
 
@@ -110,14 +114,24 @@ def route(
     return Routing(index.astype(jnp.int32), gate, slot.astype(jnp.int32)), aux
 
 
+Weight = jax.Array | fp8.Operand  # an expert weight [experts, ...]: fp8 operands with precision.fp8 on
+
+
+def _input(f8: fp8.Inputs | None, name: str, x: jax.Array, readers: int) -> list[jax.Array | fp8.Operand]:
+    """Activation ``x`` for ``readers`` projections: fp8 operands (its history updated once) with ``f8``."""
+    return [x] * readers if f8 is None else fp8.sharing(f8.input(name, x), readers)
+
+
 def swiglu(
-    x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, grads: jnp.dtype | None = None
+    x: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, grads: jnp.dtype | None = None,
+    f8: fp8.Inputs | None = None,
 ) -> jax.Array:
-    """Each expert's SwiGLU on its buffer: ``x`` [..., experts, slots, embed], weights [experts, ...];
+    """Each expert's SwiGLU on its buffer: ``x`` [batch, experts, slots, embed], weights [experts, ...];
     ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.einsum`)."""
-    gate = precision.einsum("...ecd,edf->...ecf", x, w_gate, grads)
-    hidden = lean.swiglu(gate, precision.einsum("...ecd,edf->...ecf", x, w_up, grads))
-    return precision.einsum("...ecf,efd->...ecd", hidden, w_down, grads)
+    x_gate, x_up = _input(f8, "buffer", x, 2)
+    gate = precision.einsum("becd,edf->becf", x_gate, w_gate, grads)
+    hidden = lean.swiglu(gate, precision.einsum("becd,edf->becf", x_up, w_up, grads))
+    return precision.einsum("becf,efd->becd", _input(f8, "hidden", hidden, 1)[0], w_down, grads)
 
 
 def flat_slot(routing: Routing, experts: int, seq_capacity: int) -> jax.Array:
@@ -146,7 +160,7 @@ def combine(out: jax.Array, routing: Routing) -> jax.Array:
 
 
 def grouped_swiglu(
-    x: jax.Array, expert: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
+    x: jax.Array, expert: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, f8: fp8.Inputs | None = None
 ) -> jax.Array:
     """Rows ``x`` [m, d] through the SwiGLU of expert ``expert`` [m] with grouped matmuls (``ragged_dot``).
 
@@ -157,23 +171,25 @@ def grouped_swiglu(
     key = jnp.where(local, expert, groups)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((groups,), jnp.int32).at[key].add(1, mode="drop")
-    xs = x[order]
-    hidden = lean.swiglu(lax.ragged_dot(xs, w_gate, sizes), lax.ragged_dot(xs, w_up, sizes))
-    out = lax.ragged_dot(hidden, w_down, sizes)[jnp.argsort(order)]
+    dot = lax.ragged_dot if f8 is None else fp8_grouped.ragged
+    x_gate, x_up = _input(f8, "buffer", x[order], 2)
+    hidden = lean.swiglu(dot(x_gate, w_gate, sizes), dot(x_up, w_up, sizes))
+    out = dot(_input(f8, "hidden", hidden, 1)[0], w_down, sizes)[jnp.argsort(order)]
     return jnp.where(local[:, None], out, 0)
 
 
 def dropless(
     x: jax.Array,
     routing: Routing,
-    w_gate: jax.Array,
-    w_up: jax.Array,
-    w_down: jax.Array,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
     first_expert: jax.Array | int = 0,
+    f8: fp8.Inputs | None = None,
 ) -> jax.Array:
     """Tokens ``x`` [b, s, d] through their chosen experts among ``first_expert + [0, len(w_gate))``, gated, summed."""
     b, s, d = x.shape
     k = routing.index.shape[-1]
     rows = jnp.broadcast_to(x[:, :, None, :], (b, s, k, d)).reshape(b * s * k, d)
-    out = grouped_swiglu(rows, routing.index.reshape(-1) - first_expert, w_gate, w_up, w_down)
+    out = grouped_swiglu(rows, routing.index.reshape(-1) - first_expert, w_gate, w_up, w_down, f8)
     return jnp.einsum("bskd,bsk->bsd", out.reshape(b, s, k, d), routing.gate.astype(x.dtype))

@@ -1,23 +1,25 @@
-"""Uneven pipeline stages: how ``pipeline.layers_per_stage`` lays the layer stack out in padded slots.
+"""The layer stack's storage: uneven stages' padded slots, and each stage's chunks contiguous on it.
 
 With ``pipeline.layers_per_stage`` = [n_0, ..., n_{G−1}] (G = p·v virtual stages, numbered as the
 schedules number them, summing to ``model.layers``) every virtual stage is a chunk of
 Lmax = max(n_g) *slots*: the model's stacked blocks hold G·Lmax slots (they still split evenly over
-``stage``), chunk g's first n_g slots are its layers and the rest are unused. The pipeline runs an
+``stage``), chunk g's first n_g slots are its layers and the rest are unused (zero). The pipeline runs an
 unused slot as the identity (h passes through; its gradient is exactly zero), so a stage with
 fewer layers finishes its slot sooner where the loop skips idle work, and computes the same
-numbers in any case.
+numbers in any case. With v > 1 chunks per stage the stack keeps each stage's chunks together
+(:class:`Storage`), even or not, so that splitting it over ``stage`` gives every stage the chunks it runs.
 
-The padding lives in the parameters: initialisation, the optimizer state and checkpoints hold the
-G·Lmax slots. Real layer ``j`` of the one-device L-layer model is slot ``slots(counts)[j]``;
-:func:`pad` and :func:`unpad` map a stacked [L, ...] tree to the [G·Lmax, ...] one and back
-(e.g. to compare with one device, or to load a checkpoint of the same model with another split).
-Counts here are in stacked units: layers, or groups of ``model.moe.every_n_layers`` layers. The
-list is checked in :func:`jaxscale.config.validate_stage_layers` and by :meth:`jaxscale.layout.Layout.validate`.
+The storage never changes the model: the model draws its canonical [L, ...] stack (the unpipelined
+one, whatever the split) and the trainer places it into the storage (:meth:`Storage.place`); the
+optimizer state follows the parameters. Checkpoints record their storage and are converted on
+restore (:mod:`jaxscale.restack`). Counts here are in stacked units: layers, or groups of
+``model.moe.every_n_layers`` layers. The list is checked in :func:`jaxscale.config.validate_stage_layers`
+and by :meth:`jaxscale.layout.Layout.validate`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -66,25 +68,92 @@ def _map(f: Callable[[Any], Any], tree: Any) -> Any:
     return {k: _map(f, v) for k, v in tree.items()} if isinstance(tree, dict) else f(tree)
 
 
-def slots(counts: tuple[int, ...]) -> np.ndarray:
-    """The slot of each real unit, in order: unit j of chunk g sits at g·Lmax + j."""
-    top = max(counts)
-    return np.concatenate([g * top + np.arange(n) for g, n in enumerate(counts)])
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Where the stacked blocks keep the model's units: ``counts`` units in each virtual stage (numbered as
+    the schedules number them, g = c·p + s) on ``stages`` (p) pipeline stages.
+
+    Every virtual stage is a chunk of Lmax = max(counts) slots, and each stage's v chunks lie one after the
+    other: unit j of virtual stage g = c·p + s sits at slot s·v·Lmax + c·Lmax + j. Split over ``stage``,
+    the stack thus gives stage s its chunks in the order it runs them (no reshuffle per step). One
+    virtual stage on one stage is the unpipelined (canonical) order.
+    """
+
+    counts: tuple[int, ...]
+    stages: int = 1
+
+    @property
+    def size(self) -> int:
+        """Slots in the stack: G·Lmax."""
+        return len(self.counts) * max(self.counts)
+
+    @property
+    def units(self) -> int:
+        return sum(self.counts)
+
+    def positions(self) -> np.ndarray:
+        """The slot of each unit of the canonical stack, in order."""
+        top, p = max(self.counts), self.stages
+        v = len(self.counts) // p
+        return np.concatenate([((g % p) * v + g // p) * top + np.arange(n) for g, n in enumerate(self.counts)])
+
+    @property
+    def canonical_order(self) -> bool:
+        """Whether the stack is the canonical one: no padding, units in order."""
+        return self.size == self.units and bool((self.positions() == np.arange(self.units)).all())
+
+    def place(self, stacked: Any) -> Any:
+        """A tree of canonical [units, ...] arrays (numpy or jax) as this stack [G·Lmax, ...], unused slots zero."""
+        if self.canonical_order:
+            return stacked
+        source = np.zeros(self.size, np.int32)
+        source[self.positions()] = np.arange(self.units)
+        used = np.zeros(self.size, bool)
+        used[self.positions()] = True
+
+        def one(w: Any) -> Any:
+            return w[source] * np.asarray(used, w.dtype).reshape(-1, *(1,) * (w.ndim - 1))
+
+        return _map(one, stacked)
+
+    def canonical(self, stored: Any) -> Any:
+        """A tree of this stack's [G·Lmax, ...] arrays as the canonical [units, ...] ones."""
+        if self.canonical_order:
+            return stored
+        where = self.positions()
+        return _map(lambda w: w[where], stored)
+
+    def place_params(self, params: Any) -> Any:
+        """A model's parameters or per-layer state (a pure dict) with the canonical ``blocks`` in this stack."""
+        if self.canonical_order or "blocks" not in params:
+            return params
+        return {**params, "blocks": self.place(params["blocks"])}
+
+    def canonical_params(self, params: Any) -> Any:
+        """Parameters or per-layer state stored in this stack with their ``blocks`` in the canonical order."""
+        if self.canonical_order or "blocks" not in params:
+            return params
+        return {**params, "blocks": self.canonical(params["blocks"])}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"counts": list(self.counts), "stages": self.stages}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> Storage:
+        return cls(tuple(int(n) for n in saved["counts"]), int(saved["stages"]))
 
 
-def pad(stacked: Any, counts: tuple[int, ...]) -> Any:
-    """A tree of [units, ...] arrays as the padded [G·Lmax, ...] stack (unused slots zero)."""
-    where = slots(counts)
-
-    def one(w: Any) -> Any:
-        out = np.zeros((len(counts) * max(counts), *w.shape[1:]), w.dtype)
-        out[where] = np.asarray(w)
-        return out
-
-    return _map(one, stacked)
+def storage(config: Config, stages: int) -> Storage:
+    """The stack's storage for ``config`` on ``stages`` pipeline stages (1: no pipeline, the canonical order)."""
+    if stages == 1:
+        return Storage((config.model.layers // unit(config.model),))
+    return Storage(counts(config.pipeline, config.model, stages), stages)
 
 
-def unpad(stacked: Any, counts: tuple[int, ...]) -> Any:
-    """The real units of a padded [G·Lmax, ...] stack, in order: [units, ...]."""
-    where = slots(counts)
-    return _map(lambda w: np.asarray(w)[where], stacked)
+def written_before(model: dict[str, Any], pipeline: dict[str, Any]) -> Storage:
+    """The storage of a checkpoint that does not record its own (model and pipeline settings as saved): the
+    canonical order, or with ``layers_per_stage`` chunks of padded slots in the order of the virtual stages."""
+    moe = model.get("moe")
+    per = moe["every_n_layers"] if moe else 1
+    listed = pipeline.get("layers_per_stage")
+    return Storage(tuple(n // per for n in listed) if listed else (model["layers"] // per,))

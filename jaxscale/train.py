@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import flops, fp8, loop, precision, xla_flags
+from jaxscale import flops, fp8, loop, precision, stage_layers, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
@@ -143,7 +143,11 @@ class Trainer:
         rules = Rules.load(config.rules)
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         factory = model or builtin.build
-        graphdef, abstract_params, axes, parts = abstract_model(config, factory)
+        layout = layout_of(mesh, rules)
+        layout.check_stage_layers(config)  # before the stack's storage is laid out from the list
+        storage = stage_layers.storage(config, layout.stages)
+        graphdef, canonical, axes, parts = abstract_model(config, factory)
+        abstract_params = jax.eval_shape(storage.place_params, canonical)
         trainer = cls(
             config, mesh, rules, graphdef, abstract_params, axes, optimizer or make_optimizer(config.train, axes),
             factory, parts, objective, optimizer is not None,
@@ -190,6 +194,11 @@ class Trainer:
     def layout(self) -> Layout:
         """The rules table on this mesh (:class:`jaxscale.layout.Layout`)."""
         return layout_of(self.mesh, self.rules)
+
+    @cached_property
+    def storage(self) -> stage_layers.Storage:
+        """Where the parameters keep the model's stacked blocks (:mod:`jaxscale.stage_layers`)."""
+        return stage_layers.storage(self.config, self.layout.stages)
 
     @property
     def builtin_model(self) -> bool:
@@ -309,10 +318,12 @@ class Trainer:
         with nnx.use_eager_sharding(False):
             model = make_model(self.config, self.factory)
         _, fresh, fp8_state, bias = nnx.split(model, nnx.Param, fp8.Fp8Meta, balance.RouterBias)
-        params, master = precision.split(self.policy, nnx.to_pure_dict(fresh) if weights is None else weights)
+        # The canonical stack in the pipeline's storage: parameters, fp8 histories and routing biases alike.
+        fresh, fp8_state, bias = (self.storage.place_params(nnx.to_pure_dict(t)) for t in (fresh, fp8_state, bias))
+        params, master = precision.split(self.policy, fresh if weights is None else weights)
         opt_state = self.optimizer.init(precision.updated(params, master))
         step = jnp.zeros((), jnp.int32)
-        return TrainState(step, params, opt_state, nnx.to_pure_dict(fp8_state), master, nnx.to_pure_dict(bias))
+        return TrainState(step, params, opt_state, fp8_state, master, bias)
 
     @cached_property
     def _shapes(self) -> TrainState:

@@ -3,6 +3,7 @@ not trained, and attention does not cross documents: a packed batch equals its d
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from pathlib import Path
 
@@ -13,11 +14,14 @@ import pytest
 from flax import nnx
 from helpers import assert_trees_close, rel_err, tiny_config
 
-from jaxscale.config import ConfigError
+from jaxscale.config import ConfigError, MeshConfig
 from jaxscale.data import IGNORE, make_loader
-from jaxscale.models.attention import document_ids
+from jaxscale.mesh import make_mesh
+from jaxscale.models.attention import document_ids, resolve_attention
 from jaxscale.packing import PackedBins, first_fit
+from jaxscale.parallel import ring_attention
 from jaxscale.prepare import TokenDir, prepare_data
+from jaxscale.sharding import Rules, use_rules
 from jaxscale.train import Trainer
 
 
@@ -110,31 +114,90 @@ def test_packed_logits_equal_the_documents_one_at_a_time(reference):
     assert rel_err(logits_of(plain, params, batch), back) > 1e-2
 
 
+RING = ("model.attention=ring", "model.attention_block=4")  # 4-token tiles: several per zig-zag chunk
+PIPE = ("pipeline.microbatches=4", "pipeline.schedule=1f1b")
 LAYOUTS = {
     "dot": ({}, {"rules": "dp", "mesh": {"data": 8}}),
     "tp_sp": ({}, {"rules": "tp_sp", "mesh": {"data": 2, "tensor": 4}}),
-    "pp_1f1b": (("pipeline.microbatches=4", "pipeline.schedule=1f1b"),
-                {"rules": "pp", "mesh": {"stage": 2, "data": 4}}),
+    "pp_1f1b": (PIPE, {"rules": "pp", "mesh": {"stage": 2, "data": 4}}),
+    "blockwise": (("model.attention=blockwise", "model.attention_block=8"), {"rules": "dp", "mesh": {"data": 8}}),
+    "ring_cp4": (RING, {"rules": "cp", "mesh": {"fsdp": 2, "context": 4}}),
+    "blockwise_tp_sp": (("model.attention=blockwise", "model.attention_block=8"),
+                        {"rules": "tp_sp", "mesh": {"data": 2, "tensor": 4}}),
+    # ring with a context of 2 (and tensor 2) in 1F1B stages
+    "ring_cp2_pp_1f1b": ((*RING, *PIPE), {"rules": "pp_tp_cp", "mesh": {"stage": 2, "context": 2, "tensor": 2}}),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(reference, docs, name):
+    """Every kernel and layout that masks across documents: dot (also under tp_sp and in 1F1B stages), blockwise
+    (also under tp_sp), ring with a context of 4 and of 2 (in 1F1B stages, with tensor 2), the ring fed
+    the sequence in its zig-zag order."""
     _, params, batch, _, _, ref_loss, ref_grads, _ = reference
     overrides, layout = LAYOUTS[name]
     trainer = Trainer.build(config(docs, "data.documents=true", *overrides, **layout))
+    order = trainer.sequence_order
+    if order is not None:
+        batch = {k: v[:, order] for k, v in batch.items()}
     placed = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
     loss, grads = trainer.loss_and_grads(jax.device_put(params, trainer.param_shardings()), placed)
     assert abs(float(loss) - ref_loss) <= 1e-5 * ref_loss
     assert_trees_close(grads, ref_grads)
 
 
-def test_documents_need_the_dot_kernel_and_token_data(docs):
-    with pytest.raises(ConfigError, match=r"^data\.documents: documents are masked by model\.attention 'dot' only, "
-                                          r"not 'blockwise'"):
-        Trainer.build(config(docs, "data.documents=true", "model.attention=blockwise", mesh={"data": 8}))
+def test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key():
+    full, skip, across = ring_attention.FULL, ring_attention.SKIP, ring_attention.FULL + ring_attention.ACROSS
+    visible = ring_attention._visible
+    # Document starts of 4-token tiles (two rows): the query tile's documents begin at 8 and 10, or at 12.
+    q = jnp.array([[8, 8, 10, 10], [12, 12, 12, 12]])
+    assert visible(full, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == across  # row 0 shares 8: masked pairwise
+    assert visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 4, 4]])) == skip  # none shares one
+    assert visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 12, 12]])) == across  # row 1 shares 12
+    one = jnp.array([[8, 8, 8, 8], [12, 12, 12, 12]])
+    assert visible(full, one, one) == full  # each row in one document: no mask
+    assert visible(ring_attention.DIAGONAL, one, one) == ring_attention.DIAGONAL  # causal only
+    assert visible(skip, one, one) == skip  # causally masked stays skipped
+    assert visible(skip, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == skip  # however its documents lie
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["blockwise", "ring_cp4"])
+def test_document_masks_add_no_length_squared_memory_under_a_layer_scan(ring):
+    """The kernel's gradient under a scan of two layers, the positions the same for both (JAX may hoist what
+    depends on them alone out of the scan): temp memory within 10% of the unmasked kernel's, where one
+    [length, length] boolean mask per layer would add more than 10%."""
+    seq, heads, head_dim = 2048, 4, 16
+    mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4]) if ring else None
+    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), jnp.float32)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, head_dim), jnp.float32)
+    axes = ("batch", "length", "heads", "head_dim"), ("batch", "length", "kv_heads", "head_dim")
+
+    def loss(q, k, v, positions):
+        def layer(x, _):
+            with use_rules(mesh, Rules.load("cp")) if ring else contextlib.nullcontext():
+                return ring_attention.attention(x, k, v, *axes, positions=positions, block=256, ring=ring), None
+
+        return jax.lax.scan(layer, q, None, length=2)[0].sum()
+
+    temp = {}
+    for positions in (None, jax.ShapeDtypeStruct((1, seq), jnp.int32)):
+        compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, positions).compile()
+        temp[positions is not None] = compiled.memory_analysis().temp_size_in_bytes
+    assert 2 * seq * seq > 0.1 * temp[False], temp  # the bound sees a mask of one byte per pair and layer
+    assert temp[True] <= 1.1 * temp[False], temp
+
+
+def test_cudnn_refuses_documents_and_names_the_kernel_to_use(docs):
+    with pytest.raises(ConfigError, match=r"^data\.documents: model\.attention 'cudnn' does not mask across "
+                                          r"documents .*: use 'blockwise'"):
+        Trainer.build(config(docs, "data.documents=true", "model.attention=cudnn", "model.dtype=bfloat16",
+                             mesh={"data": 8}))
     with pytest.raises(ConfigError, match=r"^data\.documents: needs data\.source=tokens"):
         tiny_config("data.documents=true")
+    model = tiny_config("model.attention=auto", "model.dtype=bfloat16").model
+    assert resolve_attention(model, "gpu", 32) == "cudnn"
+    assert resolve_attention(model, "gpu", 32, documents=True) == "dot"  # auto never picks cuDNN for documents
+    assert resolve_attention(model, "gpu", 4096, documents=True) == "blockwise"
 
 
 def test_first_fit_places_each_document_in_the_first_sequence_with_room():

@@ -125,3 +125,40 @@ def test_weights_quantized_once_per_step(full_remat_head):
     assert dots[E4M3, E4M3] == 2 * PROJECTIONS - 1 + 1  # + the LM head (precision.fp8_head)
     assert dots[E5M2, E4M3] == dots[E4M3, E5M2] == PROJECTIONS + 1
     assert conditionals(text) == 0
+
+
+PIPELINE = ("pipeline.microbatches=2", "pipeline.schedule=1f1b")
+ATTENTION_WEIGHTS = {(64, 8, 8): 1, (64, 4, 8): 2, (8, 8, 64): 1}
+MOE = ("model.moe={}", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp=16", "model.moe.shared_experts=1",
+       "model.moe.impl=partitioner")
+# Per layer: the projections and each weight's shape with how many weights have it (the MoE layer: the shared
+# expert's MLP and the routed experts' stacks [experts, ...]).
+STAGE_MODELS = {
+    "dense": ((), PROJECTIONS, {**ATTENTION_WEIGHTS, (64, 128): 2, (128, 64): 1}),
+    "moe": (MOE, 10, {**ATTENTION_WEIGHTS, (64, 16): 2, (16, 64): 1, (8, 64, 16): 2, (8, 16, 64): 1}),
+}
+
+
+def lowered_pipeline(*overrides: str) -> str:
+    trainer = Trainer.build(tiny_config(*PIPELINE, *overrides, rules="pp", mesh={"stage": 2}), jax.devices()[:2])
+    return trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).as_text()
+
+
+@pytest.mark.parametrize("model", STAGE_MODELS)
+def test_pipeline_stages_run_in_fp8_and_quantize_weights_once_per_step(model):
+    """``pp``, 2 stages of one layer, 2 microbatches (1F1B): the forward slot's layer and the backward slot's
+    (its recomputation, input and weight gradients) lowered once each inside the loop of ticks, every
+    projection in fp8 there (an MoE layer's routed experts too); each stage's weights converted to e4m3 once,
+    before the loop (a stage's stack [1 chunk, 1 slot, ...]), never a layer's inside it; no conditional beyond
+    the pipeline's own (idle slots)."""
+    overrides, projections, weights = STAGE_MODELS[model]
+    text = lowered_pipeline("precision.fp8=delayed", "model.dtype=bfloat16", *overrides)
+    dots = dot_types(text)
+    assert dots[E4M3, E4M3] == 2 * projections  # the forward slot, the backward slot's recomputation
+    assert dots[E5M2, E4M3] == dots[E4M3, E5M2] == projections
+    assert dots[E5M2, E5M2] == 0
+    converted = e4m3_conversions(text)
+    stage_weights = {(1, 1, *shape): n for shape, n in weights.items()}
+    assert {shape: converted[shape] for shape in stage_weights} == stage_weights
+    assert not set(weights) & set(converted), converted
+    assert conditionals(text) == conditionals(lowered_pipeline("model.dtype=bfloat16", *overrides))

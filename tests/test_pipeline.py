@@ -44,6 +44,16 @@ def reference():
     return initial, batches, float(loss), grads, state.params, outs
 
 
+def stored(trainer: Trainer, params):
+    """Host parameters of the unpipelined model in the trainer's stack (its storage order) and shardings."""
+    return jax.device_put(trainer.storage.place_params(params), trainer.param_shardings())
+
+
+def canonical(trainer: Trainer, params):
+    """The trainer's parameters (or gradients) with the stack in the model's order."""
+    return trainer.storage.canonical_params(jax.device_get(params))
+
+
 def placed(trainer: Trainer, batch):
     """A host batch in the trainer's layout."""
     return jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
@@ -57,10 +67,10 @@ def close(a: float, b: float) -> bool:
 def test_pipeline_matches_single_device(schedule, p, m, v, reference):
     initial, batches, ref_loss, ref_grads, *_ = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), rules="pp", mesh=MESHES[p]))
-    params = jax.device_put(initial.params, trainer.param_shardings())
+    params = stored(trainer, initial.params)
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
     assert close(loss, ref_loss)
-    assert_trees_close(grads, ref_grads)
+    assert_trees_close(canonical(trainer, grads), ref_grads)
 
 
 @pytest.mark.parametrize("rules, mesh", [("pp", MESHES[2]), ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2})])
@@ -69,10 +79,10 @@ def test_the_chunked_loss_inside_a_stage_matches_single_device(rules, mesh, refe
     carries its gradient typed as varying over the stage's manual axes; loss and gradients equal one device."""
     initial, batches, ref_loss, ref_grads, *_ = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.loss_chunk=8", rules=rules, mesh=mesh))
-    params = jax.device_put(initial.params, trainer.param_shardings())
+    params = stored(trainer, initial.params)
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
     assert close(loss, ref_loss)
-    assert_trees_close(grads, ref_grads)
+    assert_trees_close(canonical(trainer, grads), ref_grads)
 
 
 def test_the_pipeline_backward_scales_with_its_cotangent(reference):
@@ -86,15 +96,16 @@ def test_the_pipeline_backward_scales_with_its_cotangent(reference):
         with trainer.scope():
             return jax.grad(lambda p: 2 * trainer.loss(p, batch))(params)
 
-    params = jax.device_put(initial.params, trainer.param_shardings())
-    assert_trees_close(doubled(params, placed(trainer, batches[0])), jax.tree.map(lambda g: 2 * g, ref_grads))
+    params = stored(trainer, initial.params)
+    grads = canonical(trainer, doubled(params, placed(trainer, batches[0])))
+    assert_trees_close(grads, jax.tree.map(lambda g: 2 * g, ref_grads))
 
 
 def test_evaluation_runs_the_forward_table(reference):
     """Without a gradient the loop runs the forwards only, the loss in the last stage's forward slot."""
     initial, batches, ref_loss, *_ = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe("interleaved_1f1b", 4, 2), rules="pp", mesh=MESHES[2]))
-    params = jax.device_put(initial.params, trainer.param_shardings())
+    params = stored(trainer, initial.params)
     assert close(trainer.jit_eval_loss(params, placed(trainer, batches[0])), ref_loss)
 
 
@@ -110,21 +121,24 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
                                         f"pipeline.fsdp={gather}", rules="pp_fsdp_tp",
                                         mesh={"stage": 2, "fsdp": 2, "tensor": 2}))
     compiled = xla.compile_step(trainer)
-    state = jax.device_put(initial, trainer.state_shardings)
+    state = jax.device_put(initial._replace(params=trainer.storage.place_params(initial.params)),
+                           trainer.state_shardings)
     for batch, ref_out in zip(batches, ref_outs, strict=True):
         state, out = compiled(state, placed(trainer, batch))
         for key in ("loss", "grad_norm"):
             assert close(out[key], ref_out[key]), key
-    assert_trees_close(state.params, ref_params)
+    assert_trees_close(canonical(trainer, state.params), ref_params)
     # Each tick sends one microbatch shard (8 rows / fsdp 2 = 4 rows, 32 x 64) to each neighbour; every
     # other collective over stage runs once per step on parameters (the embedding and head gradients'
-    # sum; interleaved, the layers moved to the chunks that run them) or scalars, never on activations.
+    # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
+    # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
     ticks = schedules.build(schedule, 2, m, v).ticks
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
     assert {(c.shapes, c.runs) for c in permutes} == {((("f32", (4, 32, 64)),), ticks)}
     assert len(permutes) == 2
+    assert not [c for c in over_stage if c.kind == "all-to-all"]
     outer = sum(w.size * 4 for k, v in initial.params.items() if k != "blocks" for w in jax.tree.leaves(v))
     for c in over_stage:
         if c.kind != "collective-permute":
@@ -167,10 +181,10 @@ def test_context_parallelism_inside_a_stage(rules, mesh, reference):
     trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules=rules, mesh=mesh))
     order = trainer.sequence_order
     assert order is not None and sorted(order) == list(range(32))
-    params = jax.device_put(initial.params, trainer.param_shardings())
+    params = stored(trainer, initial.params)
     loss, grads = trainer.loss_and_grads(params, placed(trainer, {k: v[:, order] for k, v in batches[0].items()}))
     assert close(loss, ref_loss)
-    assert_trees_close(grads, ref_grads)
+    assert_trees_close(canonical(trainer, grads), ref_grads)
 
 
 def test_sequence_parallelism_inside_a_stage(reference):
@@ -179,10 +193,10 @@ def test_sequence_parallelism_inside_a_stage(reference):
     initial, batches, ref_loss, ref_grads, *_ = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), rules="pp_tp_sp",
                                         mesh={"stage": 2, "tensor": 2, "data": 2}))
-    params = jax.device_put(initial.params, trainer.param_shardings())
+    params = stored(trainer, initial.params)
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
     assert close(loss, ref_loss)
-    assert_trees_close(grads, ref_grads)
+    assert_trees_close(canonical(trainer, grads), ref_grads)
     found = hlo.collectives(xla.compile_step(trainer).as_text(), trainer.mesh)
     permutes = {c.shapes for c in found if c.kind == "collective-permute" and c.axes == ("stage",)}
     assert permutes == {(("f32", (4, 16, 64)),)}  # 32 rows / 4 microbatches / data 2; 32 tokens / tensor 2
@@ -201,10 +215,10 @@ def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
     (tmp_path / "pp_ep.yaml").write_text(yaml.safe_dump(table))
     mesh = {"stage": 2, "expert": 2, "data": 2}
     trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("1f1b", 4), rules=str(tmp_path / "pp_ep.yaml"), mesh=mesh))
-    params = jax.device_put(jax.device_get(state.params), trainer.param_shardings())
+    params = stored(trainer, jax.device_get(state.params))
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batch))
     assert close(loss, ref_loss)
-    assert_trees_close(grads, ref_grads)
+    assert_trees_close(canonical(trainer, grads), ref_grads)
 
 
 # -- the tables --------------------------------------------------------------------

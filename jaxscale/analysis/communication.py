@@ -43,7 +43,7 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   reduce-scattered over the stage's axes inside the conditionals that run the head and the
   embedding's gradient (m times a step; counted here as the compiled loop's T ticks, the runs
   :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
-  (:func:`_pipeline_outer_flows`); with v > 1 the blocks regrouped into chunks (all-to-all);
+  (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
   inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
   where there are any); EP: dispatch + combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md).
@@ -283,7 +283,7 @@ def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, stag
 
 
 def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, bsh: float) -> list[Flow]:
-    """The pipeline's stage boundaries each tick, and with repeats the blocks regrouped into chunks and back."""
+    """The pipeline's stage boundaries each tick (the blocks are stored in the chunks' order: none move)."""
     stages, micro, flows = layout.mesh_axes(("layers",)), step.microbatches, []
     if not stages:
         return []
@@ -291,11 +291,6 @@ def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: 
     size = bsh / step.pipeline_microbatches
     for phase in ("forward", "backward"):
         flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase, False)
-    if step.repeats > 1:  # the stage's layers regrouped into chunks c·p + s, and their gradients back
-        blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-        chunked = blocks * dtype_bytes(step.dtypes(m).compute)
-        flows += flow("PP: blocks into chunks", "all-to-all", stages, chunked, micro, layout, "forward", False)
-        flows += flow("PP: their gradients back", "all-to-all", stages, blocks * 4, micro, layout, "backward", False)
     return flows
 
 

@@ -397,8 +397,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; the fp32
     gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
-    and head, and that copy, gathered over the stage's axes; with v > 1 the stage's blocks rearranged
-    into chunks. With FSDP inside a stage (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`) the
+    and head, and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no
+    copy of them). With FSDP inside a stage (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`) the
     stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too.
     ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
@@ -453,7 +453,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
                 for p in params if p.in_layers)
     out["pipeline accumulator"] = 4 * (whole if gathered else 0.0) + (4 * (held - blocks if gathered else held)
                                                                         if partitioned else 0.0)
-    out["pipeline copies"] = (outer + (blocks if step.repeats > 1 else 0.0) + (whole if gathered else 0.0)) * pbytes
+    out["pipeline copies"] = (outer + (whole if gathered else 0.0)) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
         out["mask"] = float(step.seq_len**2)

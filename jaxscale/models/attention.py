@@ -1,22 +1,25 @@
 """The attention kernel, chosen by ``model.attention``.
 
 * ``dot``: ``jax.nn.dot_product_attention`` (XLA); the whole ``s x s`` scores.
-  With ``data.documents`` (packed documents) it alone masks across documents:
-  one boolean ``[batch, s, s]`` mask from the document ids (:func:`document_ids`).
+  With ``data.documents`` (packed documents) one boolean ``[batch, s, s]`` mask
+  from the document ids (:func:`document_ids`) keeps attention within each.
   With the sequence sharded (a ``cp`` rules preset) the partitioner all-gathers
   keys and values.
 * ``blockwise``: flash-style attention on each device's whole sequence, one
   ``model.attention_block`` tile of scores at a time, fully masked tiles
-  skipped (the ring kernel with a ring of one).
+  skipped (the ring kernel with a ring of one). With ``data.documents`` the
+  tiles across documents are skipped too and the rest masked tile by tile.
 * ``ring``: context parallelism, :mod:`jaxscale.parallel.ring_attention`:
   the sequence's mesh axes (the rules' ``length``) form a ring that passes
-  key/value blocks; the data path orders each sequence in zig-zag chunks
-  (:func:`sequence_order`). With ``length`` unsharded it is ``blockwise``.
+  key/value blocks (with their document starts under ``data.documents``); the
+  data path orders each sequence in zig-zag chunks (:func:`sequence_order`).
+  With ``length`` unsharded it is ``blockwise``.
 * ``cudnn``: ``jax.nn.dot_product_attention(..., implementation="cudnn")``, GPU only
   (cuDNN's fused flash attention; bf16/fp16, head_dim a multiple of 8 up to 128,
   256 on Hopper). It takes the same ``[batch, length, heads, head_dim]`` layout
   and grouped-query k/v (``kv_heads`` dividing ``heads``) directly, as the XLA
-  path does. Untested here: the tests run on CPU.
+  path does. Untested here: the tests run on CPU. Not with ``data.documents``
+  (:data:`CUDNN_DOCUMENTS`; docs/attention.md).
 * ``auto``: one of the above, chosen once when the trainer is built
   (:func:`resolve_attention`), so the step, ``inspect`` and the analytic model
   all see the concrete kernel.
@@ -44,23 +47,26 @@ def document_ids(positions: jax.Array) -> jax.Array:
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None, q_axes: Axes, kv_axes: Axes,
+    q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None, q_axes: Axes, kv_axes: Axes,
     config: ModelConfig,
 ) -> jax.Array:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
-    with ``segments`` [batch, length] (:func:`document_ids`) a token attends only within its document (``dot``)."""
+    with ``documents``, the positions [batch, length] of packed documents (restarting at 0 at each), a token
+    attends only within its document."""
     kind = config.attention
-    if segments is not None:
-        if kind != "dot":
-            raise ConfigError(f"data.documents: documents are masked by model.attention 'dot' only, not '{kind}'")
-        same = segments[:, None, :, None] == segments[:, None, None, :]  # [batch, 1, q, k]
-        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
-        kind = resolve_attention(config, _platform(), q.shape[1])
+        kind = resolve_attention(config, _platform(), q.shape[1], documents=documents is not None)
     if kind in ("blockwise", "ring"):
         return ring_attention.attention(
-            q, k, v, q_axes, kv_axes, causal=True, block=config.attention_block, ring=kind == "ring"
+            q, k, v, q_axes, kv_axes, positions=documents, causal=True, block=config.attention_block,
+            ring=kind == "ring",
         )
+    if documents is not None:
+        if kind != "dot":
+            raise ConfigError(CUDNN_DOCUMENTS)
+        segments = document_ids(documents)
+        same = segments[:, None, :, None] == segments[:, None, None, :]  # [batch, 1, q, k]
+        return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=True)
     if kind == "cudnn":
         platform = _platform()
         if platform != "gpu":
@@ -77,26 +83,33 @@ def _platform() -> str:
     return jax.devices()[0].platform
 
 
+CUDNN_DOCUMENTS = ("data.documents: model.attention 'cudnn' does not mask across documents (jax's public "
+                   "cuDNN attention takes one length per sequence): use 'blockwise', flash-style with the tiles "
+                   "across documents skipped, or 'auto' (docs/attention.md)")
 CUDNN_HEAD_DIM = 128  # the largest head_dim cuDNN's flash attention takes on every GPU (256 from Hopper on)
 BLOCKWISE_TILES = 4  # auto: blockwise once the sequence spans more than this many attention_block tiles
 
 
-def resolve_attention(config: ModelConfig, platform: str, seq_len: int, context: int = 1) -> str:
+def resolve_attention(
+    config: ModelConfig, platform: str, seq_len: int, context: int = 1, documents: bool = False
+) -> str:
     """The kernel ``model.attention`` runs on ``platform`` ("cpu", "gpu", "tpu") at ``seq_len`` tokens.
 
     Anything but ``auto`` is kept. ``auto`` is ``ring`` when the rules shard the sequence
     (``context`` > 1 devices); else ``cudnn`` on GPU for bf16/fp16 compute and a head_dim cuDNN
-    takes; else ``blockwise`` when ``seq_len > BLOCKWISE_TILES x attention_block`` (2048 tokens
-    by default, where dot keeps fp32 ``s x s`` scores of 16 MiB per sequence and head in every
-    layer, plus the probabilities, and the tiled kernel skips over 10 of its 25 or more tiles
-    as fully masked); else ``dot``.
+    takes, unless packed ``documents`` are masked (cuDNN cannot: :data:`CUDNN_DOCUMENTS`); else
+    ``blockwise`` when ``seq_len > BLOCKWISE_TILES x attention_block`` (2048 tokens by default,
+    where dot keeps fp32 ``s x s`` scores of 16 MiB per sequence and head in every layer, plus
+    the probabilities, and the tiled kernel skips over 10 of its 25 or more tiles as fully
+    masked); else ``dot``.
     """
     if config.attention != "auto":
         return config.attention
     if context > 1:
         return "ring"
     cudnn_dtype = config.dtype in ("bfloat16", "float16")
-    if platform == "gpu" and cudnn_dtype and config.head_dim <= CUDNN_HEAD_DIM and config.head_dim % 8 == 0:
+    cudnn_shape = config.head_dim <= CUDNN_HEAD_DIM and config.head_dim % 8 == 0
+    if platform == "gpu" and cudnn_dtype and cudnn_shape and not documents:
         return "cudnn"
     if seq_len > BLOCKWISE_TILES * config.attention_block:
         return "blockwise"
@@ -106,10 +119,10 @@ def resolve_attention(config: ModelConfig, platform: str, seq_len: int, context:
 def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     """``config`` with ``model.attention`` resolved for the mesh's devices and the rules' sequence axes."""
     platform = mesh.devices.flat[0].platform
-    kind = resolve_attention(config.model, platform, config.train.seq_len, layout_of(mesh, rules).ring_size)
-    if config.data.documents and kind != "dot":
-        raise ConfigError(f"data.documents: documents are masked by model.attention 'dot' only, not '{kind}' "
-                          "(blockwise, ring and cudnn do not mask across documents yet)")
+    ring = layout_of(mesh, rules).ring_size
+    kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents)
+    if config.data.documents and kind == "cudnn":
+        raise ConfigError(CUDNN_DOCUMENTS)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
 
 

@@ -40,7 +40,7 @@ from jaxscale.config import Config, ModelConfig, RopeScaling
 from jaxscale.fp8 import Fp8, Operand
 from jaxscale.lean import rms_norm, swiglu
 from jaxscale.models import moe
-from jaxscale.models.attention import attention, document_ids
+from jaxscale.models.attention import attention
 from jaxscale.models.params import ones, param
 from jaxscale.parallel import sequence
 from jaxscale.sharding import constrain, lookup, stage
@@ -218,7 +218,7 @@ class Attention(nnx.Module):
         core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
         if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v, document_ids(positions) if self.documents else None)
+        out = core(q, k, v, positions if self.documents else None)
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         y = sequence.row_parallel(
             "bshd,hde->bse", fp8_input(self.fp8, "out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"),
@@ -338,7 +338,7 @@ class Llama(nnx.Module):
         self.grads = precision.weight_grads(config)
         self.embedding = param(rngs, (c.vocab_size, c.embed), ("vocab", "embed"), c.init_std, c.param_dtype)
 
-        steps = stage_layers.stack_size(config)  # uneven pipeline stages: padded slots
+        steps = c.layers // stage_layers.unit(c)  # the canonical stack: the trainer places it for a pipeline
 
         @nnx.split_rngs(splits=steps)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})

@@ -51,6 +51,10 @@ which states only the layouts (the buffers' ``expert`` dimension on the rules'
 ``expert`` axes, their batch on ``expert_batch``) and leaves the collectives to
 XLA's SPMD partitioner.
 
+With ``precision.fp8`` delayed or current, the experts' matmuls run in fp8 with a scale per expert
+(:class:`MoE`'s ``fp8``: per-expert weight histories, the buffers' and hidden activations' per tensor);
+``blockwise`` leaves them in ``model.dtype``.
+
 The routing math and the kernels both places share (dispatch, combine,
 grouped matmuls) are :mod:`jaxscale.routing`.
 
@@ -69,16 +73,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import lean, precision
+from jaxscale import fp8, lean, precision
 from jaxscale.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config import Config, ModelConfig, MoEConfig
+from jaxscale.fp8 import Fp8
 from jaxscale.models import balance
 from jaxscale.models.params import param
 from jaxscale.parallel import expert
-from jaxscale.routing import METRICS, Routing, capacity, dropless, flat_slot, route
+from jaxscale.routing import METRICS, Routing, Weight, capacity, dropless, flat_slot, route
 from jaxscale.sharding import active, constrain
 
 LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # kept per layer: "moe_layers"
+WEIGHTS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}  # the experts' weights, their outputs' names
 LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")
 
 
@@ -117,10 +123,11 @@ def load_metrics(layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def partitioner_experts(
     x: jax.Array,
     routing: Routing,
-    weights: tuple[jax.Array, ...],
+    weights: tuple[Weight, ...],
     moe: MoEConfig,
     seq_capacity: int,
     grads: jnp.dtype | None = None,
+    f8: fp8.Inputs | None = None,
 ) -> jax.Array:
     """The experts as plain einsums under sharding constraints; XLA's partitioner picks the collectives.
 
@@ -128,9 +135,10 @@ def partitioner_experts(
     ``[b, experts, C, d]`` buffers laid out by the rules (``expert_batch``, ``expert``), so moving from
     the token layout to the expert layout is the partitioner's resharding. Dropless mode runs the
     grouped matmuls on the global arrays (their weight gradients in autodiff's dtype, not ``grads``).
+    ``f8``: the buffers' fp8 histories with precision.fp8 on (:mod:`jaxscale.models.routing`).
     """
     if moe.dispatch == "dropless":
-        return constrain(dropless(x, routing, *weights), RESIDUAL)
+        return constrain(dropless(x, routing, *weights, f8=f8), RESIDUAL)
     where = flat_slot(routing, moe.experts, seq_capacity)  # dropped: out of range, a zero one-hot row
     slots = jax.nn.one_hot(where, moe.experts * seq_capacity, dtype=x.dtype)  # [b, s, k, e·c]
     b, s = x.shape[:2]
@@ -138,8 +146,10 @@ def partitioner_experts(
     gates = jnp.einsum("bskn,bsk->bsn", slots, routing.gate.astype(x.dtype)).reshape(mask.shape)
     buf = constrain(jnp.einsum("bsec,bsd->becd", mask, x), BUFFER)
     w_gate, w_up, w_down = weights
-    gate, up = (precision.einsum("becd,edf->becf", buf, w, grads) for w in (w_gate, w_up))
+    bufs = [buf] * 2 if f8 is None else fp8.sharing(f8.input("buffer", buf), 2)
+    gate, up = (precision.einsum("becd,edf->becf", b, w, grads) for b, w in zip(bufs, (w_gate, w_up), strict=True))
     hidden = constrain(lean.swiglu(gate, up), BUFFER_HIDDEN)
+    hidden = hidden if f8 is None else f8.input("hidden", hidden)
     out = constrain(precision.einsum("becf,efd->becd", hidden, w_down, grads), BUFFER)
     return constrain(jnp.einsum("bsec,becd->bsd", gates, out), RESIDUAL)
 
@@ -158,6 +168,8 @@ class MoE(nnx.Module):
         self.shared = shared
         self.bias = balance.router_bias(moe)
         self.grads = precision.weight_grads(config)
+        per_tensor = config.precision.fp8 in ("delayed", "current")  # blockwise: the routed experts stay bf16
+        self.fp8 = Fp8(config.precision, ("buffer", "hidden"), WEIGHTS, moe.experts) if per_tensor else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         c, moe = self.config, self.config.moe
@@ -166,11 +178,14 @@ class MoE(nnx.Module):
         seq_capacity = capacity(moe, x.shape[1])
         bias = None if self.bias is None else self.bias[...]
         routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias)
-        weights = tuple(w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        weights = tuple(getattr(self, name)[...].astype(dt) for name in WEIGHTS)
+        f8 = None if self.fp8 is None else self.fp8.inputs()
+        if f8 is not None:  # per-expert e4m3 copies and scales (made once per step by jaxscale.fp8.prepare)
+            weights = tuple(self.fp8.weight(name, w) for name, w in zip(WEIGHTS, weights, strict=True))
         if moe.impl == "partitioner" or active() is None:
-            y = partitioner_experts(x, routing, weights, moe, seq_capacity, self.grads)
+            y = partitioner_experts(x, routing, weights, moe, seq_capacity, self.grads, f8)
         else:
-            y = expert.experts(x, routing, weights, moe, seq_capacity, self.grads)
+            y = expert.experts(x, routing, weights, moe, seq_capacity, self.grads, f8)
         if self.shared is not None:
             y = y + self.shared(x)
         return checkpoint_name(y, "mlp_out"), aux

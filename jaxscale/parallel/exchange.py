@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
+from jaxscale import fp8
 from jaxscale import routing as kernels
 
 CHUNKS_PER_MEAN = 32  # a chunk is at most 1/32 of a destination's mean rows: the rounding's bound
@@ -94,13 +95,15 @@ swap.defvjp(_swap_fwd, _swap_bwd)
 def dropless_rows(
     x: jax.Array,
     routing: kernels.Routing,
-    weights: tuple[jax.Array, ...],
+    weights: tuple[jax.Array | fp8.Operand, ...],
     axes: tuple[str, ...],
     shards: int,
     every: tuple[str, ...],
+    f8: fp8.Inputs | None = None,
 ) -> jax.Array:
     """Tokens ``x`` [b, s, h] through their chosen experts, held ``len(w) = E/shards`` per shard of ``axes``;
-    gated and summed. ``every``: all the mesh axes (the trip count is the same on every device)."""
+    gated and summed. ``every``: all the mesh axes (the trip count is the same on every device); ``f8``: the
+    grouped matmuls' fp8 histories, with fp8 weights (:func:`jaxscale.models.routing.grouped_swiglu`)."""
     b, s, h = x.shape
     k = routing.index.shape[-1]
     n, local = b * s * k, weights[0].shape[0]
@@ -124,7 +127,7 @@ def dropless_rows(
     ends = jnp.cumsum(arriving, axis=1)  # [sources, local]
     r = jnp.arange(rows)
     which = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=-1)  # [sources, rows]; == local: padding
-    out = kernels.grouped_swiglu(received.reshape(shards * rows, h), which.reshape(-1), *weights)
+    out = kernels.grouped_swiglu(received.reshape(shards * rows, h), which.reshape(-1), *weights, f8=f8)
     back = swap(out.reshape(shards, rows, h), trips, axes, chunk)
     y = jnp.zeros((n, h), x.dtype).at[order].set(back[dest, pos])
     return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))

@@ -52,28 +52,53 @@ checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
+from jaxscale import fp8
 from jaxscale import routing as kernels
 from jaxscale.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config import MoEConfig
 from jaxscale.parallel import exchange
 from jaxscale.sharding import active, constrain, gather_shards, spec
 
+Weight = jax.Array | fp8.Operand
+
+
+def _specs(w: Weight, s: PartitionSpec) -> Weight:
+    """The ``shard_map`` specs of an expert weight laid out as ``s``; of an fp8 one, its per-expert scales and
+    histories split as its experts, its output's history whole."""
+    if not isinstance(w, fp8.Operand):
+        return s
+    experts = PartitionSpec(s[0])
+    return fp8.Operand(s, fp8.Quantized(s, experts, experts), PartitionSpec(s[0], None), PartitionSpec(), w.recipe)
+
+
+def _gathered(w: Weight, s: PartitionSpec, keep: tuple[str, ...], grads: jnp.dtype | None) -> Weight:
+    """:func:`gather_shards` of an expert weight; an fp8 one's float8 values gathered as they are (1 byte each)."""
+    if not isinstance(w, fp8.Operand):
+        return gather_shards(w, s, keep, grads)
+    q = w.quantized._replace(q=gather_shards(w.quantized.q, s, keep))
+    return w.replace(value=gather_shards(w.value, s, keep, grads), quantized=q)
+
 
 def experts(
     x: jax.Array,
     routing: kernels.Routing,
-    weights: tuple[jax.Array, ...],
+    weights: tuple[Weight, ...],
     moe: MoEConfig,
     seq_capacity: int,
     grads: jnp.dtype | None = None,
+    f8: fp8.Inputs | None = None,
 ) -> jax.Array:
     """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map;
     ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.einsum`; the grouped matmuls of
-    ``dropless`` keep autodiff's)."""
+    ``dropless`` keep autodiff's); ``f8``: the buffers' fp8 histories, whole on every device (an amax is
+    then the whole batch's), with fp8 weights (:mod:`jaxscale.models.routing`)."""
     mesh, place = active()
     ep, mlp = place.expert_axes, place.mesh_axes(("expert_mlp",))
     seq = place.mesh_axes((RESIDUAL[1],))
@@ -81,11 +106,11 @@ def experts(
     keep = ep + mlp
     partial = tuple(a for a in mlp if a not in seq)  # the tokens are whole there: partial sums of the experts
 
-    def body(x: jax.Array, index: jax.Array, gate: jax.Array, slot: jax.Array, *ws: jax.Array) -> jax.Array:
+    def body(x: jax.Array, index: jax.Array, gate: jax.Array, slot: jax.Array, f8: Any, *ws: Weight) -> jax.Array:
         # Whole sequences on every device: capacity is counted per sequence.
         if seq:
             x, index, gate, slot = (lax.all_gather(a, seq, axis=1, tiled=True) for a in (x, index, gate, slot))
-        w_gate, w_up, w_down = (gather_shards(w, s, keep, grads) for w, s in zip(ws, w_specs, strict=True))
+        w_gate, w_up, w_down = (_gathered(w, s, keep, grads) for w, s in zip(ws, w_specs, strict=True))
         if partial:
             # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
             # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.
@@ -95,21 +120,21 @@ def experts(
             buf = kernels.dispatch(x, local, moe.experts, seq_capacity)
             if ep:
                 buf = lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
-            out = kernels.swiglu(buf, w_gate, w_up, w_down, grads)
+            out = kernels.swiglu(buf, w_gate, w_up, w_down, grads, f8)
             if ep:
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
             y = kernels.combine(out, local)
         elif ep and moe.dropless_exchange == "rows" and exchange.ragged_compiles(mesh):
             y = exchange.ragged_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep))
         elif ep and moe.dropless_exchange == "rows":
-            y = exchange.dropless_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), mesh.axis_names)
+            y = exchange.dropless_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), mesh.axis_names, f8)
         elif ep:
             x, local = (lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, local))
             first = lax.axis_index(ep) * w_gate.shape[0]
-            y = kernels.dropless(x, local, w_gate, w_up, w_down, first)
+            y = kernels.dropless(x, local, w_gate, w_up, w_down, first, f8)
             y = lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
         else:
-            y = kernels.dropless(x, local, w_gate, w_up, w_down)
+            y = kernels.dropless(x, local, w_gate, w_up, w_down, f8=f8)
         if partial:
             y = lax.psum(y, partial)
         if seq and set(seq) <= set(mlp):
@@ -120,9 +145,9 @@ def experts(
         return y
 
     x_spec, r_spec = spec(place, RESIDUAL), spec(place, ROUTING)
-    fn = jax.shard_map(
-        body, mesh=mesh, in_specs=(x_spec, r_spec, r_spec, r_spec, *w_specs), out_specs=x_spec
-    )
+    whole = jax.tree.map(lambda _: PartitionSpec(), f8)
+    specs = tuple(_specs(w, s) for w, s in zip(weights, w_specs, strict=True))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, r_spec, r_spec, r_spec, whole, *specs), out_specs=x_spec)
     x = constrain(x, RESIDUAL)
     index, gate, slot = (constrain(a, ROUTING) for a in routing)
-    return fn(x, index, gate, slot, *weights)
+    return fn(x, index, gate, slot, f8, *weights)

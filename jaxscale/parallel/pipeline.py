@@ -10,11 +10,12 @@ stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
 the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
-idle slots are skipped. Stage s stores layers ``[s·L/p, (s+1)·L/p)``;
-with v chunks per stage (``pipeline.repeats``) it runs layer groups ``c·p + s`` for c < v, the
-*virtual stages* a microbatch visits in turn round the ring. With ``pipeline.layers_per_stage`` the
-virtual stages differ in size: each is a chunk of as many slots as the largest, its unused slots the
-identity (:mod:`jaxscale.stage_layers`); a tick then lasts as long as the largest chunk,
+idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
+groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
+exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
+chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
+With ``pipeline.layers_per_stage`` the virtual stages differ in size: each is a chunk of as many slots as
+the largest, its unused slots the identity; a tick then lasts as long as the largest chunk,
 whose slots every stage keeps room for.
 
 **The loop** (:mod:`jaxscale.parallel.schedules` builds its table as data; each stage's program is a
@@ -70,7 +71,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import stage_layers
+from jaxscale import fp8, stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage
 from jaxscale.parallel import schedules
@@ -105,20 +106,22 @@ class Parts(NamedTuple):
     block_shapes: Any
     rest: Any
     block_graph: Any  # one stacked unit's graph
-    blocks: Any  # the blocks' parameters [layers, ...] (pure dict) and their logical axes
+    blocks: Any  # the blocks' parameters as stored, [slots, ...] (pure dict), and their logical axes
     block_axes: Any
+    histories: Any  # the blocks' fp8 amax histories [layers, history] (pure dict; empty: fp8 off), their axes
+    history_axes: Any
     outer: Any  # the rest's parameters (pure dict) and their logical axes
     outer_axes: Any
 
 
 def split_model(model: Any) -> Parts:
-    """``model``'s blocks (``model.blocks``, stacked) apart from the rest."""
+    """``model``'s blocks (``model.blocks``, stacked; their fp8 histories apart) apart from the rest."""
     graph, blocks_state, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
-    block_graph, block_state = nnx.split(model.blocks)
+    block_graph, histories, block_state = nnx.split(model.blocks, fp8.Fp8Meta, ...)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
     return Parts(
         graph, shapes, rest, block_graph, nnx.to_pure_dict(block_state), logical_axes(block_state),
-        nnx.to_pure_dict(rest), logical_axes(rest),
+        nnx.to_pure_dict(histories), logical_axes(histories), nnx.to_pure_dict(rest), logical_axes(rest),
     )
 
 
@@ -153,16 +156,6 @@ def build(
     )
 
 
-def chunked(blocks: Any, axes: Any, v: int, mesh: Mesh, rules: Rules) -> Any:
-    """The stacked blocks [layers, ...] as [v, layers / v, ...]: stage s holds groups c·p + s of every chunk c."""
-
-    def one(w: jax.Array, w_axes: tuple) -> jax.Array:
-        sharding = NamedSharding(mesh, PartitionSpec(None, *rules.spec(w_axes)))
-        return lax.with_sharding_constraint(w.reshape(v, w.shape[0] // v, *w.shape[1:]), sharding)
-
-    return jax.tree.map(one, blocks, axes, is_leaf=lambda a: isinstance(a, jax.Array))
-
-
 def microbatches(x: jax.Array, m: int) -> jax.Array:
     """[rows, ...] as [m, rows / m, ...]: row r of microbatch i is row r·m + i, so each device keeps its rows."""
     return constrain(x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), (None, *TOKENS))
@@ -180,7 +173,7 @@ def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> A
     def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], axes: tuple[str | None, ...]) -> jax.Array:
         if not _flat(dims):
             return g
-        shards = NamedSharding(mesh, PartitionSpec(None, *rules.spec(axes)))
+        shards = NamedSharding(mesh, PartitionSpec(*rules.spec(axes)))
         return lax.with_sharding_constraint(jnp.sum(g, axis=0), shards)
 
     leaves, tree = jax.tree.flatten(grads)
@@ -189,27 +182,45 @@ def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> A
 
 def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..., tuple]:
     """``program`` on every stage: a ``shard_map`` manual over its axes, the embedding and head entering each
-    stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it."""
+    stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it.
+    The stacked blocks enter as they are stored (:class:`~jaxscale.stage_layers.Storage`): stage s's shard
+    is its v chunks one after the other, [v·slots, ...], seen as [v, slots, ...] where it runs."""
     ring = program.inner.stage.ring
     data = tuple(a for a in program.summed if a not in ring)
     batch = PartitionSpec(None, data or None, ring or None)
     stacked = PartitionSpec(AXIS)
+    v = program.repeats
 
-    def run(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
-        per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
-        tree = jax.tree.structure(blocks)
-        block_specs = jax.tree.map(lambda _: PartitionSpec(None, AXIS), blocks)
-        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
-        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), None, AXIS)
-                                     for d in program.gathers])
-        out = jax.shard_map(
-            program.run, mesh=mesh, in_specs=(stacked, block_specs, dict.fromkeys(xs, batch)),
-            out_specs=(PartitionSpec(), PartitionSpec(), grad_specs, stacked)[: 4 if program.table.train else 2],
-            axis_names=set(program.manual),
-        )(per_stage, blocks, xs)
+    def stored(d: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
+        """A gradient [(1,) v, slots, ...] as the stage's shard of the stack, [(1,) v·slots, ...]."""
+        lead = 1 if _flat(dims) else 0
+        return d.reshape(*d.shape[:lead], -1, *d.shape[lead + 2 :])
+
+    def local(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
+        chunks, hist = (jax.tree.map(lambda w: w.reshape(v, w.shape[0] // v, *w.shape[1:]), t)
+                        for t in (blocks, histories))
+        out = program.run(outer, chunks, hist, xs)
         if not program.table.train:
             return out
-        return (*out[:2], sum_shards(program, out[2], mesh, rules), program.sum_stage_copies(out[3]))
+        leaves, tree = jax.tree.flatten(out[2])
+        grads = tree.unflatten([stored(d, dims) for d, dims in zip(leaves, program.gathers, strict=True)])
+        return (*out[:2], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[3]), out[4])
+
+    def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
+        per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
+        tree = jax.tree.structure(blocks)
+        block_specs, history_specs = (jax.tree.map(lambda _: stacked, t) for t in (blocks, histories))
+        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
+        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), AXIS)
+                                     for d in program.gathers])
+        outs = (PartitionSpec(), PartitionSpec(), grad_specs, history_specs, stacked)
+        out = jax.shard_map(
+            local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
+            out_specs=outs if program.table.train else outs[:2], axis_names=set(program.manual),
+        )(per_stage, blocks, histories, xs)
+        if not program.table.train:
+            return out
+        return (*out[:2], sum_shards(program, out[2], mesh, rules), out[3], program.sum_stage_copies(out[4]))
 
     return run
 
@@ -227,23 +238,27 @@ def objective(
     parts = split_model(model)
     train = build(mesh, place, parts, model, head_loss)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
-    blocks = chunked(parts.blocks, parts.block_axes, train.repeats, mesh, place.rules)
+    blocks, histories = parts.blocks, parts.histories  # stored with each stage's chunks together: no reshuffle
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
 
     @jax.custom_vjp
-    def pipelined(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, xs)
+    def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
+        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, histories, xs)
 
-    def pipelined_fwd(outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, d_outer = shard_mapped(train, mesh, place.rules)(outer, blocks, xs)
-        return (loss, metrics), (d_outer, d_blocks)
+    def pipelined_fwd(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
+        loss, metrics, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
+            outer, blocks, histories, xs
+        )
+        return (loss, metrics), ((d_outer, d_blocks), new_histories)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
-        # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable).
+        # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
+        # the histories' "gradients" are their updates (jaxscale/fp8.py), as they are.
+        grads, new_histories = res
         g = cotangents[0]
-        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), res, dtypes), None)
+        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), grads, dtypes), new_histories, None)
 
     pipelined.defvjp(pipelined_fwd, pipelined_bwd)
-    loss, metrics = pipelined(parts.outer, blocks, xs)
+    loss, metrics = pipelined(parts.outer, blocks, histories, xs)
     return loss, jax.tree.map(lax.stop_gradient, metrics)

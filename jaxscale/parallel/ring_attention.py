@@ -35,6 +35,15 @@ tokens, targets and positions of each sequence in this order
 (:func:`sequence_order`), so the loss (a mean over tokens) is unchanged and
 RoPE sees the true positions.
 
+**Packed documents** (``data.documents``: the positions restart at each document): a token's document is
+named by where it starts in the sequence, its index in the sequence's natural order less its position
+(:func:`document_starts`; each device knows the natural index of its tokens from the tile ids). The key
+side's starts travel the ring with their K and V blocks. A tile where no query shares a document with
+any key is skipped as the causally masked ones are (its tokens are contiguous in the natural order and
+the starts non-decreasing, so the test on the tiles' least and greatest starts is exact); a tile in one
+document is computed as without documents; only a tile spanning a boundary is masked to the pairs of one
+document, a ``block x block`` comparison made inside the tile.
+
 With a ring of one device the same kernel is blockwise (flash) attention on
 one device: ``model.attention: blockwise``.
 
@@ -60,6 +69,7 @@ from jax.sharding import PartitionSpec
 from jaxscale.sharding import Axes, active, spec, spec_axes, stage
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
+ACROSS = 2  # added to DIAGONAL or FULL: a tile whose pairs span documents, masked pair by pair
 LAYOUTS = ("zigzag", "contiguous")
 _NEG = float(np.finfo(np.float32).min)
 
@@ -138,19 +148,56 @@ def _put(x: jax.Array, tile: jax.Array, i: jax.Array, block: int, axis: int) -> 
     return lax.dynamic_update_slice_in_dim(x, tile, i * block, axis)
 
 
-def _scores(q: jax.Array, k: jax.Array, masked: bool, scale: float) -> jax.Array:
-    """[b, kv heads, group, q, k] scores of one tile, fp32, causally masked on a diagonal tile."""
+def document_starts(positions: jax.Array, natural: jax.Array) -> jax.Array:
+    """The natural index where each token's document starts: ``natural`` (each token's index in the sequence's
+    natural order) less its ``positions`` [b, s] (restarting at 0 at each document, ``data.documents``)."""
+    return natural[None, :] - positions.astype(jnp.int32)
+
+
+def _visible(kind, q_starts: jax.Array, k_starts: jax.Array):
+    """``kind`` of a tile given its queries' and keys' document starts ([b, block] each; non-decreasing over
+    contiguous tokens, so a tile's documents are those between its least and greatest start): SKIP where no
+    query shares a document with a key, ``kind`` where every row's tile is in one document, else
+    ``kind + ACROSS`` (masked pair by pair)."""
+    q_lo, q_hi, k_lo, k_hi = q_starts.min(1), q_starts.max(1), k_starts.min(1), k_starts.max(1)
+    overlap = (q_lo <= k_hi) & (k_lo <= q_hi)
+    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    return jnp.where(overlap.any() & (kind != SKIP), jnp.where(one.all(), kind, kind + ACROSS), SKIP)
+
+
+def _branches(tile_fn, scale: float, documents: bool) -> list:
+    """The tile functions by kind: SKIP, DIAGONAL, FULL and, with ``documents``, the two masked across them;
+    each takes (acc, *tiles, docs)."""
+
+    def make(masked: bool, across: bool):
+        fn = partial(tile_fn, masked=masked, scale=scale)
+        return fn if across else lambda *args: fn(*args[:-1], None)
+
+    skip = [lambda acc, *_: acc, make(True, False), make(False, False)]
+    return [*skip, make(True, True), make(False, True)] if documents else skip
+
+
+def _scores(q: jax.Array, k: jax.Array, docs, masked: bool, scale: float) -> jax.Array:
+    """[b, kv heads, group, q, k] scores of one tile, fp32, causally masked on a diagonal tile and, with ``docs``
+    (the tile's query and key document starts, [b, block] each), masked across documents."""
     s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
     if masked:
         n = q.shape[1]
         s = jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n)[None, :], s, _NEG)
+    if docs is not None:
+        same = docs[0][:, :, None] == docs[1][:, None, :]  # [b, q, k]: one tile's, never the sequence's
+        s = jnp.where(same[:, None, None], s, _NEG)
     return s
 
 
-def _fold_tile(acc, q, k, v, *, masked: bool, scale: float):
-    """Online softmax: fold one key/value tile into the running (out, max, sum) of one query tile."""
+def _fold_tile(acc, q, k, v, docs, *, masked: bool, scale: float):
+    """Online softmax: fold one key/value tile into the running (out, max, sum) of one query tile.
+
+    A query row all of whose keys in the tile are in other documents, met before any key of its own
+    document, adds exp(0) = 1 per key while its max is still ``_NEG``; its own document's keys (its own at
+    least) then scale that by exp(``_NEG`` - max) = 0, so nothing of it stays."""
     o, m, total = acc
-    s = _scores(q, k, masked, scale)
+    s = _scores(q, k, docs, masked, scale)
     m_new = jnp.maximum(m, s.max(-1))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
@@ -158,21 +205,33 @@ def _fold_tile(acc, q, k, v, *, masked: bool, scale: float):
     return o * jnp.transpose(corr, (0, 3, 1, 2))[..., None] + pv, m_new, total * corr + p.sum(-1)
 
 
-def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring):
-    """Fold the key/value tiles ``k_ids`` into the running (out, max, sum) of the query tiles ``q_ids``."""
+def _tile_docs(starts, i: jax.Array, j: jax.Array, block: int):
+    """The query tile ``i``'s and key tile ``j``'s document starts (None without documents)."""
+    return None if starts is None else (_tile(starts[0], i, block, 1), _tile(starts[1], j, block, 1))
+
+
+def _kind(plan: _Ring, q_id, k_id, docs):
+    """SKIP, DIAGONAL or FULL for a query tile against a key tile; with documents (``docs``) SKIP where none is
+    shared, and ``+ ACROSS`` where the tile spans a boundary (:func:`_visible`)."""
+    kind = tile_kind(q_id, k_id, plan.causal)
+    return kind if docs is None else _visible(kind, *docs)
+
+
+def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring, starts=None):
+    """Fold the key/value tiles ``k_ids`` into the running (out, max, sum) of the query tiles ``q_ids``;
+    ``starts``: the queries' and keys' document starts, or None."""
     block = plan.block
-    full = partial(_fold_tile, masked=False, scale=plan.scale)
-    branches = (lambda acc, *_: acc, partial(_fold_tile, masked=True, scale=plan.scale), full)
+    branches = _branches(_fold_tile, plan.scale, starts is not None)
 
     def per_query(state, i):
         o, m, total = state
         qi = _tile(q, i, block, 1)
 
         def per_key(acc, j):
-            kj, vj = _tile(k, j, block, 1), _tile(v, j, block, 1)
-            if not plan.causal:
-                return full(acc, qi, kj, vj), None
-            return lax.switch(tile_kind(q_ids[i], k_ids[j], True), branches, acc, qi, kj, vj), None
+            kj, vj, docs = _tile(k, j, block, 1), _tile(v, j, block, 1), _tile_docs(starts, i, j, block)
+            if not plan.causal and docs is None:
+                return branches[FULL](acc, qi, kj, vj, None), None
+            return lax.switch(_kind(plan, q_ids[i], k_ids[j], docs), branches, acc, qi, kj, vj, docs), None
 
         acc = (_tile(o, i, block, 1), _tile(m, i, block, 3), _tile(total, i, block, 3))
         acc, _ = lax.scan(per_key, acc, jnp.arange(k.shape[1] // block))
@@ -182,10 +241,10 @@ def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring):
     return state
 
 
-def _grad_tile(acc, q, do, lse, delta, k, v, *, masked: bool, scale: float):
+def _grad_tile(acc, q, do, lse, delta, k, v, docs, *, masked: bool, scale: float):
     """Add one tile's contribution to (dq of the query tile, dk and dv of the key/value tile)."""
     dq, dk, dv = acc
-    p = jnp.exp(_scores(q, k, masked, scale) - lse[..., None])
+    p = jnp.exp(_scores(q, k, docs, masked, scale) - lse[..., None])
     dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bqhgd,bkhd->bhgqk", do, v, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None]) * scale
@@ -194,11 +253,10 @@ def _grad_tile(acc, q, do, lse, delta, k, v, *, masked: bool, scale: float):
     return dq, dk, dv
 
 
-def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring):
+def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring, starts=None):
     """Gradients of one key/value block: adds to ``dq``, returns it with this block's (dk, dv)."""
     block = plan.block
-    full = partial(_grad_tile, masked=False, scale=plan.scale)
-    branches = (lambda acc, *_: acc, partial(_grad_tile, masked=True, scale=plan.scale), full)
+    branches = _branches(_grad_tile, plan.scale, starts is not None)
 
     def per_key(dq, j):
         kj, vj = _tile(k, j, block, 1), _tile(v, j, block, 1)
@@ -207,11 +265,11 @@ def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring):
         def per_query(carry, i):
             dq, dk, dv = carry
             tiles = (_tile(q, i, block, 1), _tile(do, i, block, 1), _tile(lse, i, block, 3), _tile(delta, i, block, 3))
-            acc = (_tile(dq, i, block, 1), dk, dv)
-            if plan.causal:
-                acc = lax.switch(tile_kind(q_ids[i], k_ids[j], True), branches, acc, *tiles, kj, vj)
+            acc, docs = (_tile(dq, i, block, 1), dk, dv), _tile_docs(starts, i, j, block)
+            if plan.causal or docs is not None:
+                acc = lax.switch(_kind(plan, q_ids[i], k_ids[j], docs), branches, acc, *tiles, kj, vj, docs)
             else:
-                acc = full(acc, *tiles, kj, vj)
+                acc = branches[FULL](acc, *tiles, kj, vj, None)
             return (_put(dq, acc[0], i, block, 1), acc[1], acc[2]), None
 
         (dq, dk, dv), _ = lax.scan(per_query, (dq, zeros, zeros), jnp.arange(q.shape[1] // block))
@@ -221,8 +279,9 @@ def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring):
     return dq, *(jnp.moveaxis(x, 0, 1).reshape(k.shape) for x in (dk, dv))
 
 
-def _forward(q, k, v, plan: _Ring):
-    """Local blocks q [b, s/c, kv heads, group, d], k and v [b, s/c, kv heads, d] -> (out, log-sum-exp)."""
+def _forward(q, k, v, starts, plan: _Ring):
+    """Local blocks q [b, s/c, kv heads, group, d], k and v [b, s/c, kv heads, d] -> (out, log-sum-exp);
+    ``starts`` [b, s/c]: the tokens' document starts (travelling with K and V), or None."""
     me = plan.index()
     ids = jnp.asarray(plan.ids, jnp.int32)
     b, s, h, g, _ = q.shape
@@ -233,9 +292,11 @@ def _forward(q, k, v, plan: _Ring):
     # checkpoint, would stack one per tile: O(s²) memory.
     @jax.checkpoint
     def visit(state, kv, step):
-        return _fold(q, *kv, ids[me], ids[(me - step) % plan.cp], state, plan)
+        k, v, k_starts = kv
+        both = None if starts is None else (starts, k_starts)
+        return _fold(q, k, v, ids[me], ids[(me - step) % plan.cp], state, plan, both)
 
-    kv = (k, v)
+    kv = (k, v, starts)
     if plan.cp > 1:
 
         def ring_step(carry, step):
@@ -250,8 +311,8 @@ def _forward(q, k, v, plan: _Ring):
 
 
 def _backward(plan: _Ring, residuals, do):
-    """The ring again: K, V and their fp32 gradient accumulators travel; dq stays."""
-    q, k, v, out, lse = residuals
+    """The ring again: K, V (with their document starts) and their fp32 gradient accumulators travel; dq stays."""
+    q, k, v, starts, out, lse = residuals
     me = plan.index()
     ids = jnp.asarray(plan.ids, jnp.int32)
     delta = jnp.einsum("bqhgd,bqhgd->bhgq", do.astype(jnp.float32), out.astype(jnp.float32))
@@ -259,10 +320,12 @@ def _backward(plan: _Ring, residuals, do):
     dkv = (plan.zeros(k.shape), plan.zeros(v.shape))
 
     def visit(dq, dkv, kv, step):
-        dq, dk, dv = _grad(q, do, lse, delta, *kv, ids[me], ids[(me - step) % plan.cp], dq, plan)
+        k, v, k_starts = kv
+        both = None if starts is None else (starts, k_starts)
+        dq, dk, dv = _grad(q, do, lse, delta, k, v, ids[me], ids[(me - step) % plan.cp], dq, plan, both)
         return dq, (dkv[0] + dk, dkv[1] + dv)
 
-    kv = (k, v)
+    kv = (k, v, starts)
     if plan.cp > 1:
 
         def ring_step(carry, step):
@@ -275,27 +338,32 @@ def _backward(plan: _Ring, residuals, do):
     dq, dkv = visit(dq, dkv, kv, plan.cp - 1)
     if plan.cp > 1:
         dkv = plan.shift(dkv)  # the last hop brings each block's gradient home
-    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
+    return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(plan: _Ring, q, k, v):
-    return _forward(q, k, v, plan)[0]
+def _attend(plan: _Ring, q, k, v, starts):
+    return _forward(q, k, v, starts, plan)[0]
 
 
-def _attend_fwd(plan: _Ring, q, k, v):
-    out, lse = _forward(q, k, v, plan)
-    return out, (q, k, v, out, lse)
+def _attend_fwd(plan: _Ring, q, k, v, starts):
+    out, lse = _forward(q, k, v, starts, plan)
+    return out, (q, k, v, starts, out, lse)
 
 
 _attend.defvjp(_attend_fwd, _backward)
 
 
-def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """[b, s, heads, d] queries against [b, s, kv heads, d] keys and values, on this device's blocks."""
+def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None) -> jax.Array:
+    """[b, s, heads, d] queries against [b, s, kv heads, d] keys and values, on this device's blocks;
+    ``positions`` [b, s] of packed documents (attention kept within each), or None."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
-    out = _attend(plan, q.reshape(b, s, kv_heads, heads // kv_heads, d), k, v)
+    starts = None
+    if positions is not None:  # this device's tokens' natural indices, from its tiles' global ids
+        ids = jnp.asarray(plan.ids, jnp.int32)[plan.index()]
+        starts = document_starts(positions, (ids[:, None] * plan.block + jnp.arange(plan.block)).reshape(-1))
+    out = _attend(plan, q.reshape(b, s, kv_heads, heads // kv_heads, d), k, v, starts)
     return out.reshape(q.shape)
 
 
@@ -324,12 +392,14 @@ def attention(
     q_axes: Axes,
     kv_axes: Axes,
     *,
+    positions: jax.Array | None = None,
     causal: bool = True,
     block: int = 512,
     ring: bool = True,
     layout: str = "zigzag",
 ) -> jax.Array:
-    """Attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim].
+    """Attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
+    with ``positions`` [batch, length] of packed documents (restarting at 0 at each) within each document.
 
     Under :func:`jaxscale.sharding.use_rules` this is a ``jax.shard_map``
     manual over every mesh axis, with specs from the rules (``q_axes`` and
@@ -340,9 +410,9 @@ def attention(
     """
     current, inside = active(), stage()
     if inside is not None:
-        return _in_manual(q, k, v, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
+        return _in_manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
     if current is None:
-        return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v)
+        return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v, positions)
     mesh, place = current
     q_spec, kv_spec = spec(place, q_axes), spec(place, kv_axes)
     axes = spec_axes(q_spec[1]) if ring else ()
@@ -351,13 +421,14 @@ def attention(
     cp = place.size(axes)
     varying = tuple(a for part in q_spec for a in spec_axes(part))
     plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
-    fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec)
-    return fn(q, k, v)
+    in_specs = (q_spec, kv_spec, kv_spec, PartitionSpec(*q_spec[:2]))  # positions (or None)
+    fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=in_specs, out_specs=q_spec)
+    return fn(q, k, v, positions)
 
 
 def _in_manual(
-    q: jax.Array, k: jax.Array, v: jax.Array, axes: tuple[str, ...], *, causal: bool, block: int, ring: bool,
-    layout: str,
+    q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None, axes: tuple[str, ...], *, causal: bool,
+    block: int, ring: bool, layout: str,
 ) -> jax.Array:
     """:func:`attention` inside a ``shard_map`` manual over the ring's ``axes``: each device's blocks
     are its own already (the sequence in :func:`sequence_order` when causal)."""
@@ -370,4 +441,4 @@ def _in_manual(
     seq_len = q.shape[1] * cp
     varying = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))))
     plan = _plan(seq_len, cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
-    return _local(plan, q, k, v)
+    return _local(plan, q, k, v, positions)

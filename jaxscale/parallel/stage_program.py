@@ -36,6 +36,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxscale import fp8
 from jaxscale.config import ModelConfig
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.routing import METRICS
@@ -68,12 +69,20 @@ def _take(tree: Any, i: jax.Array) -> Any:
     return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
 
 
+class Unit(NamedTuple):
+    """A stacked unit's state (pure dicts), or a chunk's or the stage's (leading [v, slots] or [slots])."""
+
+    params: Any  # its parameters
+    histories: Any  # its fp8 amax histories (:mod:`jaxscale.fp8`; empty with precision.fp8=off)
+    copies: Any  # its weights' e4m3 copies, made once per step (:meth:`StageProgram.quantized`)
+
+
 class Weights(NamedTuple):
     """What a stage reads, unchanged through the loop."""
 
     outer: Any  # its copy of the embedding, final norm and head (pure dict)
     lookup: jax.Array  # the embedding table as the lookup reads it (:meth:`StageProgram.lookup_table`)
-    blocks: Any  # its chunks of the stacked blocks, [v, slots, ...] (pure dict)
+    blocks: Unit  # its chunks of the stacked blocks, [v, slots, ...]
     xs: dict[str, jax.Array]  # inputs, positions, targets: [m, rows, length]
     total: jax.Array  # the batch's trained targets (targets ≥ 0; at least 1): :meth:`StageProgram.count_targets`
 
@@ -96,6 +105,7 @@ class Loop(NamedTuple):
     grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
     acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
     acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
+    amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
     loss: jax.Array  # the objective's share of this device
     metrics: dict[str, jax.Array]  # MoE metrics, summed
 
@@ -148,9 +158,11 @@ class StageProgram:
         nnx.replace_by_pure_dict(state, outer)
         return nnx.merge(self.graph, self.block_shapes, state)
 
-    def layer(self, lp: Any, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    def layer(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One stacked unit on ``h``: its output, its share of the MoE aux objective, its MoE metrics."""
-        y, aux = nnx.merge(self.block_graph, lp)(h, pos)
+        unit = nnx.merge(self.block_graph, lp.params, lp.histories)
+        fp8.attach(unit, lp.copies)
+        y, aux = unit(h, pos)
         metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}  # no per-layer loads here
         share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
         return vary((y, jnp.asarray(share, F32), metrics), self.manual)
@@ -199,7 +211,7 @@ class StageProgram:
 
     # -- the forward slot ------------------------------------------------------------------
 
-    def unit_slot(self, lp: Any, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple:
+    def unit_slot(self, lp: Unit, h: jax.Array, pos: jax.Array, real: jax.Array) -> tuple:
         """A unit slot of a chunk: the unit where ``real``, else the identity (uneven stages' unused slots,
         whose gradients are zero)."""
         if not self.uneven:
@@ -211,7 +223,7 @@ class StageProgram:
         """How many units the stage's chunk ``chunk`` runs: those of virtual stage chunk·p + stage."""
         return jnp.asarray(self.counts)[jnp.clip(chunk * self.stages + stage, 0, len(self.counts) - 1)]
 
-    def chunk_forward(self, pc: Any, h: jax.Array, pos: jax.Array, n: jax.Array) -> tuple:
+    def chunk_forward(self, pc: Unit, h: jax.Array, pos: jax.Array, n: jax.Array) -> tuple:
         """A chunk of ``n`` units in its slots: output, the input of every slot, aux objective share, metrics."""
 
         def one(h: jax.Array, lk: tuple) -> tuple[jax.Array, tuple]:
@@ -276,28 +288,37 @@ class StageProgram:
         n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
         cot = on.astype(F32)  # the aux objective's cotangent: 0 in a masked slot
 
+        def unit(lp: Any, hp: Any, x: jax.Array, k: jax.Array) -> tuple:
+            return self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), x, pos, k < n)
+
         def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
-            dx, acc, acc_outer, loss = carry
-            (y, obj, met), pull = jax.vjp(lambda lp, x: self.unit_slot(lp, x, pos, k < n), _take(pc, k), inputs[k])
+            dx, acc, amax, acc_outer, loss = carry
+            (y, obj, met), pull = jax.vjp(
+                functools.partial(unit, k=k), _take(pc.params, k), _take(pc.histories, k), inputs[k]
+            )
             head_loss, dy_head, acc_outer = self.head_grad(
                 w, (slot.kind == LAST) & (k == top), slot.any_last & (k == top), y, w.xs["targets"][slot.micro],
                 acc_outer,
             )
             dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
-            d_lp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.manual))
-            return (dx, self.add_unit_grad(acc, slot.chunk, k, d_lp), acc_outer, loss + head_loss + obj), met
+            d_lp, d_hp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.manual))
+            acc = self.add_unit_grad(acc, slot.chunk, k, d_lp)
+            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
+            return (dx, acc, amax, acc_outer, loss + head_loss + obj), met
 
         def run() -> tuple:
-            init = vary((jnp.zeros_like(inputs[0]), state.acc, state.acc_outer, jnp.zeros((), F32)), self.manual)
-            (dx, acc, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
-            return acc, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
+            init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32)),
+                        self.manual)
+            (dx, acc, amax, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
+            return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
 
-        zeros = vary((state.acc, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32), self.zero_metrics()),
-                     self.manual)
+        zeros = vary((state.acc, state.amax, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32),
+                      self.zero_metrics()), self.manual)
         if self.skip:
             return self.when(on, run, zeros)
-        acc, *rest = run()  # masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``
-        return acc, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[1:])
+        # Masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``; its amaxes are masked.
+        acc, amax, *rest = run()
+        return acc, amax, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[2:])
 
     @staticmethod
     def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array, d_lp: Any) -> Any:
@@ -309,6 +330,19 @@ class StageProgram:
             return lax.dynamic_update_slice(a, old + g.astype(a.dtype)[None, None], start)
 
         return jax.tree.map(one, acc, d_lp)
+
+    @staticmethod
+    def add_amax(amax: Any, chunk: jax.Array, k: jax.Array, d_hp: Any, valid: jax.Array) -> Any:
+        """``amax`` with unit ``k``'s updated fp8 histories ``d_hp`` (:mod:`jaxscale.fp8`: a history's
+        "gradient" is the history with this microbatch's amax pushed in) at chunk ``chunk``'s slot k: the
+        largest of the microbatches' (as :func:`jaxscale.fp8.combine`), where ``valid``."""
+
+        def one(a: jax.Array, h: jax.Array) -> jax.Array:
+            start = (chunk, k, *([0] * h.ndim))
+            old = lax.dynamic_slice(a, start, (1, 1, *h.shape))
+            return lax.dynamic_update_slice(a, jnp.where(valid, jnp.maximum(old, h[None, None]), old), start)
+
+        return jax.tree.map(one, amax, d_hp)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -323,12 +357,14 @@ class StageProgram:
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=_put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = _slot(col, stage, "b_")
-        acc, acc_outer, dh, b_loss, b_met = self.backward_slot(w, bwd, stage, state.grads[col["b_grad"][stage]], state)
+        acc, amax, acc_outer, dh, b_loss, b_met = self.backward_slot(
+            w, bwd, stage, state.grads[col["b_grad"][stage]], state
+        )
         acc_outer = {**acc_outer, "embedding": self.embedding_grad(w, bwd, dh, acc_outer["embedding"])}
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
             grads=self.send_backward(state.grads, dh, col["recv_b"][stage]),
-            acc=acc, acc_outer=acc_outer, loss=state.loss + b_loss,
+            acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss,
             metrics=jax.tree.map(jnp.add, state.metrics, b_met),
         )
         return state, None
@@ -344,15 +380,28 @@ class StageProgram:
         state = Loop(
             acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
-            acc=zeros(w.blocks), acc_outer=zeros(w.outer), loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
+            acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
+            loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
         )
         return vary(state, self.manual)
 
-    def run(self, outer: Any, blocks: Any, xs: dict[str, jax.Array]) -> tuple:
+    def quantized(self, blocks: Unit) -> Any:
+        """The e4m3 copies of the stage's fp8 weights, made once per step before the loop (:func:`jaxscale.fp8.prepare`;
+        none with precision.fp8 off or blockwise), each varying over the loop's axes as the weights do."""
+        if not blocks.histories:
+            return {}
+        copies = fp8.prepare(nnx.merge(self.block_graph, blocks.params, blocks.histories))
+        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.manual)), copies,
+                            is_leaf=lambda q: isinstance(q, fp8.Quantized))
+
+    def run(self, outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         """The ``shard_map``'s body: the stage's loop over the table's ticks under the stage's layout.
 
-        Returns loss and metrics and, training, the blocks' gradients and the per-stage gradients of the
-        embedding, final norm and head (a leading ``stage`` dimension of 1)."""
+        ``histories``: the blocks' fp8 amax histories, each stage its own layers' (varying over ``stage``
+        alone: an amax inside the stage is the maximum over the devices of that stage,
+        :func:`jaxscale.fp8.global_amax`). Returns loss and metrics and, training, the blocks' gradients,
+        their updated histories and the per-stage gradients of the embedding, final norm and head (a leading
+        ``stage`` dimension of 1)."""
         with use_layout(jax.sharding.get_abstract_mesh(), self.inner):
             # The embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
             # partition their lookup or scatter against FSDP shards inside the partly manual region.
@@ -360,8 +409,9 @@ class StageProgram:
                 lambda x, a: constrain(x[0], tuple(None if n == "embed" else n for n in a)), outer, self.outer_axes,
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
-            held = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
-            w = Weights(*held, self.count_targets(held[3]["targets"]))
+            copies = self.quantized(Unit(blocks, histories, {}))  # once per step: not per microbatch or tick
+            outer, lookup, blocks, xs = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
+            w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
             state, _ = lax.scan(tick, self.start(w), cols)
@@ -395,12 +445,14 @@ class StageProgram:
         metrics need no sum over data axes: the loop of an MoE model is manual over ``stage`` alone."""
         metrics = jax.tree.map(lambda a: a / (sum(self.counts) * self.microbatches), state.metrics)
         acc, acc_outer, loss = self.scatter(state.acc) if self.table.train else state.acc, state.acc_outer, state.loss
+        amax = state.amax
         if self.summed:
             acc_outer, loss = lax.psum((acc_outer, loss), self.summed)
+            amax = lax.pmax(amax, self.summed)  # the same on every device of a stage (global amaxes)
         loss, metrics = lax.psum((loss, metrics), AXIS)
         if not self.table.train:
             return loss, metrics
-        return loss, metrics, acc, jax.tree.map(lambda a: a[None], acc_outer)
+        return loss, metrics, acc, amax, jax.tree.map(lambda a: a[None], acc_outer)
 
     def scatter(self, acc: Any) -> Any:
         """Once per step: the blocks' gradients summed over the manual data and context axes that split no
