@@ -144,13 +144,14 @@ def varying_like(a: jax.Array, like: jax.Array) -> jax.Array:
 def ragged_rows(
     x: jax.Array,
     routing: kernels.Routing,
-    weights: tuple[jax.Array, ...],
+    weights: tuple[jax.Array | fp8.Operand, ...],
     axes: tuple[str, ...],
     shards: int,
+    f8: fp8.Inputs | None = None,
 ) -> jax.Array:
-    """:func:`dropless_rows` by one ``lax.ragged_all_to_all`` each way (GPU, TPU): the same tokens, experts and
-    result. Slice ``(d, e)`` of a device's sorted rows (those for expert ``e`` of shard ``d``) lands on ``d``
-    after the rows of its experts before ``e``, and of ``e``'s sources before this device."""
+    """:func:`dropless_rows` by one ``lax.ragged_all_to_all`` each way (GPU, TPU): the same tokens, experts,
+    fp8 histories and result. Slice ``(d, e)`` of a device's sorted rows (those for expert ``e`` of shard
+    ``d``) lands on ``d`` after the rows of its experts before ``e``, and of ``e``'s sources before this device."""
     b, s, h = x.shape
     k = routing.index.shape[-1]
     n, local = b * s * k, weights[0].shape[0]
@@ -170,7 +171,7 @@ def ragged_rows(
     received = lax.ragged_all_to_all(tokens, buffer, starts, sizes, swap(at).reshape(-1), arriving.reshape(-1),
                                      axis_name=axes)
     which = jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(shards * n), side="right")  # == local: padding
-    out = kernels.grouped_swiglu(received, which, *weights)
+    out = kernels.grouped_swiglu(received, which, *weights, f8=f8)
     home = varying_like(jnp.zeros((n, h), x.dtype), out)
     back = lax.ragged_all_to_all(out, home, at.reshape(-1), arriving.reshape(-1), swap(starts).reshape(-1), sizes,
                                  axis_name=axes)

@@ -125,7 +125,7 @@ def experts(
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
             y = kernels.combine(out, local)
         elif ep and moe.dropless_exchange == "rows" and exchange.ragged_compiles(mesh):
-            y = exchange.ragged_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep))
+            y = exchange.ragged_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), f8)
         elif ep and moe.dropless_exchange == "rows":
             y = exchange.dropless_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), mesh.axis_names, f8)
         elif ep:
