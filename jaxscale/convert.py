@@ -1,10 +1,12 @@
-"""Hugging Face weights in and out: Llama, Mixtral and DeepSeek-V3 safetensors <-> jaxscale parameters checkpoints.
+"""Hugging Face weights in and out: Llama, Mixtral, Qwen3-MoE and DeepSeek-V3 safetensors <-> jaxscale
+parameters checkpoints.
 
 ``jaxscale convert hf-to-jaxscale --from HF_DIR --to CKPT_DIR`` reads a local
 Hugging Face directory (``config.json`` and ``*.safetensors``, one file or
 shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM``,
-``MixtralForCausalLM`` or ``DeepseekV3ForCausalLM`` (its table: :mod:`jaxscale.convert_deepseek`) and
-writes a parameters checkpoint (:func:`jaxscale.checkpoint.save_params`): ``CKPT_DIR/params`` (orbax) and
+``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or ``DeepseekV3ForCausalLM`` (its table:
+:mod:`jaxscale.convert_deepseek`) and writes a parameters checkpoint
+(:func:`jaxscale.checkpoint.save_params`): ``CKPT_DIR/params`` (orbax) and
 ``CKPT_DIR/model.yaml``, the jaxscale model generated from ``config.json``
 (``--config`` layers a model YAML over it: compute dtype, remat, MoE dispatch).
 ``checkpoint.init_from: CKPT_DIR`` starts a run from it.
@@ -28,6 +30,8 @@ Hugging Face, layer ``i``, expert ``e``     jaxscale
 ``block_sparse_moe.gate [E, D]``            ``blocks.blocks.0.mlp.router [L, D, E]``
 ``block_sparse_moe.experts.e.w1/w3 [F, D]`` ``blocks.blocks.0.mlp.w_gate/w_up [L, E, D, F]``
 ``block_sparse_moe.experts.e.w2 [D, F]``    ``blocks.blocks.0.mlp.w_down [L, E, F, D]``
+``mlp.gate``, ``mlp.experts.e.*_proj``        the same, Qwen3-MoE's names (``gate_proj/up_proj/down_proj``)
+``self_attn.q_norm/k_norm.weight [Dh]``     ``blocks.attn.q_norm/k_norm.scale [L, Dh]``
 ``input_layernorm / post_attention_...``    ``blocks.attn_norm / mlp_norm.scale [L, D]``
 ``model.norm.weight``, ``lm_head [V, D]``   ``final_norm.scale``, ``lm_head [D, V]``
 =========================================  =========================================
@@ -36,7 +40,11 @@ RoPE: HF checkpoints already hold q/k in the rotate-half layout that
 :func:`jaxscale.models.llama.rope` uses, so the heads need only a reshape (no
 permutation); the tests check the logits. Tied embeddings: no ``lm_head`` either
 way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
-``router: softmax, normalize_gates: true``; the generated model uses dropless
+``router: softmax, normalize_gates: true``; Qwen3-MoE's is the same with ``normalize_gates`` its
+``norm_topk_prob``, its q/k norms ``model.qk_norm``, its ``decoder_sparse_step`` ``every_n_layers``
+(HF layer ``g·n + j`` is block ``j`` of group ``g``: ``blocks.blocks.j``; the last of each group is the MoE
+one in both), its dense layers' width ``intermediate_size`` ``model.mlp``
+(``mlp_only_layers`` is refused). The generated model uses dropless
 dispatch (capacity dispatch may drop tokens that HF keeps); HF's
 ``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
 jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default
@@ -100,45 +108,62 @@ from jaxscale.train import abstract_model
 INDEX = "model.safetensors.index.json"
 HF_CONFIG = "hf_config.json"  # the imported config.json, kept next to the checkpoint for the way back
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", deepseek.MODEL_TYPE: deepseek.ARCHITECTURE,
+    "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    deepseek.MODEL_TYPE: deepseek.ARCHITECTURE,
 }
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
+def architecture(model: ModelConfig) -> str:
+    """The HF ``model_type`` whose checkpoints hold ``model``: qk-norm and experts make Qwen3-MoE."""
+    if model.deepseek is not None:
+        return deepseek.MODEL_TYPE
+    if model.qk_norm and not model.moe:
+        raise ConfigError("model.qk_norm without model.moe: only Qwen3-MoE of the Qwen3 family converts")
+    return ("qwen3_moe" if model.qk_norm else "mixtral") if model.moe else "llama"
+
+
 def weights(model: ModelConfig) -> list[Weight]:
-    """The table of every parameter of ``model`` (a Llama, or a Mixtral: an MoE block every layer; a DeepSeek-V3:
-    :mod:`jaxscale.convert_deepseek`)."""
+    """The table of every parameter of ``model``: a Llama, a Mixtral (an MoE block every layer), a
+    Qwen3-MoE (qk-norm; an MoE block every ``every_n_layers``, dense ones between), or a DeepSeek-V3
+    (:mod:`jaxscale.convert_deepseek`)."""
     if model.deepseek is not None:
         return deepseek.weights(model)
-    layer = "model.layers.{i}."
-    block: tuple[str | int, ...] = ("blocks", "blocks", 0) if model.moe else ("blocks",)
     table = [
         Weight(("embedding",), "model.embed_tokens.weight", None),
-        Weight((*block, "attn", "wq"), layer + "self_attn.q_proj.weight"),
-        Weight((*block, "attn", "wk"), layer + "self_attn.k_proj.weight"),
-        Weight((*block, "attn", "wv"), layer + "self_attn.v_proj.weight"),
-        Weight((*block, "attn", "wo"), layer + "self_attn.o_proj.weight", 2),
-        Weight((*block, "attn_norm", "scale"), layer + "input_layernorm.weight", None),
-        Weight((*block, "mlp_norm", "scale"), layer + "post_attention_layernorm.weight", None),
         Weight(("final_norm", "scale"), "model.norm.weight", None),
     ]
-    if model.moe:
-        moe = layer + "block_sparse_moe."
-        table += [
-            Weight((*block, "mlp", "router"), moe + "gate.weight"),
-            Weight((*block, "mlp", "w_gate"), moe + "experts.{e}.w1.weight"),
-            Weight((*block, "mlp", "w_up"), moe + "experts.{e}.w3.weight"),
-            Weight((*block, "mlp", "w_down"), moe + "experts.{e}.w2.weight"),
-        ]
-    else:
-        table += [
-            Weight((*block, "mlp", "w_gate"), layer + "mlp.gate_proj.weight"),
-            Weight((*block, "mlp", "w_up"), layer + "mlp.up_proj.weight"),
-            Weight((*block, "mlp", "w_down"), layer + "mlp.down_proj.weight"),
-        ]
+    n = model.moe.every_n_layers if model.moe else 1
+    for j in range(n):
+        table += _block(model, ("blocks", "blocks", j) if model.moe else ("blocks",), j, n)
     if not model.tie_embeddings:
         table.append(Weight(("lm_head",), "lm_head.weight"))
     return table
+
+
+def _block(model: ModelConfig, block: tuple[str | int, ...], j: int, n: int) -> list[Weight]:
+    """The weights of block ``j`` of each stacked group of ``n`` (HF layers ``g·n + j``); the last is MoE."""
+    layer = functools.partial(Weight, first=j, every=n)
+    at = "model.layers.{i}."
+    table = [
+        layer((*block, "attn", "wq"), at + "self_attn.q_proj.weight"),
+        layer((*block, "attn", "wk"), at + "self_attn.k_proj.weight"),
+        layer((*block, "attn", "wv"), at + "self_attn.v_proj.weight"),
+        layer((*block, "attn", "wo"), at + "self_attn.o_proj.weight", 2),
+        layer((*block, "attn_norm", "scale"), at + "input_layernorm.weight", None),
+        layer((*block, "mlp_norm", "scale"), at + "post_attention_layernorm.weight", None),
+    ]
+    if model.qk_norm:
+        table += [layer((*block, "attn", f"{x}_norm", "scale"), at + f"self_attn.{x}_norm.weight", None) for x in "qk"]
+    if model.moe and j == n - 1:
+        mixtral = architecture(model) == "mixtral"
+        moe = at + ("block_sparse_moe." if mixtral else "mlp.")
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        table.append(layer((*block, "mlp", "router"), moe + "gate.weight"))
+        return table + [layer((*block, "mlp", ours), moe + f"experts.{{e}}.{hf}.weight")
+                        for ours, hf in zip(("w_gate", "w_up", "w_down"), names, strict=True)]
+    return table + [layer((*block, "mlp", ours), at + f"mlp.{hf}_proj.weight")
+                    for ours, hf in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
 
 
 # -- config.json <-> model YAML -------------------------------------------------------------------------
@@ -176,7 +201,7 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise ConfigError(f"config.json: {key}=true (jaxscale's projections have no bias)")
-    if hf.get("sliding_window") is not None:
+    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
         raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} (jaxscale attends to the whole prefix)")
     heads, embed = _hf_int(hf, "num_attention_heads"), _hf_int(hf, "hidden_size")
     theta, scaling = _rope(hf)
@@ -192,23 +217,41 @@ def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling=scaling,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=kind == "qwen3_moe",
     )
     if kind == deepseek.MODEL_TYPE:
         model = deepseek.model_from_hf(hf, model)
-    if kind == "mixtral":
-        top_k = hf.get("num_experts_per_tok", 2)
-        model.moe = MoEConfig(
-            experts=hf.get("num_local_experts", 8),
-            top_k=top_k,
-            mlp=hf["intermediate_size"],
-            dispatch="dropless",
-            aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * top_k,
-            z_loss_weight=0.0,
-        )
+    if kind in ("mixtral", "qwen3_moe"):
+        model.moe = _moe_from_hf(hf, kind, model.layers)
     problem = bounds.out_of_range(Config(model=model))
     if problem:
         raise ConfigError(f"config.json: {problem}")
     return model
+
+
+def _moe_from_hf(hf: dict[str, Any], kind: str, layers: int) -> MoEConfig:
+    """``model.moe`` of a Mixtral or Qwen3-MoE ``config.json`` (with HF's defaults for what it omits)."""
+    mixtral = kind == "mixtral"
+    top_k = _hf_int(hf, "num_experts_per_tok", 2 if mixtral else 8)
+    experts = _hf_int(hf, "num_local_experts", 8) if mixtral else _hf_int(
+        hf, "num_experts", _hf_int(hf, "num_local_experts", 128))
+    every = 1 if mixtral else _hf_int(hf, "decoder_sparse_step", 1)
+    if hf.get("mlp_only_layers"):
+        raise ConfigError(f"config.json: mlp_only_layers={hf['mlp_only_layers']} (jaxscale places an MoE layer "
+                          "every decoder_sparse_step layers, none dense out of turn)")
+    if layers % every:
+        raise ConfigError(f"config.json: num_hidden_layers ({layers}) is not a multiple of decoder_sparse_step "
+                          f"({every})")
+    return MoEConfig(
+        experts=experts,
+        top_k=top_k,
+        mlp=_hf_int(hf, "intermediate_size" if mixtral else "moe_intermediate_size"),
+        every_n_layers=every,
+        normalize_gates=True if mixtral else bool(hf.get("norm_topk_prob", False)),
+        dispatch="dropless",
+        aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * top_k,
+        z_loss_weight=0.0,
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -226,20 +269,21 @@ def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None
     """The HF ``config.json`` of ``model`` (over ``base``, the config it was imported from, if any)."""
     if model.deepseek is not None:
         return deepseek.hf_config(model, dtype, base)
-    moe = model.moe
-    if moe is not None:
-        for key, want in (("every_n_layers", 1), ("shared_experts", 0), ("router", "softmax"),
-                          ("normalize_gates", True)):
-            if getattr(moe, key) != want:
-                raise ConfigError(f"model.moe.{key}={getattr(moe, key)!r}: Mixtral needs {want!r}")
-    kind = "mixtral" if moe else "llama"
-    out = {k: v for k, v in (base or {}).items() if k not in ("rope_parameters", "rope_scaling", "torch_dtype")}
+    moe, kind = model.moe, architecture(model)
+    needs = {"shared_experts": 0, "router": "softmax", "groups": 1}
+    if kind == "mixtral":
+        needs.update(every_n_layers=1, normalize_gates=True)
+    for key, want in needs.items() if moe else ():
+        if getattr(moe, key) != want:
+            raise ConfigError(f"model.moe.{key}={getattr(moe, key)!r}: {ARCHITECTURES[kind]} needs {want!r}")
+    drop = ("rope_parameters", "rope_scaling", "torch_dtype", "num_local_experts" if kind == "qwen3_moe" else "")
+    out = {k: v for k, v in (base or {}).items() if k not in drop}
     out.update({
         "architectures": [ARCHITECTURES[kind]],
         "model_type": kind,
         "vocab_size": model.vocab_size,
         "hidden_size": model.embed,
-        "intermediate_size": moe.mlp or model.mlp if moe else model.mlp,
+        "intermediate_size": moe.mlp or model.mlp if kind == "mixtral" else model.mlp,
         "num_hidden_layers": model.layers,
         "num_attention_heads": model.heads,
         "num_key_value_heads": model.kv_heads,
@@ -253,13 +297,17 @@ def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None
     })
     if kind == "llama":
         out.update({"attention_bias": False, "mlp_bias": False})
-    else:
-        out.update({
-            "num_local_experts": moe.experts,
-            "num_experts_per_tok": moe.top_k,
-            "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k,
-            "sliding_window": None,
-        })
+        return out
+    out.update({
+        "num_local_experts" if kind == "mixtral" else "num_experts": moe.experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k,
+        "sliding_window": None,
+    })
+    if kind == "qwen3_moe":
+        out.update({"moe_intermediate_size": moe.mlp or model.mlp, "decoder_sparse_step": moe.every_n_layers,
+                    "norm_topk_prob": moe.normalize_gates, "mlp_only_layers": [], "use_sliding_window": False,
+                    "attention_bias": False})
     return out
 
 
@@ -275,7 +323,7 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
         if isinstance(raw.get(section), dict) and generated[section] is not None:
             merged[section] = {**generated[section], **raw[section]}
     out = _build(ModelConfig, merged, "model")
-    for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "tie_embeddings"):
+    for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "tie_embeddings", "qk_norm"):
         if getattr(out, key) != getattr(model, key):
             raise ConfigError(f"{override}: model.{key}={getattr(out, key)!r}, config.json has {getattr(model, key)!r}")
     if (out.moe is None) != (model.moe is None):
@@ -293,7 +341,8 @@ def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
             if getattr(out.deepseek, key) != getattr(model.deepseek, key):
                 raise ConfigError(f"{override}: model.deepseek.{key}={getattr(out.deepseek, key)!r}, config.json has "
                                   f"{getattr(model.deepseek, key)!r}")
-    if out.mlp != model.mlp and (model.moe is None or model.deepseek is not None):
+    dense_width = model.moe is None or model.deepseek is not None or model.moe.every_n_layers > 1
+    if out.mlp != model.mlp and dense_width:  # the dense layers' width
         raise ConfigError(f"{override}: model.mlp={out.mlp!r}, config.json has {model.mlp!r}")
     return out
 
@@ -484,7 +533,8 @@ def main(direction: str, source: str, target: str, override: str | None, dtype: 
     """The ``convert`` command; returns the line it prints."""
     if direction == "hf-to-jaxscale":
         model = hf_to_jaxscale(source, target, override)
-        kind = f"{model.moe.experts}-expert Mixtral" if model.moe else "Llama"
+        kind = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}.get(architecture(model), "")
+        kind = f"{model.moe.experts}-expert {kind}" if model.moe else kind
         if model.deepseek is not None:
             kind = f"DeepSeek-V3 ({model.moe.experts} routed experts, MTP depth {model.deepseek.mtp_depth})"
         return f"{target}: {kind}, {model.layers} layers; model config in {Path(target) / 'model.yaml'}"

@@ -35,7 +35,7 @@ def param_count(config: ModelConfig) -> dict[str, int]:
     c = config
     attn = c.embed * c.head_dim * (2 * c.heads + 2 * c.kv_heads)
     mlp = 3 * c.embed * c.mlp
-    norms = 2 * c.embed
+    norms = 2 * c.embed + (2 * c.head_dim if c.qk_norm else 0)
     mlp_total = mlp_active = c.layers * mlp
     if c.moe is not None:
         f = c.moe.mlp or c.mlp

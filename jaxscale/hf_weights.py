@@ -20,7 +20,8 @@ class Weight:
     ``hf`` names one tensor, with ``{i}`` for the layer and ``{e}`` for the expert when the parameter is
     stacked over them. ``split``: the HF tensor is ``nn.Linear``'s ``[out, in]`` and ours (one layer, one
     expert) is ``[in..., out...]`` with ``split`` leading "in" dimensions; None: the same layout.
-    ``first``, ``count``: the HF layers our stack holds (default: all ``model.layers``, from 0).
+    ``first``, ``count``, ``every``: our stacked slice ``i`` is HF layer ``first + i · every`` (default: all
+    ``model.layers``, from 0; ``every`` > 1 for one block of each group of ``every``, MoE every n-th layer).
     ``columns``: ours' last dimension is HF's taken in this order (None: the same order).
     """
 
@@ -30,6 +31,7 @@ class Weight:
     first: int = 0
     count: int | None = None
     columns: tuple[int, ...] | None = None
+    every: int = 1
 
     @property
     def layered(self) -> bool:
@@ -62,12 +64,12 @@ def to_hf(w: Weight, value: np.ndarray) -> np.ndarray:
 
 def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str]]:
     """Each (index into our stacked parameter, HF tensor name) of ``w``."""
-    layers = range(w.count if w.count is not None else model.layers) if w.layered else [None]
+    layers = range(w.count if w.count is not None else model.layers // w.every) if w.layered else [None]
     experts = range(model.moe.experts) if w.expert else [None]
     for i in layers:
         for e in experts:
             index = tuple(x for x in (i, e) if x is not None)
-            yield index, w.hf.format(i=None if i is None else w.first + i, e=e)
+            yield index, w.hf.format(i=None if i is None else w.first + i * w.every, e=e)
 
 
 def hf_int(hf: dict[str, Any], key: str, default: int | None = None) -> int:

@@ -110,6 +110,7 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on each head's query and key, before RoPE (Qwen3)
     init_std: float = 0.02
     dtype: DType = "float32"
     param_dtype: DType = "float32"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxscale import checkpoint, convert
+from jaxscale import checkpoint, convert, flops
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, ModelConfig, load_config
 from jaxscale.loop import fit
@@ -43,6 +43,12 @@ CASES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64}, "ep_fsdp_tp",
                 {"expert": 2, "fsdp": 2, "tensor": 2}),
+    # Qwen3-MoE: q/k norms, head_dim 16 (hidden_size / heads is 8), 4 layers with an MoE one every 2nd
+    # (decoder_sparse_step; dense ones of width 128 between), 4 experts of width 32, gates not renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 16, "num_hidden_layers": 4, "decoder_sparse_step": 2, "num_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": False},
+                  "ep_fsdp_tp", {"expert": 2, "fsdp": 2, "tensor": 2}),
 }
 
 
@@ -116,6 +122,7 @@ def test_converted_logits_match_transformers(converted):
     assert model.kv_heads < model.heads
     assert model.rope_theta == SIZES["rope_theta"] and model.norm_eps == SIZES["rms_norm_eps"]
     assert model.tie_embeddings == (converted.case == "llama_tied")
+    assert model.qk_norm == (converted.case == "qwen3_moe")
     if converted.case == "llama31":
         assert model.head_dim * model.heads != model.embed
         assert model.rope_scaling.factor == 8.0 and model.rope_scaling.original_max_position_embeddings == 64
@@ -124,6 +131,9 @@ def test_converted_logits_match_transformers(converted):
         unscaled = transformers.LlamaForCausalLM(plain).eval()
         unscaled.load_state_dict(converted.hf.state_dict())
         assert rel_err(converted.logits(converted.ckpt, x), hf_logits(unscaled, x)) > 100 * RTOL
+    if converted.case == "qwen3_moe":
+        assert model.head_dim * model.heads != model.embed and not model.moe.normalize_gates
+        assert (model.moe.every_n_layers, model.moe.mlp, model.mlp) == (2, 32, 128)
     shapes = checkpoint.param_shapes(checkpoint.params_source(converted.ckpt))
     assert sum(math.prod(shape) for shape in shapes.values()) == converted.hf.num_parameters()
 
@@ -232,7 +242,11 @@ def test_init_from_a_mismatched_model_is_a_config_error(llama_ckpt, tmp_path):
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, r"rope scaling 'yarn' is not supported"),
         ({"attention_bias": True}, r"attention_bias=true"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu'"),
-        ({"model_type": "qwen2"}, r"model_type 'qwen2' is not one of llama, mixtral"),
+        ({"model_type": "qwen2"}, r"model_type 'qwen2' is not one of llama, mixtral, qwen3_moe, deepseek_v3$"),
+        ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+        ({"model_type": "qwen3_moe", "moe_intermediate_size": 32, "decoder_sparse_step": 3},
+         r"num_hidden_layers \(2\) is not a multiple of decoder_sparse_step \(3\)$"),
+        ({"model_type": "qwen3_moe", "sliding_window": 64, "use_sliding_window": True}, r"sliding_window=64"),
         ({"model_type": "mixtral", "sliding_window": 4096}, r"sliding_window=4096"),
     ],
 )
@@ -270,6 +284,22 @@ def test_bf16_checkpoint_and_the_command_line(llama_ckpt, tmp_path, capsys):
                                 tmp_path / "hf16" / "extra.safetensors")
     with pytest.raises(ConfigError, match=r"no place in the jaxscale model: model\.layers\.0\.mlp\.up_proj\.bias"):
         convert.hf_to_jaxscale(tmp_path / "hf16", tmp_path / "y")
+
+
+def test_qwen3_moe_config_and_its_export_refusals():
+    hf = {"model_type": "qwen3_moe", **SIZES, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+          "norm_topk_prob": True,
+          "sliding_window": 4096, "use_sliding_window": False, "router_aux_loss_coef": 0.001}
+    model = convert.model_from_hf(hf)
+    assert model.qk_norm and model.moe.normalize_gates and model.moe.dispatch == "dropless"
+    assert (model.moe.experts, model.moe.top_k, model.moe.mlp, model.moe.every_n_layers) == (4, 2, 32, 1)
+    assert model.moe.aux_loss_weight == pytest.approx(0.002)  # HF's loss counts top_k times ours
+    shapes = abstract_model(Config(model=model))[1]
+    assert flops.param_count(model)["total"] == sum(math.prod(a.shape) for a in jax.tree.leaves(shapes))
+    with pytest.raises(ConfigError, match=r"^model\.moe\.shared_experts=1: Qwen3MoeForCausalLM needs 0$"):
+        convert.hf_config(dataclasses.replace(model, moe=dataclasses.replace(model.moe, shared_experts=1)), "float32")
+    with pytest.raises(ConfigError, match=r"^model\.qk_norm without model\.moe: only Qwen3-MoE"):
+        convert.hf_config(dataclasses.replace(model, moe=None), "float32")
 
 
 def write_yaml(path: Path, text: str) -> Path:

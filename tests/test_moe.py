@@ -288,6 +288,9 @@ def test_experiment_and_full_size_configs():
     counts = param_count(mixtral)
     assert round(counts["total"] / 1e9, 1) == 46.7
     assert round((counts["matmul"] + counts["embedding"]) / 1e9, 1) == 12.9  # active, with the embedding
+    # Qwen3-30B-A3B's card: 30.5B, 3.3B activated (here 3.35B: the active matmuls, head and embedding).
+    qwen = param_count(load_config(None, ["model=qwen3-30b-a3b"]).model)
+    assert (round(qwen["total"] / 1e9, 1), round((qwen["matmul"] + qwen["embedding"]) / 1e9, 1)) == (30.5, 3.4)
 
 
 @pytest.mark.parametrize(

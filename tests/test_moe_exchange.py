@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import RTOL, assert_trees_close, rel_err, tiny_config
+from jax import lax
 
 from jaxscale.analysis import hlo
 from jaxscale.mesh import make_mesh
@@ -82,6 +83,63 @@ def routed_counts(x, params, ep, mesh):
     shard = index // (EXPERTS // ep)
     return max(np.bincount(shard[d * rows_per_device:(d + 1) * rows_per_device].ravel(), minlength=ep).max()
                for d in range(mesh.size))
+
+
+def emulated_ragged_all_to_all(shards):
+    """``lax.ragged_all_to_all`` as its docstring defines it, from an all-gather (XLA:CPU cannot compile the
+    collective): received slice ``i`` (from source ``i // per``) is written at ``all_to_all(output_offsets)[i]``,
+    ``recv_sizes[i]`` rows read from the source's operand at its ``input_offsets`` for this device."""
+
+    def exchange_(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+        # The result has the type of ``output``: it must vary over every axis the operand does.
+        varying = jax.typeof(output).manual_axis_type.varying
+        assert varying >= jax.typeof(operand).manual_axis_type.varying, varying
+        per = input_offsets.shape[0] // shards
+        me = lax.axis_index(axis_name)
+        everyone, offsets = (lax.all_gather(a, axis_name) for a in (operand, input_offsets))
+        dest = lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+        p = jnp.arange(output.shape[0])
+        for i in range(shards * per):
+            source, e = divmod(i, per)
+            inside = (p >= dest[i]) & (p < dest[i] + recv_sizes[i])
+            row = jnp.clip(offsets[source, me * per + e] + p - dest[i], 0, operand.shape[0] - 1)
+            output = jnp.where(inside[:, None], everyone[source][row], output)
+        return output
+
+    return exchange_
+
+
+@pytest.mark.parametrize("ep", list(LAYOUTS))
+def test_ragged_exchange_matches_one_device(ep, one_device, monkeypatch):
+    # The GPU/TPU path's offsets and sizes, run on CPU through the collective's documented semantics.
+    params, x, probe, (ref_grads, (ref_y, _)) = one_device
+    monkeypatch.setattr(exchange, "RAGGED_PLATFORMS", ("cpu",))
+    monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all(ep))
+    _, fn = layer_and_grads(tiny_config(*MOE, rules="ep", mesh=LAYOUTS[ep]), "ep")
+    grads, (y, _) = fn(params, x, probe)
+    assert rel_err(y, ref_y) <= RTOL
+    assert_trees_close(grads, ref_grads)
+
+
+@pytest.mark.parametrize("ep", list(LAYOUTS))
+def test_ragged_exchange_lowers_and_cpu_cannot_compile_it(ep, one_device, monkeypatch):
+    params, x, probe, _ = one_device
+    config = tiny_config(*MOE, rules="ep", mesh=LAYOUTS[ep])
+    assert not exchange.ragged_compiles(make_mesh(config.mesh))  # on CPU: the chunked all-to-alls
+    monkeypatch.setattr(exchange, "RAGGED_PLATFORMS", ("cpu",))
+    _, fn = layer_and_grads(config, "ep")
+    lowered = fn.lower(params, x, probe)
+    text = lowered.as_text()
+    # There and back, forward and backward (the transposes); no chunk loop, no all-gather of the tokens.
+    assert text.count("@ragged_all_to_all") == 4
+    assert "all_gather" not in text and "reduce_scatter" not in text
+    # The rows' cotangents are not summed over the data axis (the weights' gradients are: [E/ep, ...]).
+    assert not any(c.kind == "all-reduce" and c.shapes[0][1][0] == ep * BATCH // 8 * SEQ * TOP_K
+                   for c in hlo.collectives(lowered.as_text(dialect="hlo"), make_mesh(config.mesh)))
+    alltoall = [line for line in text.splitlines() if '"stablehlo.all_to_all"' in line]
+    assert alltoall and all("xi32>" in line and "xf32>" not in line for line in alltoall)  # counts, offsets
+    with pytest.raises(Exception, match="ragged-all-to-all"):
+        lowered.compile()
 
 
 @pytest.mark.parametrize("ep", list(LAYOUTS))

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import subprocess_env, tiny_config
+from helpers import RTOL, assert_trees_close, subprocess_env, tiny_config
 
 from jaxscale.loop import fit
 from jaxscale.train import Trainer
@@ -28,6 +28,18 @@ def test_loss_falls_and_metrics_are_logged(run_dir):
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     assert records[0]["lr"] == 0.0 and records[1]["lr"] > 0
     assert all(r["tokens_per_sec"] > 0 and r["mfu"] > 0 for r in records)
+
+
+def test_qk_norm_under_fsdp_tp_matches_one_device():
+    # model.qk_norm: one q and one k scale [head_dim] per layer, shared by the heads the tensor axis splits.
+    ref = Trainer.build(tiny_config("model.qk_norm=true"), jax.devices()[:1])
+    trainer = Trainer.build(tiny_config("model.qk_norm=true", rules="fsdp_tp", mesh={"fsdp": 4, "tensor": 2}))
+    ref_loss, ref_grads = ref.loss_and_grads(ref.init_state().params, ref.batch(0))
+    loss, grads = trainer.loss_and_grads(trainer.init_state().params, trainer.batch(0))
+    assert abs(float(loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss))
+    assert_trees_close(grads, ref_grads)
+    scale = ref_grads["blocks"]["attn"]["q_norm"]["scale"]
+    assert scale.shape == (2, 8) and float(jnp.abs(scale).min()) > 0
 
 
 @pytest.mark.parametrize("remat", ["full", "selective", "save_dots", "save_named"])

@@ -157,11 +157,24 @@ def rope(
     return out.astype(x.dtype)
 
 
+class HeadNorm(nnx.Module):
+    """RMSNorm over ``head_dim`` of every head of q or k (``model.qk_norm``): one scale [head_dim] for all heads."""
+
+    def __init__(self, config: Config):
+        c = config.model
+        self.eps = c.norm_eps
+        self.scale = ones((c.head_dim,), ("head_dim",), c.param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads.
 
     The kernel is ``model.attention`` (:mod:`jaxscale.models.attention`); the projections
     go through :class:`jaxscale.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
+    With ``model.qk_norm`` each head's query and key are RMS-normed (:class:`HeadNorm`) before RoPE.
     """
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
@@ -180,6 +193,8 @@ class Attention(nnx.Module):
             self.wv = param(rngs, (c.embed, c.kv_heads, c.head_dim), ("embed", "kv_heads", "head_dim"), std, pdt)
         self.wo = param(rngs, (c.heads, c.head_dim, c.embed), ("heads", "head_dim", "embed"), std, pdt)
         self.fp8 = make_fp8(config, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
+        if c.qk_norm:
+            self.q_norm, self.k_norm = HeadNorm(config), HeadNorm(config)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         c = self.config
@@ -195,6 +210,8 @@ class Attention(nnx.Module):
             overlap=c.tp_overlap,
             grads=self.grads,
         )
+        if c.qk_norm:
+            q, k = constrain(self.q_norm(q), Q_AXES), constrain(self.k_norm(k), KV_AXES)
         q = constrain(rope(q, positions, c.rope_theta, c.rope_scaling), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta, c.rope_scaling), KV_AXES)
         q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")

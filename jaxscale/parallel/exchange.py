@@ -25,11 +25,20 @@ within ``1/32`` of the mean, ``k·b·s·h·bytes·(ep−1)/ep`` times the routin
 imbalance ``m / (n/ep)``: the forward's two exchanges are docs/formulas.md's
 ``2·k·b·s·h·bytes·(ep−1)/ep`` times the imbalance, and so is the backward.
 
-``lax.ragged_all_to_all`` would move the rows in one collective, but XLA:CPU
-cannot compile it; the chunked all-to-all compiles on every backend, at the
-cost of up to ``32 · imbalance`` collectives per exchange. The send and receive
-buffers are sized for the worst case (every choice to one shard):
-``[ep, n, h]`` each, ``k`` times the all-gather path's ``[ep·b, s, h]``.
+On GPU and TPU (:data:`RAGGED_PLATFORMS`) each exchange is one
+``lax.ragged_all_to_all`` instead (:func:`ragged_rows`): every (destination,
+expert) slice of the sorted rows lands on its shard at the place the receiver
+computed from the exchanged counts (an all-to-all of those offsets back), so
+the rows arrive grouped by expert, then by source; exactly the routed rows
+move, ``k·b·s·h·bytes·(ep−1)/ep`` times the imbalance, with no rounding to
+chunks. Its backward is jax's transpose of the collective (the mirror
+exchange). XLA:CPU cannot compile it ("HLO opcode ragged-all-to-all is not
+supported"), so on CPU the chunked all-to-all runs, at the cost of up to
+``32 · imbalance`` collectives per exchange. Both size their receive buffers
+for the worst case (every choice to one shard): ``ep · n`` rows of ``h``,
+``k`` times the all-gather path's ``[ep·b, s, h]``. The ragged exchange's
+bytes depend on the routing at run time: the compiled HLO cannot count them
+(:mod:`jaxscale.analysis.hlo` sees the chunked path's loop only).
 """
 
 from __future__ import annotations
@@ -40,11 +49,19 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import Mesh
 
 from jaxscale import fp8
 from jaxscale import routing as kernels
 
 CHUNKS_PER_MEAN = 32  # a chunk is at most 1/32 of a destination's mean rows: the rounding's bound
+RAGGED_PLATFORMS = ("gpu", "tpu")  # where XLA compiles lax.ragged_all_to_all (XLA:CPU does not)
+
+
+def ragged_compiles(mesh: Mesh | jax.sharding.AbstractMesh) -> bool:
+    """Whether the devices of ``mesh`` (jax's default backend for an abstract mesh) run :func:`ragged_rows`."""
+    platform = mesh.devices.flat[0].platform if isinstance(mesh, Mesh) else jax.default_backend()
+    return platform in RAGGED_PLATFORMS
 
 
 def chunk_rows(rows: int, shards: int) -> int:
@@ -113,4 +130,50 @@ def dropless_rows(
     out = kernels.grouped_swiglu(received.reshape(shards * rows, h), which.reshape(-1), *weights, f8=f8)
     back = swap(out.reshape(shards, rows, h), trips, axes, chunk)
     y = jnp.zeros((n, h), x.dtype).at[order].set(back[dest, pos])
+    return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))
+
+
+def varying_like(a: jax.Array, like: jax.Array) -> jax.Array:
+    """``a`` marked as varying over every mesh axis ``like`` varies over. A ``ragged_all_to_all`` result has
+    its ``output`` buffer's type: a buffer invariant over an axis the rows differ on (data, fsdp) would
+    have autodiff sum the rows' cotangents over it."""
+    more = tuple(jax.typeof(like).manual_axis_type.varying - jax.typeof(a).manual_axis_type.varying)
+    return lax.pcast(a, more, to="varying") if more else a
+
+
+def ragged_rows(
+    x: jax.Array,
+    routing: kernels.Routing,
+    weights: tuple[jax.Array | fp8.Operand, ...],
+    axes: tuple[str, ...],
+    shards: int,
+    f8: fp8.Inputs | None = None,
+) -> jax.Array:
+    """:func:`dropless_rows` by one ``lax.ragged_all_to_all`` each way (GPU, TPU): the same tokens, experts,
+    fp8 histories and result. Slice ``(d, e)`` of a device's sorted rows (those for expert ``e`` of shard
+    ``d``) lands on ``d`` after the rows of its experts before ``e``, and of ``e``'s sources before this device."""
+    b, s, h = x.shape
+    k = routing.index.shape[-1]
+    n, local = b * s * k, weights[0].shape[0]
+    expert = routing.index.reshape(n)
+    order = jnp.argsort(expert, stable=True)
+    sizes = jnp.zeros((shards * local,), jnp.int32).at[expert].add(1)  # slice (d, e) at d·local + e
+    starts = jnp.cumsum(sizes) - sizes  # where each slice begins among the sorted rows
+
+    def swap(a: jax.Array) -> jax.Array:  # [shards, local] ints: row d to shard d, received at row source
+        return lax.all_to_all(a.reshape(shards, local), axes, 0, 0, tiled=True)
+
+    arriving = swap(sizes)  # [sources, local experts]
+    per_expert = arriving.sum(0)
+    at = (jnp.cumsum(per_expert) - per_expert)[None, :] + jnp.cumsum(arriving, 0) - arriving  # [sources, local]
+    tokens = jnp.broadcast_to(x[:, :, None, :], (b, s, k, h)).reshape(n, h)[order]
+    buffer = varying_like(jnp.zeros((shards * n, h), x.dtype), tokens)
+    received = lax.ragged_all_to_all(tokens, buffer, starts, sizes, swap(at).reshape(-1), arriving.reshape(-1),
+                                     axis_name=axes)
+    which = jnp.searchsorted(jnp.cumsum(per_expert), jnp.arange(shards * n), side="right")  # == local: padding
+    out = kernels.grouped_swiglu(received, which, *weights, f8=f8)
+    home = varying_like(jnp.zeros((n, h), x.dtype), out)
+    back = lax.ragged_all_to_all(out, home, at.reshape(-1), arriving.reshape(-1), swap(starts).reshape(-1), sizes,
+                                 axis_name=axes)
+    y = jnp.zeros((n, h), x.dtype).at[order].set(back)
     return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))

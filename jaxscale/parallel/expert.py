@@ -31,7 +31,8 @@ collectives):
   their routing), runs its own experts' rows through grouped matmuls, and
   **reduce-scatters** the partial outputs back: ``2·(ep−1)·b·s·h·bytes``
   forward and the same backward, ``ep/k`` times the all-to-all's bytes; kept as
-  the comparison (the rows exchange compiles on every backend).
+  the comparison (the rows exchange compiles on every backend: one ``ragged_all_to_all``
+  each way on GPU and TPU, chunked all-to-alls on CPU).
 
 The experts' MLP dimension may be sharded too (``expert_mlp: tensor``): every
 tensor rank then dispatches the same tokens, runs its slice of each expert and
@@ -123,6 +124,8 @@ def experts(
             if ep:
                 out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
             y = kernels.combine(out, local)
+        elif ep and moe.dropless_exchange == "rows" and exchange.ragged_compiles(mesh):
+            y = exchange.ragged_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), f8)
         elif ep and moe.dropless_exchange == "rows":
             y = exchange.dropless_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), mesh.axis_names, f8)
         elif ep:
