@@ -326,10 +326,10 @@ class Layout:
                 f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
                 f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
             )
-        if model.tp_overlap and config.precision.fp8 != "off":
+        if model.tp_overlap and config.precision.fp8 == "blockwise":
             raise ConfigError(
-                f"precision.fp8={config.precision.fp8}: not supported with model.tp_overlap (the collective "
-                "matmuls take bf16 operands)"
+                "precision.fp8=blockwise: not supported with model.tp_overlap (the collective matmuls take "
+                "per-tensor fp8: delayed or current)"
             )
         if config.precision.fp8_head and model.loss_chunk:
             raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")

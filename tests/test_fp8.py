@@ -117,8 +117,9 @@ def test_precision_config_errors():
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with pipeline parallelism"):
         Trainer.build(tiny_config("precision.fp8=delayed", "precision.fp8_head=true", rules="pp",
                                   mesh={"stage": 2, "data": 4}))
-    with pytest.raises(ConfigError, match=r"precision\.fp8=current: not supported with model\.tp_overlap"):
-        overlap = tiny_config("precision.fp8=current", "model.tp_overlap=true", rules="fsdp_tp_sp", mesh={"tensor": 2})
+    with pytest.raises(ConfigError, match=r"precision\.fp8=blockwise: not supported with model\.tp_overlap"):
+        overlap = tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", "model.tp_overlap=true",
+                              rules="fsdp_tp_sp", mesh={"tensor": 2})
         Trainer.build(overlap, jax.devices()[:2])
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with model\.loss_chunk"):
         chunked = tiny_config("precision.fp8=current", "precision.fp8_head=true", "model.loss_chunk=8")

@@ -94,6 +94,30 @@ def test_fp8_layout_matches_single_device(optimized, case):
     assert_trees_close(state.params, ref_state.params, PARAM_RTOL)
 
 
+def test_fp8_collective_matmul_quantizes_as_plain_sequence_parallelism(optimized):
+    """``model.tp_overlap`` with ``precision.fp8=delayed`` under fsdp_tp_sp: the collective matmuls use one scale
+    per operand for the whole ring and push each history once, as the plain collectives' step does. Two steps'
+    loss, gradients and updated histories from the same parameters and fp8 state: a fresh one (the tensors'
+    own amaxes), then the first step's histories (delayed scales). Measured: loss and histories equal,
+    gradients 1.2e-7 apart (summation order; held to PARAM_RTOL, as above)."""
+    plain, overlap = (
+        Trainer.build(tiny_config("precision.fp8=delayed", f"model.tp_overlap={on}", rules="fsdp_tp_sp", mesh=MESH))
+        for on in ("false", "true")
+    )
+    params, fp8_state = plain.init_state().params, plain.fresh_fp8()
+    steps = [trainer._jit(trainer._grads) for trainer in (plain, overlap)]
+    for step in range(2):
+        batch = plain.batch(step)
+        (ref_loss, ref_grads, _, ref_fp8), (loss, grads, _, new_fp8) = (
+            jax.device_get(grads_of(params, batch, fp8_state)) for grads_of in steps
+        )
+        assert abs(loss - ref_loss) <= RTOL * abs(ref_loss)
+        assert_trees_close(new_fp8, ref_fp8, HISTORY_RTOL)
+        assert all(np.all(h[..., : step + 1] > 0) and np.all(h[..., step + 1 :] == 0) for h in jax.tree.leaves(new_fp8))
+        assert_trees_close(grads, ref_grads, PARAM_RTOL)
+        fp8_state = ref_fp8
+
+
 def test_fp8_state_survives_checkpoint_round_trip(tmp_path):
     config = tiny_config(
         "precision.fp8=delayed",

@@ -76,6 +76,27 @@ def test_every_projection_dot_has_fp8_operands(delayed_bf16):
     assert conditionals(text) == 0
 
 
+def test_collective_matmul_dots_have_fp8_operands():
+    """``model.tp_overlap`` under ``tp_sp`` (t = 2): each projection's forward and input-gradient dots are the
+    ring's t steps, all on f8 operands, its weight gradient one e4m3 x e5m2 dot of the gathered input and the
+    whole output gradient (one scale each: :mod:`jaxscale.parallel.fp8_collective`); the LM head's three dots
+    are rings of bf16 dots. Before: a ConfigError."""
+    t = 2
+    config = tiny_config("precision.fp8=delayed", "model.dtype=bfloat16", "model.tp_overlap=true", rules="tp_sp",
+                         mesh={"tensor": t})
+    trainer = Trainer.build(config, jax.devices()[:t])
+    text = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).as_text()
+    dots = dot_types(text)
+    assert dots[E4M3, E4M3] == t * PROJECTIONS  # forward
+    assert dots[E5M2, E4M3] == t * PROJECTIONS  # input gradients
+    assert dots[E4M3, E5M2] == PROJECTIONS  # weight gradients
+    assert dots[E5M2, E5M2] == 0
+    others = sum(n for (a, b), n in dots.items() if not (a.startswith("f8") or b.startswith("f8")))
+    assert others == ATTENTION_DOTS + t * HEAD_DOTS
+    assert "collective_permute" in text
+    assert conditionals(text) == 0
+
+
 def e4m3_residuals(trainer: Trainer) -> collections.Counter:
     """The shapes of the e4m3 arrays the step's VJP keeps for the backward, with how many of each."""
     state, batch = trainer.abstract_state(), trainer.abstract_batch()

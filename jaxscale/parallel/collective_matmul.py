@@ -43,7 +43,7 @@ Both functions run inside a ``jax.shard_map`` that is manual over ``axis``
 (one mesh axis or a tuple of them, ring-ordered as ``lax.all_gather`` orders
 them); the loop over steps is unrolled in Python (``t`` is a mesh size), so
 XLA sees every step and may schedule each transfer against the previous
-matmul.
+matmul. Per-tensor fp8 operands take :mod:`jaxscale.parallel.fp8_collective` (its own backward).
 """
 
 from __future__ import annotations

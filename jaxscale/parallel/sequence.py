@@ -35,8 +35,8 @@ the SP shards gives back each device's context block.
 With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
 einsum + reduce-scatter become collective matmuls
 (:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
-interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU.
-It needs SP axes (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one
+interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU;
+on per-tensor fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s. It needs SP axes (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one
 ring over their product.
 
 **Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) the
@@ -60,6 +60,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale import fp8, precision
+from jaxscale.parallel import fp8_collective
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
 
@@ -134,6 +135,8 @@ def column_parallel(
     def body(x: Any, *ws: Any) -> tuple[jax.Array, ...]:
         pairs = zip(projections, ws, w_specs, strict=True)
         weights = [(eq, _gather_weight(w, s, manual, grads)) for (eq, *_), w, s in pairs]
+        if overlap and isinstance(x, fp8.Operand):
+            return tuple(fp8_collective.all_gather_matmul(x, weights, manual, dim))
         if overlap:
             return tuple(all_gather_matmul(x, weights, manual, dim, grads))
         x = _arrays(lambda a: lax.all_gather(a, manual, axis=dim, tiled=True), x)
@@ -168,6 +171,8 @@ def row_parallel(
 
     def body(h: Any, w: Any) -> jax.Array:
         w = _gather_weight(w, w_spec, manual, grads)
+        if overlap and isinstance(h, fp8.Operand):
+            return fp8_collective.matmul_reduce_scatter(equation, h, w, manual, dim)
         if overlap:
             return matmul_reduce_scatter(equation, h, w, manual, dim, grads)
         y = precision.einsum(equation, h, w, grads)

@@ -1,0 +1,197 @@
+"""Collective matmul in fp8: the ring steps of :mod:`jaxscale.parallel.collective_matmul` on float8 operands.
+
+Per-tensor fp8 (``precision.fp8`` ``delayed`` or ``current``, :mod:`jaxscale.fp8`) under
+``model.tp_overlap``: one scale per operand for the whole collective matmul, the same as
+the plain collectives' step uses. The input and the weights arrive quantized (their
+amaxes are global), so the ring passes e4m3 chunks and each step's ``dot_general`` takes
+them as they are. The output gradient is quantized once, over the whole gradient (its
+amax a ``pmax`` over the ring, :func:`jaxscale.fp8.global_amax`), inside one
+``custom_vjp`` around the whole collective matmul: autodiff through the steps would
+quantize each step's chunk of it on its own and push into the history once per step.
+
+- :func:`all_gather_matmul`: forward as the bf16 ring, keeping the gathered e4m3 input;
+  backward: the input gradient as a matmul-reduce-scatter ring of ``e5m2 x e4m3`` dots,
+  each weight gradient one ``e4m3 x e5m2`` dot of the gathered input and the whole
+  output gradient (the plain step's).
+- :func:`matmul_reduce_scatter`: forward as the bf16 ring; backward: the e5m2 output
+  gradient's chunks passed around the ring into the input gradient's ``e5m2 x e4m3``
+  dots and gathered for the one weight-gradient dot.
+
+The histories get one push per step each, as :func:`jaxscale.fp8.einsum`'s backward gives them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxscale import fp8
+from jaxscale.parallel.collective_matmul import AxisName, _from_neighbour
+
+_NONE = fp8.Quantized(None, None, None)
+
+
+class _Static(NamedTuple):
+    equations: tuple[str, ...]
+    axis: AxisName
+    dim: int
+    recipe: fp8.Recipe
+    x_dtype: Any
+    w_dtypes: tuple[Any, ...]
+
+
+def _ring(x: jax.Array, axis: AxisName) -> Iterator[tuple[jax.Array, jax.Array]]:
+    """(chunk index, chunk) of the ``t`` chunks of ``x`` held around the ring, each sent on before it is used."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    held = x
+    for step in range(n):
+        following = _from_neighbour(held, axis, n, 1) if step < n - 1 else None
+        yield (me + step) % n, held
+        held = following
+
+
+def _reduce_scattered(part: Callable[[jax.Array], jax.Array], axis: AxisName) -> jax.Array:
+    """``sum over devices of part(i)`` for this device's chunk ``i``, accumulated around the ring."""
+    n, me = lax.axis_size(axis), lax.axis_index(axis)
+    acc = None
+    for step in range(n):
+        p = part((me - step - 1) % n)
+        acc = p if acc is None else acc + p
+        if step < n - 1:
+            acc = _from_neighbour(acc, axis, n, -1)
+    return acc
+
+
+def _place(full: jax.Array | None, part: jax.Array, index: jax.Array, dim: int, n: int) -> jax.Array:
+    """``part`` written as chunk ``index`` of dimension ``dim`` of an array ``n`` chunks long there."""
+    if full is None:
+        shape = list(part.shape)
+        shape[dim] *= n
+        full = jnp.zeros(shape, part.dtype)
+    return lax.dynamic_update_slice_in_dim(full, part, index * part.shape[dim], dim)
+
+
+def _chunk(x: jax.Array, index: jax.Array, dim: int, n: int) -> jax.Array:
+    size = x.shape[dim] // n
+    return lax.dynamic_slice_in_dim(x, index * size, size, dim)
+
+
+def _weight_grad(equation: str, qa: fp8.Quantized, qg: fp8.Quantized, w: fp8.Quantized, dtype: Any) -> jax.Array:
+    """``dw`` of ``equation`` from the whole e4m3 input and e5m2 output gradient, summed as :func:`fp8.einsum`."""
+    lhs, rhs, out = fp8.letters(equation)
+    dw = fp8.dot(f"{lhs},{out}->{rhs}", qa.q, qg.q) * (qa.scale * qg.scale)
+    summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w.q).mat.varying))
+    return (lax.psum(dw, summed) if summed else dw).astype(dtype)
+
+
+def _scaled_dot(equation: str, a: jax.Array, sa: jax.Array, w: fp8.Quantized, dtype: Any) -> jax.Array:
+    """``dot(a, w) * sa * w.scale`` in ``dtype``; ``w`` the equation's right operand."""
+    _, rhs, out = fp8.letters(equation)
+    return (fp8.dot(equation, a, w.q) * (sa * fp8.along(w.scale, rhs, out))).astype(dtype)
+
+
+def _input_grad_equation(equation: str) -> str:
+    lhs, rhs, out = fp8.letters(equation)
+    return f"{out},{rhs}->{lhs}"
+
+
+def all_gather_matmul(
+    x: fp8.Operand, weights: Sequence[tuple[str, fp8.Operand]], axis: AxisName, dim: int
+) -> list[jax.Array]:
+    """:func:`jaxscale.parallel.collective_matmul.all_gather_matmul` of an e4m3 input and e4m3 weights."""
+    static = _Static(
+        tuple(eq for eq, _ in weights), axis, dim, x.recipe, jnp.dtype(x.value.dtype),
+        tuple(jnp.dtype(w.value.dtype) for _, w in weights),
+    )
+    return list(_gather(static, x, tuple(w for _, w in weights)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather(static: _Static, x: fp8.Operand, ws: tuple[fp8.Operand, ...]) -> tuple[jax.Array, ...]:
+    return _gather_forward(static, x, ws)[0]
+
+
+def _gather_forward(static: _Static, x: fp8.Operand, ws: tuple[fp8.Operand, ...]) -> tuple[tuple, tuple]:
+    n, qx = lax.axis_size(static.axis), x.quantized
+    out_dims = [fp8.letters(eq)[2].index(fp8.letters(eq)[0][static.dim]) for eq in static.equations]
+    outs: list[jax.Array | None] = [None] * len(ws)
+    gathered = None
+    for index, held in _ring(qx.q, static.axis):
+        gathered = _place(gathered, held, index, static.dim, n)
+        for k, (eq, w) in enumerate(zip(static.equations, ws, strict=True)):
+            part = _scaled_dot(eq, held, qx.scale, w.quantized, static.x_dtype)
+            outs[k] = _place(outs[k], part, index, out_dims[k], n)
+    saved = (qx._replace(q=gathered), x.history, tuple((w.quantized, w.history, w.grad_history) for w in ws))
+    return tuple(outs), saved
+
+
+def _gather_backward(static: _Static, saved: tuple, gs: tuple[jax.Array, ...]) -> tuple:
+    qx, x_history, weights = saved
+    n = lax.axis_size(static.axis)
+    qgs = [fp8.quantize(g, gh, fp8.E5M2, static.recipe) for g, (_, _, gh) in zip(gs, weights, strict=True)]
+
+    def dx_chunk(index: jax.Array) -> jax.Array:
+        parts = []
+        for eq, qg, (qw, _, _) in zip(static.equations, qgs, weights, strict=True):
+            lhs, _, out = fp8.letters(eq)
+            g = _chunk(qg.q, index, out.index(lhs[static.dim]), n)
+            parts.append(_scaled_dot(_input_grad_equation(eq), g, qg.scale, qw, static.x_dtype))
+        return sum(parts[1:], parts[0])
+
+    dx = _reduce_scattered(dx_chunk, static.axis)
+    dws = []
+    for eq, qg, (qw, history, g_history), dtype in zip(static.equations, qgs, weights, static.w_dtypes, strict=True):
+        dw = _weight_grad(eq, qx, qg, qw, dtype)
+        dws.append(fp8.Operand(dw, _NONE, fp8.pushed(history, qw.amax), fp8.pushed(g_history, qg.amax), static.recipe))
+    return fp8.Operand(dx, _NONE, fp8.pushed(x_history, qx.amax), None, static.recipe), tuple(dws)
+
+
+_gather.defvjp(_gather_forward, _gather_backward)
+
+
+def matmul_reduce_scatter(equation: str, h: fp8.Operand, w: fp8.Operand, axis: AxisName, dim: int) -> jax.Array:
+    """:func:`jaxscale.parallel.collective_matmul.matmul_reduce_scatter` of an e4m3 input and an e4m3 weight."""
+    static = _Static((equation,), axis, dim, h.recipe, jnp.dtype(h.value.dtype), (jnp.dtype(w.value.dtype),))
+    return _scatter(static, h, w)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scatter(static: _Static, h: fp8.Operand, w: fp8.Operand) -> jax.Array:
+    return _scatter_forward(static, h, w)[0]
+
+
+def _h_dim(static: _Static) -> int:
+    lhs, _, out = fp8.letters(static.equations[0])
+    return lhs.index(out[static.dim])
+
+
+def _scatter_forward(static: _Static, h: fp8.Operand, w: fp8.Operand) -> tuple[jax.Array, tuple]:
+    n, qh, (eq,) = lax.axis_size(static.axis), h.quantized, static.equations
+    y = _reduce_scattered(
+        lambda index: _scaled_dot(eq, _chunk(qh.q, index, _h_dim(static), n), qh.scale, w.quantized, static.x_dtype),
+        static.axis,
+    )
+    return y, (qh, h.history, w.quantized, w.history, w.grad_history)
+
+
+def _scatter_backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[fp8.Operand, fp8.Operand]:
+    qh, h_history, qw, w_history, g_history = saved
+    n, (eq,) = lax.axis_size(static.axis), static.equations
+    qg = fp8.quantize(g, g_history, fp8.E5M2, static.recipe)
+    dh, gathered = None, None
+    for index, held in _ring(qg.q, static.axis):
+        gathered = _place(gathered, held, index, static.dim, n)
+        part = _scaled_dot(_input_grad_equation(eq), held, qg.scale, qw, static.x_dtype)
+        dh = _place(dh, part, index, _h_dim(static), n)
+    dw = _weight_grad(eq, qh, qg._replace(q=gathered), qw, static.w_dtypes[0])
+    dh_op = fp8.Operand(dh, _NONE, fp8.pushed(h_history, qh.amax), None, static.recipe)
+    dw_op = fp8.Operand(dw, _NONE, fp8.pushed(w_history, qw.amax), fp8.pushed(g_history, qg.amax), static.recipe)
+    return dh_op, dw_op
+
+
+_scatter.defvjp(_scatter_forward, _scatter_backward)
