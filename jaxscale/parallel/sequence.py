@@ -36,8 +36,8 @@ With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
 einsum + reduce-scatter become collective matmuls
 (:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU;
-on per-tensor fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s. It needs SP axes (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one
-ring over their product.
+on per-tensor fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s. It needs SP axes
+(:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one ring over their product.
 
 **Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) the
 ``shard_map`` cannot nest in the loop's partly manual one, so the same layout is left to the
