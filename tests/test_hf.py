@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxscale import checkpoint, convert, flops
 from jaxscale.cli import main
-from jaxscale.config import Config, ConfigError, ModelConfig, load_config
+from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.loop import fit
 from jaxscale.models import fusion
 from jaxscale.sharding import use_rules
@@ -24,6 +24,7 @@ from jaxscale.train import Trainer, abstract_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from hf_helpers import at, drawn, hf_logits, random_params, rel_err  # noqa: E402
 
 RTOL = 1e-4
 SIZES = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
@@ -53,24 +54,11 @@ CASES = {
 
 
 def hf_model(case: str, seed: int = 0):
-    """A tiny random HF model: every weight drawn, the norm scales around 1 (so swapping two is seen)."""
+    """A tiny random HF model of ``case`` (:func:`hf_helpers.drawn`)."""
     config_cls, model_cls, extra, _, _ = CASES[case]
     config = getattr(transformers, config_cls)(**{**SIZES, **extra})
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    return model
-
-
-def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
+    return drawn(getattr(transformers, model_cls)(config))
 
 
 def tokens(rows: int = 4, length: int = 16) -> np.ndarray:
@@ -138,13 +126,6 @@ def test_converted_logits_match_transformers(converted):
     assert sum(math.prod(shape) for shape in shapes.values()) == converted.hf.num_parameters()
 
 
-def random_params(model: ModelConfig, seed: int) -> dict:
-    """Parameters of ``model`` drawn at random on the host (norm scales included)."""
-    rng = np.random.default_rng(seed)
-    shapes = abstract_model(Config(model=model))[1]
-    return jax.tree.map(lambda a: rng.normal(0, 0.08, a.shape).astype(np.float32), shapes)
-
-
 def test_round_trip_is_bit_exact_and_transformers_loads_the_export(converted, tmp_path):
     model = load_config(None, layout(converted.case, converted.ckpt)).model
     params = random_params(model, seed=1)
@@ -155,10 +136,7 @@ def test_round_trip_is_bit_exact_and_transformers_loads_the_export(converted, tm
     convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "back")
     back = checkpoint.params_source(tmp_path / "back")
     for w in convert.weights(model):
-        saved = params
-        for key in w.path:
-            saved = saved[key]
-        again = checkpoint.read_param(back, w.path)
+        saved, again = at(params, w.path), checkpoint.read_param(back, w.path)
         assert again.dtype == saved.dtype and np.array_equal(again, saved), w.path
     exported = getattr(transformers, CASES[converted.case][1]).from_pretrained(tmp_path / "hf").eval()
     x = tokens()
@@ -205,10 +183,7 @@ def test_finetune_from_converted_checkpoint_starts_at_the_hf_loss(llama_ckpt, tm
     back = checkpoint.params_source(tmp_path / "back")
     trained = jax.device_get(state.params)
     for w in convert.weights(trainer.config.model):
-        value = trained
-        for key in w.path:
-            value = value[key]
-        assert np.array_equal(checkpoint.read_param(back, w.path), value), w.path
+        assert np.array_equal(checkpoint.read_param(back, w.path), at(trained, w.path)), w.path
 
 
 def test_init_from_a_mismatched_model_is_a_config_error(llama_ckpt, tmp_path):
@@ -331,7 +306,4 @@ def test_fused_projections_restore_from_and_export_to_the_separate_layout(llama_
     convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "again")
     again = checkpoint.params_source(tmp_path / "again")
     for w in convert.weights(model):
-        value = separate
-        for key in w.path:
-            value = value[key]
-        assert np.array_equal(checkpoint.read_param(again, w.path), value), w.path
+        assert np.array_equal(checkpoint.read_param(again, w.path), at(separate, w.path)), w.path

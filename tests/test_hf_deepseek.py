@@ -14,12 +14,13 @@ import pytest
 from flax import nnx
 
 from jaxscale import checkpoint, convert
-from jaxscale.config import Config, load_config
+from jaxscale.config import load_config
 from jaxscale.sharding import use_rules
-from jaxscale.train import Trainer, abstract_model
+from jaxscale.train import Trainer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from hf_helpers import at, drawn, hf_logits, random_params, rel_err  # noqa: E402
 
 RTOL = 1e-4
 SIZES = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -31,23 +32,10 @@ MESH = {"data": 1, "stage": 1, "fsdp": 2, "context": 1, "expert": 2, "tensor": 2
 
 
 def hf_model(**extra):
-    """A tiny random HF DeepSeek-V3: every weight drawn, the norm scales around 1 (so swapping two is seen)."""
+    """A tiny random HF DeepSeek-V3 (:func:`hf_helpers.drawn`)."""
     config = transformers.DeepseekV3Config(**{**SIZES, **extra})
     torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    return model
-
-
-def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(tokens).long()).logits.float().numpy()
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(np.asarray(ours, np.float64) - ref).max() / np.abs(ref).max())
+    return drawn(transformers.DeepseekV3ForCausalLM(config))
 
 
 def tokens() -> np.ndarray:
@@ -101,20 +89,14 @@ def test_converted_deepseek_logits_match_transformers(converted):
     assert rel_err(ours, hf_logits(halves, x)) > 100 * RTOL
 
 
-def random_params(model, seed: int) -> dict:
-    """Parameters drawn wide enough (0.25) that the logits, and so the losses, tell the weights' roles apart."""
-    rng = np.random.default_rng(seed)
-    shapes = abstract_model(Config(model=model))[1]
-    return jax.tree.map(lambda a: rng.normal(0, 0.25, a.shape).astype(np.float32), shapes)
-
-
 @pytest.fixture(scope="module")
 def exported(converted, tmp_path_factory):
     """The converted model with one MTP depth, random parameters, exported to HF (the MTP layer as layer 3)."""
     root = tmp_path_factory.mktemp("exported")
     base = load_config(None, [f"model={converted[1] / 'model.yaml'}"]).model
     model = dataclasses.replace(base, deepseek=dataclasses.replace(base.deepseek, mtp_depth=1))
-    params = random_params(model, seed=1)
+    # Drawn wide enough (0.25) that the logits, and so the losses, tell the weights' roles apart.
+    params = random_params(model, seed=1, scale=0.25)
     checkpoint.save_params(root / "ours", params, dataclasses.asdict(model))
     files = convert.jaxscale_to_hf(root / "ours", root / "hf", max_shard_mb=0.1)
     assert len(files) > 1
@@ -130,10 +112,7 @@ def test_deepseek_round_trip_with_mtp_is_bit_exact_and_transformers_loads_the_ex
     table = convert.weights(model)
     assert any(w.path[0] == "mtp" for w in table)
     for w in table:
-        saved = params
-        for key in w.path:
-            saved = saved[key]
-        again = checkpoint.read_param(back, w.path)
+        saved, again = at(params, w.path), checkpoint.read_param(back, w.path)
         assert again.dtype == saved.dtype and np.array_equal(again, saved), w.path
     # transformers reads the main model and skips the MTP layer; its logits are ours.
     exported_hf = transformers.DeepseekV3ForCausalLM.from_pretrained(root / "hf").eval()
