@@ -92,6 +92,22 @@ def _swap_bwd(axes: tuple[str, ...], chunk: int, trips: jax.Array, g: jax.Array)
 swap.defvjp(_swap_fwd, _swap_bwd)
 
 
+def _rows(x: jax.Array, routing: kernels.Routing, experts: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The ``n = b·s·k`` rows of tokens ``x`` [b, s, h] times their choices: each row's expert, the order that
+    sorts the rows by expert (stably), the rows per expert [experts], and the rows themselves [n, h]."""
+    b, s, h = x.shape
+    n = b * s * routing.index.shape[-1]
+    expert = routing.index.reshape(n)
+    sizes = jnp.zeros((experts,), jnp.int32).at[expert].add(1)
+    tokens = jnp.broadcast_to(x[:, :, None, :], (*routing.index.shape, h)).reshape(n, h)
+    return expert, jnp.argsort(expert, stable=True), sizes, tokens
+
+
+def _gated(y: jax.Array, x: jax.Array, routing: kernels.Routing) -> jax.Array:
+    """The rows' results ``y`` [n, h] back in token order summed per token with their gates: [b, s, h]."""
+    return jnp.einsum("bskd,bsk->bsd", y.reshape(*routing.index.shape, -1), routing.gate.astype(x.dtype))
+
+
 def dropless_rows(
     x: jax.Array,
     routing: kernels.Routing,
@@ -104,18 +120,14 @@ def dropless_rows(
     """Tokens ``x`` [b, s, h] through their chosen experts, held ``len(w) = E/shards`` per shard of ``axes``;
     gated and summed. ``every``: all the mesh axes (the trip count is the same on every device); ``f8``: the
     grouped matmuls' fp8 histories, with fp8 weights (:func:`jaxscale.models.routing.grouped_swiglu`)."""
-    b, s, h = x.shape
-    k = routing.index.shape[-1]
-    n, local = b * s * k, weights[0].shape[0]
-    expert = routing.index.reshape(n)
-    order = jnp.argsort(expert, stable=True)  # by destination shard, then by its expert
-    sizes = jnp.zeros((shards * local,), jnp.int32).at[expert].add(1).reshape(shards, local)
+    local = weights[0].shape[0]
+    expert, order, sizes, tokens = _rows(x, routing, shards * local)  # sorted by destination shard, then expert
+    (n, h), sizes = tokens.shape, sizes.reshape(shards, local)
     counts = sizes.sum(1)
     dest = expert[order] // local
     pos = jnp.arange(n) - (jnp.cumsum(counts) - counts)[dest]  # place among the rows to its destination
     chunk = chunk_rows(n, shards)
     rows = math.ceil(n / chunk) * chunk
-    tokens = jnp.broadcast_to(x[:, :, None, :], (b, s, k, h)).reshape(n, h)
     send = jnp.zeros((shards, rows, h), x.dtype).at[dest, pos].set(tokens[order])
     arriving = lax.all_to_all(sizes, axes, 0, 0, tiled=True)  # [sources, local experts]
     most = jnp.max(counts)  # the max over the axes it varies on (on the others it is the same everywhere)
@@ -129,8 +141,7 @@ def dropless_rows(
     which = jnp.sum(r[None, :, None] >= ends[:, None, :], axis=-1)  # [sources, rows]; == local: padding
     out = kernels.grouped_swiglu(received.reshape(shards * rows, h), which.reshape(-1), *weights, f8=f8)
     back = swap(out.reshape(shards, rows, h), trips, axes, chunk)
-    y = jnp.zeros((n, h), x.dtype).at[order].set(back[dest, pos])
-    return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))
+    return _gated(jnp.zeros((n, h), x.dtype).at[order].set(back[dest, pos]), x, routing)
 
 
 def varying_like(a: jax.Array, like: jax.Array) -> jax.Array:
@@ -152,12 +163,9 @@ def ragged_rows(
     """:func:`dropless_rows` by one ``lax.ragged_all_to_all`` each way (GPU, TPU): the same tokens, experts,
     fp8 histories and result. Slice ``(d, e)`` of a device's sorted rows (those for expert ``e`` of shard
     ``d``) lands on ``d`` after the rows of its experts before ``e``, and of ``e``'s sources before this device."""
-    b, s, h = x.shape
-    k = routing.index.shape[-1]
-    n, local = b * s * k, weights[0].shape[0]
-    expert = routing.index.reshape(n)
-    order = jnp.argsort(expert, stable=True)
-    sizes = jnp.zeros((shards * local,), jnp.int32).at[expert].add(1)  # slice (d, e) at d·local + e
+    local = weights[0].shape[0]
+    _, order, sizes, tokens = _rows(x, routing, shards * local)  # slice (d, e) of the sorted rows at d·local + e
+    (n, h), tokens = tokens.shape, tokens[order]
     starts = jnp.cumsum(sizes) - sizes  # where each slice begins among the sorted rows
 
     def swap(a: jax.Array) -> jax.Array:  # [shards, local] ints: row d to shard d, received at row source
@@ -166,7 +174,6 @@ def ragged_rows(
     arriving = swap(sizes)  # [sources, local experts]
     per_expert = arriving.sum(0)
     at = (jnp.cumsum(per_expert) - per_expert)[None, :] + jnp.cumsum(arriving, 0) - arriving  # [sources, local]
-    tokens = jnp.broadcast_to(x[:, :, None, :], (b, s, k, h)).reshape(n, h)[order]
     buffer = varying_like(jnp.zeros((shards * n, h), x.dtype), tokens)
     received = lax.ragged_all_to_all(tokens, buffer, starts, sizes, swap(at).reshape(-1), arriving.reshape(-1),
                                      axis_name=axes)
@@ -175,5 +182,4 @@ def ragged_rows(
     home = varying_like(jnp.zeros((n, h), x.dtype), out)
     back = lax.ragged_all_to_all(out, home, at.reshape(-1), arriving.reshape(-1), swap(starts).reshape(-1), sizes,
                                  axis_name=axes)
-    y = jnp.zeros((n, h), x.dtype).at[order].set(back)
-    return jnp.einsum("bskd,bsk->bsd", y.reshape(b, s, k, h), routing.gate.astype(x.dtype))
+    return _gated(jnp.zeros((n, h), x.dtype).at[order].set(back), x, routing)
