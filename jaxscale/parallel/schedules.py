@@ -25,10 +25,10 @@ stage runs at most one forward and then at most one backward, each as soon as it
 (sent by a neighbour in an earlier tick; a backward may follow its own forward in the same tick),
 and never out of the stage's order. A schedule that splits the backward (``zb_h1``) runs one operation
 per stage per tick (F, B or W, one unit each in the paper's terms), so that a tick is as long as one of
-them and a W placed in a tick where the stage would wait costs nothing. Messages sent in tick t (the forward's output to the next
-virtual stage, the backward's input gradient to the previous one) are written into a *slot* of
-the receiver's buffer at the end of tick t and freed when read for the last time; slots are
-reused greedily, so the buffers are as small as the schedule allows: the ``1f1b`` stash stays at
+them and a W placed in a tick where the stage would wait costs nothing. Messages sent in tick t (the
+forward's output to the next virtual stage, the backward's input gradient to the previous one) are
+written into a *slot* of the receiver's buffer at the end of tick t and freed when read for the last
+time; slots are reused greedily, so the buffers are as small as the schedule allows: the ``1f1b`` stash stays at
 at most 2p microbatches whatever m (a message moves one stage a tick, so the round trip from
 stage s to the last and back takes 2·(p − 1 − s) ticks), where ``gpipe`` keeps m.
 
