@@ -157,7 +157,8 @@ class Table:
 
     @property
     def split(self) -> bool:
-        return self.schedule in SPLIT
+        """Whether the backward is split into B and W slots (a split schedule's training table)."""
+        return self.schedule in SPLIT and self.train
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The per-tick columns the loop scans over, int32."""
