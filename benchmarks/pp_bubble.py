@@ -36,7 +36,9 @@ compiled step's temporaries per device and ZB-H1's extra over 1F1B, next to the 
 buffers a stage keeps (stage inputs ``act_slots``, output gradients from B to W ``cot_slots``, each a
 chunk's L/p layers of b·s·h, and the received gradients ``grad_slots`` of b·s·h); the ticks; the bubble
 in the paper's units (F = B = W = 1) and in ours (F 1, B 2, W 3: each recomputes the chunk; 1F1B's
-backward 3), with the step cost in ours; and the step time ratio ZB-H1 / 1F1B.
+backward 3), with the step cost in ours; and the step time ratio ZB-H1 / 1F1B. Its first line: the FLOPs
+of one layer's B (its input gradient, recomputing it) and W (its weight gradient from its input and output
+gradient, recomputing it) and of the unsplit backward, per forward, from XLA's cost analysis.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import INTERLEAVED, load_config
 from jaxscale.parallel import schedules
-from jaxscale.train import Trainer
+from jaxscale.train import Trainer, make_model
 
 MODEL = [
     "model.vocab_size=256",
@@ -159,8 +163,37 @@ def kept_bytes(table: schedules.Table, layers: int, act: int) -> int:
     return (table.act_slots + table.cot_slots) * layers * act + table.grad_slots * act
 
 
+def slot_flops(rows: int = 4) -> dict[str, float]:
+    """One layer's forward FLOPs on ``rows`` sequences, and its B, W and unsplit backward (each recomputing it) per
+    forward, from XLA's cost analysis."""
+    config = load_config(None, [*MODEL, "model.layers=1"])
+    with nnx.use_eager_sharding(False):
+        blocks = make_model(config).blocks
+    graph, stacked, rest = nnx.split(blocks, nnx.Param, ...)
+    params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(stacked))
+    x = jnp.ones((rows, config.train.seq_len, config.model.embed))
+    pos = jnp.broadcast_to(jnp.arange(config.train.seq_len), x.shape[:2])
+
+    def layer(p: dict, x: jax.Array) -> jax.Array:
+        state = jax.tree.map(lambda a: a[0], stacked)
+        nnx.replace_by_pure_dict(state, p)
+        return nnx.merge(graph, state, jax.tree.map(lambda a: a, rest))(x, pos)[0]
+
+    def flops(f, *args) -> float:
+        return jax.jit(f).lower(*args).compile().cost_analysis()["flops"]
+
+    forward = flops(layer, params, x)
+    slots = {
+        "B": lambda p, x: jax.vjp(lambda x: layer(p, x), x)[1](x),
+        "W": lambda p, x: jax.vjp(lambda p: layer(p, x), p)[1](x),
+        "backward": lambda p, x: jax.vjp(layer, p, x)[1](x),
+    }
+    return {"layer_forward_flops": forward, **{k: round(flops(f, params, x) / forward, 3) for k, f in slots.items()}}
+
+
 def zero_bubble(stages: list[int], steps: int) -> None:
     """One JSON line per (p, m): ZB-H1 against 1F1B on ``pp``, memory from the compiled step next to the table's."""
+    print(json.dumps({"slot_flops_per_forward": slot_flops()}), flush=True)
     for p in stages:
         for m in (p, 2 * p, 4 * p):
             record: dict = {"layout": "pp", "p": p, "m": m}

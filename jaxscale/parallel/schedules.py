@@ -174,7 +174,8 @@ class Table:
         backward's two matmuls per forward matmul). Split, a B costs ``input_grad`` (default 2: the
         recompute, then the input gradients) and a W ``weight_grad`` (default 3: the recompute again, the
         weight gradients, and the input gradients inside each layer that lead to its weights, all but its
-        first projections'): 5 where the unsplit backward costs 3. The paper's terms are 1, 1 and 1.
+        first projections'): 5 where the unsplit backward costs 3 (XLA's FLOPs of a layer of
+        benchmarks/pp_bubble.py: B 1.82, W 2.76, unsplit 2.76 forwards). The paper's terms are 1, 1 and 1.
         """
         b = input_grad if self.split else backward
         busy = forward * (self.f_kind > IDLE) + b * (self.b_kind > IDLE) + weight_grad * (self.w_kind > IDLE)
