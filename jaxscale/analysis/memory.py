@@ -347,7 +347,10 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": saved_dots_backward(m, step.seq_len)}
         if m.remat in mlp:
             everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
-    layer_backward = everything + kept_weights * cbytes
+    # the exchange's buffers: kept by every MoE layer (and prediction depth) unless recomputed, and in the backward
+    exchange = _exchange_buffers(m, layout, step, rows)
+    moe_here = layers * moe_layers(m) / m.layers + depths
+    layer_backward = everything + kept_weights * cbytes + exchange
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
@@ -366,6 +369,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     # each prediction depth's own loss: its logits' two fp32 residuals held beside the head's loss
     loss += 2 * depths * _per_device(dataclasses.replace(vocab, dtype="fp32"), micro_rows, step, m, layout)
     activations = layers * per_layer + _prediction_depths(m, params, layout, step, rows)
+    activations += exchange * (moe_here if m.remat != "full" else depths)
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
@@ -386,6 +390,18 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         _pipeline(m, params, layout, step, rows, out)
     out["total"] = sum(out.values())
     return out
+
+
+def _exchange_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
+    """Bytes per device that one MoE layer's dropless rows exchange (:mod:`jaxscale.parallel.exchange`) holds
+    beyond the routed rows :func:`layer_residuals` counts: its buffers are sized for the worst case (every choice
+    to one shard), ``ep`` times the rows: the rows arriving, their SwiGLU's gate, up and hidden, their outputs.
+    0 without expert parallelism or the exchange."""
+    moe, ep = m.moe, layout.ways(("expert",))
+    if moe is None or moe.dispatch != "dropless" or moe.dropless_exchange != "rows" or ep == 1:
+        return 0.0
+    per_token = (ep - 1) * moe.top_k * (2 * m.embed + 3 * (moe.mlp or m.mlp))
+    return _per_device(Activation("exchange buffers", per_token, RESIDUAL), rows, step, m, layout)
 
 
 def _prediction_depths(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float) -> float:
