@@ -10,7 +10,10 @@ import jax
 import pytest
 from helpers import assert_trees_close, fails_early, rel_err
 
+from jaxscale import flops
 from jaxscale.analysis import plan
+from jaxscale.analysis.params import param_table
+from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.train import Trainer, abstract_model
 
@@ -80,8 +83,6 @@ def test_deepseek_refuses_what_it_cannot_run_in_one_line():
     with fails_early(r"^model\.deepseek: rules 'pp' pipeline model\.blocks only: dense_layers \(1\) and "
                      r"mtp_depth \(1\) must be 0"):
         Trainer.build(config(rules="pp", mesh={"stage": 2, "data": 4}))
-    with fails_early(r"^plan: the analytic model describes Llama-style decoders, not model\.deepseek's"):
-        plan.search(config().model, [], None, 1024, 128)
     for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),
                             ("model.deepseek.dense_layers=3", r"dense_layers \(3\) must be below model\.layers"),
                             ("model.deepseek.mtp_loss_weight=nan", r"^model\.deepseek\.mtp_loss_weight must be"),
@@ -94,7 +95,39 @@ def test_the_full_deepseek_v3_config_has_its_671b_parameters():
     """configs/models/deepseek-v3-671b.yaml's shapes: DeepSeek-V3's technical report counts 671B parameters in the
     main model; the MTP module (one MoE layer, its projection and norms; its embedding and head are the shared
     ones) adds 11.6B."""
+    model = load_config(None, ["model=deepseek-v3-671b"]).model
     shapes = jax.tree_util.tree_flatten_with_path(abstract_model(load_config(None, ["model=deepseek-v3-671b"]))[1])[0]
     total = sum(math.prod(a.shape) for _, a in shapes)
     mtp = sum(math.prod(a.shape) for path, a in shapes if path[0].key == "mtp")
-    assert round((total - mtp) / 1e9) == 671 and round(mtp / 1e8) == 116
+    assert (total - mtp, mtp) == (671_026_404_352, 11_610_067_968)
+    assert flops.param_count(model)["total"] == total and flops.param_count(model)["mtp"] == mtp  # the planner's
+
+
+def test_deepseek_flops_per_token_count_the_active_experts_and_mla():
+    """6 x the matmul weights a token goes through (MLA's five projections, the dense MLPs, the router, its 8 of
+    256 routed experts and the shared one, the MTP projection and the head once per prediction depth more) plus
+    causal attention, 3·s·heads·(qk + v) per layer run (the MTP block too), written out for DeepSeek-V3."""
+    e, heads, qk, v, seq = 7168, 128, 192, 128, 4096
+    mla = e * 1536 + 1536 * heads * qk + e * (512 + 64) + 512 * heads * (128 + v) + heads * v * e
+    moe = e * 256 + 3 * e * 2048 * (8 + 1)
+    active = 62 * mla + 3 * 3 * e * 18432 + 59 * moe + 2 * e * e + 2 * e * 129280
+    expected = 6 * active + 3 * seq * heads * (qk + v) * 62
+    model = load_config(None, ["model=deepseek-v3-671b"]).model
+    assert flops.flops_per_token(model, seq) == expected
+    assert round(active / 1e9, 1) == 38.2  # the report's 37B active, plus the MTP block and a second head
+
+
+def test_plan_ranks_deepseek_layouts_with_a_reason():
+    """The planner's analytic model takes DeepSeek's shapes: the 671B's state on 512 H100s under one layout fits and
+    its per-device parameters are the config's divided as the rules shard them; the tiny model's plan ranks layouts
+    (no pipeline: its dense block and MTP are not pipelined) and states the exchange's assumed imbalance."""
+    big = load_config(None, ["model=deepseek-v3-671b"]).model
+    cluster = load_cluster("h100", ["nodes=64"])
+    layout = plan.Strategy(fsdp=16, expert=4, tensor=8, sequence=True, remat="full", micro_batch=2, accumulation=32)
+    found = plan.evaluate(big, param_table(load_config(None, ["model=deepseek-v3-671b"])), layout, 4096, cluster)
+    assert found.memory["total"] < cluster.budget and found.time["total"] > 0
+    tiny = config()
+    result = plan.search(tiny.model, param_table(tiny), load_cluster("h100"), 64 * 128, 128, top=5)
+    assert result.candidates and all(c.layout.stage == 1 for c in result.candidates)
+    assert result.reasons[0].startswith("#1 ") and "(max/mean rows to a shard) assumed 1.25" in result.reasons[-1]
+    assert "#1" in plan.table(result).split("why:")[1]

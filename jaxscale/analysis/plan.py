@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxscale.analysis.blocks import attention
-from jaxscale.analysis.communication import communication, summarize_flows
+from jaxscale.analysis.communication import EP_IMBALANCE, communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
@@ -288,7 +288,12 @@ def search(
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     ranked = found[:top] if top else found
-    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, reasons(found), m.dtype)
+    why = reasons(found)
+    if m.moe is not None and m.moe.dispatch == "dropless" and m.moe.dropless_exchange == "rows":
+        why.append(f"EP's dropless exchange: 2·k·b·s·h·bytes·(ep−1)/ep per MoE layer each way times a routing "
+                   f"imbalance (max/mean rows to a shard) assumed {EP_IMBALANCE}; its buffers sized for every row "
+                   "to one shard (ep x)")
+    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
 
 
 # -- output --------------------------------------------------------------------------------
