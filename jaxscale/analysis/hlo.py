@@ -51,7 +51,8 @@ from jaxscale.analysis.hlo_text import Computation, Instr, callees, nbytes, pars
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+RAGGED = "ragged-all-to-all"  # the dropless exchange's on GPU and TPU: its rows are the run's (exchange_counted)
 SLICED = "reduce-scatter (all-reduce+slice on this backend)"
 
 # Ops an all-reduce's result may pass through on its way to the dynamic-slice.
@@ -88,7 +89,7 @@ class Collective:
     """One collective instruction of a compiled step; bytes are per device."""
 
     name: str
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS, or RAGGED
     is_async: bool  # an ``-start`` form
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result array
     result_bytes: int
@@ -323,12 +324,12 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         runs, loops = contexts[comp.name]
         for instr in comp.instrs.values():
             kind = instr.opcode.removesuffix("-start")
-            if kind not in KINDS:
+            if kind not in KINDS and kind != RAGGED:
                 continue
             is_async = instr.opcode.endswith("-start")
             op_types = [t or comp.instrs[o].type for o, t in zip(instr.operands, instr.operand_types, strict=True)]
             operand_bytes = sum(nbytes(t) for t in op_types)
-            if kind == "ragged-all-to-all":  # the device's own rows: the smaller of its rows operand and its output
+            if kind == RAGGED:  # the device's own rows: the smaller of its rows operand and its output
                 operand_bytes = min(nbytes(op_types[0]), nbytes(instr.type))
             result_type = instr.type
             if is_async and kind in ("all-gather", "collective-permute") and instr.type.startswith("("):
@@ -391,7 +392,7 @@ def exchange_counted(hlo_text: str, found: list[Collective]) -> tuple[list[Colle
         trips = _exchange_trips(c, comps)
         if trips is not None:
             c = dataclasses.replace(c, runs=c.runs * trips)
-        if trips is not None or c.kind == "ragged-all-to-all":
+        if trips is not None or c.kind == RAGGED:
             counted, most = counted + 1, max(most, c.n)
         out.append(c)
     if not counted:
