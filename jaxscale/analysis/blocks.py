@@ -7,7 +7,7 @@ between the built-in models is here, read off the model config (no jax):
   ``kv_heads x head_dim`` (grouped: logical ``kv_heads``); multi-head latent attention's
   (:mod:`jaxscale.models.deepseek`) queries and keys are ``heads x (nope + rope)`` wide, its values and the
   attention output ``heads x v_head_dim``, every head its own keys (logical ``heads``), and the layer computes two
-  latents first (``q_lora``, ``kv_lora`` + the rotated key);
+  latents first (``q_lora``, ``kv_lora`` + the rotated key); the attention output is ``heads`` x the values' width;
 * **projections** (:func:`projections`): the attention's weight matmuls, as (count, N, its logical name, K, its
   logical name), so a layout's ways divide each as it shards it;
 * **layers**: the MLP hidden per token averaged over the layers (:func:`mlp_per_token`: dense layers and MoE
@@ -31,7 +31,8 @@ class Attention:
 
     q: int  # queries
     k: int  # keys
-    v: int  # values (and the attention output, before its projection)
+    v: int  # values
+    out: int  # the attention output, before its projection (the queries' heads x the values' width)
     qk_dim: int  # a head's query and key width
     v_dim: int  # a head's value width
     kv_name: str  # the logical name that splits keys and values: kv_heads (grouped), heads (MLA)
@@ -52,26 +53,27 @@ def attention(m: ModelConfig) -> Attention:
     """The layer's attention widths (see the module docstring)."""
     d = m.deepseek
     if d is None:
-        return Attention(m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim, m.head_dim,
-                         m.head_dim, "kv_heads", 0, ())
+        ad, gd = m.heads * m.head_dim, m.kv_heads * m.head_dim
+        return Attention(ad, gd, gd, ad, m.head_dim, m.head_dim, "kv_heads", 0, ())
     qk = d.qk_nope_head_dim + d.qk_rope_head_dim
     latents, names = d.kv_lora_rank, ("kv_lora",)
     if d.q_lora_rank:
         latents, names = latents + d.q_lora_rank, ("q_lora", "kv_lora")
-    return Attention(m.heads * qk, m.heads * qk, m.heads * d.v_head_dim, qk, d.v_head_dim, "heads", latents, names)
+    v = m.heads * d.v_head_dim
+    return Attention(m.heads * qk, m.heads * qk, v, v, qk, d.v_head_dim, "heads", latents, names)
 
 
 def projections(m: ModelConfig) -> list[Projection]:
     """The attention's weight matmuls of one layer: (count, N, N's logical name, K, K's logical name)."""
     h, a, d = m.embed, attention(m), m.deepseek
     if d is None:
-        return [(1, a.q, "heads", h, None), (2, a.k, "kv_heads", h, None), (1, h, None, a.v, "heads")]
+        return [(1, a.q, "heads", h, None), (2, a.k, "kv_heads", h, None), (1, h, None, a.out, "heads")]
     nope_v = m.heads * (d.qk_nope_head_dim + d.v_head_dim)
     queries: list[Projection] = [(1, a.q, "heads", h, None)]
     if d.q_lora_rank:
         queries = [(1, d.q_lora_rank, "q_lora", h, None), (1, a.q, "heads", d.q_lora_rank, "q_lora")]
     return [*queries, (1, d.kv_lora_rank + d.qk_rope_head_dim, "kv_lora", h, None),
-            (1, nope_v, "heads", d.kv_lora_rank, "kv_lora"), (1, h, None, a.v, "heads")]
+            (1, nope_v, "heads", d.kv_lora_rank, "kv_lora"), (1, h, None, a.out, "heads")]
 
 
 def moe_layers(m: ModelConfig) -> int:

@@ -65,7 +65,7 @@ REMAT_NAMES = {  # checkpoint_name in models/llama.py and deepseek.py -> (width 
     "query": ("q", Q_AXES),
     "key": ("k", None),  # the keys' axes (grouped or per head: blocks.Attention.kv_axes)
     "value": ("v", None),
-    "attention": ("v", Q_AXES),
+    "attention": ("out", Q_AXES),
     "attention_out": ("h", RESIDUAL),
     "mlp_hidden": ("f", MLP_AXES),
     "mlp_out": ("h", RESIDUAL),
@@ -108,7 +108,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     """
     h, att = m.embed, attention(m)
     fe = mlp_per_token(m)
-    sizes = {"h": h, "q": att.q, "k": att.k, "v": att.v, "f": fe}
+    sizes = {"h": h, "q": att.q, "k": att.k, "v": att.v, "out": att.out, "f": fe}
     x = Activation("layer input", h, RESIDUAL)
     if policy == "full":
         return [x]
@@ -129,7 +129,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
         Activation("normed inputs", 2 * h, HIDDEN),
         *_latents(m, False),
         *_latents(m, True),
-        Activation("query, attention out", att.q + att.v, Q_AXES),
+        Activation("query, attention out", att.q + att.out, Q_AXES),
         Activation("key, value", att.k + att.v, att.kv_axes),
         Activation("gate, up, hidden", 3 * fe, MLP_AXES),
     ]
@@ -137,7 +137,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     if policy == "selective":
         pass
     elif m.attention in FLASH_ATTENTION:
-        kept += [Activation("kernel output", att.v, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
+        kept += [Activation("kernel output", att.out, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
     else:
         kept += [
             Activation("scores", a * seq_len, SCORES, "fp32"),
@@ -243,7 +243,7 @@ def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
         Activation("MLP norm statistic (freed)", -1, RESIDUAL[:2], "fp32"),
         Activation("gate, up, hidden (freed)", -3 * fe, MLP_AXES),
         Activation("residual gradient", h, RESIDUAL),
-        Activation("attention output gradient", attention(m).v, Q_AXES),
+        Activation("attention output gradient", attention(m).out, Q_AXES),
     ]
     if m.attention not in FLASH_ATTENTION:
         # The probabilities' gradient (a dot's output) becomes the scores' in place: the softmax
