@@ -105,3 +105,12 @@ def mlp_per_token(m: ModelConfig) -> int:
     share = moe_layers(m) / m.layers
     per_moe = routed_per_token(m) + moe.shared_experts * (moe.mlp or m.mlp)
     return round(share * per_moe + (1 - share) * m.mlp)
+
+
+def dense_per_token(m: ModelConfig) -> int:
+    """The part of :func:`mlp_per_token` that plain matmuls compute: the dense layers' and the shared experts'
+    (the routed experts run batched or grouped matmuls, which ``save_dots`` does not keep)."""
+    if m.moe is None:
+        return m.mlp
+    share = moe_layers(m) / m.layers
+    return round(share * m.moe.shared_experts * (m.moe.mlp or m.mlp) + (1 - share) * m.mlp)

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.blocks import attention, mlp_per_token, moe_layers, projections
+from jaxscale.analysis.blocks import attention, dense_per_token, mlp_per_token, moe_layers, projections
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
 from jaxscale.axes import HIDDEN, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config import ModelConfig
@@ -118,7 +118,7 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
             x,
             Activation("query, key, value (MLA: its projections)", projected - h, Q_AXES),
             Activation("attention projection", h, HIDDEN),  # under SP: the partial sums, before the scatter
-            Activation("gate, up", 2 * fe, MLP_AXES),
+            Activation("gate, up (dense and shared experts')", 2 * dense_per_token(m), MLP_AXES),
         ]
     if policy == "save_named":
         named = [(n, *REMAT_NAMES[n]) for n in m.remat_names if n in REMAT_NAMES]
