@@ -191,8 +191,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
     if layout.pipelined and not p.in_layers:
         out += _pipeline_outer_flows(p, sp, layout, step, pbytes, bool(stage_gathered))
     elif p.is_embedding:
-        ids = bsh / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
-        out += _embedding_flows(sp, layout, step, bsh, ids, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
+        looked = bsh * (1 + layers_run(m) - m.layers)  # DeepSeek's prediction depths look up the tokens ahead too
+        ids = looked / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
+        out += _embedding_flows(sp, layout, step, looked, ids, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
     else:
         unit, grad = sp.unit * pbytes, sp.unit * gbytes
         runs = step.microbatches * sp.count
@@ -216,8 +217,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             # once a step, before the pipeline's loop: nothing to hide behind
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          not once)
-            # SP's shard_map keeps it, unless recomputed
-            if p.in_layers and not once and (not in_sp or m.remat != "none"):
+            # SP's shard_map keeps it, and the experts' (model.moe.impl: shard_map), unless recomputed
+            kept = in_sp or ("expert" in p.axes and m.moe is not None and m.moe.impl == "shard_map")
+            if p.in_layers and not once and (not kept or m.remat != "none"):
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
         if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
             out += flow(p.path + " gradient", "all-reduce", sp.reduced, grad, runs, layout, "backward", True)

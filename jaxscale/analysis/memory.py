@@ -329,7 +329,8 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         kept_weights = sum(split(p, layout, step, stack).unit for p in params if p.in_layers and p.in_sp_region)
     elif m.remat == "none" and m.dtype != compute:  # the weights cast to the compute dtype
         kept_weights = layer_elems(params, layout, reduced=True)
-    if m.remat == "none":  # the experts' shard_map keeps its weight operands, gathered over the token axes
+    if m.remat == "none" and m.moe is not None and m.moe.impl == "shard_map":
+        # the experts' shard_map keeps its weight operands, gathered over the token axes
         kept_weights += sum(s.unit for s in (split(p, layout, step, stack) for p in params
                                               if p.in_layers and "expert" in p.axes) if s.gathered)
     per_layer += kept_weights * cbytes
