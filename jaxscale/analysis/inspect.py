@@ -24,6 +24,7 @@ from jaxscale.analysis.hlo import Collective, collectives, exchange_counted, gro
 from jaxscale.analysis.params import trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
+from jaxscale.models import builtin
 from jaxscale.sharding import named_params
 
 
@@ -92,7 +93,7 @@ def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
     report.update({
         "model": {
             **{k: getattr(trainer.config.model, k) for k in ("layers", "embed", "dtype", "param_dtype", "remat")},
-            "builtin": trainer.builtin_model,
+            "builtin": trainer.factory is builtin.build,  # Llama-style or DeepSeek-V3-style: both modelled
         },
         "params": param_rows(trainer),
         "collective_rows": grouped(step_collectives(trainer, compiled)[0]),
@@ -162,7 +163,7 @@ def format_inspect(report: dict[str, Any]) -> str:
                  + (f"  pipeline bubble {ref['pp_bubble']:.2f}" if "pp_bubble" in ref else ""))
     if not report["model"].get("builtin", True):
         lines += ["", "note: a model of your own (docs/models.md): the analytic and docs/formulas.md figures are those "
-                  "of the built-in Llama of the config's model.* sizes; the compiled figures are this model's."]
+                  "of the built-in model of the config's model.* sizes; the compiled figures are this model's."]
     if report["model"]["dtype"] != "float32" and report["backend"] == "cpu":
         lines += ["", f"note: XLA:CPU computes {report['model']['dtype']} matmuls in float32, so its activation "
                   "collectives and buffers are float32 where a GPU or TPU keeps them in "
