@@ -16,10 +16,11 @@ from helpers import assert_trees_close, fails_early, rel_err
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import flops
-from jaxscale.analysis import hlo, plan, xla
+from jaxscale.analysis import hlo, plan, timing, xla
 from jaxscale.analysis.memory import layer_residuals
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
+from jaxscale.analysis.strategy import placement
 from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.sharding import use_rules
@@ -123,6 +124,17 @@ def test_deepseek_flops_per_token_count_the_active_experts_and_mla():
     model = load_config(None, ["model=deepseek-v3-671b"]).model
     assert flops.flops_per_token(model, seq) == expected
     assert round(active / 1e9, 1) == 38.2  # the report's 37B active, plus the MTP block and a second head
+
+
+def test_the_step_times_matmuls_are_the_models_flops():
+    """The planner's time model runs MLA's five projections, the dense and MoE layers (8 routed experts of 256 and
+    the shared one) and the MTP block per token: 2 x the matmul weights flops.py counts, less the routers'."""
+    m = load_config(None, ["model=deepseek-v3-671b"]).model
+    tokens, e = 1000, m.embed
+    layers = sum(c * 2 * mm * n * k for c, mm, n, k in timing._matmuls(m, placement(plan.Strategy()), tokens))
+    heads = 2 * tokens * (2 * e * m.vocab_size + 2 * e * e)  # the head twice (MTP), MTP's projection
+    routers = 2 * tokens * e * m.moe.experts * (m.layers - m.deepseek.dense_layers + 1)
+    assert layers * 62 + heads + routers == pytest.approx(2 * tokens * flops.param_count(m)["matmul"], rel=1e-9)
 
 
 def test_plan_ranks_deepseek_layouts_with_a_reason():
