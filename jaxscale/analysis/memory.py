@@ -353,22 +353,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     moe_here = layers * moe_layers(m) / m.layers + depths
     layer_backward = everything + kept_weights * cbytes + exchange
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
-    vocab = Activation("logits", m.vocab_size, LOGITS)
-    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
-    if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
-        loss *= m.loss_chunk / step.seq_len
-    # One whole vocab x embed table: the output head gathered over the token axes (ZeRO-3), or under SP the
-    # embedding table gathered whole to look rows up. Its whole gradient is held through the layers' backward
-    # (its reduction overlaps them), the gathered copy at the loss only (as compiled at the layer backward's
-    # peak: one vocab x embed buffer, the gradient).
-    sp = bool(layout.sequence_axes)
-    heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
-    head = 0.0 if sp else sum(s.whole for s in (split(p, layout, step, stack) for p in heads) if s.gathered) * pbytes
-    table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
-                for p in params if p.is_embedding) * pbytes if sp else 0.0
-    loss += head + table
-    # each prediction depth's own loss: its logits' two fp32 residuals held beside the head's loss
-    loss += 2 * depths * _per_device(dataclasses.replace(vocab, dtype="fp32"), micro_rows, step, m, layout)
+    loss, head, table = _loss(m, params, layout, step, micro_rows, pbytes)
     activations = layers * per_layer + _prediction_depths(m, params, layout, step, rows)
     activations += exchange * (moe_here if m.remat != "full" else depths)
     out = {
@@ -391,6 +376,30 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         _pipeline(m, params, layout, step, rows, out)
     out["total"] = sum(out.values())
     return out
+
+
+def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, micro_rows: float, pbytes: int
+          ) -> tuple[float, float, float]:
+    """Bytes per device at the loss (with the gathered tables below), the gathered head, the gathered table.
+
+    The logits in the compute dtype and three fp32 buffers (of one chunk with ``model.loss_chunk``); each
+    prediction depth's loss holds its logits' two fp32 residuals beside. One whole vocab x embed table: the output
+    head gathered over the token axes (ZeRO-3), or under SP the embedding table gathered whole to look rows up. Its
+    whole gradient is held through the layers' backward (its reduction overlaps them), the gathered copy at the
+    loss only (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient)."""
+    cbytes, stack = dtype_bytes(m.dtype), stack_layers(m, step)
+    vocab = Activation("logits", m.vocab_size, LOGITS)
+    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
+    if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
+        loss *= m.loss_chunk / step.seq_len
+    depths = m.deepseek.mtp_depth if m.deepseek else 0
+    loss += 2 * depths * _per_device(dataclasses.replace(vocab, dtype="fp32"), micro_rows, step, m, layout)
+    sp = bool(layout.sequence_axes)
+    heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
+    head = 0.0 if sp else sum(s.whole for s in (split(p, layout, step, stack) for p in heads) if s.gathered) * pbytes
+    table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
+                for p in params if p.is_embedding) * pbytes if sp else 0.0
+    return loss + head + table, head, table
 
 
 def _exchange_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
