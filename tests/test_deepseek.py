@@ -16,13 +16,13 @@ from helpers import assert_trees_close, fails_early, rel_err
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale import flops
-from jaxscale.analysis import hlo, plan, timing, xla
+from jaxscale.analysis import hlo, plan, strategy, timing, xla
 from jaxscale.analysis.memory import layer_residuals
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import placement
 from jaxscale.analysis.timing import load_cluster
-from jaxscale.config import Config, ConfigError, load_config
+from jaxscale.config import Config, ConfigError, load_config, read_yaml, resolve_named
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer, abstract_model
 
@@ -151,6 +151,16 @@ def test_plan_ranks_deepseek_layouts_with_a_reason():
     assert result.candidates and all(c.layout.stage == 1 for c in result.candidates)
     assert result.reasons[0].startswith("#1 ") and "(max/mean rows to a shard) assumed 1.25" in result.reasons[-1]
     assert "#1" in plan.table(result).split("why:")[1]
+
+
+def test_a_planned_deepseek_layout_is_an_experiment_the_trainer_runs():
+    """The planner's winning family for the 671B (ZeRO-3 + TP + SP + EP), written as an experiment for the tiny
+    model, builds and lowers (MLA, MoE and MTP through its rules)."""
+    layout = plan.Strategy(fsdp=2, expert=2, tensor=2, sequence=True, remat="full", micro_batch=2)
+    model = read_yaml(resolve_named("deepseek-v3-tiny", "models"))
+    trainer = Trainer.build(strategy.config_for(layout, model, 32, ["data.max_bytes=200000"]))
+    assert dict(trainer.mesh.shape) == layout.mesh()
+    trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch())
 
 
 @pytest.mark.parametrize("remat", ["none", "save_dots"])
