@@ -45,8 +45,15 @@ SP the all-gathered norm output is saved whole (Megatron re-gathers it in the ba
 save_dots keeps the attention projection's partial sums whole (before the reduce-scatter),
 and without remat the shard_map keeps its weight operands (gathered, under FSDP).
 
-Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
-bf16 buffers do not compare.
+The layer's widths are the model's (:mod:`jaxscale.analysis.blocks`: grouped attention or MLA with its latents,
+dense and MoE layers averaged); DeepSeek's prediction depths keep their blocks' residuals and weights
+(:func:`_prediction_depths`) and their losses' logits; MoE layers keep the dropless rows and, under no remat, the
+experts' shard_map its gathered weights; the dropless exchange's buffers are ep x the rows
+(:func:`_exchange_buffers`).
+
+Checked on XLA:CPU in fp32 (tests/test_analytic.py, tests/test_deepseek.py): CPU runs bf16 matmuls in f32, so its
+bf16 buffers do not compare, and it expands dropless's grouped matmuls into a dense matmul per expert (E x the
+rows' buffers), which GPUs and TPUs do not: not modelled.
 """
 
 from __future__ import annotations
