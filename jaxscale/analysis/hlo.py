@@ -21,6 +21,11 @@ in :attr:`Collective.sliced_bytes`; :attr:`Collective.reading` then says
 :attr:`Collective.rs_wire_bytes` gives the reduce-scatter reading next to
 the as-compiled :attr:`Collective.wire_bytes`.
 
+The dropless exchange (:mod:`jaxscale.parallel.exchange`) moves as many rows as the routing sends, known at
+run time only: a ``ragged-all-to-all`` (GPU, TPU; kind :data:`RAGGED`) and XLA:CPU's chunked all-to-alls in a
+loop whose trip count the text does not state. :func:`exchange_counted` counts both at equal load and says so.
+The text is parsed by :mod:`jaxscale.analysis.hlo_text`.
+
 Device ids in the HLO are positions in the step's device assignment, which
 for a jitted step over a mesh is ``mesh.devices.flat``; groups are matched
 against the groups each subset of the mesh's (non-trivial) axes forms.
