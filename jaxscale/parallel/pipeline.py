@@ -9,8 +9,14 @@ stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed
 (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
-the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
-idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
+the loop (:func:`sum_shards`): no FSDP collective runs in a tick. **TP and SP inside a stage**: where
+that leaves only TP's axes to the partitioner, they are manual too
+(:meth:`~jaxscale.layout.Layout.stage_tensor_axes`, which says where they cannot be): each device keeps
+its shard of the blocks (and of their gradients) and the projections write TP's all-reduces, or SP's
+all-gathers and reduce-scatters, among the devices of one stage (:mod:`jaxscale.parallel.sequence`); the
+embedding, final norm and head stay whole on each device (with TP alone each of a stage's TP devices runs
+the head on the whole microbatch; with SP on its own part of the sequence). With no axis left to the
+partitioner and no ring, idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
 groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
 exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
 chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
@@ -46,7 +52,7 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (TP all-reduces, GShard-style experts, an MoE model's FSDP; once per step
+axes stay with the partitioner (TP's where not manual, GShard-style experts, an MoE model's FSDP; once per step
 the embedding table is moved to the lookup's layout, split on its width,
 :meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); the ring's key/value blocks
 travel over ``context`` in every layer.
@@ -158,6 +164,7 @@ def build(
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
+        ends=not place.stage_free_axes(block_axes, c.moe is not None),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,
