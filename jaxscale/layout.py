@@ -294,15 +294,18 @@ class Layout:
                 *self.stage_context_axes)
 
     def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
-        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a dense model without context
-        axes whose stage would leave only them to the partitioner, and only where each block parameter
-        dimension they split is split by them alone. Each device then keeps its shard of the blocks and
-        :mod:`jaxscale.parallel.sequence` writes the collectives, so idle slots are skipped. Left to the
-        partitioner (idle slots masked) otherwise: an MoE model (routing over the whole microbatch, the
-        partitioner's experts), context parallelism (the ring's collective-permutes in a conditional that
-        some stages take come out wrong on CPU), FSDP gathered every tick (``pipeline.fsdp=tick``)."""
+        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a dense model whose stage would
+        leave only them to the partitioner, and only where each block parameter dimension they split is split
+        by them alone. Each device then keeps its shard of the blocks and :mod:`jaxscale.parallel.sequence`
+        writes the collectives, so idle slots are skipped (:meth:`stage_partitioned`).
+
+        This is the one place that says where a stage leaves axes to the partitioner, its idle slots then
+        computed on zeros and masked: an MoE model (the loop manual over ``stage`` alone: routing statistics
+        span the whole microbatch and the partitioner runs the experts, so FSDP, TP and experts stay free),
+        FSDP gathered every tick (``pipeline.fsdp=tick``: the batch axes that split parameters stay free, and
+        TP's with them), and TP axes that share a parameter dimension with other axes."""
         blocks = list(blocks)
-        if moe or self.stage_context_axes:
+        if moe:
             return ()
         rows = self._stage_row_axes(blocks, moe)
         free = tuple(a for a, n in self.mesh.items() if n > 1 and a not in rows)
@@ -332,10 +335,11 @@ class Layout:
         return self.mesh_axes(("length",)) if self.pipelined else ()
 
     def stage_partitioned(self, blocks: Iterable[Axes], moe: bool) -> bool:
-        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner, or a ring inside it
-        (context axes), so that the loop computes its idle slots and masks them instead of skipping them:
-        the ring's collective-permutes in a conditional taken by some stages only come out wrong (CPU)."""
-        return bool(self.stage_context_axes or self.stage_free_axes(blocks, moe))
+        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner (:meth:`stage_tensor_axes`
+        says where), so that the loop computes its idle slots and masks them instead of skipping them: XLA
+        cannot partition collectives in a conditional whose branch differs between stages. (A ring inside a
+        stage gathers its keys and values, no collective-permute: :mod:`jaxscale.parallel.ring_attention`.)"""
+        return bool(self.stage_free_axes(blocks, moe))
 
     def stage_free_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
         """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""

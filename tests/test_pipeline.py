@@ -173,20 +173,28 @@ def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-@pytest.mark.parametrize("rules, mesh", [("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}),
-                                         ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2})])
-def test_context_parallelism_inside_a_stage(rules, mesh, reference):
-    """Ring attention over context inside each stage (the loop manual over stage and context; tensor, or FSDP's
-    fsdp between stage and context in the mesh order, with the partitioner) equals one device, the sequence
-    in the ring's order."""
+@pytest.mark.parametrize("rules, mesh, schedule, v", [
+    ("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "1f1b", 1),
+    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "interleaved_1f1b", 2),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 2, "tensor": 2, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+    pytest.param("pp_tp_cp", {"stage": 4, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
+])
+def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+    """Ring attention over context inside each stage (the loop manual over stage, context and TP's or FSDP's
+    axes; the keys and values all-gathered over context, no collective-permute in a conditional) equals one
+    device, the sequence in the ring's order, and every matmul sits in a conditional (idle slots skipped)."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules=rules, mesh=mesh))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), "model.attention=ring", rules=rules, mesh=mesh))
     order = trainer.sequence_order
     assert order is not None and sorted(order) == list(range(32))
     params = stored(trainer, initial.params)
-    loss, grads = trainer.loss_and_grads(params, placed(trainer, {k: v[:, order] for k, v in batches[0].items()}))
+    batch = placed(trainer, {k: v[:, order] for k, v in batches[0].items()})
+    compiled = trainer.jit_loss_and_grads.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
     assert close(loss, ref_loss)
     assert_trees_close(canonical(trainer, grads), ref_grads)
+    assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
 @pytest.mark.parametrize("rules, mesh, schedule, v", [

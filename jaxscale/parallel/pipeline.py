@@ -16,7 +16,7 @@ its shard of the blocks (and of their gradients) and the projections write TP's 
 all-gathers and reduce-scatters, among the devices of one stage (:mod:`jaxscale.parallel.sequence`); the
 embedding, final norm and head stay whole on each device (with TP alone each of a stage's TP devices runs
 the head on the whole microbatch; with SP on its own part of the sequence). With no axis left to the
-partitioner and no ring, idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
+partitioner, idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
 groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
 exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
 chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
@@ -54,8 +54,9 @@ once per step, the gradients of the embedding and head (replicated over ``stage`
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
 axes stay with the partitioner (TP's where not manual, GShard-style experts, an MoE model's FSDP; once per step
 the embedding table is moved to the lookup's layout, split on its width,
-:meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); the ring's key/value blocks
-travel over ``context`` in every layer.
+:meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); in every layer the keys and
+values are all-gathered over ``context`` (the ring's kernel on every device's blocks) and their gradients
+reduce-scattered.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
@@ -142,7 +143,7 @@ def build(
     # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
     # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    # Context axes are manual too (a dense model): ring attention passes keys and values round them.
+    # Context axes are manual too (a dense model): ring attention gathers keys and values over them.
     # TP's axes are manual too where the stage leaves nothing else to the partitioner: each device keeps its
     # shard of the blocks, and jaxscale.parallel.sequence writes the collectives (Layout.stage_tensor_axes).
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
@@ -164,7 +165,6 @@ def build(
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
-        ends=not place.stage_free_axes(block_axes, c.moe is not None),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,

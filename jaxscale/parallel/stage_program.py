@@ -135,8 +135,7 @@ class StageProgram:
     gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the FSDP axes splitting each dim
     shards: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the TP axes splitting each dim
     block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
-    skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner, no ring)
-    ends: bool  # whether the head and embedding gradient run on their stage alone (no axis left to the partitioner)
+    skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
     inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
     dtype: jnp.dtype  # the compute dtype of the activations
     model: ModelConfig  # width, vocabulary and MoE settings
@@ -216,12 +215,11 @@ class StageProgram:
 
     def at_end(self, here: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
         """``f()`` on the stage where ``here`` holds (the head on the last virtual stage, the embedding's
-        gradient on the first), skipped elsewhere by a conditional: they hold no collective once no axis is
-        left to the partitioner (``ends``; a ring's collectives are in the layers only). Else the conditional
-        must take the same branch on every stage: ``f`` then runs on every stage in the ticks where one needs
-        it (``anywhere``), masked."""
-        if self.ends:
-            return lax.cond(here, lambda: vary(f(), self.rows), lambda: vary(zeros, self.rows))
+        gradient on the first), skipped elsewhere by a conditional where idle slots are (``skip``). Else the
+        conditional must take the same branch on every stage: ``f`` then runs on every stage in the ticks where
+        one needs it (``anywhere``), masked."""
+        if self.skip:
+            return self.when(here, f, zeros)
         masked = functools.partial(self.when, here, f, zeros)
         return lax.cond(anywhere, lambda: vary(masked(), self.rows), lambda: vary(zeros, self.rows))
 
