@@ -272,7 +272,7 @@ class Layout:
         """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
         return self.mesh[STAGE] if self.pipelined else 1
 
-    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
         """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the batch axes,
         the context axes, whose ring attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`),
         and TP's axes where :meth:`stage_tensor_axes` says.
@@ -283,7 +283,7 @@ class Layout:
         ``tick``; else only the leading batch
         axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
         blocks = list(blocks)
-        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe))
+        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp))
 
     def _stage_row_axes(self, blocks: list[Axes], moe: bool) -> tuple[str, ...]:
         """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, context)."""
@@ -293,19 +293,21 @@ class Layout:
         return (STAGE, *(self.axes_of("batch") if once and self._gatherable(blocks) else self.data_axes(blocks)),
                 *self.stage_context_axes)
 
-    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
         """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a dense model whose stage would
         leave only them to the partitioner, and only where each block parameter dimension they split is split
         by them alone. Each device then keeps its shard of the blocks and :mod:`jaxscale.parallel.sequence`
-        writes the collectives, so idle slots are skipped (:meth:`stage_partitioned`).
+        writes the collectives, so idle slots are skipped (:meth:`stage_partitioned`). ``explicit_tp``: whether
+        the model's projections go through those functions (the model contract's ``explicit_tp``).
 
         This is the one place that says where a stage leaves axes to the partitioner, its idle slots then
         computed on zeros and masked: an MoE model (the loop manual over ``stage`` alone: routing statistics
         span the whole microbatch and the partitioner runs the experts, so FSDP, TP and experts stay free),
         FSDP gathered every tick (``pipeline.fsdp=tick``: the batch axes that split parameters stay free, and
-        TP's with them), and TP axes that share a parameter dimension with other axes."""
+        TP's with them), TP axes that share a parameter dimension with other axes, and a model whose
+        projections are its own einsums (no ``explicit_tp``: nothing would write TP's collectives)."""
         blocks = list(blocks)
-        if moe:
+        if moe or not explicit_tp:
             return ()
         rows = self._stage_row_axes(blocks, moe)
         free = tuple(a for a, n in self.mesh.items() if n > 1 and a not in rows)
@@ -334,16 +336,16 @@ class Layout:
         """The mesh axes of size > 1 that split ``length`` in a pipeline (:meth:`_check_stage_context`)."""
         return self.mesh_axes(("length",)) if self.pipelined else ()
 
-    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool) -> bool:
+    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> bool:
         """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner (:meth:`stage_tensor_axes`
         says where), so that the loop computes its idle slots and masks them instead of skipping them: XLA
         cannot partition collectives in a conditional whose branch differs between stages. (A ring inside a
         stage gathers its keys and values, no collective-permute: :mod:`jaxscale.parallel.ring_attention`.)"""
-        return bool(self.stage_free_axes(blocks, moe))
+        return bool(self.stage_free_axes(blocks, moe, explicit_tp))
 
-    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
         """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
-        manual = self.stage_manual_axes(blocks, moe)
+        manual = self.stage_manual_axes(blocks, moe, explicit_tp)
         return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
 
     # -- validation ----------------------------------------------------------------------

@@ -147,14 +147,15 @@ def build(
     # TP's axes are manual too where the stage leaves nothing else to the partitioner: each device keeps its
     # shard of the blocks, and jaxscale.parallel.sequence writes the collectives (Layout.stage_tensor_axes).
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
-    manual = place.stage_manual_axes(block_axes, c.moe is not None)
+    moe, explicit = c.moe is not None, getattr(model, "explicit_tp", False)
+    manual = place.stage_manual_axes(block_axes, moe, explicit)
     ring = tuple(a for a in manual if a in place.stage_context_axes)
-    tensor = place.stage_tensor_axes(block_axes, c.moe is not None)
+    tensor = place.stage_tensor_axes(block_axes, moe, explicit)
     split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
     where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
-    gathered = place.stage_gathered_axes(block_axes, c.moe is not None)
+    gathered = place.stage_gathered_axes(block_axes, moe)
 
     def per_dim(axes: tuple[str | None, ...], among: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
         return tuple(tuple(a for a in place.mesh_axes((n,)) if a in among) for n in axes[1:])
@@ -164,7 +165,7 @@ def build(
         shards=tuple(per_dim(axes, tensor) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
+        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, moe, explicit),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,
