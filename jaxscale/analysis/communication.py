@@ -46,19 +46,13 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   embedding's gradient (m times a step; counted here as the compiled loop's T ticks, the runs
   :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
-<<<<<<< HEAD
   inside a stage the layers' collectives run per tick and slot (the compiled loop's count, idle slots
   skipped or masked alike); where the stage is manual over TP's axes it holds the embedding and head
   whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); EP: dispatch +
   combine all-to-all of
-  k·b·s·h per MoE layer each way (docs/formulas.md).
-=======
-  inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
-  where there are any); EP: dispatch + combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md), at the capacity factor, or for the dropless rows
   exchange times the routing imbalance :data:`EP_IMBALANCE` (dropless by all-gather: ``ep·b·s·h`` gathered
   and reduce-scattered, :func:`_expert_flows`); DeepSeek's prediction depths as MoE layers more.
->>>>>>> main
 
 Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
 activation collectives are f32 and do not compare. The embedding lookup's
