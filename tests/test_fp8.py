@@ -113,6 +113,8 @@ def test_precision_config_errors():
         tiny_config("precision.fp8_head=true")
     with pytest.raises(ConfigError, match=r"blockwise: model\.embed \(64\) is not divisible by precision\.fp8_block"):
         tiny_config("precision.fp8=blockwise")
+    with pytest.raises(ConfigError, match=r"blockwise: model\.moe\.mlp \(24\) is not divisible by"):
+        tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", "model.moe={}", "model.moe.mlp=24")
     assert tiny_config("precision.fp8=off").precision.fp8 == "off"  # YAML reads off as false
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with pipeline parallelism"):
         Trainer.build(tiny_config("precision.fp8=delayed", "precision.fp8_head=true", rules="pp",

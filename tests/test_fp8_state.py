@@ -74,7 +74,12 @@ LAYOUTS = {
         "pp_fsdp_tp",
         {"stage": 2, "fsdp": 2, "tensor": 2},
     ),
+    # The routed experts in blockwise fp8 too: per-expert 16 x 16 weight blocks, 1 x 16 tiles of the buffers' rows;
+    # dropless: the grouped matmuls' weight gradients tiled along each expert's rows (rows exchange).
     "blockwise-moe-ep": (("precision.fp8=blockwise", "precision.fp8_block=16", *MOE), "ep", {"expert": 8}),
+    "blockwise-moe-ep-dropless": (
+        ("precision.fp8=blockwise", "precision.fp8_block=16", *MOE, "model.moe.dispatch=dropless"), "ep", {"expert": 8}
+    ),
 }
 
 
