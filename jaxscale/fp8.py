@@ -66,7 +66,7 @@ step, before the loop of ticks; a history's update is the largest of the
 microbatches' (:func:`global_amax`, :meth:`~jaxscale.parallel.stage_program.StageProgram.add_amax`).
 Collective matmuls (``model.tp_overlap``) quantize as the plain collectives do: one scale per
 operand for the whole ring, a ``custom_vjp`` around it (:mod:`jaxscale.parallel.fp8_collective`;
-``blockwise`` there is refused, :meth:`jaxscale.layout.Layout.validate`).
+``blockwise``: each chunk's tiles, :mod:`jaxscale.parallel.fp8_blockwise_collective`).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class _Shape(NamedTuple):
     w_shape: tuple[int, ...]
 
 
-def _split(equation: str) -> tuple[str, str, str, str]:
+def split(equation: str) -> tuple[str, str, str, str]:
     """The letters of ``equation``: batch (in both operands and the output: the experts'), free in ``x``,
     contracted, free in ``w``."""
     lhs, rhs, out = letters(equation)
@@ -103,25 +103,25 @@ def _split(equation: str) -> tuple[str, str, str, str]:
     return batch, "".join(c for c in lhs if c not in rhs), contract, "".join(c for c in rhs if c not in lhs)
 
 
-def _matrix(a: jax.Array, have: str, batch: str, rows: str, cols: str) -> jax.Array:
+def matrix(a: jax.Array, have: str, batch: str, rows: str, cols: str) -> jax.Array:
     """``a`` (letters ``have``) as a matrix ``[rows, cols]``, or with batch letters a stack ``[batch, rows, cols]``."""
     a = jnp.transpose(a, [have.index(c) for c in batch + rows + cols])
     lead = (math.prod(a.shape[: len(batch)]),) if batch else ()
     return a.reshape(*lead, math.prod(a.shape[len(batch) : len(batch + rows)]), -1)
 
 
-def _tensor(a: jax.Array, sizes: dict[str, int], have: str, want: str) -> jax.Array:
+def tensor(a: jax.Array, sizes: dict[str, int], have: str, want: str) -> jax.Array:
     """A matrix (or stack) of letters ``have`` (batch, rows, columns) back to the tensor of letters ``want``."""
     a = a.reshape([sizes[c] for c in have])
     return jnp.transpose(a, [have.index(c) for c in want])
 
 
 def _per(fn: Callable, batch: str) -> Callable:
-    """``fn`` on each matrix of a stack (batch letters: one leading dimension, :func:`_matrix`), or as it is."""
+    """``fn`` on each matrix of a stack (batch letters: one leading dimension, :func:`matrix`), or as it is."""
     return jax.vmap(fn) if batch else fn
 
 
-def _padded(a: jax.Array, block: int) -> jax.Array:
+def padded(a: jax.Array, block: int) -> jax.Array:
     """``a`` with zero columns added up to a multiple of ``block`` (tiles along the tokens of a weight gradient:
     an expert's capacity buffer need not be whole tiles; a zero column changes no amax and no product)."""
     pad = -a.shape[-1] % block
@@ -146,44 +146,44 @@ def _einsum(shape: _Shape, x: Operand, w: Operand) -> jax.Array:
 
 def _forward(shape: _Shape, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     lhs, rhs, out = letters(shape.equation)
-    batch, free_x, contract, free_w = _split(shape.equation)
+    batch, free_x, contract, free_w = split(shape.equation)
     b, margin = shape.recipe.block, shape.recipe.margin
-    x2 = _matrix(x.value, lhs, batch, free_x, contract)
+    x2 = matrix(x.value, lhs, batch, free_x, contract)
     qx = _per(functools.partial(tiles, block=b, fmt=E4M3, margin=margin), batch)(x2)
     qw = _per(functools.partial(blocks, block=b, fmt=E4M3, margin=margin), batch)(
-        _matrix(w.value, rhs, batch, contract, free_w)
+        matrix(w.value, rhs, batch, contract, free_w)
     )
     y = _per(functools.partial(block_dot, block=b), batch)(qx.q, qx.scale, qw.q, jnp.repeat(qw.scale, b, axis=-1))
-    y = _tensor(y, _sizes(shape), batch + free_x + free_w, out).astype(shape.x_dtype)
+    y = tensor(y, _sizes(shape), batch + free_x + free_w, out).astype(shape.x_dtype)
     return y, (x2, qw, jnp.max(qx.amax), x.history, w.history, w.grad_history)
 
 
 def _backward(shape: _Shape, saved: tuple, g: jax.Array) -> tuple[Operand, Operand]:
     x2, qw, x_amax, x_history, w_history, g_history = saved
     lhs, rhs, out = letters(shape.equation)
-    batch, free_x, contract, free_w = _split(shape.equation)
+    batch, free_x, contract, free_w = split(shape.equation)
     b, margin = shape.recipe.block, shape.recipe.margin
     e4m3, e5m2 = (_per(functools.partial(tiles, block=b, fmt=f, margin=margin), batch) for f in (E4M3, E5M2))
     dot = _per(functools.partial(block_dot, block=b), batch)
     sizes = _sizes(shape)
-    g2 = _matrix(g, out, batch, free_x, free_w)  # [M, N]
+    g2 = matrix(g, out, batch, free_x, free_w)  # [M, N]
     qg = e5m2(g2)  # 1 x B along N
-    dx = dot(qg.q, qg.scale, _t(qw.q), jnp.repeat(_t(qw.scale), b, axis=-1))
-    qxt, qgt = e4m3(_padded(_t(x2), b)), e5m2(_padded(_t(g2), b))  # B x 1 along the tokens
-    dw = dot(qxt.q, qxt.scale, _t(qgt.q), _t(qgt.scale))
+    dx = dot(qg.q, qg.scale, transposed(qw.q), jnp.repeat(transposed(qw.scale), b, axis=-1))
+    qxt, qgt = e4m3(padded(transposed(x2), b)), e5m2(padded(transposed(g2), b))  # B x 1 along the tokens
+    dw = dot(qxt.q, qxt.scale, transposed(qgt.q), transposed(qgt.scale))
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:
         dw = lax.psum(dw, summed)
 
-    dx = _tensor(dx, sizes, batch + free_x + contract, lhs).astype(shape.x_dtype)
-    dw = _tensor(dw, sizes, batch + contract + free_w, rhs).astype(shape.w_dtype)
+    dx = tensor(dx, sizes, batch + free_x + contract, lhs).astype(shape.x_dtype)
+    dw = tensor(dw, sizes, batch + contract + free_w, rhs).astype(shape.w_dtype)
     return (
         Operand(dx, None, pushed(x_history, x_amax), None, shape.recipe),
         Operand(dw, None, pushed(w_history, qw.amax), pushed(g_history, jnp.max(qg.amax)), shape.recipe),
     )
 
 
-def _t(a: jax.Array) -> jax.Array:
+def transposed(a: jax.Array) -> jax.Array:
     """A matrix, or each of a stack, transposed."""
     return jnp.swapaxes(a, -1, -2)
 

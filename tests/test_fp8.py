@@ -119,8 +119,8 @@ def test_precision_config_errors():
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with pipeline parallelism"):
         Trainer.build(tiny_config("precision.fp8=delayed", "precision.fp8_head=true", rules="pp",
                                   mesh={"stage": 2, "data": 4}))
-    with pytest.raises(ConfigError, match=r"precision\.fp8=blockwise: not supported with model\.tp_overlap"):
-        overlap = tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", "model.tp_overlap=true",
+    with pytest.raises(ConfigError, match=r"tp_overlap: each device.s part of the sequence \(16 tokens"):
+        overlap = tiny_config("precision.fp8=blockwise", "precision.fp8_block=32", "model.tp_overlap=true",
                               rules="fsdp_tp_sp", mesh={"tensor": 2})
         Trainer.build(overlap, jax.devices()[:2])
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with model\.loss_chunk"):
