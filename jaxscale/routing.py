@@ -17,6 +17,7 @@ priority, the auxiliary losses).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -161,7 +162,7 @@ def combine(out: jax.Array, routing: Routing) -> jax.Array:
     return jnp.einsum("bskd,bsk->bsd", picked.reshape(b, s, k, d), routing.gate.astype(out.dtype))
 
 
-def _grouped_dot(f8: fp8.Inputs | None):
+def _grouped_dot(f8: fp8.Inputs | None) -> Callable[..., jax.Array]:
     """The grouped matmul ``(x, w, sizes) -> y``: ``lax.ragged_dot``, or in fp8 scaled per tensor or blockwise."""
     if f8 is None:
         return lax.ragged_dot
