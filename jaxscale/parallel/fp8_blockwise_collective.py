@@ -11,14 +11,16 @@ gathered arrays), so the step quantizes as theirs does. One ``custom_vjp`` aroun
 - :func:`all_gather_matmul`: the input chunk in ``1 x B`` tiles along the contraction (the forward's t
   block dots per projection) and in ``B x 1`` tiles along its tokens (the weight gradient's), both passed
   around the ring; the second gathered is the residual (1 byte an element, where the plain step keeps the
-  gathered input in bf16). Backward: the whole output gradient in e5m2 tiles, the input gradient a
+  gathered input in the compute dtype). Backward: the whole output gradient in e5m2 tiles, the input gradient a
   matmul-reduce-scatter ring of ``e5m2 x e4m3`` block dots, each weight gradient one block dot.
 - :func:`matmul_reduce_scatter`: forward as the bf16 ring (partial sums travel) on the input's ``1 x B``
   tiles; backward: the output gradient's chunk in e5m2 ``1 x B`` tiles along the output (the input
   gradient's block dots) and ``B x 1`` tiles along its tokens (the weight gradient's), both passed around.
 
 Bytes: a chunk crosses the ring in two float8 tilings and their scales, ``2·(1 + 4/B)`` bytes an element
-(B = 128: 2.06), about the bf16 ring's 2. The histories get one push per step each.
+(B = 128: 2.06), about the bf16 ring's 2. Each ring step's block dot is :func:`jaxscale.fp8_blockwise.block_dot`
+on the chunk (a batched fp8 GEMM over the K/B slices and its fp32 partial products, as there). The histories
+get one push per step each.
 """
 
 from __future__ import annotations
