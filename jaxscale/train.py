@@ -181,6 +181,8 @@ class Trainer:
         chunk = self.config.model.loss_chunk
         if chunk and self.custom_objective is None:
             contract.require(self.parts, contract.CHUNKED_LOSS, name, f"model.loss_chunk={chunk}")
+        if "ahead" in self.parts:
+            contract.require(self.parts, contract.AHEAD, name, "its ahead")
         if self.pipelined:
             why = f"rules '{self.rules.name}' (layers on stage: {self.layout.stages} pipeline stages)"
             if self.custom_objective is not None:
