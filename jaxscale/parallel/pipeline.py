@@ -24,9 +24,10 @@ whose slots every stage keeps room for.
 tick every stage runs at most one *forward slot* and then one *backward slot*, each IDLE, FIRST,
 MIDDLE or LAST by the table: an idle slot is skipped by a conditional (or, with mesh axes left to
 the partitioner inside a stage, computed on zeros and masked), the first virtual stage embeds its
-microbatch's tokens, the last one runs the final norm, the output head and the loss. The forward
-slot keeps the input of every layer of its chunk; the backward slot recomputes each layer from its
-input under ``jax.vjp``, last layer first, and adds the parameter gradients to fp32 accumulators;
+microbatch's tokens (and runs the model's ``prefix``, if any: DeepSeek's dense blocks), the last one runs the
+final norm, the output head and the loss (and the model's ``ahead``, if any: DeepSeek's multi-token
+prediction). The forward slot keeps the input of every layer of its chunk; the backward slot recomputes
+each layer from its input under ``jax.vjp``, last layer first, and adds the parameter gradients to fp32 accumulators;
 its input gradient goes to the previous stage. Both messages of a tick (the forward's output, the
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
@@ -56,7 +57,9 @@ training table (every forward and backward, loss and gradients at once) and whos
 scales the gradients computed there by the loss's cotangent; evaluation (no gradient) runs a
 forward-only table, the loss in the last stage's forward slot. The MoE auxiliary losses enter each
 chunk's objective with their weight, so their gradients flow through the same backward slots; the
-metrics returned are not differentiable.
+metrics returned are not differentiable. Each unit slot's MoE statistics (``moe_layers``: loads and the
+rest, their microbatches' mean) leave the loop with their stage, in the stack's storage order, and the
+head's after them: the routing biases (stored in the same order) are updated from them.
 """
 
 from __future__ import annotations
