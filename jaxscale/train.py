@@ -191,6 +191,12 @@ class Trainer:
                     "cross-entropy on the last stage"
                 )
             contract.require(self.parts, contract.PIPELINE, name, why)
+            fp8 = self.config.precision.fp8
+            if fp8 != "off" and {"prefix", "ahead"} & self.parts:
+                raise ConfigError(
+                    f"{why}: precision.fp8={fp8} with model {name}'s prefix or ahead, which run outside the "
+                    "pipeline's stack: the loop keeps fp8 amax histories for the stack only"
+                )
 
     @property
     def layout(self) -> Layout:

@@ -149,6 +149,9 @@ def test_deepseek_refuses_what_it_cannot_run_in_one_line():
     with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under ring "
                        r"attention"), nnx.use_eager_sharding(False):
         DeepSeek(with_documents(config("model.attention=ring")), rngs)
+    with fails_early(r"^rules 'pp' \(layers on stage: 2 pipeline stages\): precision\.fp8=current with model "
+                     r"build's prefix or ahead"):
+        Trainer.build(config("precision.fp8=current", rules="pp", mesh={"stage": 2, "data": 4}))
     with fails_early(r"^plan: the analytic model describes Llama-style decoders, not model\.deepseek's"):
         plan.search(config().model, [], None, 1024, 128)
     for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),

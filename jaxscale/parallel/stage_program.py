@@ -6,11 +6,13 @@ the compute dtype, the graphs of a block and of the rest of the model) and build
 :class:`StageProgram`; :meth:`StageProgram.run` is the body of the ``shard_map`` over ``stage``.
 
 A tick (:meth:`StageProgram.tick`) is one row of the table: each stage runs its *forward slot*
-(:meth:`~StageProgram.forward_slot`: the first virtual stage embeds its microbatch, every chunk keeps
-the input of each of its layers) and, training, its *backward slot* (:meth:`~StageProgram.backward_slot`:
-each layer recomputed from its kept input under ``jax.vjp``, last layer first, the last virtual stage's
-output gradient from the head and loss, :meth:`~StageProgram.head_grad`; the first virtual stage's
-input gradient into the embedding's, :meth:`~StageProgram.embedding_grad`). A slot is IDLE, FIRST,
+(:meth:`~StageProgram.forward_slot`: the first virtual stage embeds its microbatch and runs the model's
+``prefix`` if it has one, every chunk keeps the input of each of its layers) and, training, its *backward
+slot* (:meth:`~StageProgram.backward_slot`: each layer recomputed from its kept input under ``jax.vjp``,
+last layer first, the last virtual stage's output gradient from the head and loss, the model's ``ahead``
+included, :meth:`~StageProgram.head_grad`; the first virtual stage's input gradient into the prefix's and
+the embedding's, :meth:`~StageProgram.embedding_grad`). Each unit's MoE statistics are kept per unit slot,
+the head's metrics apart (:attr:`Loop.metrics`, :attr:`Loop.head`). A slot is IDLE, FIRST,
 MIDDLE or LAST by the table; an idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
 axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
@@ -188,6 +190,7 @@ class StageProgram:
         return out
 
     def zero_head(self) -> Any:
+        """The head's metrics as zeros (none without the model's ``ahead``)."""
         return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.head_metrics), self.manual)
 
     def loss_of(self, outer: Any, y: jax.Array, micro: dict[str, jax.Array], total: jax.Array) -> tuple:
@@ -311,7 +314,10 @@ class StageProgram:
             tokens, acc, de = w.xs["inputs"][slot.micro], acc_outer, dh
             model = self.head_model({**w.outer, "embedding": w.lookup})
             if hasattr(model, "prefix"):
-                prefix = lambda o, h: self.head_model(o).prefix(h, w.xs["positions"][slot.micro])  # noqa: E731
+
+                def prefix(outer: Any, h: jax.Array) -> jax.Array:
+                    return self.head_model(outer).prefix(h, w.xs["positions"][slot.micro])
+
                 d_outer, de = jax.vjp(prefix, w.outer, model.embed(tokens))[1](dh)
                 acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, d_outer)
             hot = jax.nn.one_hot(tokens, self.model.vocab_size, dtype=de.dtype)
