@@ -69,4 +69,4 @@ def updated(bias: Any, layers: dict[str, jax.Array], moe: MoEConfig) -> Any:
             return b + moe.bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
         return moe.bias_ema * b + (1 - moe.bias_ema) * rows("moe_bias_target")
 
-    return tree.unflatten([step(b, int(start)) for b, start in zip(leaves, starts, strict=False)])
+    return tree.unflatten([step(b, int(start)) for b, start in zip(leaves, starts[:-1], strict=True)])
