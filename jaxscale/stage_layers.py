@@ -169,4 +169,5 @@ def written_before(model: dict[str, Any], pipeline: dict[str, Any]) -> Storage:
     moe = model.get("moe")
     per = moe["every_n_layers"] if moe else 1
     listed = pipeline.get("layers_per_stage")
-    return Storage(tuple(n // per for n in listed) if listed else (model["layers"] // per,))
+    layers = model["layers"] - ((model.get("deepseek") or {}).get("dense_layers") or 0)  # as :func:`stacked`
+    return Storage(tuple(n // per for n in listed) if listed else (layers // per,))
