@@ -497,8 +497,8 @@ def validate_stage_layers(config: Config) -> None:
     where = f"pipeline.layers_per_stage {listed}"
     if not listed or any(n < 1 for n in listed):
         raise ConfigError(f"{where}: every virtual stage needs at least one layer")
-    if sum(listed) != model.layers:
-        raise ConfigError(f"{where}: sums to {sum(listed)}, not model.layers ({model.layers})")
+    if sum(listed) != stage_layers.stacked(model):
+        raise ConfigError(f"{where}: sums to {sum(listed)}, not {stage_layers.stacked_named(model)}")
     unit = stage_layers.unit(model)
     if any(n % unit for n in listed):
         raise ConfigError(f"{where}: each entry must be a multiple of model.moe.every_n_layers ({unit})")

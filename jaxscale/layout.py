@@ -358,11 +358,6 @@ class Layout:
                 f"precision.fp8_head: not supported with pipeline parallelism ({where} put layers on "
                 f"{list(self.stage_axes)}): the loop keeps no amax history for the head"
             )
-        if self.stage_axes and model.moe is not None and model.moe.balance != "off":
-            raise ConfigError(
-                f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
-                f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
-            )
         chunk = config.train.seq_len // self.ways(("norm_length",))
         if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
             raise ConfigError(
@@ -413,7 +408,7 @@ class Layout:
         slots = stage_layers.stack_size(config)
         if slots % (p * v) and pipeline.layers_per_stage is None:
             raise ConfigError(
-                f"model.layers ({config.model.layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats "
+                f"{stage_layers.stacked_named(config.model)} is not divisible by mesh.stage ({p}) x pipeline.repeats "
                 f"({v}); pipeline.layers_per_stage splits them unevenly"
             )
         if m < p:

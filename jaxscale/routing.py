@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,22 @@ from jaxscale.config import MoEConfig
 from jaxscale.sharding import constrain
 
 METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # of route's statistics, the means over the MoE layers
+LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # ... those kept per layer
+
+
+def joined(metrics: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """A stack's metrics and more layers' (a model's predictions ahead): the per-layer statistics
+    (``moe_layers``: ``LAYER_STATS`` stacked [layers, ...]) of ``more`` after the stack's."""
+    out = {**metrics, **more}
+    if "moe_layers" in metrics and "moe_layers" in more:
+        out["moe_layers"] = {k: jnp.concatenate([v, more["moe_layers"][k]]) for k, v in metrics["moe_layers"].items()}
+    return out
+
+
+def layer_stat_shapes(moe: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of one layer's ``LAYER_STATS`` as :func:`route` gives them under ``moe``."""
+    quantile = {"moe_bias_target": (moe.experts,)} if moe.balance == "quantile" else {}
+    return {"moe_load": (moe.experts,), "moe_entropy": (), "moe_dropped": (), **quantile}
 
 
 class Routing(NamedTuple):

@@ -6,6 +6,7 @@ import itertools
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -13,6 +14,7 @@ from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, ConfigError
+from jaxscale.models import balance
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 from jaxscale.sharding import use_rules
@@ -227,23 +229,34 @@ def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v
     assert permutes == {(("f32", (rows, 32 // 2 if rules == "pp_tp_sp" else 32, 64)),)}
 
 
-def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
-    """MoE blocks (partitioner experts, experts over ``expert``) in a 1F1B pipeline equal one device with
-    the same microbatches (the routing statistics are per microbatch), aux losses included."""
-    moe = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner")
+def test_moe_with_expert_parallelism_inside_a_stage():
+    """MoE blocks (partitioner experts, experts over ``expert``) in an interleaved 1F1B pipeline equal one device
+    with the same microbatches (the routing statistics are per microbatch), aux losses included; with bias
+    balancing from a random bias, the biases' update too: each stage's loads, stored as its chunks are (two per
+    stage, not the model's order), averaged over the microbatches."""
+    moe = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner",
+           "model.moe.balance=sign")
     ref = Trainer.build(tiny_config(*BASE, *moe, "train.microbatches=4"), jax.devices()[:1])
     state = ref.init_state()
     batch = jax.device_get(ref.batch(0))
-    ref_loss, ref_grads = ref.loss_and_grads(state.params, ref.batch(0))
-    table = yaml.safe_load((CONFIG_DIR / "rules" / "ep.yaml").read_text())
-    table["rules"]["layers"] = "stage"
-    (tmp_path / "pp_ep.yaml").write_text(yaml.safe_dump(table))
+    rng = np.random.default_rng(0)
+    bias = jax.tree.map(lambda a: jnp.asarray(rng.normal(scale=0.05, size=a.shape), a.dtype), ref.fresh_balance())
+
+    def step_of(trainer: Trainer, params: dict, bias: dict) -> tuple:
+        loss, grads, aux, _ = trainer._jit(lambda p, b, bias: trainer._grads(p, b, None, bias))(
+            params, placed(trainer, batch), bias)
+        update = balance.updated(bias, aux["moe_layers"], trainer.config.model.moe)
+        return loss, canonical(trainer, grads), canonical(trainer, update)
+
+    ref_loss, ref_grads, ref_update = step_of(ref, state.params, bias)
     mesh = {"stage": 2, "expert": 2, "data": 2}
-    trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("1f1b", 4), rules=str(tmp_path / "pp_ep.yaml"), mesh=mesh))
-    params = stored(trainer, jax.device_get(state.params))
-    loss, grads = trainer.loss_and_grads(params, placed(trainer, batch))
+    trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("interleaved_1f1b", 4, 2), rules="pp_ep", mesh=mesh))
+    assert not trainer.storage.canonical_order
+    loss, grads, update = step_of(trainer, stored(trainer, jax.device_get(state.params)),
+                                  trainer.storage.place_params(bias))
     assert close(loss, ref_loss)
-    assert_trees_close(canonical(trainer, grads), ref_grads)
+    assert_trees_close(grads, ref_grads)
+    assert_trees_close(update, ref_update)
 
 
 # -- the tables --------------------------------------------------------------------

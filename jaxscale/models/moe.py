@@ -80,10 +80,9 @@ from jaxscale.fp8 import Fp8
 from jaxscale.models import balance
 from jaxscale.models.params import param
 from jaxscale.parallel import expert
-from jaxscale.routing import METRICS, Routing, Weight, capacity, dropless, flat_slot, route
+from jaxscale.routing import LAYER_STATS, METRICS, Routing, Weight, capacity, dropless, flat_slot, route
 from jaxscale.sharding import active, constrain
 
-LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # kept per layer: "moe_layers"
 WEIGHTS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}  # the experts' weights, their outputs' names
 LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")
 

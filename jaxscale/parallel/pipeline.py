@@ -30,9 +30,10 @@ whose slots every stage keeps room for.
 tick every stage runs at most one *forward slot* and then one *backward slot*, each IDLE, FIRST,
 MIDDLE or LAST by the table: an idle slot is skipped by a conditional (or, with mesh axes left to
 the partitioner inside a stage, computed on zeros and masked), the first virtual stage embeds its
-microbatch's tokens, the last one runs the final norm, the output head and the loss. The forward
-slot keeps the input of every layer of its chunk; the backward slot recomputes each layer from its
-input under ``jax.vjp``, last layer first, and adds the parameter gradients to fp32 accumulators;
+microbatch's tokens (and runs the model's ``prefix``, if any: DeepSeek's dense blocks), the last one runs the
+final norm, the output head and the loss (and the model's ``ahead``, if any: DeepSeek's multi-token
+prediction). The forward slot keeps the input of every layer of its chunk; the backward slot recomputes
+each layer from its input under ``jax.vjp``, last layer first, and adds the parameter gradients to fp32 accumulators;
 its input gradient goes to the previous stage. Both messages of a tick (the forward's output, the
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
@@ -64,7 +65,9 @@ training table (every forward and backward, loss and gradients at once) and whos
 scales the gradients computed there by the loss's cotangent; evaluation (no gradient) runs a
 forward-only table, the loss in the last stage's forward slot. The MoE auxiliary losses enter each
 chunk's objective with their weight, so their gradients flow through the same backward slots; the
-metrics returned are not differentiable.
+metrics returned are not differentiable. Each unit slot's MoE statistics (``moe_layers``: loads and the
+rest, their microbatches' mean) leave the loop with their stage, in the stack's storage order, and the
+head's after them: the routing biases (stored in the same order) are updated from them.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from jaxscale.layout import TOKENS, Stage
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_program import AXIS, StageProgram, vary
+from jaxscale.routing import joined
 from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
 
 __all__ = ["AXIS", "objective", "settings", "table", "vary"]
@@ -133,8 +137,11 @@ def split_model(model: Any) -> Parts:
     )
 
 
+HeadLoss = Callable[[Any, jax.Array, dict[str, jax.Array]], tuple[jax.Array, Any]]
+
+
 def build(
-    mesh: Mesh, place: Layout, parts: Parts, model: Any, head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    mesh: Mesh, place: Layout, parts: Parts, model: Any, head_loss: HeadLoss, head_metrics: Any
 ) -> StageProgram:
     """The training program of each stage for this step (its shapes checked at build: ``Layout.validate``)."""
     config, c = settings(place), model.config
@@ -170,6 +177,7 @@ def build(
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,
+        head_metrics=head_metrics,
         aux_loss=model.aux_loss,
     )
 
@@ -220,9 +228,9 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         out = program.run(outer, chunks, hist, xs)
         if not program.table.train:
             return out
-        leaves, tree = jax.tree.flatten(out[2])
+        leaves, tree = jax.tree.flatten(out[4])
         grads = tree.unflatten([stored(d, dims) for d, dims in zip(leaves, program.gathers, strict=True)])
-        return (*out[:2], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[3]), out[4])
+        return (*out[:4], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[5]), out[6])
 
     def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
@@ -233,44 +241,53 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
         grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), *spec)
                                      for d, spec in zip(program.gathers, specs, strict=True)])
-        outs = (PartitionSpec(), PartitionSpec(), grad_specs, history_specs, stacked)
+        # Loss and metrics, each unit slot's MoE statistics (stored as the stack), the head's metrics.
+        outs = (PartitionSpec(), PartitionSpec(), stacked, PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
-            out_specs=outs if program.table.train else outs[:2], axis_names=set(program.manual),
+            out_specs=outs if program.table.train else outs[:4], axis_names=set(program.manual),
         )(per_stage, blocks, histories, xs)
         if not program.table.train:
             return out
-        return (*out[:2], sum_shards(program, out[2], mesh, rules), out[3], program.sum_stage_copies(out[4]))
+        return (*out[:4], sum_shards(program, out[4], mesh, rules), out[5], program.sum_stage_copies(out[6]))
 
     return run
 
 
 def objective(
-    model: Any, batch: dict[str, jax.Array], head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+    model: Any, batch: dict[str, jax.Array], head_loss: HeadLoss
+) -> tuple[jax.Array, dict[str, Any]]:
     """The training objective of a pipelined :class:`~jaxscale.models.llama.Llama` on ``batch`` and its metrics.
 
     Mean cross-entropy plus the weighted MoE auxiliary losses (as the trainer's objective).
-    ``head_loss(model, y, targets)`` is the mean loss of the stack's output ``y`` on one microbatch
-    (final norm, head, cross-entropy), run on the last stage. Differentiable in the model's parameters.
+    ``head_loss(model, y, micro)`` is the mean loss of the stack's output ``y`` on one microbatch ``micro``
+    (final norm, head, cross-entropy, and the model's predictions ahead) and the metrics of the latter, run
+    on the last stage. Differentiable in the model's parameters. The MoE layers' per-layer statistics
+    (``moe_layers``) are the stack's as stored, then the head's.
     """
     mesh, place = active()
     parts = split_model(model)
-    train = build(mesh, place, parts, model, head_loss)
+    y = jax.ShapeDtypeStruct((*batch["inputs"].shape, model.config.embed), model.config.dtype)
+    head_metrics = jax.eval_shape(lambda y, b: head_loss(model, y, b)[1], y, {k: batch[k] for k in BATCH})
+    train = build(mesh, place, parts, model, head_loss, head_metrics)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
     blocks, histories = parts.blocks, parts.histories  # stored with each stage's chunks together: no reshuffle
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
 
+    def metrics_of(metrics: dict[str, Any], layers: Any, head: Any) -> dict[str, Any]:
+        return joined({**metrics, **({"moe_layers": layers} if layers else {})}, head)
+
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, histories, xs)
+        loss, *metrics = shard_mapped(evaluate, mesh, place.rules)(outer, blocks, histories, xs)
+        return loss, metrics_of(*metrics)
 
     def pipelined_fwd(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
+        loss, metrics, layers, head, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
             outer, blocks, histories, xs
         )
-        return (loss, metrics), ((d_outer, d_blocks), new_histories)
+        return (loss, metrics_of(metrics, layers, head)), ((d_outer, d_blocks), new_histories)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
