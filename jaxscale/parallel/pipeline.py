@@ -146,6 +146,7 @@ def build(
     return StageProgram(
         gathers=tuple(tuple(tuple(a for a in place.mesh_axes((n,)) if a in gathered) for n in axes[1:])
                       for axes in block_axes),
+        visit=config.fsdp == "visit",
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
@@ -168,7 +169,10 @@ def _flat(dims: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
 
 def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> Any:
     """Once per step, outside the ``shard_map``: the blocks' gradients that each device of the stage's FSDP
-    axes handed out whole (a leading dimension over them) summed onto the parameters' shards."""
+    axes handed out whole (a leading dimension over them) summed onto the parameters' shards (``visit``:
+    scattered onto them already, as they are)."""
+    if program.visit:
+        return grads
 
     def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], axes: tuple[str | None, ...]) -> jax.Array:
         if not _flat(dims):
@@ -193,7 +197,7 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
 
     def stored(d: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
         """A gradient [(1,) v, slots, ...] as the stage's shard of the stack, [(1,) v·slots, ...]."""
-        lead = 1 if _flat(dims) else 0
+        lead = 1 if _flat(dims) and not program.visit else 0
         return d.reshape(*d.shape[:lead], -1, *d.shape[lead + 2 :])
 
     def local(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
@@ -209,10 +213,13 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
     def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
         tree = jax.tree.structure(blocks)
-        block_specs, history_specs = (jax.tree.map(lambda _: stacked, t) for t in (blocks, histories))
-        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
-        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), AXIS)
-                                     for d in program.gathers])
+        history_specs = jax.tree.map(lambda _: stacked, histories)
+        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device;
+        # or (visit) the blocks enter and their gradients leave as shards, gathered layer by layer inside.
+        shards = [PartitionSpec(AXIS, *(a or None for a in d)) for d in program.gathers]
+        block_specs = tree.unflatten(shards if program.visit else [stacked] * len(shards))
+        grad_specs = tree.unflatten(shards if program.visit else [
+            PartitionSpec(*((_flat(d),) if _flat(d) else ()), AXIS) for d in program.gathers])
         outs = (PartitionSpec(), PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
