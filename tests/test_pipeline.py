@@ -146,21 +146,29 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
 
 
+def pp_fsdp_steps(reference, schedule: str, v: int, gather: str):
+    """pp_fsdp (stage 2 x fsdp 4, m = 8) with ``pipeline.fsdp=gather``: two compiled steps, each equal to one
+    device's (loss, gradient norm, parameters). Returns the compiled step and its collectives."""
+    initial, batches, _, _, ref_params, ref_outs = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 8, v), f"pipeline.fsdp={gather}", rules="pp_fsdp",
+                                        mesh={"stage": 2, "fsdp": 4}))
+    compiled = xla.compile_step(trainer)
+    state = jax.device_put(initial._replace(params=trainer.storage.place_params(initial.params)),
+                           trainer.state_shardings)
+    for batch, ref_out in zip(batches, ref_outs, strict=True):
+        state, out = compiled(state, placed(trainer, batch))
+        for key in ("loss", "grad_norm"):
+            assert close(out[key], ref_out[key]), key
+    assert_trees_close(canonical(trainer, state.params), ref_params)
+    return compiled, hlo.collectives(compiled.as_text(), trainer.mesh)
+
+
 def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     """pp_fsdp (stage 2 x fsdp 4, 1F1B, m = 8): two steps equal one device; the stage gathers its blocks over
     fsdp once a step and reduces their gradients once (no fsdp collective in the loop), so the step moves at
     most 1.3x the bytes of ZeRO-3 on fsdp 8 plus the pipeline's permutes (4.7x when gathered every tick);
     with no axis left to the partitioner every matmul sits in a conditional (idle slots skipped)."""
-    initial, batches, _, _, ref_params, ref_outs = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 8), rules="pp_fsdp", mesh={"stage": 2, "fsdp": 4}))
-    compiled = xla.compile_step(trainer)
-    state = jax.device_put(initial, trainer.state_shardings)
-    for batch, ref_out in zip(batches, ref_outs, strict=True):
-        state, out = compiled(state, placed(trainer, batch))
-        for key in ("loss", "grad_norm"):
-            assert close(out[key], ref_out[key]), key
-    assert_trees_close(state.params, ref_params)
-    found = hlo.collectives(compiled.as_text(), trainer.mesh)
+    compiled, found = pp_fsdp_steps(reference, "1f1b", 1, "step")
     assert [c for c in found if c.axes and "fsdp" in c.axes and c.runs > 1] == []
     zero3 = Trainer.build(tiny_config(*BASE, rules="zero3", mesh={"fsdp": 8}))
     reference_bytes = sum(c.rs_wire_bytes for c in hlo.collectives(xla.compile_step(zero3).as_text(), zero3.mesh))
@@ -168,6 +176,38 @@ def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     ratio = sum(c.rs_wire_bytes for c in found) / (reference_bytes + permutes)
     print(f"pp_fsdp collective bytes / (zero3 + permutes) = {ratio:.3f}")
     assert ratio <= 1.3
+    assert hlo.dots(compiled.as_text())["outside"] == 0
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
+    """``pipeline.fsdp=visit`` on pp_fsdp (stage 2 x fsdp 4, m = 8): two steps equal one device. Each layer is
+    gathered over fsdp when a slot runs it (the forward slot, then the backward slot's recompute) and its
+    gradient reduce-scattered after its backward, all inside the loop's conditionals (idle slots skipped:
+    no matmul outside one). Per layer slot the compiled loop gathers 2·U·(n−1)/n bytes and reduce-scatters
+    U·(n−1)/n (U one layer's fp32 parameters, n = 4); a stage runs m·v busy slots of each kind, L/(p·v)
+    layers each, so a step moves 2·m·(L/p)·U·(n−1)/n gathered and m·(L/p)·U·(n−1)/n scattered, against
+    (T ticks) 2·T·(L/(p·v))·U·(n−1)/n and T·(L/(p·v))·U·(n−1)/n gathered every tick (``tick``)."""
+    initial = reference[0]
+    compiled, found = pp_fsdp_steps(reference, schedule, v, "visit")
+    p, m, n, layers = 2, 8, 4, 8
+    unit = sum(w.size * 4 for w in jax.tree.leaves(initial.params["blocks"])) / layers  # U, fp32
+    table = schedules.build(schedule, p, m, v)
+    slots = layers // (p * v)
+    fsdp = [c for c in found if c.axes == ("fsdp",)]
+    looped = [c for c in fsdp if c.runs > 1]
+    assert {tuple(loop.trips for loop in c.loops) for c in looped} == {(table.ticks, slots)}
+    per_slot = {kind: sum(c.wire_bytes / c.runs for c in looped if c.kind == kind)
+                for kind in ("all-gather", "reduce-scatter")}
+    assert per_slot == pytest.approx({"all-gather": 2 * unit * (n - 1) / n, "reduce-scatter": unit * (n - 1) / n})
+    assert {c.kind for c in looped} == {"all-gather", "reduce-scatter"}
+    busy = [int((kinds > IDLE).sum(axis=0)[0]) for kinds in (table.f_kind, table.b_kind)]
+    assert busy == [m * v, m * v]
+    moved = {kind: per_slot[kind] * busy[0] * slots for kind in per_slot}
+    assert moved == pytest.approx({"all-gather": 2 * m * layers / p * unit * (n - 1) / n,
+                                   "reduce-scatter": m * layers / p * unit * (n - 1) / n})
+    outer = sum(w.size * 4 for k, part in initial.params.items() if k != "blocks" for w in jax.tree.leaves(part))
+    assert all(c.result_bytes <= outer for c in fsdp if c.runs == 1)  # outside the loop: no block gathered
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
