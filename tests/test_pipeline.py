@@ -477,6 +477,8 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
         ({}, ["model.moe={experts: 4}", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
          r"model\.moe\.impl=partitioner runs the experts"),
+        ({}, ["pipeline.fsdp=visit", "precision.fp8=delayed"], {"stage": 2, "fsdp": 2, "tensor": 2},
+         r"^pipeline\.fsdp=visit: not supported with precision\.fp8=delayed \(the e4m3 copies"),
     ],
 )
 def test_what_a_stage_cannot_run_is_refused(warm, tmp_path, changes, overrides, mesh, match):
