@@ -12,6 +12,7 @@ import yaml
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.predict import predict_trainer
 from jaxscale.config import CONFIG_DIR, ConfigError
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
@@ -148,7 +149,7 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
 
 def pp_fsdp_steps(reference, schedule: str, v: int, gather: str):
     """pp_fsdp (stage 2 x fsdp 4, m = 8) with ``pipeline.fsdp=gather``: two compiled steps, each equal to one
-    device's (loss, gradient norm, parameters). Returns the compiled step and its collectives."""
+    device's (loss, gradient norm, parameters). Returns the trainer, its compiled step and its collectives."""
     initial, batches, _, _, ref_params, ref_outs = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 8, v), f"pipeline.fsdp={gather}", rules="pp_fsdp",
                                         mesh={"stage": 2, "fsdp": 4}))
@@ -160,7 +161,7 @@ def pp_fsdp_steps(reference, schedule: str, v: int, gather: str):
         for key in ("loss", "grad_norm"):
             assert close(out[key], ref_out[key]), key
     assert_trees_close(canonical(trainer, state.params), ref_params)
-    return compiled, hlo.collectives(compiled.as_text(), trainer.mesh)
+    return trainer, compiled, hlo.collectives(compiled.as_text(), trainer.mesh)
 
 
 def test_fsdp_inside_a_stage_at_fsdps_price(reference):
@@ -168,7 +169,7 @@ def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     fsdp once a step and reduces their gradients once (no fsdp collective in the loop), so the step moves at
     most 1.3x the bytes of ZeRO-3 on fsdp 8 plus the pipeline's permutes (4.7x when gathered every tick);
     with no axis left to the partitioner every matmul sits in a conditional (idle slots skipped)."""
-    compiled, found = pp_fsdp_steps(reference, "1f1b", 1, "step")
+    _, compiled, found = pp_fsdp_steps(reference, "1f1b", 1, "step")
     assert [c for c in found if c.axes and "fsdp" in c.axes and c.runs > 1] == []
     zero3 = Trainer.build(tiny_config(*BASE, rules="zero3", mesh={"fsdp": 8}))
     reference_bytes = sum(c.rs_wire_bytes for c in hlo.collectives(xla.compile_step(zero3).as_text(), zero3.mesh))
@@ -187,9 +188,10 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
     no matmul outside one). Per layer slot the compiled loop gathers 2·U·(n−1)/n bytes and reduce-scatters
     U·(n−1)/n (U one layer's fp32 parameters, n = 4); a stage runs m·v busy slots of each kind, L/(p·v)
     layers each, so a step moves 2·m·(L/p)·U·(n−1)/n gathered and m·(L/p)·U·(n−1)/n scattered, against
-    (T ticks) 2·T·(L/(p·v))·U·(n−1)/n and T·(L/(p·v))·U·(n−1)/n gathered every tick (``tick``)."""
+    (T ticks) 2·T·(L/(p·v))·U·(n−1)/n and T·(L/(p·v))·U·(n−1)/n gathered every tick (``tick``). The planner's
+    analytic model counts the same."""
     initial = reference[0]
-    compiled, found = pp_fsdp_steps(reference, schedule, v, "visit")
+    trainer, compiled, found = pp_fsdp_steps(reference, schedule, v, "visit")
     p, m, n, layers = 2, 8, 4, 8
     unit = sum(w.size * 4 for w in jax.tree.leaves(initial.params["blocks"])) / layers  # U, fp32
     table = schedules.build(schedule, p, m, v)
@@ -206,6 +208,8 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
     moved = {kind: per_slot[kind] * busy[0] * slots for kind in per_slot}
     assert moved == pytest.approx({"all-gather": 2 * m * layers / p * unit * (n - 1) / n,
                                    "reduce-scatter": m * layers / p * unit * (n - 1) / n})
+    flows = [f for f in predict_trainer(trainer).flows if f.what.startswith("blocks.") and f.axes == ("fsdp",)]
+    assert {kind: sum(f.wire_bytes for f in flows if f.kind == kind) for kind in moved} == pytest.approx(moved)
     outer = sum(w.size * 4 for k, part in initial.params.items() if k != "blocks" for w in jax.tree.leaves(part))
     assert all(c.result_bytes <= outer for c in fsdp if c.runs == 1)  # outside the loop: no block gathered
     assert hlo.dots(compiled.as_text())["outside"] == 0

@@ -45,7 +45,11 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
   inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
-  where there are any); EP: dispatch + combine all-to-all of
+  where there are any); FSDP inside a stage (``pipeline.fsdp``): ``step`` gathers the stage's blocks
+  once and reduce-scatters their gradients once, ``visit`` gathers each layer as a busy slot runs it
+  (2·m per step, forward and backward) and reduce-scatters its fp32 gradient after its backward (m):
+  the executed runs, where the compiled loop's branch holds them for every tick (``hlo``'s reading),
+  ``tick`` gathers and scatters in every slot of every tick; EP: dispatch + combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md).
 
 Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
@@ -193,8 +197,15 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and p.in_sp_region
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
-        once = p.in_layers and layout.pipelined and bool(sp.gathered) and set(sp.gathered) <= set(stage_gathered)
-        if once:
+        manual = p.in_layers and layout.pipelined and bool(sp.gathered) and set(sp.gathered) <= set(stage_gathered)
+        visit = manual and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
+        once = manual and not visit
+        if visit:
+            # Each layer gathered as a busy slot runs it (the idle ones skipped): every microbatch visits each of
+            # the stage's layers once forward and once backward, the backward's gather serving the recomputed
+            # forward and the vjp; the gradient reduce-scattered in fp32 after the layer's backward.
+            fsdp_runs, grad = runs * step.pipeline_microbatches, sp.unit * 4
+        elif once:
             # FSDP inside a stage: the stage's layers gathered once before the loop, their gradients
             # reduce-scattered once after it (the gathered weights serve every slot, forward and backward),
             # exposed: the loop waits for the gather, the scatter waits for the loop.
@@ -212,9 +223,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          not once)
             # SP's shard_map keeps it, unless recomputed
-            if p.in_layers and not once and (not in_sp or m.remat != "none"):
+            if p.in_layers and not once and (visit or not in_sp or m.remat != "none"):
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
-        if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
+        if in_sp and not visit:  # inside the shard_map: summed over the replicas whole, then scattered
             out += flow(p.path + " gradient", "all-reduce", sp.reduced, grad, runs, layout, "backward", True)
             out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, grad, runs, layout,
                          "backward", True)
