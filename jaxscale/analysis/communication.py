@@ -179,10 +179,11 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
 
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float,
-                 stage_gathered: tuple[str, ...] = ()) -> list[Flow]:
+                 stage_gathered: tuple[str, ...] = (), masked: bool = False) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
-    the axes over which a pipeline stage gathers its blocks once a step
-    (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`)."""
+    the axes over which a pipeline stage gathers its blocks itself
+    (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); ``masked``: a stage computes its idle slots
+    (:meth:`~jaxscale.layout.Layout.stage_partitioned`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
@@ -201,10 +202,11 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         visit = manual and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
         once = manual and not visit
         if visit:
-            # Each layer gathered as a busy slot runs it (the idle ones skipped): every microbatch visits each of
-            # the stage's layers once forward and once backward, the backward's gather serving the recomputed
-            # forward and the vjp; the gradient reduce-scattered in fp32 after the layer's backward.
-            fsdp_runs, grad = runs * step.pipeline_microbatches, sp.unit * 4
+            # Each layer gathered as a slot runs it: every microbatch visits each of the stage's layers once
+            # forward and once backward (the backward's gather serving the recomputed forward and the vjp), or
+            # with idle slots masked every slot of every tick; its fp32 gradient reduce-scattered after its backward.
+            visits = pipeline_ticks(layout, step) / step.repeats if masked else step.pipeline_microbatches
+            fsdp_runs, grad = runs * visits, sp.unit * 4
         elif once:
             # FSDP inside a stage: the stage's layers gathered once before the loop, their gradients
             # reduce-scattered once after it (the gathered weights serve every slot, forward and backward),
@@ -314,9 +316,11 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     micro = step.microbatches
     layers = stack_layers(m, step) / layout.ways(("layers",))  # uneven stages: the slots, as masked ones run
     flows: list[Flow] = []
-    gathered = layout.stage_gathered_axes([p.axes for p in params if p.in_layers], m.moe is not None)
+    blocks = [p.axes for p in params if p.in_layers]
+    gathered = layout.stage_gathered_axes(blocks, m.moe is not None)
+    masked = layout.stage_partitioned(blocks, m.moe is not None)
     for p in params:
-        flows += _param_flows(p, m, layout, step, bsh, gathered)
+        flows += _param_flows(p, m, layout, step, bsh, gathered, masked)
 
     tensor = [a for a in layout.mesh_axes(("heads",)) if a not in layout.token_axes]
     sp = layout.sequence_axes
