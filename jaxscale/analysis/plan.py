@@ -340,7 +340,8 @@ def _time(x: float) -> str:
 
 def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
     """One line each for the winner and the runner-up: what dominates its step, and why it beats the next; for
-    the best pipeline outside the two, what it pays against the winner; ``note`` on it (:func:`gather_note`)."""
+    the best pipeline outside the two, what it pays against the winner (the parts of the step that differ most,
+    signed, each over a tenth of the gap); ``note`` on the best pipeline (:func:`gather_note`)."""
     lines = []
     for i, c in enumerate(ranked[:2]):
         total = c.time["total"]
@@ -368,7 +369,7 @@ def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
         gap = c.time["total"] - best.time["total"]
         mine = _parts(best.time)
         diffs = sorted(((v - mine.get(k, 0.0), k) for k, v in _parts(c.time).items()), key=lambda d: -abs(d[0]))
-        paid = ", ".join(f"{'+' if d > 0 else '-'}{_time(abs(d))} {k}" for d, k in diffs[:3] if abs(d) > 0.05 * gap)
+        paid = ", ".join(f"{'+' if d > 0 else '-'}{_time(abs(d))} {k}" for d, k in diffs[:4] if abs(d) > 0.1 * gap)
         lines.append(f"best pipeline #{i + 1} {c.layout.describe()}: {_time(c.time['total'])}, "
                      f"{100 * gap / best.time['total']:.0f}% ({_time(gap)}) slower than #1: {paid}"
                      + _bubble_note(c) + (f"; {note}" if note else ""))
