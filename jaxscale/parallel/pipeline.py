@@ -10,7 +10,10 @@ stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
 the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
-idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
+idle slots are skipped. With ``pipeline.fsdp=visit`` the blocks enter as shards instead and each layer is
+gathered when a slot runs it, its gradient reduce-scattered right after its backward
+(:meth:`~jaxscale.parallel.stage_program.StageProgram.gathered`): one layer held whole, the collectives
+in the busy slots' conditionals. With v chunks per stage (``pipeline.repeats``) stage s runs layer
 groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
 exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
 chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
