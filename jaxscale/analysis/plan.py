@@ -148,7 +148,8 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
                 one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
                 yield one
-                if p > 1 and f > 1:  # FSDP in a stage gathered per layer visit or every tick: less memory
+                if p > 1 and f > 1 and moe is None:  # FSDP in a stage per layer visit or every tick: less memory
+                    # (an MoE stage leaves FSDP to the partitioner whatever pipeline.fsdp says)
                     yield from (dataclasses.replace(one, fsdp_gather=g) for g in FSDP_GATHERS[1:])
 
 
