@@ -270,6 +270,9 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices x is split over, in fp32
         dw = lax.psum(dw, summed)
+    summed = tuple(sorted(jax.typeof(dx).mat.varying - jax.typeof(qx.q).mat.varying))
+    if summed:  # x the same on the devices w is split over (TP inside a pipeline stage): its partial gradients
+        dx = lax.psum(dx, summed)
 
     none = Quantized(None, None, None)
     dx_op = Operand(dx.astype(static.x_dtype), none, pushed(x_history, qx.amax), None, recipe)

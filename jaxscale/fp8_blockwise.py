@@ -145,6 +145,9 @@ def _backward(shape: _Shape, saved: tuple, g: jax.Array) -> tuple[Operand, Opera
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:
         dw = lax.psum(dw, summed)
+    summed = tuple(sorted(jax.typeof(dx).mat.varying - jax.typeof(x2).mat.varying))
+    if summed:  # x the same on the devices w is split over (TP inside a pipeline stage): its partial gradients
+        dx = lax.psum(dx, summed)
 
     dx = _tensor(dx, sizes, free_x + contract, lhs).astype(shape.x_dtype)
     dw = _tensor(dw, sizes, contract + free_w, rhs).astype(shape.w_dtype)

@@ -56,6 +56,11 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
     return jax.tree.map(cast, tree)
 
 
+def varying(x: jax.Array) -> tuple[str, ...]:
+    """The manual axes ``x`` is typed as varying over."""
+    return tuple(jax.typeof(x).manual_axis_type.varying)
+
+
 def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
     """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part."""
     i = jnp.maximum(slot, 0)
@@ -126,9 +131,10 @@ class StageProgram:
     microbatches: int  # m
     counts: tuple[int, ...]  # the stacked units (blocks, or MoE groups) of each virtual stage
     slots: int  # unit slots per chunk: the largest virtual stage's
-    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
-    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the manual axes splitting each dim
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and TP axes
+    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the FSDP axes splitting each dim
     visit: bool  # FSDP's axes (``gathers``) gathered per layer as a slot runs it (pipeline.fsdp=visit)
+    shards: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the TP axes splitting each dim
     block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
     skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
     inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
@@ -143,9 +149,16 @@ class StageProgram:
     aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
 
     @property
+    def rows(self) -> tuple[str, ...]:
+        """The manual axes over which activations differ: ``stage``, data, context and SP's axes (not TP's
+        alone: there each device holds the same activations and its shard of the blocks)."""
+        where = self.inner.stage
+        return tuple(a for a in self.manual if a not in where.tensor or a in where.sequence)
+
+    @property
     def summed(self) -> tuple[str, ...]:
-        """The manual axes besides ``stage``: each device holds its own rows, summed once per step."""
-        return self.manual[1:]
+        """The row axes besides ``stage``: each device holds its own rows, summed once per step."""
+        return self.rows[1:]
 
     @property
     def uneven(self) -> bool:
@@ -166,7 +179,7 @@ class StageProgram:
         y, aux = unit(h, pos)
         metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}  # no per-layer loads here
         share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
-        return vary((y, jnp.asarray(share, F32), metrics), self.manual)
+        return vary((y, jnp.asarray(share, F32), metrics), self.rows)
 
     def gathered(self, params: Any) -> Any:
         """A unit's parameters gathered over FSDP's axes as a slot runs it (``pipeline.fsdp=visit``): in a
@@ -182,7 +195,7 @@ class StageProgram:
         return tree.unflatten([one(w, dims) for w, dims in zip(leaves, self.gathers, strict=True)])
 
     def zero_metrics(self) -> dict[str, jax.Array]:
-        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.manual)
+        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.rows)
 
     def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
         """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
@@ -211,17 +224,18 @@ class StageProgram:
         collectives of a conditional whose branch differs between stages (a check fails in
         spmd_partitioner_util; on CPU a collective-permute in a branch waits for every device)."""
         if self.skip:
-            return lax.cond(pred, lambda: vary(f(), self.manual), lambda: vary(zeros, self.manual))
+            return lax.cond(pred, lambda: vary(f(), self.rows), lambda: vary(zeros, self.rows))
         return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
 
     def at_end(self, here: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
         """``f()`` on the stage where ``here`` holds (the head on the last virtual stage, the embedding's
-        gradient on the first). Unless idle slots are skipped, the conditional must take the same branch on
-        every stage: ``f`` then runs on every stage in the ticks where one needs it (``anywhere``), masked."""
+        gradient on the first), skipped elsewhere by a conditional where idle slots are (``skip``). Else the
+        conditional must take the same branch on every stage: ``f`` then runs on every stage in the ticks where
+        one needs it (``anywhere``), masked."""
         if self.skip:
             return self.when(here, f, zeros)
         masked = functools.partial(self.when, here, f, zeros)
-        return lax.cond(anywhere, lambda: vary(masked(), self.manual), lambda: vary(zeros, self.manual))
+        return lax.cond(anywhere, lambda: vary(masked(), self.rows), lambda: vary(zeros, self.rows))
 
     # -- the forward slot ------------------------------------------------------------------
 
@@ -231,7 +245,7 @@ class StageProgram:
         if not self.uneven:
             return self.layer(lp, h, pos)
         passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())})
-        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.manual))
+        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.rows))
 
     def units(self, chunk: jax.Array, stage: jax.Array) -> jax.Array:
         """How many units the stage's chunk ``chunk`` runs: those of virtual stage chunk·p + stage."""
@@ -264,7 +278,7 @@ class StageProgram:
             return y, inputs, obj, met
 
         zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32), self.zero_metrics())
-        return self.when(slot.kind > IDLE, run, vary(zeros, self.manual))
+        return self.when(slot.kind > IDLE, run, vary(zeros, self.rows))
 
     # -- the backward slot -----------------------------------------------------------------
 
@@ -315,19 +329,19 @@ class StageProgram:
                 acc_outer,
             )
             dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
-            d_lp, d_hp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.manual))
+            d_lp, d_hp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
             acc = self.add_unit_grad(acc, slot.chunk, k, d_lp)
             amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
             return (dx, acc, amax, acc_outer, loss + head_loss + obj), met
 
         def run() -> tuple:
             init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32)),
-                        self.manual)
+                        self.rows)
             (dx, acc, amax, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
             return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
 
         zeros = vary((state.acc, state.amax, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32),
-                      self.zero_metrics()), self.manual)
+                      self.zero_metrics()), self.rows)
         if self.skip:
             return self.when(on, run, zeros)
         # Masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``; its amaxes are masked.
@@ -388,8 +402,8 @@ class StageProgram:
         h = (*w.xs["inputs"].shape[1:], self.model.embed)  # a microbatch's activations: rows, length, embed
         train = self.table.train
 
-        def zeros(tree: Any) -> Any:
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree) if train else {}
+        def zeros(tree: Any) -> Any:  # each typed as varying as its parameter (a TP shard varies over TP's axes)
+            return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, F32), varying(a)), tree) if train else {}
 
         state = Loop(
             acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
@@ -397,7 +411,7 @@ class StageProgram:
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
             loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
         )
-        return vary(state, self.manual)
+        return vary(state, self.rows)
 
     def quantized(self, blocks: Unit) -> Any:
         """The e4m3 copies of the stage's fp8 weights, made once per step before the loop (:func:`jaxscale.fp8.prepare`;
@@ -405,7 +419,7 @@ class StageProgram:
         if not blocks.histories:
             return {}
         copies = fp8.prepare(nnx.merge(self.block_graph, blocks.params, blocks.histories))
-        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.manual)), copies,
+        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.rows)), copies,
                             is_leaf=lambda q: isinstance(q, fp8.Quantized))
 
     def run(self, outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
@@ -424,12 +438,24 @@ class StageProgram:
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
             copies = self.quantized(Unit(blocks, histories, {}))  # once per step: not per microbatch or tick
-            outer, lookup, blocks, xs = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
+            xs = self.own_tokens(xs)
+            outer, lookup, blocks, xs = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.rows)
             w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
             state, _ = lax.scan(tick, self.start(w), cols)
             return self.reduce(state)
+
+    def own_tokens(self, xs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """With SP's axes manual, the device's own part of the sequence of the token ids and targets: it
+        embeds those, and the head reads the residual stream there (split on the sequence); the positions
+        stay whole, for attention reads them on its gathered input."""
+        axes = self.inner.stage.sequence
+        if not axes:
+            return xs
+        n = xs["inputs"].shape[2] // self.inner.size(axes)
+        start = lax.axis_index(axes) * n
+        return {**xs, **{k: lax.dynamic_slice_in_dim(xs[k], start, n, axis=2) for k in ("inputs", "targets")}}
 
     # -- what crosses stages ------------------------------------------------------------------
 
@@ -474,14 +500,14 @@ class StageProgram:
         by layer), or (the blocks entered gathered over them) each device's own sum handed out whole, in a
         leading dimension that :func:`~jaxscale.parallel.pipeline.sum_shards` reduces onto the shards."""
 
-        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
+        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], shards: tuple[tuple[str, ...], ...]) -> jax.Array:
             split = {a for axes in dims for a in axes}
-            rest = tuple(a for a in self.summed if a not in split)
+            rest = tuple(a for a in self.summed if a not in split and a not in {a for s in shards for a in s})
             g = lax.psum(g, rest) if rest else g
             return g[None] if split and not self.visit else g
 
         leaves, tree = jax.tree.flatten(acc)
-        return tree.unflatten([one(g, dims) for g, dims in zip(leaves, self.gathers, strict=True)])
+        return tree.unflatten([one(*a) for a in zip(leaves, self.gathers, self.shards, strict=True)])
 
     @staticmethod
     def sum_stage_copies(d_outer: Any) -> Any:
