@@ -111,12 +111,15 @@ def test_evaluation_runs_the_forward_table(reference):
 
 
 @pytest.mark.parametrize("schedule, v, attention, gather", [("1f1b", 1, "dot", "step"),
-                                                             ("interleaved_1f1b", 2, "blockwise", "tick")])
+                                                             ("interleaved_1f1b", 2, "blockwise", "tick"),
+                                                             ("interleaved_1f1b", 2, "dot", "visit")])
 def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, gather, reference):
     """Two steps of pp x fsdp x tp (2 x 2 x 2): only messages and per-step sums cross stage, the stage's FSDP
     gathers once a step (``pipeline.fsdp=step``: the loop manual over fsdp and tensor, every matmul in a
-    conditional, idle slots skipped) or every tick (``tick``: fsdp and tensor left to the partitioner, idle
-    slots masked). The blockwise kernel runs inside the stage's loop as it is, no shard_map of its own."""
+    conditional, idle slots skipped), each layer as a slot runs it (``visit``: the blocks enter split over fsdp
+    and tensor, fsdp gathered layer by layer; idle slots skipped) or every tick (``tick``: fsdp and tensor left
+    to the partitioner, idle slots masked). The blockwise kernel runs inside the stage's loop as it is, no
+    shard_map of its own."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
@@ -135,7 +138,7 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
     # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
     ticks = schedules.build(schedule, 2, m, v).ticks
-    assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather == "step")
+    assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather != "tick")
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
