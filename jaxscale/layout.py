@@ -364,10 +364,12 @@ class Layout:
                 f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
                 f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
             )
-        if model.tp_overlap and config.precision.fp8 == "blockwise":
+        chunk = config.train.seq_len // self.ways(("norm_length",))
+        if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
             raise ConfigError(
-                "precision.fp8=blockwise: not supported with model.tp_overlap (the collective matmuls take "
-                "per-tensor fp8: delayed or current)"
+                f"precision.fp8=blockwise with model.tp_overlap: each device's part of the sequence ({chunk} "
+                f"tokens under {where}) must be a multiple of precision.fp8_block ({config.precision.fp8_block}): "
+                "the ring passes whole tiles"
             )
         if config.precision.fp8_head and model.loss_chunk:
             raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")

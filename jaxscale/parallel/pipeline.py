@@ -39,7 +39,8 @@ input under ``jax.vjp``, last layer first, and adds the parameter gradients to f
 its input gradient goes to the previous stage. Both messages of a tick (the forward's output, the
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
-interleaved_1f1b) is only which slot runs what.
+interleaved_1f1b, zb_h1) is only which slot runs what; zb_h1 splits the backward slot into the input
+gradient and a third, weight-gradient slot (:class:`~jaxscale.parallel.stage_program.StageProgram`).
 
 **Memory**: a stage keeps the layer inputs of its in-flight microbatches (``Table.act_slots`` of
 them: m for GPipe, at most 2p for 1F1B in lock-step ticks, whatever m; L/(p·v) layers' b·s·h each)

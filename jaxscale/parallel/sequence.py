@@ -36,7 +36,8 @@ With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
 einsum + reduce-scatter become collective matmuls
 (:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU;
-on per-tensor fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s. It needs SP axes
+on fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s (per-tensor scales) or
+:mod:`jaxscale.parallel.fp8_blockwise_collective`'s (``blockwise``). It needs SP axes
 (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one ring over their product.
 
 **Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) no
@@ -56,6 +57,7 @@ Collective matmuls (``model.tp_overlap``) need the ``shard_map``: a stage refuse
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -65,7 +67,7 @@ from jax.sharding import PartitionSpec
 
 from jaxscale import fp8, precision
 from jaxscale.layout import Stage
-from jaxscale.parallel import fp8_collective
+from jaxscale.parallel import fp8_blockwise_collective, fp8_collective
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec, stage
 
@@ -120,6 +122,11 @@ def _readers(x: Any, n: int) -> list[Any]:
     return fp8.sharing(x, n) if isinstance(x, fp8.Operand) else [x] * n
 
 
+def _fp8_ring(x: fp8.Operand) -> ModuleType:
+    """The collective matmuls of fp8 operand ``x``'s recipe: per-tensor scales, or blockwise."""
+    return fp8_blockwise_collective if x.recipe.mode == "blockwise" else fp8_collective
+
+
 def _gather_weight(w: Any, s: PartitionSpec, manual: tuple[str, ...], grads: jnp.dtype | None) -> Any:
     """:func:`gather_shards` of a weight; an fp8 weight's float8 values are gathered as they are (1 byte each)."""
     if not isinstance(w, fp8.Operand):
@@ -155,7 +162,7 @@ def column_parallel(
         pairs = zip(projections, ws, w_specs, strict=True)
         weights = [(eq, _gather_weight(w, s, manual, grads)) for (eq, *_), w, s in pairs]
         if overlap and isinstance(x, fp8.Operand):
-            return tuple(fp8_collective.all_gather_matmul(x, weights, manual, dim))
+            return tuple(_fp8_ring(x).all_gather_matmul(x, weights, manual, dim))
         if overlap:
             return tuple(all_gather_matmul(x, weights, manual, dim, grads))
         x = _arrays(lambda a: lax.all_gather(a, manual, axis=dim, tiled=True), x)
@@ -198,7 +205,7 @@ def row_parallel(
     def body(h: Any, w: Any) -> jax.Array:
         w = _gather_weight(w, w_spec, manual, grads)
         if overlap and isinstance(h, fp8.Operand):
-            return fp8_collective.matmul_reduce_scatter(equation, h, w, manual, dim)
+            return _fp8_ring(h).matmul_reduce_scatter(equation, h, w, manual, dim)
         if overlap:
             return matmul_reduce_scatter(equation, h, w, manual, dim, grads)
         y = precision.einsum(equation, h, w, grads)

@@ -11,7 +11,10 @@ the input of each of its layers) and, training, its *backward slot* (:meth:`~Sta
 each layer recomputed from its kept input under ``jax.vjp``, last layer first, the last virtual stage's
 output gradient from the head and loss, :meth:`~StageProgram.head_grad`; the first virtual stage's
 input gradient into the embedding's, :meth:`~StageProgram.embedding_grad`). A slot is IDLE, FIRST,
-MIDDLE or LAST by the table; an idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
+MIDDLE or LAST by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there
+the input gradient alone, keeping each unit's output gradient, and a third, *weight slot*
+(:meth:`~StageProgram.weight_slot`) recomputes each unit from its kept input and takes its parameters'
+gradient from that kept output gradient. An idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
 axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
 **What crosses stages** is in one place, the last methods of the class: per tick the forward's
@@ -108,6 +111,7 @@ class Loop(NamedTuple):
 
     acts: jax.Array  # [act_slots, slots, rows, length, embed]: each kept microbatch's layer inputs
     grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
+    cots: jax.Array  # [cot_slots, slots, rows, length, embed]: split, each unit's output gradient from B to W
     acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
     acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
     amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
@@ -310,43 +314,71 @@ class StageProgram:
     def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
         """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
         unit's output gradient: the head's on the last virtual stage, else ``dy_in`` from the next); each
-        unit's gradient added to ``acc`` as it comes. Returns acc, acc_outer, the chunk's input gradient,
-        the loss share and the metrics."""
+        unit's gradient added to ``acc`` as it comes, or, split, in the input alone, each unit's output
+        gradient kept for :meth:`weight_slot`. Returns acc, amax, acc_outer, the chunk's input gradient,
+        the loss share, the metrics and, split, the units' output gradients [slots, ...] (else None)."""
         pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
         n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
-        cot = on.astype(F32)  # the aux objective's cotangent: 0 in a masked slot
+        cot, split = on.astype(F32), self.table.split  # the aux objective's cotangent: 0 in a masked slot
 
         def unit(lp: Any, hp: Any, x: jax.Array, k: jax.Array) -> tuple:
             return self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), x, pos, k < n)
 
-        def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
+        def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
             dx, acc, amax, acc_outer, loss = carry
-            (y, obj, met), pull = jax.vjp(
-                functools.partial(unit, k=k), _take(pc.params, k), _take(pc.histories, k), inputs[k]
-            )
+            lp, hp = _take(pc.params, k), _take(pc.histories, k)
+            if split:  # the input gradient only: the parameters' waits for the weight slot
+                (y, obj, met), pull = jax.vjp(lambda x: unit(lp, hp, x, k), inputs[k])
+            else:
+                (y, obj, met), pull = jax.vjp(functools.partial(unit, k=k), lp, hp, inputs[k])
             head_loss, dy_head, acc_outer = self.head_grad(
                 w, (slot.kind == LAST) & (k == top), slot.any_last & (k == top), y, w.xs["targets"][slot.micro],
                 acc_outer,
             )
             dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
-            d_lp, d_hp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
-            acc = self.add_unit_grad(acc, slot.chunk, k, d_lp)
-            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
-            return (dx, acc, amax, acc_outer, loss + head_loss + obj), met
+            *d_w, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            if not split:
+                acc = self.add_unit_grad(acc, slot.chunk, k, d_w[0])
+                amax = self.add_amax(amax, slot.chunk, k, d_w[1], on & (k < n))
+            return (dx, acc, amax, acc_outer, loss + head_loss + obj), (met, dy if split else None)
 
         def run() -> tuple:
             init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32)),
                         self.rows)
-            (dx, acc, amax, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
-            return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
+            (dx, acc, amax, acc_outer, loss), (mets, dys) = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
+            return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets), dys
 
         zeros = vary((state.acc, state.amax, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32),
-                      self.zero_metrics()), self.rows)
+                      self.zero_metrics(), jnp.zeros_like(inputs) if split else None), self.rows)
         if self.skip:
             return self.when(on, run, zeros)
         # Masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``; its amaxes are masked.
         acc, amax, *rest = run()
         return acc, amax, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[2:])
+
+    def weight_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array, cots: jax.Array, acc: Any,
+                    amax: Any) -> tuple[Any, Any]:
+        """Split schedules: each unit of the chunk recomputed from its kept input in ``acts`` and differentiated in
+        its parameters alone, by its output gradient kept in ``cots`` (and the MoE aux objective's); returns
+        ``acc`` plus the units' gradients and ``amax`` with their fp8 histories' updates."""
+        pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
+        n, inputs, cot = self.units(slot.chunk, stage), acts[slot.src], on.astype(F32)
+
+        def one(carry: tuple, k: jax.Array) -> tuple[tuple, None]:
+            acc, amax = carry
+            (_, _, met), pull = jax.vjp(
+                lambda lp, hp: self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), inputs[k], pos, k < n),
+                _take(pc.params, k), _take(pc.histories, k),
+            )
+            dy = jnp.where(on, cots[k], jnp.zeros_like(cots[k]))  # exact zeros in a masked slot
+            d_lp, d_hp = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
+            return (self.add_unit_grad(acc, slot.chunk, k, d_lp), amax), None
+
+        def run() -> tuple[Any, Any]:
+            return lax.scan(one, vary((acc, amax), self.rows), jnp.arange(self.slots))[0]
+
+        return self.when(on, run, (acc, amax)) if self.skip else run()
 
     @staticmethod
     def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array, d_lp: Any) -> Any:
@@ -385,13 +417,18 @@ class StageProgram:
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=_put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = _slot(col, stage, "b_")
-        acc, amax, acc_outer, dh, b_loss, b_met = self.backward_slot(
+        acc, amax, acc_outer, dh, b_loss, b_met, dys = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
         acc_outer = {**acc_outer, "embedding": self.embedding_grad(w, bwd, dh, acc_outer["embedding"])}
+        cots = state.cots
+        if self.table.split:  # the weight slot, after the B slot has kept its output gradients
+            cots = _put(cots, col["b_cot"][stage], dys)
+            acc, amax = self.weight_slot(w, _slot(col, stage, "w_"), stage, state.acts, cots[col["w_cot"][stage]],
+                                         acc, amax)
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
-            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]),
+            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
             acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss,
             metrics=jax.tree.map(jnp.add, state.metrics, b_met),
         )
@@ -408,6 +445,7 @@ class StageProgram:
         state = Loop(
             acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
+            cots=jnp.zeros((self.table.cot_slots, self.slots, *h), self.dtype),
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
             loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
         )
