@@ -278,9 +278,9 @@ class Layout:
         and TP's axes where :meth:`stage_tensor_axes` says.
 
         Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
-        they split is split by batch axes alone: the loop gathers the stage's blocks over them once per step
-        and reduce-scatters their gradients once (:meth:`stage_gathered_axes`) unless ``pipeline.fsdp`` is
-        ``tick``; else only the leading batch
+        they split is split by batch axes alone: the loop gathers the stage's blocks over them itself
+        (:meth:`stage_gathered_axes`: once per step, or layer by layer as slots run them, ``pipeline.fsdp``
+        ``step`` or ``visit``) unless ``pipeline.fsdp`` is ``tick``; else only the leading batch
         axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
         blocks = list(blocks)
         return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp))
@@ -289,8 +289,8 @@ class Layout:
         """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, context)."""
         if moe:
             return (STAGE,)
-        once = self.pipeline is None or self.pipeline.fsdp == "step"
-        return (STAGE, *(self.axes_of("batch") if once and self._gatherable(blocks) else self.data_axes(blocks)),
+        manual = self.pipeline is None or self.pipeline.fsdp != "tick"
+        return (STAGE, *(self.axes_of("batch") if manual and self._gatherable(blocks) else self.data_axes(blocks)),
                 *self.stage_context_axes)
 
     def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
@@ -325,8 +325,9 @@ class Layout:
         return all(axes <= batch or not axes & batch for axes in splits)
 
     def stage_gathered_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
-        """The mesh axes of size > 1 over which a pipeline stage gathers its blocks once per step: the
-        manual batch axes that split a block parameter (FSDP's, inside a stage)."""
+        """The mesh axes of size > 1 over which a pipeline stage gathers its blocks itself (once per step, or
+        each layer as a slot runs it: ``pipeline.fsdp`` step or visit): the manual batch axes that split a
+        block parameter (FSDP's, inside a stage)."""
         blocks = list(blocks)
         rows = self._stage_row_axes(blocks, moe)
         return tuple(a for a in self.mesh_axes(n for axes in blocks for n in axes) if a in rows and a != STAGE)
@@ -394,6 +395,11 @@ class Layout:
                 "parallelism without it runs there (model.tp_overlap=false)"
             )
         self._check_stage_context(config)
+        if config.pipeline.fsdp == "visit" and config.precision.fp8 in ("delayed", "current"):
+            raise ConfigError(
+                f"pipeline.fsdp=visit: not supported with precision.fp8={config.precision.fp8} (the e4m3 copies "
+                "are made once a step of whole weights): pipeline.fsdp=step or tick, or precision.fp8=blockwise"
+            )
         moe = config.model.moe
         if moe is not None and moe.impl == "shard_map":
             raise ConfigError(

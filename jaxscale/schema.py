@@ -30,7 +30,7 @@ Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"]  # 
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
 SPLIT: tuple[Schedule, ...] = ("zb_h1",)  # the schedules that split the backward into input and weight gradients
 DEFAULT_SCHEDULE: Schedule = "1f1b"
-FsdpGather = Literal["step", "tick"]  # when a pipeline stage gathers its FSDP-split blocks (parallel/pipeline.py)
+FsdpGather = Literal["step", "visit", "tick"]  # when a pipeline stage gathers its FSDP-split blocks (pipeline.py)
 XlaPreset = Literal["none", "gpu", "tpu"]
 Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -245,7 +245,10 @@ class PipelineConfig:
     (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots). ``fsdp``: with FSDP inside a
     stage, ``step`` gathers the stage's blocks once a step and reduces their gradients once (the stage's
     blocks and their fp32 gradients held whole; idle slots skipped unless TP, SP or CP is inside too),
-    ``tick`` leaves the gathers to the partitioner, every tick (the blocks stay sharded; idle slots masked).
+    ``visit`` gathers each layer when a slot runs it and reduce-scatters its gradient after its backward
+    (one layer held whole, the fp32 gradients sharded; idle slots skipped as with ``step``; 2·m gathers and
+    m reduce-scatters of the stage's blocks a step), ``tick`` leaves the gathers to the partitioner, every
+    tick (the blocks stay sharded; idle slots computed and masked, gathered and reduced too).
     """
 
     microbatches: int | None = None  # None: as many as there are stages

@@ -13,6 +13,7 @@ import yaml
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.predict import predict_trainer
 from jaxscale.config import CONFIG_DIR, ConfigError
 from jaxscale.models import balance
 from jaxscale.parallel import schedules
@@ -114,12 +115,15 @@ def test_evaluation_runs_the_forward_table(reference):
 
 
 @pytest.mark.parametrize("schedule, v, attention, gather", [("1f1b", 1, "dot", "step"),
-                                                             ("interleaved_1f1b", 2, "blockwise", "tick")])
+                                                             ("interleaved_1f1b", 2, "blockwise", "tick"),
+                                                             ("interleaved_1f1b", 2, "dot", "visit")])
 def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, gather, reference):
     """Two steps of pp x fsdp x tp (2 x 2 x 2): only messages and per-step sums cross stage, the stage's FSDP
     gathers once a step (``pipeline.fsdp=step``: the loop manual over fsdp and tensor, every matmul in a
-    conditional, idle slots skipped) or every tick (``tick``: fsdp and tensor left to the partitioner, idle
-    slots masked). The blockwise kernel runs inside the stage's loop as it is, no shard_map of its own."""
+    conditional, idle slots skipped), each layer as a slot runs it (``visit``: the blocks enter split over fsdp
+    and tensor, fsdp gathered layer by layer; idle slots skipped) or every tick (``tick``: fsdp and tensor left
+    to the partitioner, idle slots masked). The blockwise kernel runs inside the stage's loop as it is, no
+    shard_map of its own."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
@@ -138,7 +142,7 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
     # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
     ticks = schedules.build(schedule, 2, m, v).ticks
-    assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather == "step")
+    assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather != "tick")
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
@@ -152,21 +156,29 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
 
 
+def pp_fsdp_steps(reference, schedule: str, v: int, gather: str):
+    """pp_fsdp (stage 2 x fsdp 4, m = 8) with ``pipeline.fsdp=gather``: two compiled steps, each equal to one
+    device's (loss, gradient norm, parameters). Returns the trainer, its compiled step and its collectives."""
+    initial, batches, _, _, ref_params, ref_outs = reference
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 8, v), f"pipeline.fsdp={gather}", rules="pp_fsdp",
+                                        mesh={"stage": 2, "fsdp": 4}))
+    compiled = xla.compile_step(trainer)
+    state = jax.device_put(initial._replace(params=trainer.storage.place_params(initial.params)),
+                           trainer.state_shardings)
+    for batch, ref_out in zip(batches, ref_outs, strict=True):
+        state, out = compiled(state, placed(trainer, batch))
+        for key in ("loss", "grad_norm"):
+            assert close(out[key], ref_out[key]), key
+    assert_trees_close(canonical(trainer, state.params), ref_params)
+    return trainer, compiled, hlo.collectives(compiled.as_text(), trainer.mesh)
+
+
 def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     """pp_fsdp (stage 2 x fsdp 4, 1F1B, m = 8): two steps equal one device; the stage gathers its blocks over
     fsdp once a step and reduces their gradients once (no fsdp collective in the loop), so the step moves at
     most 1.3x the bytes of ZeRO-3 on fsdp 8 plus the pipeline's permutes (4.7x when gathered every tick);
     with no axis left to the partitioner every matmul sits in a conditional (idle slots skipped)."""
-    initial, batches, _, _, ref_params, ref_outs = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 8), rules="pp_fsdp", mesh={"stage": 2, "fsdp": 4}))
-    compiled = xla.compile_step(trainer)
-    state = jax.device_put(initial, trainer.state_shardings)
-    for batch, ref_out in zip(batches, ref_outs, strict=True):
-        state, out = compiled(state, placed(trainer, batch))
-        for key in ("loss", "grad_norm"):
-            assert close(out[key], ref_out[key]), key
-    assert_trees_close(state.params, ref_params)
-    found = hlo.collectives(compiled.as_text(), trainer.mesh)
+    _, compiled, found = pp_fsdp_steps(reference, "1f1b", 1, "step")
     assert [c for c in found if c.axes and "fsdp" in c.axes and c.runs > 1] == []
     zero3 = Trainer.build(tiny_config(*BASE, rules="zero3", mesh={"fsdp": 8}))
     reference_bytes = sum(c.rs_wire_bytes for c in hlo.collectives(xla.compile_step(zero3).as_text(), zero3.mesh))
@@ -174,6 +186,41 @@ def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     ratio = sum(c.rs_wire_bytes for c in found) / (reference_bytes + permutes)
     print(f"pp_fsdp collective bytes / (zero3 + permutes) = {ratio:.3f}")
     assert ratio <= 1.3
+    assert hlo.dots(compiled.as_text())["outside"] == 0
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
+    """``pipeline.fsdp=visit`` on pp_fsdp (stage 2 x fsdp 4, m = 8): two steps equal one device. Each layer is
+    gathered over fsdp when a slot runs it (the forward slot, then the backward slot's recompute) and its
+    gradient reduce-scattered after its backward, all inside the loop's conditionals (idle slots skipped:
+    no matmul outside one). Per layer slot the compiled loop gathers 2·U·(n−1)/n bytes and reduce-scatters
+    U·(n−1)/n (U one layer's fp32 parameters, n = 4); a stage runs m·v busy slots of each kind, L/(p·v)
+    layers each, so a step moves 2·m·(L/p)·U·(n−1)/n gathered and m·(L/p)·U·(n−1)/n scattered, against
+    (T ticks) 2·T·(L/(p·v))·U·(n−1)/n and T·(L/(p·v))·U·(n−1)/n gathered every tick (``tick``). The planner's
+    analytic model counts the same."""
+    initial = reference[0]
+    trainer, compiled, found = pp_fsdp_steps(reference, schedule, v, "visit")
+    p, m, n, layers = 2, 8, 4, 8
+    unit = sum(w.size * 4 for w in jax.tree.leaves(initial.params["blocks"])) / layers  # U, fp32
+    table = schedules.build(schedule, p, m, v)
+    slots = layers // (p * v)
+    fsdp = [c for c in found if c.axes == ("fsdp",)]
+    looped = [c for c in fsdp if c.runs > 1]
+    assert {tuple(loop.trips for loop in c.loops) for c in looped} == {(table.ticks, slots)}
+    per_slot = {kind: sum(c.wire_bytes / c.runs for c in looped if c.kind == kind)
+                for kind in ("all-gather", "reduce-scatter")}
+    assert per_slot == pytest.approx({"all-gather": 2 * unit * (n - 1) / n, "reduce-scatter": unit * (n - 1) / n})
+    assert {c.kind for c in looped} == {"all-gather", "reduce-scatter"}
+    busy = [int((kinds > IDLE).sum(axis=0)[0]) for kinds in (table.f_kind, table.b_kind)]
+    assert busy == [m * v, m * v]
+    moved = {kind: per_slot[kind] * busy[0] * slots for kind in per_slot}
+    assert moved == pytest.approx({"all-gather": 2 * m * layers / p * unit * (n - 1) / n,
+                                   "reduce-scatter": m * layers / p * unit * (n - 1) / n})
+    flows = [f for f in predict_trainer(trainer).flows if f.what.startswith("blocks.") and f.axes == ("fsdp",)]
+    assert {kind: sum(f.wire_bytes for f in flows if f.kind == kind) for kind in moved} == pytest.approx(moved)
+    outer = sum(w.size * 4 for k, part in initial.params.items() if k != "blocks" for w in jax.tree.leaves(part))
+    assert all(c.result_bytes <= outer for c in fsdp if c.runs == 1)  # outside the loop: no block gathered
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
@@ -511,6 +558,8 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
         ({}, ["model.moe={experts: 4}", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
          r"model\.moe\.impl=partitioner runs the experts"),
+        ({}, ["pipeline.fsdp=visit", "precision.fp8=delayed"], {"stage": 2, "fsdp": 2, "tensor": 2},
+         r"^pipeline\.fsdp=visit: not supported with precision\.fp8=delayed \(the e4m3 copies"),
     ],
 )
 def test_what_a_stage_cannot_run_is_refused(warm, tmp_path, changes, overrides, mesh, match):

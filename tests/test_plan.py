@@ -12,8 +12,8 @@ import yaml
 from helpers import TINY
 
 from jaxscale.analysis import plan, strategy
-from jaxscale.analysis.communication import Flow
-from jaxscale.analysis.params import param_table
+from jaxscale.analysis.communication import Flow, communication
+from jaxscale.analysis.params import param_table, stacked
 from jaxscale.analysis.timing import collective_seconds, crosses_nodes, load_cluster, members_per_node, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
@@ -358,6 +358,37 @@ def test_pipeline_stash_follows_the_schedule_and_the_bubble_shrinks_with_m():
     # where the last stage's head fills its free forward slots.
     share, formula = one.time["bubble"] / (one.time["compute"] + one.time["bubble"]), 7 / (32 + 7)
     assert 0.25 * formula < share < formula
+
+
+def test_fsdp_in_a_stage_gathered_per_visit_where_once_a_step_does_not_fit():
+    """Llama 3 70B on 64 H100 as stage 2 x fsdp 32 (interleaved, m = 16, v = 2): gathered once a step a stage
+    holds half the model whole with its fp32 gradients and does not fit; per visit (one layer gathered at a time)
+    it fits in less than gathered every tick, skips its idle slots, and gathers each layer 2·m·v times a step
+    where tick gathers in all T ticks' slots: tick − visit = (T − m·v)·(L/(p·v))·U·(n−1)/n·(2·2 + 4) bytes over
+    fsdp (U one layer's elements, two bf16 gathers and one fp32 reduce-scatter per slot)."""
+    model, params = _llama("llama3-70b")
+    cluster = load_cluster("h100", ["nodes=8"])
+    base = plan.Strategy(stage=2, fsdp=32, pipeline_microbatches=16, repeats=2, schedule="interleaved_1f1b",
+                         loss_chunk=1024)
+    got = {g: plan.evaluate(model, params, dataclasses.replace(base, fsdp_gather=g), 8192, cluster)
+           for g in plan.FSDP_GATHERS}
+    assert got["step"].memory["total"] > cluster.budget >= got["tick"].memory["total"] > got["visit"].memory["total"]
+    ticks = schedules.build("interleaved_1f1b", 2, 16, 2).ticks
+    unit = sum(p.size for p in params if p.in_layers) / 80
+
+    def blocks_over_fsdp(gather: str) -> float:
+        lay = dataclasses.replace(base, fsdp_gather=gather)
+        model_, step = strategy.model_for(model, lay), strategy.step_for(lay, 8192)
+        flows = communication(model_, stacked(params, model_, step), strategy.placement(lay), step)
+        return sum(f.wire_bytes for f in flows if f.what.startswith("blocks.") and f.axes == ("fsdp",))
+
+    extra = blocks_over_fsdp("tick") - blocks_over_fsdp("visit")
+    assert extra == pytest.approx((ticks - 32) * 20 * unit * 31 / 32 * (2 * 2 + 4))
+    assert got["visit"].time["bubble"] < got["tick"].time["bubble"]
+    assert got["visit"].time["total"] < got["tick"].time["total"]
+    note = plan.gather_note(model, params, got["visit"], 8192, cluster)
+    assert note.startswith("FSDP in a stage (pipeline.fsdp): step ") and "does not fit" in note.split(";")[0]
+    assert "visit (runs)" in note and "idle slots masked" in note.split(";")[2]
 
 
 def test_plan_70b_on_64_h100_considers_pipelines_and_says_why_the_best_lost(plan70b):

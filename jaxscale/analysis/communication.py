@@ -48,7 +48,11 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
   inside a stage the layers' collectives run per tick and slot (the compiled loop's count, idle slots
   skipped or masked alike); where the stage is manual over TP's axes it holds the embedding and head
-  whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); EP: dispatch +
+  whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); FSDP inside a stage
+  (``pipeline.fsdp``): ``step`` gathers the stage's blocks once and reduce-scatters their gradients once,
+  ``visit`` gathers each layer as a slot runs it (2·m times a step where idle slots are skipped: the runs
+  executed, where ``hlo`` reads the loop's branch as run every tick) and reduce-scatters its fp32 gradient
+  after its backward (m), ``tick`` gathers and scatters in every slot of every tick; EP: dispatch +
   combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md), at the capacity factor, or for the dropless rows
   exchange times the routing imbalance :data:`EP_IMBALANCE` (dropless by all-gather: ``ep·b·s·h`` gathered
@@ -186,11 +190,13 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
 
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float,
-                 stage_gathered: tuple[str, ...] = (), stage_tensor: tuple[str, ...] = ()) -> list[Flow]:
+                 stage_gathered: tuple[str, ...] = (), stage_tensor: tuple[str, ...] = (),
+                 masked: bool = False) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
-    the axes over which a pipeline stage gathers its blocks once a step
+    the axes over which a pipeline stage gathers its blocks itself
     (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`), ``stage_tensor`` its manual TP axes
-    (:meth:`~jaxscale.layout.Layout.stage_tensor_axes`)."""
+    (:meth:`~jaxscale.layout.Layout.stage_tensor_axes`); ``masked``: a stage computes its idle slots
+    (:meth:`~jaxscale.layout.Layout.stage_partitioned`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
@@ -206,8 +212,16 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         runs = step.microbatches * sp.count
         in_sp = bool(sp_axes) and p.in_sp_region
         fsdp_runs, regather = runs, 1  # gathers and scatters over the parameter's token axes; backward gathers
-        once = p.in_layers and layout.pipelined and bool(sp.gathered) and set(sp.gathered) <= set(stage_gathered)
-        if once:
+        manual = p.in_layers and layout.pipelined and bool(sp.gathered) and set(sp.gathered) <= set(stage_gathered)
+        visit = manual and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
+        once = manual and not visit
+        if visit:
+            # Each layer gathered as a slot runs it: every microbatch visits each of the stage's layers once
+            # forward and once backward (the backward's gather serving the recomputed forward and the vjp), or
+            # with idle slots masked every slot of every tick; its fp32 gradient reduce-scattered after its backward.
+            visits = pipeline_ticks(layout, step) / step.repeats if masked else step.pipeline_microbatches
+            fsdp_runs, grad = runs * visits, sp.unit * 4
+        elif once:
             # FSDP inside a stage: the stage's layers gathered once before the loop, their gradients
             # reduce-scattered once after it (the gathered weights serve every slot, forward and backward),
             # exposed: the loop waits for the gather, the scatter waits for the loop.
@@ -226,9 +240,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
                          not once)
             # SP's shard_map keeps it, and the experts' (model.moe.impl: shard_map), unless recomputed
             kept = in_sp or ("expert" in p.axes and m.moe is not None and m.moe.impl == "shard_map")
-            if p.in_layers and not once and (not kept or m.remat != "none"):
+            if p.in_layers and not once and (visit or not kept or m.remat != "none"):
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
-        if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
+        if in_sp and not visit:  # inside the shard_map: summed over the replicas whole, then scattered
             out += flow(p.path + " gradient", "all-reduce", sp.reduced, grad, runs, layout, "backward", True)
             out += flow(p.path + " gradient", "reduce-scatter", sp.scattered + sp.gathered, grad, runs, layout,
                          "backward", True)
@@ -327,8 +341,9 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     gathered = layout.stage_gathered_axes(blocks, m.moe is not None)
     stage_tensor = layout.stage_tensor_axes(blocks, m.moe is not None) if layout.pipelined else ()
     whole = bool(stage_tensor)  # the stage holds the embedding and head whole over its manual TP axes
+    masked = layout.stage_partitioned(blocks, m.moe is not None)
     for p in params:
-        flows += _param_flows(p, m, layout, step, bsh, gathered, stage_tensor)
+        flows += _param_flows(p, m, layout, step, bsh, gathered, stage_tensor, masked)
 
     tensor = [a for a in layout.mesh_axes(("heads",)) if a not in layout.token_axes]
     sp = layout.sequence_axes

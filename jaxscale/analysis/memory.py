@@ -469,7 +469,9 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
     and head, and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no
     copy of them). With FSDP inside a stage (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`) the
-    stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too.
+    stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too
+    (``pipeline.fsdp=step``); or (``visit``) one layer gathered at a time and its fp32 gradient before the
+    reduce-scatter, transient, the accumulator on the shards.
     ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
     the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
@@ -511,19 +513,21 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     out["activations"] = (2 * ((table.act_slots + table.cot_slots) * chunk + table.grad_slots) + chunk) * x
-    out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
+    block_axes = [p.axes for p in params if p.in_layers]
+    gathered = layout.stage_gathered_axes(block_axes, m.moe is not None)
+    visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
+    layer = layer_elems(params, layout, reduced=False)
+    out["transient"] = none + max(loss, cotangents) + layer * (pbytes + (4 if visit else 0))
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    block_axes = [p.axes for p in params if p.in_layers]
     partitioned = layout.stage_free_axes(block_axes, m.moe is not None)
-    # FSDP inside a stage: the stage's blocks gathered whole over its manual batch axes once a step, their
+    # FSDP inside a stage, once a step: the stage's blocks gathered whole over its manual batch axes, their
     # fp32 gradients accumulated whole beside them and reduce-scattered after the loop.
-    gathered = layout.stage_gathered_axes(block_axes, m.moe is not None)
+    once = bool(gathered) and not visit
     whole = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in gathered])
-                for p in params if p.in_layers)
-    out["pipeline accumulator"] = 4 * (whole if gathered else 0.0) + (4 * (held - blocks if gathered else held)
-                                                                        if partitioned else 0.0)
-    out["pipeline copies"] = (outer + (whole if gathered else 0.0)) * pbytes
+                for p in params if p.in_layers) if once else 0.0
+    out["pipeline accumulator"] = 4 * whole + (4 * (held - blocks if once else held) if partitioned else 0.0)
+    out["pipeline copies"] = (outer + whole) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
         out["mask"] = float(step.seq_len**2)

@@ -86,6 +86,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+FSDP_GATHERS = ("step", "visit", "tick")  # pipeline.fsdp: FSDP inside a stage gathered once, per visit, per tick
 PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, repeats) tried
 MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 
@@ -151,8 +152,9 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
                 one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
                 yield one
-                if p > 1 and f > 1:  # FSDP in a stage gathered every tick: less memory than once a step
-                    yield dataclasses.replace(one, fsdp_gather="tick")
+                if p > 1 and f > 1 and moe is None:  # FSDP in a stage per layer visit or every tick: less memory
+                    # (an MoE stage leaves FSDP to the partitioner whatever pipeline.fsdp says)
+                    yield from (dataclasses.replace(one, fsdp_gather=g) for g in FSDP_GATHERS[1:])
 
 
 def loss_chunk_for(seq_len: int) -> int:
@@ -288,12 +290,31 @@ def search(
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     ranked = found[:top] if top else found
-    why = reasons(found)
+    piped = next((c for c in found if c.layout.stage > 1), None)
+    why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "")
     if m.moe is not None and m.moe.dispatch == "dropless" and m.moe.dropless_exchange == "rows":
         why.append(f"EP's dropless exchange: 2·k·b·s·h·bytes·(ep−1)/ep per MoE layer each way times a routing "
                    f"imbalance (max/mean rows to a shard) assumed {EP_IMBALANCE}; its buffers sized for every row "
                    "to one shard (ep x)")
     return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
+
+
+def gather_note(m: ModelConfig, params: Sequence[Param], c: Candidate, seq_len: int, cluster: Cluster) -> str:
+    """For a pipeline with FSDP inside its stages: each ``pipeline.fsdp`` mode at the same sizes (memory, wire
+    bytes over ``fsdp`` a step, whether idle slots are skipped, step time), the one it runs marked; empty
+    without FSDP."""
+    if c.layout.fsdp == 1:
+        return ""
+    parts = []
+    for mode in FSDP_GATHERS:
+        lay = dataclasses.replace(c.layout, fsdp_gather=mode)
+        alt = c if mode == c.layout.fsdp_gather else evaluate(m, params, lay, seq_len, cluster)
+        slots = "masked" if placement(lay).stage_partitioned(BLOCK_AXES, lay.expert > 1) else "skipped"
+        fits = "" if alt.memory["total"] <= cluster.budget else ", does not fit"
+        parts.append(f"{mode}{' (runs)' if alt is c else ''} {_gb(alt.memory['total'])} GB{fits}, "
+                     f"{alt.comm['by_axes'].get('fsdp', 0.0) / 1e12:.2f} TB over fsdp, idle slots {slots}, "
+                     f"{_time(alt.time['total'])}")
+    return "FSDP in a stage (pipeline.fsdp): " + "; ".join(parts)
 
 
 # -- output --------------------------------------------------------------------------------
@@ -323,8 +344,10 @@ def _time(x: float) -> str:
     return f"{x * scale:.3g} {unit}"
 
 
-def reasons(ranked: Sequence[Candidate]) -> list[str]:
-    """One line each for the winner and the runner-up: what dominates its step, and why it beats the next."""
+def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
+    """One line each for the winner and the runner-up: what dominates its step, and why it beats the next; for
+    the best pipeline outside the two, what it pays against the winner (the parts of the step that differ most,
+    signed, each over a tenth of the gap); ``note`` on the best pipeline (:func:`gather_note`)."""
     lines = []
     for i, c in enumerate(ranked[:2]):
         total = c.time["total"]
@@ -346,14 +369,18 @@ def reasons(ranked: Sequence[Candidate]) -> list[str]:
                 line += f"; ties #{i + 2} on time and memory, the simpler layout"
         lines.append(line + _bubble_note(c))
     piped = next(((i, c) for i, c in enumerate(ranked) if c.layout.stage > 1), None)
-    if piped and piped[0] >= 2 and ranked:  # why the best pipeline lost to the winner
+    if piped and piped[0] >= 2:  # why the best pipeline lost to the winner
         i, c = piped
         best = ranked[0]
-        diffs = {k: v - _parts(best.time).get(k, 0.0) for k, v in _parts(c.time).items()}
-        why = max(diffs, key=lambda k: diffs[k])
+        gap = c.time["total"] - best.time["total"]
+        mine = _parts(best.time)
+        diffs = sorted(((v - mine.get(k, 0.0), k) for k, v in _parts(c.time).items()), key=lambda d: -abs(d[0]))
+        paid = ", ".join(f"{'+' if d > 0 else '-'}{_time(abs(d))} {k}" for d, k in diffs[:4] if abs(d) > 0.1 * gap)
         lines.append(f"best pipeline #{i + 1} {c.layout.describe()}: {_time(c.time['total'])}, "
-                     f"{100 * (c.time['total'] / best.time['total'] - 1):.0f}% slower than #1, most of it "
-                     f"{_time(diffs[why])} more {why}" + _bubble_note(c))
+                     f"{100 * gap / best.time['total']:.0f}% ({_time(gap)}) slower than #1: {paid}"
+                     + _bubble_note(c) + (f"; {note}" if note else ""))
+    elif piped and note:
+        lines.append(f"#{piped[0] + 1} {note}")
     return lines
 
 
@@ -369,8 +396,8 @@ def _bubble_note(c: Candidate) -> str:
     p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
     place = placement(lay)
     free = place.stage_free_axes(BLOCK_AXES, lay.expert > 1)
-    slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage" if free else
-             "idle slots skipped")
+    slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage"
+             if place.stage_partitioned(BLOCK_AXES, lay.expert > 1) else "idle slots skipped")
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
             f"((p-1)/(v·m+p-1) = {100 * formula_bubble(p, m, v):.0f}% by the formula, {slots})")
 

@@ -56,7 +56,7 @@ class Strategy:
     schedule: str = DEFAULT_SCHEDULE  # pipeline.schedule when stage > 1
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
     layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
-    fsdp_gather: str = "step"  # pipeline.fsdp: a stage's FSDP gathers once a step, or every tick
+    fsdp_gather: str = "step"  # pipeline.fsdp: a stage's FSDP gathers once a step, per layer visit, or every tick
 
     def mesh(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}

@@ -9,7 +9,10 @@ stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed
 (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
-the loop (:func:`sum_shards`): no FSDP collective runs in a tick. **TP and SP inside a stage**: where
+the loop (:func:`sum_shards`): no FSDP collective runs in a tick. With ``pipeline.fsdp=visit`` the blocks
+enter as shards instead and each layer is gathered when a slot runs it, its gradient reduce-scattered right
+after its backward (:meth:`~jaxscale.parallel.stage_program.StageProgram.gathered`): one layer held whole,
+the collectives in the busy slots' conditionals. **TP and SP inside a stage**: where
 that leaves only TP's axes to the partitioner, they are manual too
 (:meth:`~jaxscale.layout.Layout.stage_tensor_axes`, which says where they cannot be): each device keeps
 its shard of the blocks (and of their gradients) and the projections write TP's all-reduces, or SP's
@@ -170,6 +173,7 @@ def build(
 
     return StageProgram(
         gathers=tuple(per_dim(axes, gathered) for axes in block_axes),
+        visit=config.fsdp == "visit",
         shards=tuple(per_dim(axes, tensor) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
@@ -194,7 +198,10 @@ def _flat(dims: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
 
 def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> Any:
     """Once per step, outside the ``shard_map``: the blocks' gradients that each device of the stage's FSDP
-    axes handed out whole (a leading dimension over them) summed onto the parameters' shards."""
+    axes handed out whole (a leading dimension over them) summed onto the parameters' shards (``visit``:
+    scattered onto them already, as they are)."""
+    if program.visit:
+        return grads
 
     def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], axes: tuple[str | None, ...]) -> jax.Array:
         if not _flat(dims):
@@ -219,7 +226,7 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
 
     def stored(d: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
         """A gradient [(1,) v, slots, ...] as the stage's shard of the stack, [(1,) v·slots, ...]."""
-        lead = 1 if _flat(dims) else 0
+        lead = 1 if _flat(dims) and not program.visit else 0
         return d.reshape(*d.shape[:lead], -1, *d.shape[lead + 2 :])
 
     def local(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
@@ -235,11 +242,13 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
     def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
         tree = jax.tree.structure(blocks)
-        # TP's axes: each device keeps its shard of the blocks and of their gradients.
-        specs = [PartitionSpec(AXIS, *(s or None for s in dims)) for dims in program.shards]
+        # TP's axes: each device keeps its shard of the blocks and of their gradients; so do FSDP's under visit
+        # (gathered layer by layer inside). Else the blocks enter gathered over FSDP's axes and each device's
+        # gradient leaves whole, one per device.
+        specs = [PartitionSpec(AXIS, *(((*g, *t) if program.visit else t) or None for g, t in zip(gs, ts, strict=True)))
+                 for gs, ts in zip(program.gathers, program.shards, strict=True)]
         block_specs, history_specs = tree.unflatten(specs), jax.tree.map(lambda _: stacked, histories)
-        # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
-        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), *spec)
+        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) and not program.visit else ()), *spec)
                                      for d, spec in zip(program.gathers, specs, strict=True)])
         # Loss and metrics, each unit slot's MoE statistics (stored as the stack), the head's metrics.
         outs = (PartitionSpec(), PartitionSpec(), stacked, PartitionSpec(), grad_specs, history_specs, stacked)

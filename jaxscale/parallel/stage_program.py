@@ -41,7 +41,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale import fp8
+from jaxscale import fp8, precision
 from jaxscale.config import ModelConfig
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.routing import METRICS, layer_stat_shapes
@@ -141,6 +141,7 @@ class StageProgram:
     slots: int  # unit slots per chunk: the largest virtual stage's
     manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and TP axes
     gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the FSDP axes splitting each dim
+    visit: bool  # FSDP's axes (``gathers``) gathered per layer as a slot runs it (pipeline.fsdp=visit)
     shards: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the TP axes splitting each dim
     block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
     skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
@@ -182,7 +183,7 @@ class StageProgram:
 
     def layer(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One stacked unit on ``h``: its output, its share of the MoE aux objective, its MoE metrics."""
-        unit = nnx.merge(self.block_graph, lp.params, lp.histories)
+        unit = nnx.merge(self.block_graph, self.gathered(lp.params) if self.visit else lp.params, lp.histories)
         fp8.attach(unit, lp.copies)
         y, aux = unit(h, pos)
         metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}
@@ -190,6 +191,19 @@ class StageProgram:
         if self.model.moe:
             metrics[LAYER] = {k: aux[k].astype(F32) for k in layer_stat_shapes(self.model.moe)}
         return vary((y, jnp.asarray(share, F32), metrics), self.rows)
+
+    def gathered(self, params: Any) -> Any:
+        """A unit's parameters gathered over FSDP's axes as a slot runs it (``pipeline.fsdp=visit``): in a
+        backward slot's ``vjp`` the gather's transpose reduce-scatters the unit's gradient onto the shards,
+        in fp32, right after its backward; the devices of a stage take the same branch of each conditional."""
+
+        def one(w: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
+            for dim, axes in enumerate(dims):
+                w = precision.all_gather(w, axes, dim, F32) if axes else w
+            return w
+
+        leaves, tree = jax.tree.flatten(params)
+        return tree.unflatten([one(w, dims) for w, dims in zip(leaves, self.gathers, strict=True)])
 
     def zero_metrics(self, lead: tuple[int, ...] = ()) -> dict[str, Any]:
         """A unit's metrics as zeros; with ``lead`` (v, slots) a slot's or the loop's, statistics per unit slot."""
@@ -579,14 +593,15 @@ class StageProgram:
 
     def scatter(self, acc: Any) -> Any:
         """Once per step: the blocks' gradients summed over the manual data and context axes that split no
-        block parameter; over those that do (FSDP's, the blocks entered gathered over them) each device's
-        own sum is handed out whole, in a leading dimension that :meth:`sum_shards` reduces onto the shards."""
+        block parameter; over those that do (FSDP's), already on the shards (``visit``: reduce-scattered layer
+        by layer), or (the blocks entered gathered over them) each device's own sum handed out whole, in a
+        leading dimension that :func:`~jaxscale.parallel.pipeline.sum_shards` reduces onto the shards."""
 
         def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], shards: tuple[tuple[str, ...], ...]) -> jax.Array:
             split = {a for axes in dims for a in axes}
             rest = tuple(a for a in self.summed if a not in split and a not in {a for s in shards for a in s})
             g = lax.psum(g, rest) if rest else g
-            return g[None] if split else g
+            return g[None] if split and not self.visit else g
 
         leaves, tree = jax.tree.flatten(acc)
         return tree.unflatten([one(*a) for a in zip(leaves, self.gathers, self.shards, strict=True)])
