@@ -316,11 +316,6 @@ class Layout:
     def validate(self, config: Config) -> None:
         """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
         model, where = config.model, f"rules '{self.name}'"
-        if self.stage_axes and config.precision.fp8_head:
-            raise ConfigError(
-                f"precision.fp8_head: not supported with pipeline parallelism ({where} put layers on "
-                f"{list(self.stage_axes)}): the loop keeps no amax history for the head"
-            )
         if self.stage_axes and model.moe is not None and model.moe.balance != "off":
             raise ConfigError(
                 f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "

@@ -149,11 +149,6 @@ def test_context_parallelism_inside_a_stage_is_manual_and_masks_idle_slots():
     assert on("pp_fsdp", stage=2, fsdp=4).stage_manual_axes(blocks, moe=True) == ("stage",)
 
 
-def test_fp8_head_with_a_pipeline():
-    refuse(on("pp", stage=2, data=4), r"^precision\.fp8_head: not supported with pipeline parallelism "
-           r"\(rules 'pp' put layers on \['stage'\]\)", "precision.fp8=current", "precision.fp8_head=true")
-
-
 def test_pipeline_errors():
     refuse(on(edited("pp", layers=["stage", "data"]), stage=2, data=2, tensor=2),
            r"^rules 'pp_edited': layers maps to \['stage', 'data'\]; a pipeline needs layers on 'stage' alone$")
