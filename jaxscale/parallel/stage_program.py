@@ -455,8 +455,9 @@ class StageProgram:
         amax = state.amax
         if self.summed:
             loss = lax.psum(loss, self.summed)
-            acc_outer = jax.tree.map(lambda a, h: (lax.pmax if h else lax.psum)(a, self.summed), acc_outer,
-                                     self.outer_histories)
+            if self.table.train:  # the head's fp8 histories: the largest amaxes (evaluating: none kept)
+                acc_outer = jax.tree.map(lambda a, h: (lax.pmax if h else lax.psum)(a, self.summed), acc_outer,
+                                         self.outer_histories)
             amax = lax.pmax(amax, self.summed)  # the same on every device of a stage (global amaxes)
         loss, metrics = lax.psum((loss, metrics), AXIS)
         if not self.table.train:
