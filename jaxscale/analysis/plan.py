@@ -368,7 +368,7 @@ def _bubble_note(c: Candidate) -> str:
         return ""
     p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
     place = placement(lay)
-    free = (*place.stage_context_axes, *place.stage_free_axes(BLOCK_AXES, lay.expert > 1))
+    free = place.stage_free_axes(BLOCK_AXES, lay.expert > 1)
     slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage" if free else
              "idle slots skipped")
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "

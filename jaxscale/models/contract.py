@@ -27,6 +27,11 @@ class Staged(Protocol):
     weighted term the objective adds by :meth:`aux_loss`."""
 
     config: ModelConfig  # the shapes the pipeline's buffers take (embed, dtype, vocab_size, moe)
+    # Optional, False when absent: every projection of the stacked unit goes through
+    # jaxscale.parallel.sequence's column_parallel / row_parallel, which write TP's collectives where a
+    # pipeline stage's loop is manual over TP's axes (Layout.stage_tensor_axes): such a stage skips its idle
+    # slots. Without it TP inside a stage stays with the partitioner and idle slots are masked.
+    explicit_tp: bool
     embedding: nnx.Param  # the token table [vocab, embed] that :meth:`embed` reads
     blocks: nnx.Module  # the stacked unit, leading ``layers`` axis: ``unit(x, positions) -> (x, metrics)``
 
@@ -62,7 +67,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     CHUNKED_LOSS: ("hidden", "head_weight"),
     PIPELINE: ("config", "embedding", "embed", "blocks", "final_norm", "logits", "head_weight", "aux_loss"),
 }
-OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token")  # read when present
+OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token", "explicit_tp")  # read when present
 
 
 def parts(model: Any) -> frozenset[str]:

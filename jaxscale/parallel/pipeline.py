@@ -9,8 +9,14 @@ stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed
 (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
-the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
-idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
+the loop (:func:`sum_shards`): no FSDP collective runs in a tick. **TP and SP inside a stage**: where
+that leaves only TP's axes to the partitioner, they are manual too
+(:meth:`~jaxscale.layout.Layout.stage_tensor_axes`, which says where they cannot be): each device keeps
+its shard of the blocks (and of their gradients) and the projections write TP's all-reduces, or SP's
+all-gathers and reduce-scatters, among the devices of one stage (:mod:`jaxscale.parallel.sequence`); the
+embedding, final norm and head stay whole on each device (with TP alone each of a stage's TP devices runs
+the head on the whole microbatch; with SP on its own part of the sequence). With no axis left to the
+partitioner, idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
 groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
 exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
 chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
@@ -30,7 +36,8 @@ input under ``jax.vjp``, last layer first, and adds the parameter gradients to f
 its input gradient goes to the previous stage. Both messages of a tick (the forward's output, the
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
-interleaved_1f1b) is only which slot runs what.
+interleaved_1f1b, zb_h1) is only which slot runs what; zb_h1 splits the backward slot into the input
+gradient and a third, weight-gradient slot (:class:`~jaxscale.parallel.stage_program.StageProgram`).
 
 **Memory**: a stage keeps the layer inputs of its in-flight microbatches (``Table.act_slots`` of
 them: m for GPipe, at most 2p for 1F1B in lock-step ticks, whatever m; L/(p·v) layers' b·s·h each)
@@ -46,10 +53,11 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (TP all-reduces, GShard-style experts, an MoE model's FSDP; once per step
+axes stay with the partitioner (TP's where not manual, GShard-style experts, an MoE model's FSDP; once per step
 the embedding table is moved to the lookup's layout, split on its width,
-:meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); the ring's key/value blocks
-travel over ``context`` in every layer.
+:meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); in every layer the keys and
+values are all-gathered over ``context`` (the ring's kernel on every device's blocks) and their gradients
+reduce-scattered.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
@@ -139,20 +147,30 @@ def build(
     # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
     # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    # Context axes are manual too (a dense model): ring attention passes keys and values round them.
+    # Context axes are manual too (a dense model): ring attention gathers keys and values over them.
+    # TP's axes are manual too where the stage leaves nothing else to the partitioner: each device keeps its
+    # shard of the blocks, and jaxscale.parallel.sequence writes the collectives (Layout.stage_tensor_axes).
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
-    manual = place.stage_manual_axes(block_axes, c.moe is not None)
+    moe, explicit = c.moe is not None, getattr(model, "explicit_tp", False)
+    manual = place.stage_manual_axes(block_axes, moe, explicit)
     ring = tuple(a for a in manual if a in place.stage_context_axes)
+    tensor = place.stage_tensor_axes(block_axes, moe, explicit)
+    split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
+    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
-    gathered = place.stage_gathered_axes(block_axes, c.moe is not None)
+    gathered = place.stage_gathered_axes(block_axes, moe)
+
+    def per_dim(axes: tuple[str | None, ...], among: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        return tuple(tuple(a for a in place.mesh_axes((n,)) if a in among) for n in axes[1:])
+
     return StageProgram(
-        gathers=tuple(tuple(tuple(a for a in place.mesh_axes((n,)) if a in gathered) for n in axes[1:])
-                      for axes in block_axes),
+        gathers=tuple(per_dim(axes, gathered) for axes in block_axes),
+        shards=tuple(per_dim(axes, tensor) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
-        inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=Stage(manual, ring)),
+        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, moe, explicit),
+        inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,
         outer_histories=parts.outer_histories, head_loss=head_loss,
@@ -190,7 +208,7 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
     The stacked blocks enter as they are stored (:class:`~jaxscale.stage_layers.Storage`): stage s's shard
     is its v chunks one after the other, [v·slots, ...], seen as [v, slots, ...] where it runs."""
     ring = program.inner.stage.ring
-    data = tuple(a for a in program.summed if a not in ring)
+    data = tuple(a for a in program.summed if a not in ring and a not in program.inner.stage.tensor)
     batch = PartitionSpec(None, data or None, ring or None)
     stacked = PartitionSpec(AXIS)
     v = program.repeats
@@ -213,10 +231,12 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
     def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
         tree = jax.tree.structure(blocks)
-        block_specs, history_specs = (jax.tree.map(lambda _: stacked, t) for t in (blocks, histories))
+        # TP's axes: each device keeps its shard of the blocks and of their gradients.
+        specs = [PartitionSpec(AXIS, *(s or None for s in dims)) for dims in program.shards]
+        block_specs, history_specs = tree.unflatten(specs), jax.tree.map(lambda _: stacked, histories)
         # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
-        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), AXIS)
-                                     for d in program.gathers])
+        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), *spec)
+                                     for d, spec in zip(program.gathers, specs, strict=True)])
         outs = (PartitionSpec(), PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),

@@ -11,7 +11,10 @@ the input of each of its layers) and, training, its *backward slot* (:meth:`~Sta
 each layer recomputed from its kept input under ``jax.vjp``, last layer first, the last virtual stage's
 output gradient from the head and loss, :meth:`~StageProgram.head_grad`; the first virtual stage's
 input gradient into the embedding's, :meth:`~StageProgram.embedding_grad`). A slot is IDLE, FIRST,
-MIDDLE or LAST by the table; an idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
+MIDDLE or LAST by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there
+the input gradient alone, keeping each unit's output gradient, and a third, *weight slot*
+(:meth:`~StageProgram.weight_slot`) recomputes each unit from its kept input and takes its parameters'
+gradient from that kept output gradient. An idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
 axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
 **What crosses stages** is in one place, the last methods of the class: per tick the forward's
@@ -54,6 +57,11 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def varying(x: jax.Array) -> tuple[str, ...]:
+    """The manual axes ``x`` is typed as varying over."""
+    return tuple(jax.typeof(x).manual_axis_type.varying)
 
 
 def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
@@ -103,6 +111,7 @@ class Loop(NamedTuple):
 
     acts: jax.Array  # [act_slots, slots, rows, length, embed]: each kept microbatch's layer inputs
     grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
+    cots: jax.Array  # [cot_slots, slots, rows, length, embed]: split, each unit's output gradient from B to W
     acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
     acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
     amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
@@ -126,8 +135,9 @@ class StageProgram:
     microbatches: int  # m
     counts: tuple[int, ...]  # the stacked units (blocks, or MoE groups) of each virtual stage
     slots: int  # unit slots per chunk: the largest virtual stage's
-    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
-    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the manual axes splitting each dim
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and TP axes
+    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the FSDP axes splitting each dim
+    shards: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the TP axes splitting each dim
     block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
     skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
     inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
@@ -143,9 +153,16 @@ class StageProgram:
     aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
 
     @property
+    def rows(self) -> tuple[str, ...]:
+        """The manual axes over which activations differ: ``stage``, data, context and SP's axes (not TP's
+        alone: there each device holds the same activations and its shard of the blocks)."""
+        where = self.inner.stage
+        return tuple(a for a in self.manual if a not in where.tensor or a in where.sequence)
+
+    @property
     def summed(self) -> tuple[str, ...]:
-        """The manual axes besides ``stage``: each device holds its own rows, summed once per step."""
-        return self.manual[1:]
+        """The row axes besides ``stage``: each device holds its own rows, summed once per step."""
+        return self.rows[1:]
 
     @property
     def uneven(self) -> bool:
@@ -166,10 +183,10 @@ class StageProgram:
         y, aux = unit(h, pos)
         metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}  # no per-layer loads here
         share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
-        return vary((y, jnp.asarray(share, F32), metrics), self.manual)
+        return vary((y, jnp.asarray(share, F32), metrics), self.rows)
 
     def zero_metrics(self) -> dict[str, jax.Array]:
-        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.manual)
+        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.rows)
 
     def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
         """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
@@ -198,17 +215,18 @@ class StageProgram:
         collectives of a conditional whose branch differs between stages (a check fails in
         spmd_partitioner_util; on CPU a collective-permute in a branch waits for every device)."""
         if self.skip:
-            return lax.cond(pred, lambda: vary(f(), self.manual), lambda: vary(zeros, self.manual))
+            return lax.cond(pred, lambda: vary(f(), self.rows), lambda: vary(zeros, self.rows))
         return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
 
     def at_end(self, here: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
         """``f()`` on the stage where ``here`` holds (the head on the last virtual stage, the embedding's
-        gradient on the first). Unless idle slots are skipped, the conditional must take the same branch on
-        every stage: ``f`` then runs on every stage in the ticks where one needs it (``anywhere``), masked."""
+        gradient on the first), skipped elsewhere by a conditional where idle slots are (``skip``). Else the
+        conditional must take the same branch on every stage: ``f`` then runs on every stage in the ticks where
+        one needs it (``anywhere``), masked."""
         if self.skip:
             return self.when(here, f, zeros)
         masked = functools.partial(self.when, here, f, zeros)
-        return lax.cond(anywhere, lambda: vary(masked(), self.manual), lambda: vary(zeros, self.manual))
+        return lax.cond(anywhere, lambda: vary(masked(), self.rows), lambda: vary(zeros, self.rows))
 
     # -- the forward slot ------------------------------------------------------------------
 
@@ -218,7 +236,7 @@ class StageProgram:
         if not self.uneven:
             return self.layer(lp, h, pos)
         passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())})
-        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.manual))
+        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.rows))
 
     def units(self, chunk: jax.Array, stage: jax.Array) -> jax.Array:
         """How many units the stage's chunk ``chunk`` runs: those of virtual stage chunk·p + stage."""
@@ -251,7 +269,7 @@ class StageProgram:
             return y, inputs, obj, met
 
         zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32), self.zero_metrics())
-        return self.when(slot.kind > IDLE, run, vary(zeros, self.manual))
+        return self.when(slot.kind > IDLE, run, vary(zeros, self.rows))
 
     # -- the backward slot -----------------------------------------------------------------
 
@@ -287,43 +305,71 @@ class StageProgram:
     def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
         """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
         unit's output gradient: the head's on the last virtual stage, else ``dy_in`` from the next); each
-        unit's gradient added to ``acc`` as it comes. Returns acc, acc_outer, the chunk's input gradient,
-        the loss share and the metrics."""
+        unit's gradient added to ``acc`` as it comes, or, split, in the input alone, each unit's output
+        gradient kept for :meth:`weight_slot`. Returns acc, amax, acc_outer, the chunk's input gradient,
+        the loss share, the metrics and, split, the units' output gradients [slots, ...] (else None)."""
         pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
         n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
-        cot = on.astype(F32)  # the aux objective's cotangent: 0 in a masked slot
+        cot, split = on.astype(F32), self.table.split  # the aux objective's cotangent: 0 in a masked slot
 
         def unit(lp: Any, hp: Any, x: jax.Array, k: jax.Array) -> tuple:
             return self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), x, pos, k < n)
 
-        def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
+        def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
             dx, acc, amax, acc_outer, loss = carry
-            (y, obj, met), pull = jax.vjp(
-                functools.partial(unit, k=k), _take(pc.params, k), _take(pc.histories, k), inputs[k]
-            )
+            lp, hp = _take(pc.params, k), _take(pc.histories, k)
+            if split:  # the input gradient only: the parameters' waits for the weight slot
+                (y, obj, met), pull = jax.vjp(lambda x: unit(lp, hp, x, k), inputs[k])
+            else:
+                (y, obj, met), pull = jax.vjp(functools.partial(unit, k=k), lp, hp, inputs[k])
             head_loss, dy_head, acc_outer = self.head_grad(
                 w, (slot.kind == LAST) & (k == top), slot.any_last & (k == top), y, w.xs["targets"][slot.micro],
                 acc_outer,
             )
             dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
-            d_lp, d_hp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.manual))
-            acc = self.add_unit_grad(acc, slot.chunk, k, d_lp)
-            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
-            return (dx, acc, amax, acc_outer, loss + head_loss + obj), met
+            *d_w, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            if not split:
+                acc = self.add_unit_grad(acc, slot.chunk, k, d_w[0])
+                amax = self.add_amax(amax, slot.chunk, k, d_w[1], on & (k < n))
+            return (dx, acc, amax, acc_outer, loss + head_loss + obj), (met, dy if split else None)
 
         def run() -> tuple:
             init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32)),
-                        self.manual)
-            (dx, acc, amax, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
-            return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
+                        self.rows)
+            (dx, acc, amax, acc_outer, loss), (mets, dys) = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
+            return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets), dys
 
         zeros = vary((state.acc, state.amax, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32),
-                      self.zero_metrics()), self.manual)
+                      self.zero_metrics(), jnp.zeros_like(inputs) if split else None), self.rows)
         if self.skip:
             return self.when(on, run, zeros)
         # Masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``; its amaxes are masked.
         acc, amax, *rest = run()
         return acc, amax, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[2:])
+
+    def weight_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array, cots: jax.Array, acc: Any,
+                    amax: Any) -> tuple[Any, Any]:
+        """Split schedules: each unit of the chunk recomputed from its kept input in ``acts`` and differentiated in
+        its parameters alone, by its output gradient kept in ``cots`` (and the MoE aux objective's); returns
+        ``acc`` plus the units' gradients and ``amax`` with their fp8 histories' updates."""
+        pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
+        n, inputs, cot = self.units(slot.chunk, stage), acts[slot.src], on.astype(F32)
+
+        def one(carry: tuple, k: jax.Array) -> tuple[tuple, None]:
+            acc, amax = carry
+            (_, _, met), pull = jax.vjp(
+                lambda lp, hp: self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), inputs[k], pos, k < n),
+                _take(pc.params, k), _take(pc.histories, k),
+            )
+            dy = jnp.where(on, cots[k], jnp.zeros_like(cots[k]))  # exact zeros in a masked slot
+            d_lp, d_hp = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
+            return (self.add_unit_grad(acc, slot.chunk, k, d_lp), amax), None
+
+        def run() -> tuple[Any, Any]:
+            return lax.scan(one, vary((acc, amax), self.rows), jnp.arange(self.slots))[0]
+
+        return self.when(on, run, (acc, amax)) if self.skip else run()
 
     @staticmethod
     def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array, d_lp: Any) -> Any:
@@ -362,13 +408,18 @@ class StageProgram:
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=_put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = _slot(col, stage, "b_")
-        acc, amax, acc_outer, dh, b_loss, b_met = self.backward_slot(
+        acc, amax, acc_outer, dh, b_loss, b_met, dys = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
         acc_outer = {**acc_outer, "embedding": self.embedding_grad(w, bwd, dh, acc_outer["embedding"])}
+        cots = state.cots
+        if self.table.split:  # the weight slot, after the B slot has kept its output gradients
+            cots = _put(cots, col["b_cot"][stage], dys)
+            acc, amax = self.weight_slot(w, _slot(col, stage, "w_"), stage, state.acts, cots[col["w_cot"][stage]],
+                                         acc, amax)
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
-            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]),
+            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
             acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss,
             metrics=jax.tree.map(jnp.add, state.metrics, b_met),
         )
@@ -379,16 +430,17 @@ class StageProgram:
         h = (*w.xs["inputs"].shape[1:], self.model.embed)  # a microbatch's activations: rows, length, embed
         train = self.table.train
 
-        def zeros(tree: Any) -> Any:
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree) if train else {}
+        def zeros(tree: Any) -> Any:  # each typed as varying as its parameter (a TP shard varies over TP's axes)
+            return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, F32), varying(a)), tree) if train else {}
 
         state = Loop(
             acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
+            cots=jnp.zeros((self.table.cot_slots, self.slots, *h), self.dtype),
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
             loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
         )
-        return vary(state, self.manual)
+        return vary(state, self.rows)
 
     def quantized(self, blocks: Unit) -> Any:
         """The e4m3 copies of the stage's fp8 weights, made once per step before the loop (:func:`jaxscale.fp8.prepare`;
@@ -396,7 +448,7 @@ class StageProgram:
         if not blocks.histories:
             return {}
         copies = fp8.prepare(nnx.merge(self.block_graph, blocks.params, blocks.histories))
-        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.manual)), copies,
+        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.rows)), copies,
                             is_leaf=lambda q: isinstance(q, fp8.Quantized))
 
     def run(self, outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
@@ -415,14 +467,26 @@ class StageProgram:
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
             copies = self.quantized(Unit(blocks, histories, {}))  # once per step: not per microbatch or tick
-            lookup, blocks, xs = vary((self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
+            xs = self.own_tokens(xs)
+            lookup, blocks, xs = vary((self.lookup_table(outer["embedding"]), blocks, xs), self.rows)
             # The head's fp8 histories vary over ``stage`` alone, as the blocks': its amaxes span the stage's rows.
-            outer = jax.tree.map(lambda x, h: x if h else vary(x, self.manual), outer, self.outer_histories)
+            outer = jax.tree.map(lambda x, h: x if h else vary(x, self.rows), outer, self.outer_histories)
             w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
             state, _ = lax.scan(tick, self.start(w), cols)
             return self.reduce(state)
+
+    def own_tokens(self, xs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """With SP's axes manual, the device's own part of the sequence of the token ids and targets: it
+        embeds those, and the head reads the residual stream there (split on the sequence); the positions
+        stay whole, for attention reads them on its gathered input."""
+        axes = self.inner.stage.sequence
+        if not axes:
+            return xs
+        n = xs["inputs"].shape[2] // self.inner.size(axes)
+        start = lax.axis_index(axes) * n
+        return {**xs, **{k: lax.dynamic_slice_in_dim(xs[k], start, n, axis=2) for k in ("inputs", "targets")}}
 
     # -- what crosses stages ------------------------------------------------------------------
 
@@ -469,14 +533,14 @@ class StageProgram:
         block parameter; over those that do (FSDP's, the blocks entered gathered over them) each device's
         own sum is handed out whole, in a leading dimension that :meth:`sum_shards` reduces onto the shards."""
 
-        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
+        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], shards: tuple[tuple[str, ...], ...]) -> jax.Array:
             split = {a for axes in dims for a in axes}
-            rest = tuple(a for a in self.summed if a not in split)
+            rest = tuple(a for a in self.summed if a not in split and a not in {a for s in shards for a in s})
             g = lax.psum(g, rest) if rest else g
             return g[None] if split else g
 
         leaves, tree = jax.tree.flatten(acc)
-        return tree.unflatten([one(g, dims) for g, dims in zip(leaves, self.gathers, strict=True)])
+        return tree.unflatten([one(*a) for a in zip(leaves, self.gathers, self.shards, strict=True)])
 
     @staticmethod
     def sum_stage_copies(d_outer: Any) -> Any:
