@@ -354,11 +354,6 @@ class Layout:
     def validate(self, config: Config) -> None:
         """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
         model, where = config.model, f"rules '{self.name}'"
-        if self.stage_axes and config.precision.fp8_head:
-            raise ConfigError(
-                f"precision.fp8_head: not supported with pipeline parallelism ({where} put layers on "
-                f"{list(self.stage_axes)}): the loop keeps no amax history for the head"
-            )
         chunk = config.train.seq_len // self.ways(("norm_length",))
         if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
             raise ConfigError(

@@ -403,11 +403,18 @@ class Trainer:
             x = x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
             return constrain(x, (None, *BATCH_AXES))
 
+        def weighed(params: Any, micro: dict[str, jax.Array], fp8_state: Any, weight: jax.Array) -> tuple:
+            # Weighed before it is differentiated: every activation's gradient is then the whole batch's (and
+            # the fp8 output gradients' amaxes those of one batch, not m times them), as in a pipeline.
+            loss, aux = self.loss_and_metrics(params, micro, fp8_state, bias)
+            return loss * weight, aux
+
+        weighed_grad = jax.value_and_grad(weighed, argnums=(0, 2), has_aux=True)
+
         def body(carry: tuple[Any, ...], xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[tuple[Any, ...], None]:
             loss_sum, grad_sum, aux_sum, fp8_max = carry
             micro, weight = xs  # its trained targets' share of the batch's (jaxscale/loss.py: loss masks)
-            (loss, aux), (grads, new_fp8) = value_and_grad(params, micro, fp8_state, bias)
-            loss, grads = loss * weight, jax.tree.map(lambda g: g * weight.astype(g.dtype), grads)
+            (loss, aux), (grads, new_fp8) = weighed_grad(params, micro, fp8_state, weight)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)

@@ -19,7 +19,7 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # After the devices are set up:
-from helpers import CURVE, CURVE_STEPS, Curve, Run, Trainers, loss_curve, run_steps, tiny_config  # noqa: E402
+from helpers import CURVE, CURVE_SEEDS, CURVE_STEPS, Curve, Run, Trainers, loss_curves, run_steps, tiny_config  # noqa: E402
 
 from jaxscale.train import Trainer  # noqa: E402
 
@@ -49,7 +49,13 @@ def curve_batches() -> list:
 
 
 @pytest.fixture(scope="session")
-def bf16_curve(curve_batches) -> Curve:
-    """The test model's bf16 curve (compute copy and fp32 master, no fp8): what test_fp8 and test_precision
-    hold their variants to."""
-    return loss_curve(batches=curve_batches)
+def bf16_curves() -> list[Curve]:
+    """The test model's bf16 curves (compute copy and fp32 master, no fp8) from :data:`helpers.CURVE_SEEDS`
+    seeds: what test_fp8 holds its variants to."""
+    return loss_curves(seeds=CURVE_SEEDS)
+
+
+@pytest.fixture(scope="session")
+def bf16_curve(bf16_curves) -> Curve:
+    """The bf16 curve of seed 0 (on :func:`curve_batches`): what test_precision holds its variants to."""
+    return bf16_curves[0]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import loss_curve, tiny_config
+from helpers import CURVE_SEEDS, loss_curves, tiny_config
 
 from jaxscale import fp8
 from jaxscale.config import ConfigError
@@ -116,9 +116,6 @@ def test_precision_config_errors():
     with pytest.raises(ConfigError, match=r"blockwise: model\.moe\.mlp \(24\) is not divisible by"):
         tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", "model.moe={}", "model.moe.mlp=24")
     assert tiny_config("precision.fp8=off").precision.fp8 == "off"  # YAML reads off as false
-    with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with pipeline parallelism"):
-        Trainer.build(tiny_config("precision.fp8=delayed", "precision.fp8_head=true", rules="pp",
-                                  mesh={"stage": 2, "data": 4}))
     with pytest.raises(ConfigError, match=r"tp_overlap: each device.s part of the sequence \(16 tokens"):
         overlap = tiny_config("precision.fp8=blockwise", "precision.fp8_block=32", "model.tp_overlap=true",
                               rules="fsdp_tp_sp", mesh={"tensor": 2})
@@ -153,13 +150,15 @@ def test_fp8_state_is_replicated_and_not_optimized(trainers):
 # -- 200 steps of the tiny model: fp8 follows bf16 --------------------------------------------
 
 WINDOW = 20
-# Measured on the builtin corpus (the bf16 20-step mean falls from 5.55 to 2.93 on jax 0.10.2, 2.86 on jax
-# 0.12.0.1), the largest gap of the 20-step means to bf16's: delayed 0.024 / 0.059, current 0.045 / 0.022,
-# blockwise (16-element tiles) 0.044 / 0.069 on jax 0.10.2 / 0.12.0.1 (32-element tiles: 0.049 / 0.126). The
-# noise floor: bf16 is 0.066 / 0.025 from fp32 (whose curves are identical on the two versions), 0.08 from
-# itself when 3 elements of its initial compute copy are a bf16 ulp apart (helpers.loss_curve), and blockwise's
-# one-step gradients are closer to fp32's than current scaling's (5-9% relative, every tensor).
-SMOOTHED_TOL = 0.1
+# One run's curve is a noisy witness: over seeds 0-5 the largest gap of a run's 20-step means to bf16's is up
+# to 0.083 / 0.085 for fp32 (jax 0.10.2 / 0.12.0.1), 0.051 / 0.051 delayed, 0.048 / 0.087 current, 0.054 / 0.068
+# blockwise (16-element tiles), and differs from seed to seed (0.005 to 0.051 delayed on jax 0.12.0.1). The
+# mean over those 6 seeds of the difference stays within 0.012 / 0.009 (fp32), 0.008 / 0.015 (delayed),
+# 0.011 / 0.012 (current), 0.013 / 0.016 (blockwise), its last 50 steps between -0.009 and +0.006 on average:
+# no bias of fp8 shows, the gaps are the trajectories' noise (its spread over seeds at step 200: 0.02 to 0.035).
+# Over the CURVE_SEEDS = 4 seeds held here: 0.009 / 0.018 (delayed), 0.014 / 0.019 (current), 0.020 / 0.032
+# (blockwise).
+SMOOTHED_TOL = 0.05
 MODES = {"delayed": (), "current": (), "blockwise": ("precision.fp8_block=16",)}
 
 
@@ -167,15 +166,19 @@ def smooth(losses: np.ndarray) -> np.ndarray:
     return np.convolve(losses, np.ones(WINDOW) / WINDOW, mode="valid")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_fp8_follows_bf16_loss_curve(mode, bf16_curve, curve_batches):
-    """200 steps with fp8 against the same steps in bf16 (conftest.py's ``bf16_curve``), on the same batches."""
-    bf16 = bf16_curve.losses
-    low, fp8_state = loss_curve(f"precision.fp8={mode}", *MODES[mode], batches=curve_batches)
-    assert bf16[0] - smooth(bf16)[-1] > 2.0  # it learns
-    assert not np.array_equal(low, bf16)  # fp8 changes the numerics
-    gap = np.abs(smooth(low) - smooth(bf16))
+def test_fp8_follows_bf16_loss_curve(mode, bf16_curves):
+    """200 steps with fp8 against the same steps in bf16 (conftest.py's ``bf16_curves``) from each of
+    :data:`helpers.CURVE_SEEDS` seeds (the same initial weights and batches): the mean over the seeds of the
+    two 20-step-mean curves' difference within 0.05 nats at every step."""
+    curves = loss_curves(f"precision.fp8={mode}", *MODES[mode], seeds=CURVE_SEEDS)
+    differences = []
+    for bf16, (low, fp8_state) in zip(bf16_curves, curves, strict=True):
+        assert bf16.losses[0] - smooth(bf16.losses)[-1] > 2.0  # it learns
+        assert not np.array_equal(low, bf16.losses)  # fp8 changes the numerics
+        differences.append(smooth(low) - smooth(bf16.losses))
+        # The histories hold the amaxes of the last steps: nonzero, finite.
+        assert all(np.all(np.isfinite(h)) and np.all(np.asarray(h) > 0) for h in jax.tree.leaves(fp8_state.fp8))
+    gap = np.abs(np.mean(differences, axis=0))
     assert gap.max() <= SMOOTHED_TOL, f"{mode}: smoothed loss {gap.max():.3f} from bf16 at step {gap.argmax()}"
-    # The histories hold the amaxes of the last steps: nonzero, finite.
-    for h in jax.tree.leaves(fp8_state.fp8):
-        assert np.all(np.isfinite(h)) and np.all(np.asarray(h) > 0)

@@ -158,11 +158,6 @@ def test_what_a_stage_makes_manual_and_when_it_skips_idle_slots():
     assert on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2).stage_free_axes(blocks, moe=True) == ("fsdp", "tensor")
 
 
-def test_fp8_head_with_a_pipeline():
-    refuse(on("pp", stage=2, data=4), r"^precision\.fp8_head: not supported with pipeline parallelism "
-           r"\(rules 'pp' put layers on \['stage'\]\)", "precision.fp8=current", "precision.fp8_head=true")
-
-
 def test_pipeline_errors():
     refuse(on(edited("pp", layers=["stage", "data"]), stage=2, data=2, tensor=2),
            r"^rules 'pp_edited': layers maps to \['stage', 'data'\]; a pipeline needs layers on 'stage' alone$")

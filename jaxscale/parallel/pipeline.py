@@ -127,6 +127,7 @@ class Parts(NamedTuple):
     history_axes: Any
     outer: Any  # the rest's parameters (pure dict) and their logical axes
     outer_axes: Any
+    outer_histories: Any  # shaped like outer: True at the head's fp8 amax histories (precision.fp8_head)
 
 
 def split_model(model: Any) -> Parts:
@@ -134,9 +135,11 @@ def split_model(model: Any) -> Parts:
     graph, blocks_state, rest = nnx.split(model, nnx.PathContains("blocks"), ...)
     block_graph, histories, block_state = nnx.split(model.blocks, fp8.Fp8Meta, ...)
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks_state)
+    is_history = jax.tree.map(lambda v: isinstance(v, fp8.Fp8Meta), rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return Parts(
         graph, shapes, rest, block_graph, nnx.to_pure_dict(block_state), logical_axes(block_state),
         nnx.to_pure_dict(histories), logical_axes(histories), nnx.to_pure_dict(rest), logical_axes(rest),
+        nnx.to_pure_dict(is_history),
     )
 
 
@@ -180,8 +183,8 @@ def build(
         slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, moe, explicit),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
-        rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,
-        head_metrics=head_metrics,
+        rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,
+        outer_histories=parts.outer_histories, head_loss=head_loss, head_metrics=head_metrics,
         aux_loss=model.aux_loss,
     )
 
@@ -300,10 +303,12 @@ def objective(
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
-        # the histories' "gradients" are their updates (jaxscale/fp8.py), as they are.
+        # the histories' "gradients" are their updates (jaxscale/fp8.py), as they are: the blocks' and the head's.
         grads, new_histories = res
         g = cotangents[0]
-        return (*jax.tree.map(lambda d, dt: (d * g).astype(dt), grads, dtypes), new_histories, None)
+        kept = (parts.outer_histories, jax.tree.map(lambda _: False, blocks))
+        grads = jax.tree.map(lambda d, dt, h: d if h else (d * g).astype(dt), grads, dtypes, kept)
+        return (*grads, new_histories, None)
 
     pipelined.defvjp(pipelined_fwd, pipelined_bwd)
     loss, metrics = pipelined(parts.outer, blocks, histories, xs)

@@ -153,6 +153,7 @@ class StageProgram:
     rest: Any
     block_graph: Any  # one stacked unit's graph
     outer_axes: Any  # the logical axes of the embedding, final norm and head
+    outer_histories: Any  # shaped like them: True at the head's fp8 amax histories (precision.fp8_head)
     head_loss: Callable[[Any, jax.Array, dict[str, jax.Array]], tuple[jax.Array, Any]]  # (model, y, micro) -> loss, ...
     head_metrics: Any  # the shapes of the head's metrics (jax.ShapeDtypeStruct)
     aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
@@ -325,12 +326,17 @@ class StageProgram:
     def head_grad(self, w: Weights, here: jax.Array, anywhere: jax.Array, y: jax.Array, micro: dict[str, jax.Array],
                   acc_outer: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
         """Loss, its gradient in ``y``, ``acc_outer`` plus the head's gradient, and the head's metrics, on the
-        last virtual stage (the sum inside the conditional: its cross-device sum then runs in these ticks only)."""
+        last virtual stage (the sum inside the conditional: its cross-device sum then runs in these ticks only).
+        The head's fp8 histories (``precision.fp8_head``) get the largest of the microbatches' updates, as the
+        blocks'."""
+
+        def add(a: jax.Array, g: jax.Array, history: bool) -> jax.Array:
+            return jnp.maximum(a, g) if history else a + g.astype(a.dtype)
 
         def run() -> tuple[jax.Array, jax.Array, Any, Any]:
             loss, pull, metrics = jax.vjp(lambda o, y: self.loss_of(o, y, micro, w.total), w.outer, y, has_aux=True)
             d_outer, dy = pull(jnp.ones_like(loss))
-            return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer), metrics
+            return loss, dy, jax.tree.map(add, acc_outer, d_outer, self.outer_histories), metrics
 
         return self.at_end(here, anywhere, run, (jnp.zeros((), F32), jnp.zeros_like(y), acc_outer, self.zero_head()))
 
@@ -529,7 +535,9 @@ class StageProgram:
             )
             copies = self.quantized(Unit(blocks, histories, {}))  # once per step: not per microbatch or tick
             xs = self.own_tokens(xs)
-            outer, lookup, blocks, xs = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.rows)
+            lookup, blocks, xs = vary((self.lookup_table(outer["embedding"]), blocks, xs), self.rows)
+            # The head's fp8 histories vary over ``stage`` alone, as the blocks': its amaxes span the stage's rows.
+            outer = jax.tree.map(lambda x, h: x if h else vary(x, self.rows), outer, self.outer_histories)
             w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
@@ -581,7 +589,10 @@ class StageProgram:
         acc, acc_outer, loss = self.scatter(state.acc) if self.table.train else state.acc, state.acc_outer, state.loss
         amax = state.amax
         if self.summed:
-            acc_outer, loss = lax.psum((acc_outer, loss), self.summed)
+            loss = lax.psum(loss, self.summed)
+            if self.table.train:  # the head's fp8 histories: the largest amaxes (evaluating: none kept)
+                acc_outer = jax.tree.map(lambda a, h: (lax.pmax if h else lax.psum)(a, self.summed), acc_outer,
+                                         self.outer_histories)
             amax = lax.pmax(amax, self.summed)  # the same on every device of a stage (global amaxes)
         head = jax.tree.map(lambda a: a / m, state.head)
         if self.summed:  # a loop manual over data axes (a dense model): each device's rows' means, averaged
@@ -609,5 +620,5 @@ class StageProgram:
     @staticmethod
     def sum_stage_copies(d_outer: Any) -> Any:
         """Once per step, outside the ``shard_map``: the embedding's, final norm's and head's gradients of each
-        stage's copy ([stage, ...]) summed over ``stage``."""
+        stage's copy ([stage, ...]) summed over ``stage`` (the head's fp8 histories: zeros but on the last stage)."""
         return jax.tree.map(lambda d: jnp.sum(d, axis=0), d_outer)
