@@ -6,8 +6,11 @@ halved for the causal mask. Ψ_matmul counts the weights used in matmuls (the
 embedding table only when tied to the output head); for a mixture of experts,
 only the active ones: the router, ``top_k`` experts and the shared experts of
 each MoE layer. MFU divides achieved model FLOP/s by the device's peak;
-recomputation is not counted. A model without a formula (docs/models.md) is counted
-from its compiled step instead (:func:`compiled_flops`).
+recomputation is not counted. A DeepSeek-V3-style model (``model.deepseek``) counts multi-head latent
+attention's projections, its dense and MoE layers and its multi-token prediction depths (each one MoE
+block, the projection joining its inputs, the shared head), its attention term ``(qk + v) / 2`` wide per
+head. A model without a formula (docs/models.md) is counted from its compiled step instead
+(:func:`compiled_flops`).
 """
 
 from __future__ import annotations
@@ -30,9 +33,40 @@ PEAK_FLOPS = {
 }
 
 
+def _mla(c: ModelConfig) -> tuple[int, int]:
+    """Multi-head latent attention's weights of one layer: (matmul weights, norm scales)."""
+    d, e, h = c.deepseek, c.embed, c.heads
+    qk = d.qk_nope_head_dim + d.qk_rope_head_dim
+    q = e * d.q_lora_rank + d.q_lora_rank * h * qk if d.q_lora_rank else e * h * qk
+    kv = e * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * h * (d.qk_nope_head_dim + d.v_head_dim)
+    return q + kv + h * d.v_head_dim * e, (d.q_lora_rank or 0) + d.kv_lora_rank
+
+
+def _deepseek_count(c: ModelConfig) -> dict[str, int]:
+    """:func:`param_count` of a DeepSeek-V3-style model (``model.deepseek``); ``mtp`` counts its prediction depths."""
+    d, moe, e = c.deepseek, c.moe, c.embed
+    f = moe.mlp or c.mlp
+    attn, latent_norms = _mla(c)
+    block = attn + latent_norms + 2 * e  # attention, its latents' norms, the two block norms
+    routed = 3 * e * f * moe.experts + e * moe.experts
+    shared = 3 * e * f * moe.shared_experts
+    moe_block = block + routed + shared
+    mtp = d.mtp_depth * (moe_block + 2 * e * e + 3 * e)  # the block, the projection, three norms
+    head = 0 if c.tie_embeddings else e * c.vocab_size
+    total = d.dense_layers * (block + 3 * e * c.mlp) + (c.layers - d.dense_layers) * moe_block
+    total += c.vocab_size * e + head + e + mtp
+    active = attn + e * moe.experts + 3 * e * f * (moe.top_k + moe.shared_experts)
+    matmul = c.layers * attn + d.dense_layers * 3 * e * c.mlp + (c.layers - d.dense_layers) * (active - attn)
+    matmul += d.mtp_depth * (active + 2 * e * e + e * c.vocab_size) + e * c.vocab_size
+    return {"total": total, "matmul": matmul, "embedding": c.vocab_size * e, "mtp": mtp}
+
+
 def param_count(config: ModelConfig) -> dict[str, int]:
-    """Parameters by role, from the shapes the model creates; ``matmul`` counts only active experts."""
+    """Parameters by role, from the shapes the model creates; ``matmul`` counts only active experts (and, with
+    multi-token prediction, the head once per depth more)."""
     c = config
+    if c.deepseek is not None:
+        return _deepseek_count(c)
     attn = c.embed * c.head_dim * (2 * c.heads + 2 * c.kv_heads)
     mlp = 3 * c.embed * c.mlp
     norms = 2 * c.embed + (2 * c.head_dim if c.qk_norm else 0)
@@ -52,9 +86,12 @@ def param_count(config: ModelConfig) -> dict[str, int]:
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + causal attention."""
-    c = config
-    return 6.0 * param_count(c)["matmul"] + 6.0 * c.layers * seq_len * c.heads * c.head_dim
+    """Training FLOPs per token: 6 x matmul parameters + causal attention (scores and values, every layer run)."""
+    c, d = config, config.deepseek
+    if d is None:
+        return 6.0 * param_count(c)["matmul"] + 6.0 * c.layers * seq_len * c.heads * c.head_dim
+    width = (d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim) / 2
+    return 6.0 * param_count(c)["matmul"] + 6.0 * (c.layers + d.mtp_depth) * seq_len * c.heads * width
 
 
 def compiled_flops(compiled: Any) -> float:

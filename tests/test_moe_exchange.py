@@ -134,8 +134,13 @@ def test_ragged_exchange_lowers_and_cpu_cannot_compile_it(ep, one_device, monkey
     assert text.count("@ragged_all_to_all") == 4
     assert "all_gather" not in text and "reduce_scatter" not in text
     # The rows' cotangents are not summed over the data axis (the weights' gradients are: [E/ep, ...]).
-    assert not any(c.kind == "all-reduce" and c.shapes[0][1][0] == ep * BATCH // 8 * SEQ * TOP_K
-                   for c in hlo.collectives(lowered.as_text(dialect="hlo"), make_mesh(config.mesh)))
+    found = hlo.collectives(lowered.as_text(dialect="hlo"), make_mesh(config.mesh))
+    assert not any(c.kind == "all-reduce" and c.shapes[0][1][0] == ep * BATCH // 8 * SEQ * TOP_K for c in found)
+    # inspect counts each exchange at equal load, k·b·s·h·bytes·(ep−1)/ep, and says so
+    counted, line = hlo.exchange_counted(lowered.as_text(dialect="hlo"), found)
+    ragged = [c.wire_bytes for c in counted if c.kind == "ragged-all-to-all"]
+    assert ragged == [TOP_K * BATCH // 8 * SEQ * config.model.embed * 4 * (ep - 1) / ep] * 4
+    assert line.startswith("the dropless exchange's 4 collectives counted at equal load") and f"at most {ep}x" in line
     alltoall = [line for line in text.splitlines() if '"stablehlo.all_to_all"' in line]
     assert alltoall and all("xi32>" in line and "xf32>" not in line for line in alltoall)  # counts, offsets
     with pytest.raises(Exception, match="ragged-all-to-all"):
@@ -149,13 +154,14 @@ def test_rows_exchange_wire_bytes(ep):
     x = uneven_input(params, config.model.embed, 2.0)
     probe = jax.random.normal(jax.random.key(2), x.shape)
     mesh = make_mesh(config.mesh)
-    sent = {}
+    sent, text = {}, {}
     for way in ("rows", "all_gather"):
         _, fn = layer_and_grads(tiny_config(*MOE, f"model.moe.dropless_exchange={way}", rules="ep",
                                             mesh=LAYOUTS[ep]), "ep")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exchange loop's trip count is the routing's
-            found = hlo.collectives(fn.lower(params, x, probe).compile().as_text(), mesh)
+            text[way] = fn.lower(params, x, probe).compile().as_text()
+            found = hlo.collectives(text[way], mesh)
         # The layer's own: over the expert axis, inside its shard_map (not the weights' gradient sums).
         sent[way] = [c for c in found if c.axes == ("expert",) and "shard_map" in c.op_name]
     b, h, nbytes = BATCH // mesh.size, config.model.embed, 4
@@ -169,6 +175,10 @@ def test_rows_exchange_wire_bytes(ep):
     rows_bytes = sum(c.wire_bytes * trips for c in looped)
     formula = 2 * TOP_K * b * SEQ * h * nbytes * (ep - 1) / ep * imbalance  # each way
     assert rows_bytes == pytest.approx(2 * formula, rel=0.05)
+    # inspect's count: the loops at equal load (the formula's imbalance 1), within a chunk's rounding
+    counted, _ = hlo.exchange_counted(text["rows"], sent["rows"])
+    at_equal_load = sum(c.wire_bytes for c in counted if c.loops and c.loops[-1].trips is None)
+    assert at_equal_load == pytest.approx(2 * formula / imbalance, rel=0.05)
     # Besides: the counts' all-to-all (E int32 per device) and the trip count's pmax.
     rest = [c for c in sent["rows"] if c not in looped]
     assert sum(c.wire_bytes for c in rest) <= 2 * EXPERTS * 4

@@ -46,7 +46,9 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
   inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
   where there are any); EP: dispatch + combine all-to-all of
-  k·b·s·h per MoE layer each way (docs/formulas.md).
+  k·b·s·h per MoE layer each way (docs/formulas.md), at the capacity factor, or for the dropless rows
+  exchange times the routing imbalance :data:`EP_IMBALANCE` (dropless by all-gather: ``ep·b·s·h`` gathered
+  and reduce-scattered, :func:`_expert_flows`); DeepSeek's prediction depths as MoE layers more.
 
 Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
 activation collectives are f32 and do not compare. The embedding lookup's
@@ -61,10 +63,15 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxscale.analysis.blocks import attention, layers_run, moe_layers
 from jaxscale.analysis.hlo import wire_bytes
 from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split, stack_layers
-from jaxscale.config import ModelConfig
+from jaxscale.config import ModelConfig, MoEConfig
 from jaxscale.layout import Layout
+
+# The max/mean rows a device sends an expert shard in the dropless exchange, as the planner assumes it: a router
+# balanced by its bias or auxiliary loss (measured per layer at run time: the moe load metrics).
+EP_IMBALANCE = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +193,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
     if layout.pipelined and not p.in_layers:
         out += _pipeline_outer_flows(p, sp, layout, step, pbytes, bool(stage_gathered))
     elif p.is_embedding:
-        ids = bsh / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
-        out += _embedding_flows(sp, layout, step, bsh, ids, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
+        looked = bsh * (1 + layers_run(m) - m.layers)  # DeepSeek's prediction depths look up the tokens ahead too
+        ids = looked / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
+        out += _embedding_flows(sp, layout, step, looked, ids, pbytes, gbytes, sp_axes, layout.mesh_axes(("vocab",)))
     else:
         unit, grad = sp.unit * pbytes, sp.unit * gbytes
         runs = step.microbatches * sp.count
@@ -211,8 +219,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             # once a step, before the pipeline's loop: nothing to hide behind
             out += flow(p.path, "all-gather", sp.gathered, unit, fsdp_runs if p.in_layers else 1, layout, "forward",
                          not once)
-            # SP's shard_map keeps it, unless recomputed
-            if p.in_layers and not once and (not in_sp or m.remat != "none"):
+            # SP's shard_map keeps it, and the experts' (model.moe.impl: shard_map), unless recomputed
+            kept = in_sp or ("expert" in p.axes and m.moe is not None and m.moe.impl == "shard_map")
+            if p.in_layers and not once and (not kept or m.remat != "none"):
                 out += flow(p.path, "all-gather", sp.gathered, unit, regather * fsdp_runs, layout, "backward", True)
         if in_sp:  # inside the shard_map: summed over the replicas whole, then scattered
             out += flow(p.path + " gradient", "all-reduce", sp.reduced, grad, runs, layout, "backward", True)
@@ -267,17 +276,17 @@ def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, stag
     context, cbytes, flows = layout.context_axes, dtype_bytes(m.dtype), []
     if not context:
         return []
-    c = layout.size(context)
-    kv = tokens * m.kv_heads / layout.ways(("kv_heads",)) * m.head_dim
+    c, att = layout.size(context), attention(m)
+    kv = tokens * (att.k + att.v) / layout.ways((att.kv_name,))  # keys and values (MLA's: each head's, wider keys)
     for phase in ("forward", "backward"):
-        flows += flow("CP ring: keys, values", "collective-permute", context, 2 * kv * cbytes, (c - 1) * runs,
+        flows += flow("CP ring: keys, values", "collective-permute", context, kv * cbytes, (c - 1) * runs,
                        layout, phase, True)
     flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
-                   2 * kv * 4, c * runs, layout, "backward", True)
+                   kv * 4, c * runs, layout, "backward", True)
     if stage_remat and c > 2:
         # The backward slot's recomputed forward passes K and V round the ring again; with c = 2 its one
         # hop sends what the backward's first hop sends, and XLA keeps one of the two (compiled step).
-        flows += flow("CP ring: recomputed keys, values", "collective-permute", context, 2 * kv * cbytes,
+        flows += flow("CP ring: recomputed keys, values", "collective-permute", context, kv * cbytes,
                        (c - 1) * runs, layout, "backward", True)
     return flows
 
@@ -301,7 +310,8 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     s_local = step.seq_len / layout.ways(("length",))
     bsh = rows * s_local * m.embed * cbytes  # one microbatch's hidden states on a device
     micro = step.microbatches
-    layers = stack_layers(m, step) / layout.ways(("layers",))  # uneven stages: the slots, as masked ones run
+    # uneven stages: the slots, as masked ones run; DeepSeek's prediction depths: one block each
+    layers = (stack_layers(m, step) + layers_run(m) - m.layers) / layout.ways(("layers",))
     flows: list[Flow] = []
     gathered = layout.stage_gathered_axes([p.axes for p in params if p.in_layers], m.moe is not None)
     for p in params:
@@ -353,18 +363,31 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     flows += _ring_flows(m, layout, rows * s_local, runs, stage_remat)
     flows += _stage_flows(m, params, layout, step, bsh)
 
-    moe = m.moe
-    experts = layout.mesh_axes(("expert",)) if moe is not None else ()
-    if experts:
-        moe_layers = layers / moe.every_n_layers
-        # dropless: the rows exchange (parallel/exchange.py) at equal load; the routing imbalance multiplies it
-        cf = moe.capacity_factor if moe.dispatch == "capacity" else 1.0
-        routed = moe.top_k * bsh * cf
-        for phase in ("forward", "backward"):
-            flows += flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * micro * moe_layers, layout,
-                           phase, False)
+    if m.moe is not None and layout.mesh_axes(("expert",)):
+        moe_runs = layers * (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)
+        flows += _expert_flows(m.moe, layout, bsh, micro * moe_runs)
     return flows
 
+
+
+def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float) -> list[Flow]:
+    """Expert parallelism's traffic, ``runs`` MoE layers a step (:mod:`jaxscale.parallel.expert`), each way:
+    capacity dispatch, an all-to-all there and back of the buffers, ``k·b·s·h`` at the capacity factor; the
+    dropless rows exchange (:mod:`jaxscale.parallel.exchange`), the routed rows, ``k·b·s·h`` times the routing
+    imbalance, assumed :data:`EP_IMBALANCE` (the compiled step's trips are the routing's at run time); the
+    dropless all-gather path, the EP group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each."""
+    experts = layout.mesh_axes(("expert",))
+    if moe.dispatch == "dropless" and moe.dropless_exchange != "rows":
+        ep = layout.size(experts)
+        flows: list[Flow] = []
+        for phase in ("forward", "backward"):
+            flows += flow("EP: tokens gathered", "all-gather", experts, ep * bsh, runs, layout, phase, False)
+            flows += flow("EP: outputs scattered", "reduce-scatter", experts, ep * bsh, runs, layout, phase, False)
+        return flows
+    factor = moe.capacity_factor if moe.dispatch == "capacity" else EP_IMBALANCE
+    routed = moe.top_k * bsh * factor
+    return [f for phase in ("forward", "backward") for f in
+            flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * runs, layout, phase, False)]
 
 
 def summarize_flows(flows: Sequence[Flow]) -> dict[str, Any]:

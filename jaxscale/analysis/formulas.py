@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from jaxscale.analysis.blocks import layers_run, moe_layers
 from jaxscale.analysis.params import Param, Step, dtype_bytes
 from jaxscale.config import ModelConfig
 from jaxscale.layout import Layout
@@ -114,5 +115,5 @@ def formulas(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step
     if m.moe is not None and layout.ways(("expert",)) > 1:
         ep = layout.ways(("expert",))
         per_layer_ep = 2 * m.moe.top_k * rows * s * m.embed * cbytes * (ep - 1) / ep
-        out["ep_comm_bytes"] = 2 * per_layer_ep * m.layers / m.moe.every_n_layers * micro
+        out["ep_comm_bytes"] = 2 * per_layer_ep * (moe_layers(m) + layers_run(m) - m.layers) * micro
     return out

@@ -21,6 +21,11 @@ in :attr:`Collective.sliced_bytes`; :attr:`Collective.reading` then says
 :attr:`Collective.rs_wire_bytes` gives the reduce-scatter reading next to
 the as-compiled :attr:`Collective.wire_bytes`.
 
+The dropless exchange (:mod:`jaxscale.parallel.exchange`) moves as many rows as the routing sends, known at
+run time only: a ``ragged-all-to-all`` (GPU, TPU; kind :data:`RAGGED`) and XLA:CPU's chunked all-to-alls in a
+loop whose trip count the text does not state. :func:`exchange_counted` counts both at equal load and says so.
+The text is parsed by :mod:`jaxscale.analysis.hlo_text`.
+
 Device ids in the HLO are positions in the step's device assignment, which
 for a jitted step over a mesh is ``mesh.devices.flat``; groups are matched
 against the groups each subset of the mesh's (non-trivial) axes forms.
@@ -46,166 +51,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from jaxscale.analysis.hlo_text import Computation, Instr, callees, nbytes, parse, shapes, trip_count, tuple_items
+
 if TYPE_CHECKING:
     from jax.sharding import Mesh
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+RAGGED = "ragged-all-to-all"  # the dropless exchange's on GPU and TPU: its rows are the run's (exchange_counted)
 SLICED = "reduce-scatter (all-reduce+slice on this backend)"
 
 # Ops an all-reduce's result may pass through on its way to the dynamic-slice.
 _TRANSPARENT = {"bitcast", "copy", "reshape", "transpose", "all-reduce-done"}
-_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-_CALLS = re.compile(
-    r"\b(calls|to_apply|body|branch_computations|true_computation|false_computation|called_computations)="
-    r"(\{[^}]*\}|%?[\w.\-]+)"
-)
-
-
-# -- HLO text ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Instr:
-    name: str
-    type: str
-    opcode: str
-    operands: tuple[str, ...]
-    operand_types: tuple[str, ...]  # as printed inline, "" where only the name is
-    args: str
-    attrs: str
-
-
-@dataclasses.dataclass
-class _Computation:
-    name: str
-    instrs: dict[str, _Instr] = dataclasses.field(default_factory=dict)
-
-    def params(self) -> dict[int, str]:
-        return {int(i.args): i.name for i in self.instrs.values() if i.opcode == "parameter"}
-
-    def users(self) -> dict[str, list[tuple[_Instr, int]]]:
-        out: dict[str, list[tuple[_Instr, int]]] = defaultdict(list)
-        for instr in self.instrs.values():
-            for k, op in enumerate(instr.operands):
-                out[op].append((instr, k))
-        return out
-
-
-def _close(s: str, i: int) -> int:
-    """Index of the bracket closing the one at ``s[i]``."""
-    depth = 0
-    for j in range(i, len(s)):
-        if s[j] in "([{":
-            depth += 1
-        elif s[j] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return j
-    raise ValueError(f"unbalanced brackets in {s!r}")
-
-
-def _split_top(s: str) -> list[str]:
-    """Split on the commas outside brackets."""
-    parts, depth, start = [], 0, 0
-    for j, ch in enumerate(s):
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(s[start:j].strip())
-            start = j + 1
-    if s[start:].strip():
-        parts.append(s[start:].strip())
-    return parts
-
-
-def _tuple_items(type_: str) -> list[str]:
-    """The top-level elements of a tuple type; ``[type_]`` for an array."""
-    return _split_top(type_[1:-1]) if type_.startswith("(") else [type_]
-
-
-def _shapes(type_: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """The (dtype, dims) of every array in a (possibly nested tuple) type."""
-    return tuple(
-        (dt, tuple(int(d.lstrip("<=")) for d in dims.split(",") if d))
-        for dt, dims in _ARRAY.findall(type_)
-        if dt != "token"
-    )
-
-
-def _bytes(type_: str) -> int:
-    total = 0
-    for dtype, dims in _shapes(type_):
-        bits = 8 if dtype == "pred" else int(re.match(r"[a-z]+(\d+)", dtype).group(1))
-        total += math.prod(dims) * bits // 8
-    return total
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    line = re.sub(r"/\*.*?\*/", "", line)
-    m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*", line)
-    if m is None:
-        return None
-    rest = line[m.end() :]
-    end = _close(rest, 0) + 1 if rest.startswith("(") else rest.find(" ")
-    type_, rest = rest[:end], rest[end:].lstrip()
-    op = re.match(r"([\w\-]+)\(", rest)
-    if op is None:
-        return None
-    close = _close(rest, op.end() - 1)
-    args = rest[op.end() : close]
-    names, types = [], []
-    for part in _split_top(args):
-        ref = re.search(r"%([\w.\-]+)\s*$", part)
-        if ref:
-            names.append(ref.group(1))
-            types.append(part[: ref.start()].strip())
-    return _Instr(m.group(1), type_, op.group(1), tuple(names), tuple(types), args, rest[close + 1 :])
-
-
-def _parse(hlo_text: str) -> tuple[dict[str, _Computation], str]:
-    """The computations of an HLO module by name, and the entry's name."""
-    comps: dict[str, _Computation] = {}
-    entry, current = "", None
-    for line in hlo_text.splitlines():
-        if current is None:
-            head = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-            if head and not line.startswith(("HloModule", " ")):
-                current = comps.setdefault(head.group(2), _Computation(head.group(2)))
-                entry = head.group(2) if head.group(1) else entry
-        elif line.startswith("}"):
-            current = None
-        elif (instr := _parse_instr(line)) is not None:
-            current.instrs[instr.name] = instr
-    if not entry:
-        raise ValueError("no ENTRY computation in the HLO text")
-    return comps, entry
-
-
-def _callees(instr: _Instr) -> list[tuple[str, str]]:
-    """(role, computation) for every computation an instruction calls."""
-    return [
-        (role, name.strip(" %")) for role, ref in _CALLS.findall(instr.attrs) for name in ref.strip("{}").split(",")
-    ]
-
-
-def _trip_count(instr: _Instr, comps: dict[str, _Computation]) -> int | None:
-    """A while loop's trip count: ``known_trip_count``, else its condition's ``i < N`` (from 0)."""
-    known = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', instr.attrs)
-    if known:
-        return int(known.group(1))
-    cond = re.search(r"condition=%?([\w.\-]+)", instr.attrs)
-    if cond is None or cond.group(1) not in comps:
-        return None
-    scope = [comps[cond.group(1)]]
-    scope += [comps[c] for i in scope[0].instrs.values() for _, c in _callees(i) if c in comps]
-    instrs = [i for c in scope for i in c.instrs.values()]
-    limits = {int(i.args) for i in instrs if i.opcode == "constant" and re.fullmatch(r"[su]\d+\[\]", i.type)}
-    directions = {d for i in instrs if i.opcode == "compare" for d in re.findall(r"direction=(\w+)", i.attrs)}
-    if len(limits) != 1 or len(directions) != 1 or not directions <= {"LT", "LE", "NE"}:
-        return None
-    return limits.pop() + (1 if directions == {"LE"} else 0)
 
 
 # -- collectives -------------------------------------------------------------------
@@ -215,7 +71,8 @@ def wire_bytes(kind: str, n: int, size: float, runs: float) -> float:
     """Bytes each device sends per step for a collective over ``n`` devices on ``size`` bytes, run ``runs`` times.
 
     all-reduce 2·(n−1)/n·size, all-gather (result), reduce-scatter (operand) and all-to-all
-    (n−1)/n·size, collective-permute its size.
+    (n−1)/n·size, collective-permute its size; a ragged all-to-all as an all-to-all of the device's own rows
+    (its rows operand there, its output back; the rows that move are the run's: :func:`exchange_counted`).
     """
     if kind == "collective-permute":
         return float(size * runs)
@@ -237,7 +94,7 @@ class Collective:
     """One collective instruction of a compiled step; bytes are per device."""
 
     name: str
-    kind: str  # one of KINDS
+    kind: str  # one of KINDS, or RAGGED
     is_async: bool  # an ``-start`` form
     shapes: tuple[tuple[str, tuple[int, ...]], ...]  # (dtype, dims) of each result array
     result_bytes: int
@@ -398,21 +255,21 @@ def _axes_name(dims: list[tuple[str, int, int]], mesh: Mesh) -> tuple[str, ...]:
     return tuple(name if size == mesh.shape[name] else f"{name}:({pre}){size}" for name, pre, size in runs)
 
 
-def _sliced_bytes(comps: dict[str, _Computation], comp: _Computation, instr: _Instr, n: int) -> int:
+def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr, n: int) -> int:
     """Bytes of an all-reduce's operands whose every use is a dynamic-slice of 1/n of them."""
     users = comp.users()
 
-    def only_slices(c: _Computation, name: str, c_users: dict, slices: list[int]) -> bool:
+    def only_slices(c: Computation, name: str, c_users: dict, slices: list[int]) -> bool:
         if not c_users.get(name):
             return False
         for user, k in c_users[name]:
             if user.opcode in _TRANSPARENT:
                 ok = only_slices(c, user.name, c_users, slices)
             elif user.opcode == "fusion":
-                callee = comps[_callees(user)[0][1]]
+                callee = comps[callees(user)[0][1]]
                 ok = only_slices(callee, callee.params()[k], callee.users(), slices)
             elif user.opcode == "dynamic-slice" and k == 0:
-                slices.append(_bytes(user.type))
+                slices.append(nbytes(user.type))
                 ok = True
             else:
                 ok = False
@@ -420,7 +277,7 @@ def _sliced_bytes(comps: dict[str, _Computation], comp: _Computation, instr: _In
                 return False
         return True
 
-    items = _tuple_items(instr.type)
+    items = tuple_items(instr.type)
     total = 0
     for index, item in enumerate(items):
         starts = [instr.name]
@@ -431,13 +288,13 @@ def _sliced_bytes(comps: dict[str, _Computation], comp: _Computation, instr: _In
                 if u.opcode == "get-tuple-element" and re.search(rf"\bindex={index}\b", u.attrs)
             ]
         slices: list[int] = []
-        size = _bytes(item)
+        size = nbytes(item)
         if starts and all(only_slices(comp, s, users, slices) for s in starts) and all(b * n == size for b in slices):
             total += size
     return total
 
 
-def _contexts(comps: dict[str, _Computation], entry: str) -> dict[str, tuple[int, tuple[Loop, ...]]]:
+def _contexts(comps: dict[str, Computation], entry: str) -> dict[str, tuple[int, tuple[Loop, ...]]]:
     """For each computation reached from the entry: runs per step and its enclosing loops."""
     out: dict[str, tuple[int, tuple[Loop, ...]]] = {}
 
@@ -445,11 +302,11 @@ def _contexts(comps: dict[str, _Computation], entry: str) -> dict[str, tuple[int
         before = out.get(name, (0, loops))
         out[name] = (before[0] + runs, before[1])
         for instr in comps[name].instrs.values():
-            for role, callee in _callees(instr):
+            for role, callee in callees(instr):
                 if callee not in comps:
                     continue
                 if role == "body":
-                    trips = _trip_count(instr, comps)
+                    trips = trip_count(instr, comps)
                     if trips is None:
                         warnings.warn(f"while {instr.name}: trip count unknown, counted once", stacklevel=2)
                     visit(callee, runs * (trips or 1), (*loops, Loop(instr.name, callee, trips)))
@@ -462,7 +319,7 @@ def _contexts(comps: dict[str, _Computation], entry: str) -> dict[str, tuple[int
 
 def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     """Every collective of a compiled (post-optimisation) HLO module, in text order."""
-    comps, entry = _parse(hlo_text)
+    comps, entry = parse(hlo_text)
     contexts = _contexts(comps, entry)
     axes_of: dict[tuple[Any, bool], tuple[str, ...] | None] = {}
     out = []
@@ -472,14 +329,16 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
         runs, loops = contexts[comp.name]
         for instr in comp.instrs.values():
             kind = instr.opcode.removesuffix("-start")
-            if kind not in KINDS:
+            if kind not in KINDS and kind != RAGGED:
                 continue
             is_async = instr.opcode.endswith("-start")
             op_types = [t or comp.instrs[o].type for o, t in zip(instr.operands, instr.operand_types, strict=True)]
-            operand_bytes = sum(_bytes(t) for t in op_types)
+            operand_bytes = sum(nbytes(t) for t in op_types)
+            if kind == RAGGED:  # the device's own rows: the smaller of its rows operand and its output
+                operand_bytes = min(nbytes(op_types[0]), nbytes(instr.type))
             result_type = instr.type
             if is_async and kind in ("all-gather", "collective-permute") and instr.type.startswith("("):
-                result_type = _tuple_items(instr.type)[1]  # (operands, results[, contexts])
+                result_type = tuple_items(instr.type)[1]  # (operands, results[, contexts])
             groups = _groups(instr.attrs, mesh.size)
             n = 2 if kind == "collective-permute" else len(groups[0])
             exact = kind != "collective-permute"
@@ -492,8 +351,8 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
                     name=instr.name,
                     kind=kind,
                     is_async=is_async,
-                    shapes=_shapes(result_type),
-                    result_bytes=_bytes(result_type),
+                    shapes=shapes(result_type),
+                    result_bytes=nbytes(result_type),
                     operand_bytes=operand_bytes,
                     groups=groups,
                     n=n,
@@ -506,6 +365,46 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
                 )
             )
     return out
+
+
+def _exchange_trips(c: Collective, comps: dict[str, Computation]) -> int | None:
+    """The trips at equal load of the dropless exchange's chunk loop around all-to-all ``c``: ``ceil(R / (ep·C))``,
+    ``R`` the rows per destination its buffer [ep, R, h] holds (every choice of the device), ``C`` the rows per
+    trip; None where ``c`` is not in such a loop."""
+    if c.kind != "all-to-all" or not c.loops or c.loops[-1].trips is not None or not c.shapes:
+        return None
+    dims = c.shapes[0][1]
+    ep, chunk, width = c.n, dims[-2], dims[-1]
+    loop = next((i for comp in comps.values() for i in comp.instrs.values() if i.name == c.loops[-1].name), None)
+    rows = [d[1] for _, d in shapes(loop.type if loop else "") if len(d) == 3 and (d[0], d[2]) == (ep, width)
+            and d[1] % chunk == 0]
+    return math.ceil(max(rows) / (ep * chunk)) if rows else None
+
+
+def exchange_counted(hlo_text: str, found: list[Collective]) -> tuple[list[Collective], str]:
+    """``found`` with the dropless exchange (:mod:`jaxscale.parallel.exchange`) counted at equal load, and one line
+    saying how; the line is empty where the step has no exchange.
+
+    The rows it moves are the routing's at run time: XLA:CPU's chunked all-to-alls run in a loop whose trip count
+    is the largest count any device sends a shard, a ``ragged-all-to-all`` (GPU, TPU) moves the exchanged counts'
+    rows. Both are counted as ``k·b·s·h·bytes·(ep−1)/ep`` per exchange (the formula at equal load): the loop at
+    :func:`_exchange_trips`, the ragged one as an all-to-all of all its rows; the run moves that times its routing
+    imbalance (max/mean rows to a shard), at most ``ep`` times.
+    """
+    comps, _ = parse(hlo_text)
+    out, counted, most = [], 0, 0
+    for c in found:
+        trips = _exchange_trips(c, comps)
+        if trips is not None:
+            c = dataclasses.replace(c, runs=c.runs * trips)
+        if trips is not None or c.kind == RAGGED:
+            counted, most = counted + 1, max(most, c.n)
+        out.append(c)
+    if not counted:
+        return out, ""
+    return out, (f"the dropless exchange's {counted} collectives counted at equal load, k·b·s·h·bytes·(ep−1)/ep each "
+                 f"(the formula's; their rows are the routing's at run time: that times its imbalance, max/mean rows "
+                 f"to a shard, at most {most}x)")
 
 
 def in_loop(found: list[Collective], trips: int | None = None) -> list[Collective]:
@@ -555,7 +454,7 @@ def grouped(found: list[Collective]) -> list[dict[str, Any]]:
 def dots(hlo_text: str) -> dict[str, int]:
     """The matmul instructions (``dot``, and fusions' dots counted where they are called) of a compiled step:
     how many sit in a conditional's branch (run only where the branch is taken) and how many outside one."""
-    comps, entry = _parse(hlo_text)
+    comps, entry = parse(hlo_text)
     out = {"in_conditional": 0, "outside": 0}
     seen: set[tuple[str, bool]] = set()
 
@@ -566,7 +465,7 @@ def dots(hlo_text: str) -> dict[str, int]:
         for instr in comps[name].instrs.values():
             if instr.opcode == "dot":
                 out["in_conditional" if branch else "outside"] += 1
-            for role, callee in _callees(instr):
+            for role, callee in callees(instr):
                 visit(callee, branch or role in ("branch_computations", "true_computation", "false_computation"))
 
     visit(entry, False)
@@ -582,9 +481,9 @@ def scoped_bytes(hlo_text: str, scope: str) -> int:
     """Bytes per step that the instructions traced under ``jax.named_scope(scope)`` write: each top-level
     instruction whose ``op_name`` holds ``scope`` as a path component, its result's bytes times its runs
     per step (the trip counts of the loops around it). A fusion counts as one instruction."""
-    comps, entry = _parse(hlo_text)
+    comps, entry = parse(hlo_text)
     fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
-             for _, c in _callees(i)}
+             for _, c in callees(i)}
     total = 0
     for name, (runs, _) in _contexts(comps, entry).items():
         if name in fused:
@@ -592,5 +491,5 @@ def scoped_bytes(hlo_text: str, scope: str) -> int:
         for instr in comps[name].instrs.values():
             op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
             if instr.opcode not in _FREE and op_name and scope in op_name.group(1).split("/"):
-                total += _bytes(instr.type) * runs
+                total += nbytes(instr.type) * runs
     return total

@@ -12,29 +12,44 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxscale.analysis.communication import EP_IMBALANCE
 from jaxscale.analysis.formulas import formulas
-from jaxscale.analysis.hlo import collectives, grouped, summarize
+from jaxscale.analysis.hlo import Collective, collectives, exchange_counted, grouped, summarize
 from jaxscale.analysis.params import trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
+from jaxscale.models import builtin
 from jaxscale.sharding import named_params
+
+
+def step_collectives(trainer: Any, compiled: Any) -> tuple[list[Collective], str]:
+    """The compiled step's collectives, the dropless exchange's counted at equal load, and the line saying so
+    (:func:`jaxscale.analysis.hlo.exchange_counted`; its loop's trip count is the routing's: not warned about)."""
+    text = compiled.as_text()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "while .*: trip count unknown")
+        found = collectives(text, trainer.mesh)
+    return exchange_counted(text, found)
 
 
 def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
     """Compile the step (unless given) and report memory, collectives and the formulas; JSON-serialisable."""
     compiled = compile_step(trainer) if compiled is None else compiled
+    found, exchange = step_collectives(trainer, compiled)
     report = {
         "rules": trainer.rules.name,
         "mesh": dict(trainer.mesh.shape),
         "backend": jax.default_backend(),
         "memory": memory(compiled),
         "state": state_bytes(trainer),
-        "collectives": summarize(collectives(compiled.as_text(), trainer.mesh)),
+        "collectives": summarize(found),
+        "exchange": exchange,
         "formulas": formulas(trainer.config.model, *trainer_inputs(trainer)),
     }
     return json.loads(json.dumps(report))
@@ -78,10 +93,10 @@ def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
     report.update({
         "model": {
             **{k: getattr(trainer.config.model, k) for k in ("layers", "embed", "dtype", "param_dtype", "remat")},
-            "builtin": trainer.builtin_model,
+            "builtin": trainer.factory is builtin.build,  # Llama-style or DeepSeek-V3-style: both modelled
         },
         "params": param_rows(trainer),
-        "collective_rows": grouped(collectives(compiled.as_text(), trainer.mesh)),
+        "collective_rows": grouped(step_collectives(trainer, compiled)[0]),
         "analytic": {
             "memory": prediction.memory,
             "collectives": sorted(flows.values(), key=lambda r: -r["wire_bytes"]),
@@ -139,6 +154,8 @@ def format_inspect(report: dict[str, Any]) -> str:
     err = analytic_total / total["rs_wire_bytes"] - 1 if total["rs_wire_bytes"] else 0.0
     lines.append(f"  total: compiled {_mb(total['wire_bytes'])} (rs reading {_mb(total['rs_wire_bytes'])}); "
                  f"analytic {_mb(analytic_total)} ({100 * err:+.1f}% of the rs reading)")
+    if report["exchange"]:
+        lines.append(f"  {report['exchange']}; the analytic model assumes an imbalance of {EP_IMBALANCE}")
     lines.append("  analytic by kind and axes: " + "  ".join(
         f"{r['kind']} [{r['axes']}] {_mb(r['wire_bytes'])}" for r in report["analytic"]["collectives"]))
     refs = [(k, v) for k, v in ref.items() if k.endswith("_comm_bytes")]
@@ -146,7 +163,7 @@ def format_inspect(report: dict[str, Any]) -> str:
                  + (f"  pipeline bubble {ref['pp_bubble']:.2f}" if "pp_bubble" in ref else ""))
     if not report["model"].get("builtin", True):
         lines += ["", "note: a model of your own (docs/models.md): the analytic and docs/formulas.md figures are those "
-                  "of the built-in Llama of the config's model.* sizes; the compiled figures are this model's."]
+                  "of the built-in model of the config's model.* sizes; the compiled figures are this model's."]
     if report["model"]["dtype"] != "float32" and report["backend"] == "cpu":
         lines += ["", f"note: XLA:CPU computes {report['model']['dtype']} matmuls in float32, so its activation "
                   "collectives and buffers are float32 where a GPU or TPU keeps them in "

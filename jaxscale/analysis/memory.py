@@ -45,8 +45,15 @@ SP the all-gathered norm output is saved whole (Megatron re-gathers it in the ba
 save_dots keeps the attention projection's partial sums whole (before the reduce-scatter),
 and without remat the shard_map keeps its weight operands (gathered, under FSDP).
 
-Checked on XLA:CPU in fp32 (tests/test_analytic.py): CPU runs bf16 matmuls in f32, so its
-bf16 buffers do not compare.
+The layer's widths are the model's (:mod:`jaxscale.analysis.blocks`: grouped attention or MLA with its latents,
+dense and MoE layers averaged); DeepSeek's prediction depths keep their blocks' residuals and weights
+(:func:`_prediction_depths`) and their losses' logits; MoE layers keep the dropless rows and, under no remat, the
+experts' shard_map its gathered weights; the dropless exchange's buffers are ep x the rows
+(:func:`_exchange_buffers`).
+
+Checked on XLA:CPU in fp32 (tests/test_analytic.py, tests/test_deepseek.py): CPU runs bf16 matmuls in f32, so its
+bf16 buffers do not compare, and it expands dropless's grouped matmuls into a dense matmul per expert (E x the
+rows' buffers), which GPUs and TPUs do not: not modelled.
 """
 
 from __future__ import annotations
@@ -54,17 +61,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxscale.analysis.blocks import attention, dense_per_token, mlp_per_token, moe_layers, projections
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
-from jaxscale.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.axes import HIDDEN, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config import ModelConfig
 from jaxscale.layout import TOKENS, Layout
 
 SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
-REMAT_NAMES = {  # checkpoint_name in models/llama.py -> (elements per token, logical axes)
-    "query": ("ad", Q_AXES),
-    "key": ("gd", KV_AXES),
-    "value": ("gd", KV_AXES),
-    "attention": ("ad", Q_AXES),
+REMAT_NAMES = {  # checkpoint_name in models/llama.py and deepseek.py -> (width per token, logical axes)
+    "query": ("q", Q_AXES),
+    "key": ("k", None),  # the keys' axes (grouped or per head: blocks.Attention.kv_axes)
+    "value": ("v", None),
+    "attention": ("out", Q_AXES),
     "attention_out": ("h", RESIDUAL),
     "mlp_hidden": ("f", MLP_AXES),
     "mlp_out": ("h", RESIDUAL),
@@ -83,52 +91,60 @@ class Activation:
     dtype: str = "compute"
 
 
-def _mlp_per_token(m: ModelConfig) -> int:
-    """SwiGLU hidden elements per token a layer computes (MoE: top-k experts at the capacity factor)."""
-    moe = m.moe
-    if moe is None:
-        return m.mlp
-    f = moe.mlp or m.mlp
-    routed = moe.top_k * f * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
-    return round(routed + moe.shared_experts * f)
+def _latents(m: ModelConfig, normed: bool) -> list[Activation]:
+    """Multi-head latent attention's latents per token (:func:`jaxscale.analysis.blocks.attention`): as its
+    norms' inputs and statistics (``normed`` False) or as normed (the second projections' inputs)."""
+    d = m.deepseek
+    if d is None:
+        return []
+    widths = [("q_lora", d.q_lora_rank)] * bool(d.q_lora_rank) + [("kv_lora", d.kv_lora_rank)]
+    if normed:
+        return [Activation(f"normed {n} latent", w, ("batch", "length", n)) for n, w in widths]
+    return [Activation(f"{n} latent", w, ("batch", "length", n)) for n, w in widths] + [
+        Activation("latent norm statistics", len(widths), RESIDUAL[:2], "fp32")]
 
 
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
     """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
 
-    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.lean` keeps them);
-    ``selective``: ``none`` less the attention core's own residuals; ``full``: the layer input;
-    ``save_dots``: the input and the outputs of the weight matmuls that the recomputation needs
-    (q, k, v, attention out, gate, up); ``save_named``: the input and ``model.remat_names``.
+    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.lean` keeps them; multi-head latent
+    attention's latents, :func:`_latents`); ``selective``: ``none`` less the attention core's own residuals;
+    ``full``: the layer input; ``save_dots``: the input and the outputs of the weight matmuls that the
+    recomputation needs (q, k, v or MLA's four projections, attention out, gate, up); ``save_named``: the input
+    and ``model.remat_names``. MoE layers' routers are counted by their share of the layers.
     """
-    h, a, g, d = m.embed, m.heads, m.kv_heads, m.head_dim
-    fe = _mlp_per_token(m)
-    sizes = {"h": h, "ad": a * d, "gd": g * d, "f": fe}
+    h, att = m.embed, attention(m)
+    fe = mlp_per_token(m)
+    sizes = {"h": h, "q": att.q, "k": att.k, "v": att.v, "out": att.out, "f": fe}
     x = Activation("layer input", h, RESIDUAL)
     if policy == "full":
         return [x]
     if policy == "save_dots":
+        projected = sum(c * n for c, n, _, _, _ in projections(m))  # the projections' outputs, the last's too
         return [
             x,
-            Activation("query, key, value", a * d + 2 * g * d, Q_AXES),
+            Activation("query, key, value (MLA: its projections)", projected - h, Q_AXES),
             Activation("attention projection", h, HIDDEN),  # under SP: the partial sums, before the scatter
-            Activation("gate, up", 2 * fe, MLP_AXES),
+            Activation("gate, up (dense and shared experts')", 2 * dense_per_token(m), MLP_AXES),
         ]
     if policy == "save_named":
-        names = m.remat_names
-        return [x] + [Activation(n, sizes[REMAT_NAMES[n][0]], REMAT_NAMES[n][1]) for n in names if n in REMAT_NAMES]
+        named = [(n, *REMAT_NAMES[n]) for n in m.remat_names if n in REMAT_NAMES]
+        return [x] + [Activation(n, sizes[w], axes or att.kv_axes) for n, w, axes in named]
     kept = [
         Activation("norm inputs", 2 * h, RESIDUAL),
         Activation("norm statistics", 2, RESIDUAL[:2], "fp32"),
         Activation("normed inputs", 2 * h, HIDDEN),
-        Activation("query, attention out", 2 * a * d, Q_AXES),
-        Activation("key, value", 2 * g * d, KV_AXES),
+        *_latents(m, False),
+        *_latents(m, True),
+        Activation("query, attention out", att.q + att.out, Q_AXES),
+        Activation("key, value", att.k + att.v, att.kv_axes),
         Activation("gate, up, hidden", 3 * fe, MLP_AXES),
     ]
+    a = m.heads
     if policy == "selective":
         pass
     elif m.attention in FLASH_ATTENTION:
-        kept += [Activation("kernel output", a * d, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
+        kept += [Activation("kernel output", att.out, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
     else:
         kept += [
             Activation("scores", a * seq_len, SCORES, "fp32"),
@@ -136,7 +152,10 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
             Activation("softmax statistics", 2 * a, SCORES, "fp32"),
         ]
     if m.moe is not None:
-        kept.append(Activation("router", 2 * m.moe.experts, RESIDUAL[:2], "fp32"))
+        share = moe_layers(m) / m.layers
+        kept.append(Activation("router", round(2 * m.moe.experts * share), RESIDUAL[:2], "fp32"))
+        if m.moe.dispatch == "dropless":  # the grouped matmuls' rows, their outputs before the gates, the mask
+            kept.append(Activation("routed rows, their outputs", round(2.25 * m.moe.top_k * h * share), RESIDUAL))
     return kept
 
 
@@ -146,8 +165,9 @@ def _attention_accumulators(m: ModelConfig) -> list[Activation]:
     ``dk``, ``dv`` it sums after the loop (per token)."""
     if m.attention not in TILED_ATTENTION:
         return []
-    return [Activation("dq accumulator", m.heads * m.head_dim, Q_AXES, "fp32"),
-            Activation("per-tile dk, dv accumulators", 2 * m.kv_heads * m.head_dim, KV_AXES, "fp32")]
+    att = attention(m)
+    return [Activation("dq accumulator", att.q, Q_AXES, "fp32"),
+            Activation("per-tile dk, dv accumulators", att.k + att.v, att.kv_axes, "fp32")]
 
 
 def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
@@ -161,7 +181,7 @@ def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
     weight's, and the sigmoid recomputed (6f); and with blockwise or ring attention the attention
     backward's accumulators (:func:`_attention_accumulators`, a·d_h + 2·g·d_h).
     """
-    h, fe = m.embed, _mlp_per_token(m)
+    h, fe = m.embed, mlp_per_token(m)
     held = [
         Activation("norms' normalized inputs and broadcast statistics", 4 * h, RESIDUAL, "fp32"),
         Activation("block output's gradient", h, RESIDUAL),
@@ -219,24 +239,24 @@ def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
     g·d_h); at Llama 3 8B's widths (h = 4096, f = 14336, a·d_h = 4096, g·d_h = 1024) it is 2.4x ``none``
     (cudnn) to 2.5x (blockwise).
     """
-    h, a, d = m.embed, m.heads, m.head_dim
-    fe = _mlp_per_token(m)
+    h = m.embed
+    fe = mlp_per_token(m)
     residuals = layer_residuals(m, "none", seq_len)
     mlp = [*residuals, Activation("layer input (the stack's)", -h, RESIDUAL), *_mlp_backward_buffers(m)]
-    attention = [
+    attn = [
         *residuals,
         Activation("MLP norm input (freed)", -h, RESIDUAL),
         Activation("MLP normed input (freed)", -h, HIDDEN),
         Activation("MLP norm statistic (freed)", -1, RESIDUAL[:2], "fp32"),
         Activation("gate, up, hidden (freed)", -3 * fe, MLP_AXES),
         Activation("residual gradient", h, RESIDUAL),
-        Activation("attention output gradient", a * d, Q_AXES),
+        Activation("attention output gradient", attention(m).out, Q_AXES),
     ]
     if m.attention not in FLASH_ATTENTION:
         # The probabilities' gradient (a dot's output) becomes the scores' in place: the softmax
         # backward is one elementwise fusion whose output XLA gives the dead operand's buffer.
-        attention.append(Activation("probabilities' then scores' gradient", a * seq_len, SCORES, "fp32"))
-    return [mlp, attention]
+        attn.append(Activation("probabilities' then scores' gradient", m.heads * seq_len, SCORES, "fp32"))
+    return [mlp, attn]
 
 
 def attention_tile(m: ModelConfig, layout: Layout, seq_len: int) -> int:
@@ -316,8 +336,13 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         kept_weights = sum(split(p, layout, step, stack).unit for p in params if p.in_layers and p.in_sp_region)
     elif m.remat == "none" and m.dtype != compute:  # the weights cast to the compute dtype
         kept_weights = layer_elems(params, layout, reduced=True)
+    if m.remat == "none" and m.moe is not None and m.moe.impl == "shard_map":
+        # the experts' shard_map keeps its weight operands, gathered over the token axes
+        kept_weights += sum(s.unit for s in (split(p, layout, step, stack) for p in params
+                                              if p.in_layers and "expert" in p.axes) if s.gathered)
     per_layer += kept_weights * cbytes
     everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    depths = m.deepseek.mtp_depth if m.deepseek else 0
     # dot attention's causal mask: broadcast to the scores (bool) and, at the attention's peak, the select's fp32
     # output; recomputed under full remat, where the step keeps one bool s x s from an iota
     select = 0.0 if m.attention in FLASH_ATTENTION else _per_device(
@@ -330,23 +355,14 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": saved_dots_backward(m, step.seq_len)}
         if m.remat in mlp:
             everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
-    layer_backward = everything + kept_weights * cbytes
+    # the exchange's buffers: kept by every MoE layer (and prediction depth) unless recomputed, and in the backward
+    exchange = _exchange_buffers(m, layout, step, rows)
+    moe_here = layers * moe_layers(m) / m.layers + depths
+    layer_backward = everything + kept_weights * cbytes + exchange
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
-    vocab = Activation("logits", m.vocab_size, LOGITS)
-    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
-    if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
-        loss *= m.loss_chunk / step.seq_len
-    # One whole vocab x embed table: the output head gathered over the token axes (ZeRO-3), or under SP the
-    # embedding table gathered whole to look rows up. Its whole gradient is held through the layers' backward
-    # (its reduction overlaps them), the gathered copy at the loss only (as compiled at the layer backward's
-    # peak: one vocab x embed buffer, the gradient).
-    sp = bool(layout.sequence_axes)
-    heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
-    head = 0.0 if sp else sum(s.whole for s in (split(p, layout, step, stack) for p in heads) if s.gathered) * pbytes
-    table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
-                for p in params if p.is_embedding) * pbytes if sp else 0.0
-    loss += head + table
-    activations = layers * per_layer
+    loss, head, table = _loss(m, params, layout, step, micro_rows, pbytes)
+    activations = layers * per_layer + _prediction_depths(m, params, layout, step, rows)
+    activations += exchange * (moe_here if m.remat != "full" else depths)
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
@@ -369,6 +385,59 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     return out
 
 
+def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, micro_rows: float, pbytes: int
+          ) -> tuple[float, float, float]:
+    """Bytes per device at the loss (with the gathered tables below), the gathered head, the gathered table.
+
+    The logits in the compute dtype and three fp32 buffers (of one chunk with ``model.loss_chunk``); each
+    prediction depth's loss holds its logits' two fp32 residuals beside. One whole vocab x embed table: the output
+    head gathered over the token axes (ZeRO-3), or under SP the embedding table gathered whole to look rows up. Its
+    whole gradient is held through the layers' backward (its reduction overlaps them), the gathered copy at the
+    loss only (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient)."""
+    cbytes, stack = dtype_bytes(m.dtype), stack_layers(m, step)
+    vocab = Activation("logits", m.vocab_size, LOGITS)
+    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
+    if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
+        loss *= m.loss_chunk / step.seq_len
+    depths = m.deepseek.mtp_depth if m.deepseek else 0
+    loss += 2 * depths * _per_device(dataclasses.replace(vocab, dtype="fp32"), micro_rows, step, m, layout)
+    sp = bool(layout.sequence_axes)
+    heads = [p for p in params if not p.in_layers and "vocab" in p.axes and (not p.is_embedding or m.tie_embeddings)]
+    head = 0.0 if sp else sum(s.whole for s in (split(p, layout, step, stack) for p in heads) if s.gathered) * pbytes
+    table = sum(split(p, layout, step, stack).whole * layout.size(layout.mesh_axes(("vocab",)))
+                for p in params if p.is_embedding) * pbytes if sp else 0.0
+    return loss + head + table, head, table
+
+
+def _exchange_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
+    """Bytes per device that one MoE layer's dropless rows exchange (:mod:`jaxscale.parallel.exchange`) holds
+    beyond the routed rows :func:`layer_residuals` counts: its buffers are sized for the worst case (every choice
+    to one shard), ``ep`` times the rows: the rows arriving, their SwiGLU's gate, up and hidden, their outputs.
+    0 without expert parallelism or the exchange."""
+    moe, ep = m.moe, layout.ways(("expert",))
+    if moe is None or moe.dispatch != "dropless" or moe.dropless_exchange != "rows" or ep == 1:
+        return 0.0
+    per_token = (ep - 1) * moe.top_k * (2 * m.embed + 3 * (moe.mlp or m.mlp))
+    return _per_device(Activation("exchange buffers", per_token, RESIDUAL), rows, step, m, layout)
+
+
+def _prediction_depths(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float) -> float:
+    """Bytes per device that DeepSeek's multi-token prediction depths keep for the backward (none without): each
+    runs one MoE block outside the layer scan, so under no remat policy (its ``none`` residuals as a MoE layer's),
+    with three norms more (their inputs, statistics and outputs), and keeps its weights as gathered over the token
+    axes (ZeRO-3)."""
+    if m.deepseek is None or not m.deepseek.mtp_depth:
+        return 0.0
+    moe_block = dataclasses.replace(m, layers=1, deepseek=dataclasses.replace(m.deepseek, dense_layers=0))
+    kept = [*layer_residuals(moe_block, "none", step.seq_len), Activation("norms' inputs, outputs", 6 * m.embed,
+            RESIDUAL), Activation("norms' statistics", 3, RESIDUAL[:2], "fp32")]
+    residuals = sum(_per_device(r, rows, step, m, layout) for r in kept)
+    stack = stack_layers(m, step)
+    weights = sum(s.whole for s in (split(p, layout, step, stack) for p in params if p.path.startswith("mtp."))
+                  if s.gathered)
+    return m.deepseek.mtp_depth * residuals + weights * dtype_bytes(m.dtype)
+
+
 def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
     """What the last stage's top layer holds at the loss in its backward slot beyond its ``none`` residuals,
     per token. Its recomputed forward is linearized: each of its two norms keeps its normalized input (fp32,
@@ -378,7 +447,7 @@ def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
 
     As compiled (pp; seq_len 32, 512: these; at 2048 XLA:CPU's YNNPACK reductions also materialise each of
     the three norms' statistic and scale broadcast to the width, 6h more, not counted)."""
-    h, fe = m.embed, _mlp_per_token(m)
+    h, fe = m.embed, mlp_per_token(m)
     held = [
         Activation("norms' normalized inputs", 2 * h, RESIDUAL, "fp32"),
         Activation("final norm's input, normalized input, output", 3 * h, RESIDUAL, "fp32"),

@@ -183,11 +183,13 @@ def split(p: Param, layout: Layout, step: Step, layers: int) -> Split:
 
 
 def layer_elems(params: Sequence[Param], layout: Layout, reduced: bool) -> float:
-    """Elements of one layer's parameters on this device; ``reduced`` False: before any data-parallel split."""
-    total = 0.0
+    """Elements of one layer's parameters on this device, of the largest stack's layer where a model stacks its
+    layers apart (DeepSeek's ``dense`` and ``blocks``); ``reduced`` False: before any data-parallel split."""
+    stacks: dict[str, float] = {}
     for p in params:
         if not p.in_layers:
             continue
         axes = [a for a in layout.mesh_axes(p.axes) if reduced or a not in layout.token_axes]
-        total += p.size / p.shape[p.axes.index("layers")] / layout.size(axes)
-    return total
+        stack = p.path.split(".")[0]
+        stacks[stack] = stacks.get(stack, 0.0) + p.size / p.shape[p.axes.index("layers")] / layout.size(axes)
+    return max(stacks.values(), default=0.0)

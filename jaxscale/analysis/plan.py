@@ -29,7 +29,8 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jaxscale.analysis.communication import communication, summarize_flows
+from jaxscale.analysis.blocks import attention
+from jaxscale.analysis.communication import EP_IMBALANCE, communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
@@ -125,7 +126,10 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     """Every combination of mesh sizes, ZeRO stage and remat policy for the cluster (micro-batch 1)."""
     devices = cluster.devices
     moe = m.moe
-    tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if m.kv_heads % t == 0]
+    heads = attention(m).k // attention(m).qk_dim  # the heads that split keys: kv_heads, or MLA's every head
+    tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if heads % t == 0]
+    # DeepSeek's dense blocks and prediction depths are not pipelined (jaxscale.models.deepseek.check)
+    max_stages = 1 if m.deepseek and (m.deepseek.dense_layers or m.deepseek.mtp_depth) else max_stages
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
     sp_options = ((False, False), (True, False), (True, True))  # (sequence parallelism, collective matmuls)
@@ -233,9 +237,6 @@ def search(
 
     A layout that does not fit with the plain loss is tried with a chunked one (:func:`loss_chunk_for`).
     """
-    if m.deepseek is not None:
-        raise ConfigError("plan: the analytic model describes Llama-style decoders, not model.deepseek's (multi-head "
-                          "latent attention): inspect compiles it and reads its figures")
     if global_batch_tokens % seq_len:
         raise ConfigError(f"--global-batch-tokens ({global_batch_tokens}) is not a multiple of --seq-len ({seq_len})")
     sequences = global_batch_tokens // seq_len
@@ -287,7 +288,12 @@ def search(
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     ranked = found[:top] if top else found
-    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, reasons(found), m.dtype)
+    why = reasons(found)
+    if m.moe is not None and m.moe.dispatch == "dropless" and m.moe.dropless_exchange == "rows":
+        why.append(f"EP's dropless exchange: 2·k·b·s·h·bytes·(ep−1)/ep per MoE layer each way times a routing "
+                   f"imbalance (max/mean rows to a shard) assumed {EP_IMBALANCE}; its buffers sized for every row "
+                   "to one shard (ep x)")
+    return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
 
 
 # -- output --------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.communication import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
@@ -225,27 +226,29 @@ def ring_steps(m: ModelConfig, layout: Layout) -> int:
 
 
 def _matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
-    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch.
+    """(count, M, N, K) of one layer's projections on one device for ``tokens`` tokens of a microbatch
+    (:func:`jaxscale.analysis.blocks.projections`; MoE and dense MLPs averaged over the layers).
 
     Under collective matmuls each projection runs as one matmul per ring step, on 1/t of the tokens.
     """
-    t_q, t_kv, t_f = layout.ways(("heads",)), layout.ways(("kv_heads",)), layout.ways(("mlp",))
-    h, ad, gd = m.embed, m.heads * m.head_dim, m.kv_heads * m.head_dim
+    t_f, h = layout.ways(("mlp",)), m.embed
     r = ring_steps(m, layout)
-    out = [(r, tokens / r, ad / t_q, h), (2 * r, tokens / r, gd / t_kv, h), (r, tokens / r, h, ad / t_q)]
+    out = [(c * r, tokens / r, n / layout.ways((n_name,)), k / layout.ways((k_name,)))
+           for c, n, n_name, k, k_name in projections(m)]
     moe = m.moe
     if moe is None:
         return [*out, (2 * r, tokens / r, m.mlp / t_f, h), (r, tokens / r, h, m.mlp / t_f)]
-    # Routed experts: the device's E/ep experts see ep·M·k/E tokens each; averaged over the MoE layers.
+    # Routed experts: the device's E/ep experts see ep·M·k/E tokens each; averaged over the layers.
     ep = layout.ways(("expert",))
     f = moe.mlp or m.mlp
     t_e = layout.ways(("expert_mlp",)) if layout.axes_of("expert_mlp") else t_f
-    frac = 1 / moe.every_n_layers
-    routed = tokens * moe.top_k * ep / moe.experts * (moe.capacity_factor if moe.dispatch == "capacity" else 1.0)
+    frac = (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)  # DeepSeek's prediction depths: MoE blocks
+    routed = tokens * routed_per_token(m) / f * ep / moe.experts
     local = moe.experts / ep
     out += [(2 * local * frac, routed, f / t_e, h), (local * frac, routed, h, f / t_e)]
     if moe.shared_experts:
-        out += [(2 * moe.shared_experts * frac, tokens, f / t_f, h), (moe.shared_experts * frac, tokens, h, f / t_f)]
+        shared = moe.shared_experts * f
+        out += [(2 * frac, tokens, shared / t_f, h), (frac, tokens, h, shared / t_f)]
     dense = 1 - frac
     return [*out, (2 * dense, tokens, m.mlp / t_f, h), (dense, tokens, h, m.mlp / t_f)]
 
@@ -285,24 +288,27 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     tokens = step.global_batch * step.seq_len / ways_tokens  # through this device's layers in a step
     passes = step.microbatches * (step.pipeline_microbatches if layout.pipelined else 1)
     micro = tokens / passes
-    layers = m.layers / layout.ways(("layers",))
+    layers = layers_run(m) / layout.ways(("layers",))  # DeepSeek's prediction depths: one block each
+    depths = layers_run(m) - m.layers  # ... and the head again, after a projection of [embedding; hidden]
     s_block = step.seq_len / layout.ways(("length",))
     t_q, t_v = layout.ways(("heads",)), layout.ways(("vocab",))
+    att = attention(m)
     sp = layout.size(layout.sequence_axes)
 
     fwd_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _matmuls(m, layout, micro))
     r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
     head = passes * matmul_seconds(cluster, r, micro / r, m.vocab_size / t_v, m.embed)
-    attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * m.head_dim * layers  # causal: half of QK and PV
+    head = head * (1 + depths) + passes * matmul_seconds(cluster, depths, micro, m.embed, 2 * m.embed)
+    attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * att.score_dim * layers  # causal: half of QK and PV
     fused = m.attention in ("blockwise", "ring", "cudnn")
     if fused:
         fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
     else:  # the whole square, a microbatch's heads batched: the efficiency of a cube of as many FLOPs
-        side = (micro * s_block * m.heads / t_q * m.head_dim) ** (1 / 3)
+        side = (micro * s_block * m.heads / t_q * att.score_dim) ** (1 / 3)
         fwd_attn = 2 * attn_flops / (cluster.peak_flops * cluster.matmul_eff(side))
     # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
     # write), RoPE on q and k (read, write), SwiGLU's silu·product (2 reads, 1 write).
-    elems = (10 * m.embed) / sp + 2 * (m.heads / t_q + m.kv_heads / layout.ways(("kv_heads",))) * m.head_dim
+    elems = (10 * m.embed) / sp + 2 * (att.q / t_q + att.k / layout.ways((att.kv_name,)))
     elems += 3 * (m.moe.mlp or m.mlp if m.moe else m.mlp) / layout.ways(("mlp",))
     fwd_mem = tokens * layers * elems * cbytes
     cm_layer, cm_head = collective_matmul_elements(m, layout)

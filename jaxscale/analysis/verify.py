@@ -15,7 +15,8 @@ from typing import Any
 
 import jax
 
-from jaxscale.analysis.hlo import collectives, summarize
+from jaxscale.analysis.hlo import summarize
+from jaxscale.analysis.inspect import step_collectives
 from jaxscale.analysis.plan import Candidate
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import Strategy, config_for
@@ -51,7 +52,7 @@ def verify(candidates: list[Candidate], model: dict[str, Any], seq_len: int) -> 
         trainer = Trainer.build(config_for(small, fp32, seq_len), jax.devices()[: small.devices])
         compiled = compile_step(trainer)
         prediction = predict_trainer(trainer)
-        found = collectives(compiled.as_text(), trainer.mesh)
+        found, _ = step_collectives(trainer, compiled)  # the dropless exchange at equal load
         rows.append({
             "layout": small.describe() + ("" if small == layout else f" (scaled from {layout.mesh_text})"),
             "remat": small.remat,

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import nn
+from jaxscale import flops, nn
 from jaxscale.config import Config, ConfigError, ModelConfig
 from jaxscale.layout import Rules
 
@@ -299,16 +299,6 @@ class DeepSeek(nnx.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x the matmul weights a token goes through (its top_k routed experts
-        only), plus causal attention's 3 x seq_len x heads x (qk + v) per layer, the MTP depths included."""
-        c, d, moe = self.config, self.config.deepseek, self.config.moe
-        e, h, f = c.embed, c.heads, moe.mlp or c.mlp
-        qk = d.qk_nope_head_dim + d.qk_rope_head_dim
-        q = e * d.q_lora_rank + d.q_lora_rank * h * qk if d.q_lora_rank else e * h * qk
-        attn = q + e * (d.kv_lora_rank + d.qk_rope_head_dim) + d.kv_lora_rank * h * (d.qk_nope_head_dim + d.v_head_dim)
-        attn += h * d.v_head_dim * e
-        routed = e * moe.experts + 3 * e * f * (moe.top_k + moe.shared_experts)
-        moe_layers = c.layers - d.dense_layers + d.mtp_depth
-        weights = attn * (c.layers + d.mtp_depth) + 3 * e * c.mlp * d.dense_layers + routed * moe_layers
-        weights += (e * c.vocab_size + 2 * e * e) * d.mtp_depth + e * c.vocab_size
-        return 6.0 * weights + 3.0 * seq_len * h * (qk + d.v_head_dim) * (c.layers + d.mtp_depth)
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`: the matmul weights a
+        token goes through, its top_k routed experts only, and causal attention, the MTP depths included)."""
+        return flops.flops_per_token(self.config, seq_len)
