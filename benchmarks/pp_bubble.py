@@ -3,6 +3,7 @@
     python benchmarks/pp_bubble.py                     # every schedule, p in {2, 4}, m in {p, 2p, 4p}
     python benchmarks/pp_bubble.py --schedules 1f1b --stages 4 --steps 5
     python benchmarks/pp_bubble.py --inside --stages 2 4   # FSDP and TP inside a stage, 1F1B at m = 4p
+    python benchmarks/pp_bubble.py --zero-bubble --stages 2 4   # ZB-H1 against 1F1B: memory, bubble, time
 
 One JSON object per line: first the same model without a pipeline (``rules=dp``, data = 8), then for
 each schedule and (p, m, v) the step on mesh ``stage=p`` x ``data=8/p`` (``rules=pp``):
@@ -29,6 +30,15 @@ one, 1F1B at m = 4p: ``pp_fsdp_tp`` on ``stage=p`` x ``fsdp=4/p`` x ``tensor=2``
 ``fsdp=4`` x ``tensor=2`` (step time ratio next to (m + p − 1)/m), and ``pp_fsdp`` on ``stage=2`` x
 ``fsdp=4`` against ``fsdp`` 8 (``zero3``): collective wire bytes per device per step from the compiled
 step, the pipeline's next to the reference's plus its permutes.
+
+``--zero-bubble`` compares ZB-H1 with 1F1B on ``pp`` (``stage=p`` x ``data=8/p``) for m in {p, 2p, 4p}: the
+compiled step's temporaries per device and ZB-H1's extra over 1F1B, next to the table's figure for the
+buffers a stage keeps (stage inputs ``act_slots``, output gradients from B to W ``cot_slots``, each a
+chunk's L/p layers of b·s·h, and the received gradients ``grad_slots`` of b·s·h); the ticks; the bubble
+in the paper's units (F = B = W = 1) and in ours (F 1, B 2, W 3: each recomputes the chunk; 1F1B's
+backward 3), with the step cost in ours; and the step time ratio ZB-H1 / 1F1B. Its first line: the FLOPs
+of one layer's B (its input gradient, recomputing it) and W (its weight gradient from its input and output
+gradient, recomputing it) and of the unsplit backward, per forward, from XLA's cost analysis.
 """
 
 from __future__ import annotations
@@ -45,12 +55,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import INTERLEAVED, load_config
 from jaxscale.parallel import schedules
-from jaxscale.train import Trainer
+from jaxscale.train import Trainer, make_model
 
 MODEL = [
     "model.vocab_size=256",
@@ -146,6 +158,67 @@ def inside(stages: list[int], steps: int) -> None:
                       "ratio": round(mine["all"] / (theirs["all"] + mine["permutes"]), 3)}), flush=True)
 
 
+def kept_bytes(table: schedules.Table, layers: int, act: int) -> int:
+    """The bytes of the buffers a stage keeps through the loop, by the table: inputs, output gradients, messages."""
+    return (table.act_slots + table.cot_slots) * layers * act + table.grad_slots * act
+
+
+def slot_flops(rows: int = 4) -> dict[str, float]:
+    """One layer's forward FLOPs on ``rows`` sequences, and its B, W and unsplit backward (each recomputing it) per
+    forward, from XLA's cost analysis."""
+    config = load_config(None, [*MODEL, "model.layers=1"])
+    with nnx.use_eager_sharding(False):
+        blocks = make_model(config).blocks
+    graph, stacked, rest = nnx.split(blocks, nnx.Param, ...)
+    params = jax.tree.map(lambda a: a[0], nnx.to_pure_dict(stacked))
+    x = jnp.ones((rows, config.train.seq_len, config.model.embed))
+    pos = jnp.broadcast_to(jnp.arange(config.train.seq_len), x.shape[:2])
+
+    def layer(p: dict, x: jax.Array) -> jax.Array:
+        state = jax.tree.map(lambda a: a[0], stacked)
+        nnx.replace_by_pure_dict(state, p)
+        return nnx.merge(graph, state, jax.tree.map(lambda a: a, rest))(x, pos)[0]
+
+    def flops(f, *args) -> float:
+        return jax.jit(f).lower(*args).compile().cost_analysis()["flops"]
+
+    forward = flops(layer, params, x)
+    slots = {
+        "B": lambda p, x: jax.vjp(lambda x: layer(p, x), x)[1](x),
+        "W": lambda p, x: jax.vjp(lambda p: layer(p, x), p)[1](x),
+        "backward": lambda p, x: jax.vjp(layer, p, x)[1](x),
+    }
+    return {"layer_forward_flops": forward, **{k: round(flops(f, params, x) / forward, 3) for k, f in slots.items()}}
+
+
+def zero_bubble(stages: list[int], steps: int) -> None:
+    """One JSON line per (p, m): ZB-H1 against 1F1B on ``pp``, memory from the compiled step next to the table's."""
+    print(json.dumps({"slot_flops_per_forward": slot_flops()}), flush=True)
+    for p in stages:
+        for m in (p, 2 * p, 4 * p):
+            record: dict = {"layout": "pp", "p": p, "m": m}
+            for schedule in ("1f1b", "zb_h1"):
+                trainer = build("pp", {"stage": p, "data": 8 // p}, pipe(schedule, m))
+                compiled, config, table = xla.compile_step(trainer), trainer.config, schedules.build(schedule, p, m, 1)
+                rows = config.train.global_batch // m // (8 // p)
+                act = rows * config.train.seq_len * config.model.embed * np.dtype(config.model.dtype).itemsize
+                record[schedule] = {
+                    "ticks": table.ticks, "act_slots": table.act_slots, "cot_slots": table.cot_slots,
+                    "kept_bytes": kept_bytes(table, config.model.layers // p, act),
+                    "temp_bytes": xla.memory(compiled)["temp"],
+                    "bubble_unit": round(table.bubble(1, 2, 1, 1), 4), "bubble": round(table.bubble(), 4),
+                    "cost": table.cost(), "seconds": round(step_time(trainer, compiled, steps), 4),
+                }
+            zb, f1b = record["zb_h1"], record["1f1b"]
+            record["extra_temp_bytes"] = {"compiled": zb["temp_bytes"] - f1b["temp_bytes"],
+                                          "table": zb["kept_bytes"] - f1b["kept_bytes"]}
+            record["formula_bubble_unit"] = {"zb_h1": round(schedules.formula_bubble(p, m, 1, "zb_h1"), 4),
+                                             "1f1b": round(schedules.formula_bubble(p, m, 1), 4)}
+            record["time_ratio"] = {"measured": round(zb["seconds"] / f1b["seconds"], 3),
+                                    "table": round(zb["cost"] / f1b["cost"], 3)}
+            print(json.dumps(record), flush=True)
+
+
 def pipe(schedule: str, m: int, v: int = 1) -> list[str]:
     return [f"pipeline.microbatches={m}", f"pipeline.repeats={v}", f"pipeline.schedule={schedule}"]
 
@@ -156,9 +229,13 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", type=int, default=[2, 4])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--inside", action="store_true", help="FSDP and TP inside a stage against no pipeline")
+    parser.add_argument("--zero-bubble", action="store_true", help="ZB-H1 against 1F1B: memory, bubble, time")
     args = parser.parse_args()
     if args.inside:
         inside(args.stages, args.steps)
+        return
+    if args.zero_bubble:
+        zero_bubble(args.stages, args.steps)
         return
     trainer = build("dp", {"data": 8}, [])
     baseline = step_time(trainer, xla.compile_step(trainer), args.steps)

@@ -497,8 +497,8 @@ def validate_stage_layers(config: Config) -> None:
     where = f"pipeline.layers_per_stage {listed}"
     if not listed or any(n < 1 for n in listed):
         raise ConfigError(f"{where}: every virtual stage needs at least one layer")
-    if sum(listed) != model.layers:
-        raise ConfigError(f"{where}: sums to {sum(listed)}, not model.layers ({model.layers})")
+    if sum(listed) != stage_layers.stacked(model):
+        raise ConfigError(f"{where}: sums to {sum(listed)}, not {stage_layers.stacked_named(model)}")
     unit = stage_layers.unit(model)
     if any(n % unit for n in listed):
         raise ConfigError(f"{where}: each entry must be a multiple of model.moe.every_n_layers ({unit})")
@@ -528,6 +528,8 @@ def _validate_blockwise(config: Config) -> None:
     m, p = config.model, config.precision
     dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
             "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": config.train.seq_len}
+    if m.moe is not None:  # the routed experts' (and the shared experts') hidden width
+        dims["model.moe.mlp"] = m.moe.mlp or m.mlp
     for name, size in (dims | ({"model.vocab_size": m.vocab_size} if p.fp8_head else {})).items():
         if p.fp8 == "blockwise" and size % p.fp8_block:
             raise ConfigError(f"precision.fp8=blockwise: {name} ({size}) is not divisible by precision.fp8_block "

@@ -1,12 +1,12 @@
 """FP8 projections: float8 arrays handed to ``lax.dot_general``, forward and backward (``precision.fp8``).
 
 What is quantized: the projections of every block, q/k/v/o of attention and
-gate/up/down of the MLP (the shared expert's too), and with ``delayed`` or
-``current`` scaling the routed experts' (a scale and a history per expert,
-:mod:`jaxscale.models.routing`; grouped matmuls: :mod:`jaxscale.fp8_grouped`).
+gate/up/down of the MLP (the shared expert's too), and the routed experts'
+(a scale and a history per expert, :mod:`jaxscale.models.routing`; grouped
+matmuls: :mod:`jaxscale.fp8_grouped`, :mod:`jaxscale.fp8_blockwise_grouped`).
 The embedding and the MoE router stay in ``model.dtype``; so does the LM head
 unless ``precision.fp8_head`` (the head and the router are small and
-sensitive), and the routed experts under ``blockwise``. Master
+sensitive). Master
 weights, gradients and Adam's moments stay fp32 (:mod:`jaxscale.optim`).
 
 One ``custom_vjp`` per projection ``y = x · w`` (:func:`einsum`):
@@ -66,7 +66,7 @@ step, before the loop of ticks; a history's update is the largest of the
 microbatches' (:func:`global_amax`, :meth:`~jaxscale.parallel.stage_program.StageProgram.add_amax`).
 Collective matmuls (``model.tp_overlap``) quantize as the plain collectives do: one scale per
 operand for the whole ring, a ``custom_vjp`` around it (:mod:`jaxscale.parallel.fp8_collective`;
-``blockwise`` there is refused, :meth:`jaxscale.layout.Layout.validate`).
+``blockwise``: each chunk's tiles, :mod:`jaxscale.parallel.fp8_blockwise_collective`).
 """
 
 from __future__ import annotations
@@ -270,6 +270,9 @@ def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Ope
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices x is split over, in fp32
         dw = lax.psum(dw, summed)
+    summed = tuple(sorted(jax.typeof(dx).mat.varying - jax.typeof(qx.q).mat.varying))
+    if summed:  # x the same on the devices w is split over (TP inside a pipeline stage): its partial gradients
+        dx = lax.psum(dx, summed)
 
     none = Quantized(None, None, None)
     dx_op = Operand(dx.astype(static.x_dtype), none, pushed(x_history, qx.amax), None, recipe)

@@ -10,6 +10,12 @@ product ``[M, K] · [K, N]`` (tokens x contracted letters, contracted x output l
   weight's e4m3 blocks, transposed as they are) and, for ``dw = xᵀ · g``, both operands in ``B x 1`` tiles
   along the tokens (``x`` e4m3, ``g`` e5m2): their contraction runs over ``M``.
 
+A batch letter (the routed experts' ``e`` of the capacity buffers, ``becd,edf->becf``) makes each operand a
+stack of matrices, one per expert: tiles of that expert's rows, blocks and a weight amax per expert (its
+history ``[experts, steps]``), the tokens of the weight gradient's tiles padded with zero rows to a whole
+tile (a buffer holds ``batch x capacity`` rows). The dropless experts' grouped matmuls:
+:mod:`jaxscale.fp8_blockwise_grouped`.
+
 Each scale maps its tile's amax (times ``2^margin``) to the format's largest value, as
 :func:`jaxscale.fp8.scale_of`: scaling is current, per tile, so nothing waits on a history; the
 per-tensor amaxes are still pushed into the module's histories (the state keeps one shape for every mode).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -84,23 +91,41 @@ class _Shape(NamedTuple):
     w_shape: tuple[int, ...]
 
 
-def _split(equation: str) -> tuple[str, str, str]:
+def split(equation: str) -> tuple[str, str, str, str]:
+    """The letters of ``equation``: batch (in both operands and the output: the experts'), free in ``x``,
+    contracted, free in ``w``."""
     lhs, rhs, out = letters(equation)
-    contract = "".join(c for c in lhs if c in rhs)
-    if any(c in out for c in contract) or set(lhs + rhs) - set(out + contract):
-        raise ValueError(f"blockwise fp8 einsum {equation!r}: a batch letter or one summed over in one operand")
-    return "".join(c for c in lhs if c not in rhs), contract, "".join(c for c in rhs if c not in lhs)
+    shared = [c for c in lhs if c in rhs]
+    if set(lhs + rhs) - set(out + "".join(shared)):
+        raise ValueError(f"blockwise fp8 einsum {equation!r}: a letter summed over in one operand only")
+    batch = "".join(c for c in shared if c in out)
+    contract = "".join(c for c in shared if c not in out)
+    return batch, "".join(c for c in lhs if c not in rhs), contract, "".join(c for c in rhs if c not in lhs)
 
 
-def _matrix(a: jax.Array, have: str, rows: str, cols: str) -> jax.Array:
-    a = jnp.transpose(a, [have.index(c) for c in rows + cols])
-    return a.reshape(math.prod(a.shape[: len(rows)]), -1)
+def matrix(a: jax.Array, have: str, batch: str, rows: str, cols: str) -> jax.Array:
+    """``a`` (letters ``have``) as a matrix ``[rows, cols]``, or with batch letters a stack ``[batch, rows, cols]``."""
+    a = jnp.transpose(a, [have.index(c) for c in batch + rows + cols])
+    lead = (math.prod(a.shape[: len(batch)]),) if batch else ()
+    return a.reshape(*lead, math.prod(a.shape[len(batch) : len(batch + rows)]), -1)
 
 
-def _tensor(a: jax.Array, sizes: dict[str, int], have: str, want: str) -> jax.Array:
-    """A matrix of letters ``have`` (rows then columns) back to the tensor of letters ``want``."""
+def tensor(a: jax.Array, sizes: dict[str, int], have: str, want: str) -> jax.Array:
+    """A matrix (or stack) of letters ``have`` (batch, rows, columns) back to the tensor of letters ``want``."""
     a = a.reshape([sizes[c] for c in have])
     return jnp.transpose(a, [have.index(c) for c in want])
+
+
+def _per(fn: Callable, batch: str) -> Callable:
+    """``fn`` on each matrix of a stack (batch letters: one leading dimension, :func:`matrix`), or as it is."""
+    return jax.vmap(fn) if batch else fn
+
+
+def padded(a: jax.Array, block: int) -> jax.Array:
+    """``a`` with zero columns added up to a multiple of ``block`` (tiles along the tokens of a weight gradient:
+    an expert's capacity buffer need not be whole tiles; a zero column changes no amax and no product)."""
+    pad = -a.shape[-1] % block
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, pad)]) if pad else a
 
 
 def _sizes(shape: _Shape) -> dict[str, int]:
@@ -121,37 +146,49 @@ def _einsum(shape: _Shape, x: Operand, w: Operand) -> jax.Array:
 
 def _forward(shape: _Shape, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     lhs, rhs, out = letters(shape.equation)
-    free_x, contract, free_w = _split(shape.equation)
+    batch, free_x, contract, free_w = split(shape.equation)
     b, margin = shape.recipe.block, shape.recipe.margin
-    x2 = _matrix(x.value, lhs, free_x, contract)
-    qx = tiles(x2, b, E4M3, margin)
-    qw = blocks(_matrix(w.value, rhs, contract, free_w), b, E4M3, margin)
-    y = block_dot(qx.q, qx.scale, qw.q, jnp.repeat(qw.scale, b, axis=1), b)
-    y = _tensor(y, _sizes(shape), free_x + free_w, out).astype(shape.x_dtype)
-    return y, (x2, qw, qx.amax, x.history, w.history, w.grad_history)
+    x2 = matrix(x.value, lhs, batch, free_x, contract)
+    qx = _per(functools.partial(tiles, block=b, fmt=E4M3, margin=margin), batch)(x2)
+    qw = _per(functools.partial(blocks, block=b, fmt=E4M3, margin=margin), batch)(
+        matrix(w.value, rhs, batch, contract, free_w)
+    )
+    y = _per(functools.partial(block_dot, block=b), batch)(qx.q, qx.scale, qw.q, jnp.repeat(qw.scale, b, axis=-1))
+    y = tensor(y, _sizes(shape), batch + free_x + free_w, out).astype(shape.x_dtype)
+    return y, (x2, qw, jnp.max(qx.amax), x.history, w.history, w.grad_history)
 
 
 def _backward(shape: _Shape, saved: tuple, g: jax.Array) -> tuple[Operand, Operand]:
     x2, qw, x_amax, x_history, w_history, g_history = saved
     lhs, rhs, out = letters(shape.equation)
-    free_x, contract, free_w = _split(shape.equation)
+    batch, free_x, contract, free_w = split(shape.equation)
     b, margin = shape.recipe.block, shape.recipe.margin
+    e4m3, e5m2 = (_per(functools.partial(tiles, block=b, fmt=f, margin=margin), batch) for f in (E4M3, E5M2))
+    dot = _per(functools.partial(block_dot, block=b), batch)
     sizes = _sizes(shape)
-    g2 = _matrix(g, out, free_x, free_w)  # [M, N]
-    qg = tiles(g2, b, E5M2, margin)  # 1 x B along N
-    dx = block_dot(qg.q, qg.scale, qw.q.T, jnp.repeat(qw.scale.T, b, axis=1), b)
-    qxt, qgt = tiles(x2.T, b, E4M3, margin), tiles(g2.T, b, E5M2, margin)  # B x 1 along the tokens
-    dw = block_dot(qxt.q, qxt.scale, qgt.q.T, qgt.scale.T, b)
+    g2 = matrix(g, out, batch, free_x, free_w)  # [M, N]
+    qg = e5m2(g2)  # 1 x B along N
+    dx = dot(qg.q, qg.scale, transposed(qw.q), jnp.repeat(transposed(qw.scale), b, axis=-1))
+    qxt, qgt = e4m3(padded(transposed(x2), b)), e5m2(padded(transposed(g2), b))  # B x 1 along the tokens
+    dw = dot(qxt.q, qxt.scale, transposed(qgt.q), transposed(qgt.scale))
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:
         dw = lax.psum(dw, summed)
+    summed = tuple(sorted(jax.typeof(dx).mat.varying - jax.typeof(x2).mat.varying))
+    if summed:  # x the same on the devices w is split over (TP inside a pipeline stage): its partial gradients
+        dx = lax.psum(dx, summed)
 
-    dx = _tensor(dx, sizes, free_x + contract, lhs).astype(shape.x_dtype)
-    dw = _tensor(dw, sizes, contract + free_w, rhs).astype(shape.w_dtype)
+    dx = tensor(dx, sizes, batch + free_x + contract, lhs).astype(shape.x_dtype)
+    dw = tensor(dw, sizes, batch + contract + free_w, rhs).astype(shape.w_dtype)
     return (
         Operand(dx, None, pushed(x_history, x_amax), None, shape.recipe),
-        Operand(dw, None, pushed(w_history, qw.amax), pushed(g_history, qg.amax), shape.recipe),
+        Operand(dw, None, pushed(w_history, qw.amax), pushed(g_history, jnp.max(qg.amax)), shape.recipe),
     )
+
+
+def transposed(a: jax.Array) -> jax.Array:
+    """A matrix, or each of a stack, transposed."""
+    return jnp.swapaxes(a, -1, -2)
 
 
 _einsum.defvjp(_forward, _backward)

@@ -145,12 +145,16 @@ class Rules:
 class Stage:
     """Inside a pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`): what the code traced there must know.
 
-    The loop recomputes each layer itself (no remat policy applies), sequence parallelism is left to the
-    partitioner (no ``shard_map`` nests in the loop's), and ring attention runs its per-device kernel over
-    the ``ring`` axes, already manual."""
+    The loop recomputes each layer itself (no remat policy applies), ring attention runs its per-device
+    kernel over the ``ring`` axes, already manual, and where the ``tensor`` axes are manual too
+    (:meth:`Layout.stage_tensor_axes`) the projections of :mod:`jaxscale.parallel.sequence` write TP's
+    and SP's collectives themselves, over the block parameters' logical names in ``split``."""
 
-    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and tensor axes
     ring: tuple[str, ...]  # of them, the context axes (ring attention's ring)
+    tensor: tuple[str, ...] = ()  # of them, TP's: they split the blocks' parameters, each device keeps its shard
+    split: tuple[str, ...] = ()  # the logical names of block parameter dimensions that ``tensor`` splits
+    sequence: tuple[str, ...] = ()  # of ``tensor``, SP's: the residual stream split on the sequence over them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,20 +272,52 @@ class Layout:
         """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
         return self.mesh[STAGE] if self.pipelined else 1
 
-    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
-        """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the batch axes
-        and the context axes, whose ring attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`).
+    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
+        """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the batch axes,
+        the context axes, whose ring attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`),
+        and TP's axes where :meth:`stage_tensor_axes` says.
 
         Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
         they split is split by batch axes alone: the loop gathers the stage's blocks over them once per step
         and reduce-scatters their gradients once (:meth:`stage_gathered_axes`) unless ``pipeline.fsdp`` is
         ``tick``; else only the leading batch
         axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
+        blocks = list(blocks)
+        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp))
+
+    def _stage_row_axes(self, blocks: list[Axes], moe: bool) -> tuple[str, ...]:
+        """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, context)."""
         if moe:
             return (STAGE,)
         once = self.pipeline is None or self.pipeline.fsdp == "step"
         return (STAGE, *(self.axes_of("batch") if once and self._gatherable(blocks) else self.data_axes(blocks)),
                 *self.stage_context_axes)
+
+    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
+        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a dense model whose stage would
+        leave only them to the partitioner, and only where each block parameter dimension they split is split
+        by them alone. Each device then keeps its shard of the blocks and :mod:`jaxscale.parallel.sequence`
+        writes the collectives, so idle slots are skipped (:meth:`stage_partitioned`). ``explicit_tp``: whether
+        the model's projections go through those functions (the model contract's ``explicit_tp``).
+
+        This is the one place that says where a stage leaves axes to the partitioner, its idle slots then
+        computed on zeros and masked: an MoE model (the loop manual over ``stage`` alone: routing statistics
+        span the whole microbatch and the partitioner runs the experts, so FSDP, TP and experts stay free),
+        FSDP gathered every tick (``pipeline.fsdp=tick``: the batch axes that split parameters stay free, and
+        TP's with them), TP axes that share a parameter dimension with other axes, and a model whose
+        projections are its own einsums (no ``explicit_tp``: nothing would write TP's collectives)."""
+        blocks = list(blocks)
+        if moe or not explicit_tp:
+            return ()
+        rows = self._stage_row_axes(blocks, moe)
+        free = tuple(a for a, n in self.mesh.items() if n > 1 and a not in rows)
+        if set(free) & set(self.batch_axes):
+            return ()
+        splits = [set(self.mesh_axes((name,))) for axes in blocks for name in axes if name]
+        if not all(axes <= set(free) or not axes & set(free) for axes in splits):
+            return ()
+        held = {a for axes in splits for a in axes}
+        return free if set(free) <= held and set(self.sequence_axes) <= set(free) else ()
 
     def _gatherable(self, blocks: Iterable[Axes]) -> bool:
         batch = set(self.axes_of("batch"))
@@ -292,23 +328,24 @@ class Layout:
         """The mesh axes of size > 1 over which a pipeline stage gathers its blocks once per step: the
         manual batch axes that split a block parameter (FSDP's, inside a stage)."""
         blocks = list(blocks)
-        manual = self.stage_manual_axes(blocks, moe)
-        return tuple(a for a in self.mesh_axes(n for axes in blocks for n in axes) if a in manual and a != STAGE)
+        rows = self._stage_row_axes(blocks, moe)
+        return tuple(a for a in self.mesh_axes(n for axes in blocks for n in axes) if a in rows and a != STAGE)
 
     @property
     def stage_context_axes(self) -> tuple[str, ...]:
         """The mesh axes of size > 1 that split ``length`` in a pipeline (:meth:`_check_stage_context`)."""
         return self.mesh_axes(("length",)) if self.pipelined else ()
 
-    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool) -> bool:
-        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner, or a ring inside it
-        (context axes), so that the loop computes its idle slots and masks them instead of skipping them:
-        the ring's collective-permutes in a conditional taken by some stages only come out wrong (CPU)."""
-        return bool(self.stage_context_axes or self.stage_free_axes(blocks, moe))
+    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> bool:
+        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner (:meth:`stage_tensor_axes`
+        says where), so that the loop computes its idle slots and masks them instead of skipping them: XLA
+        cannot partition collectives in a conditional whose branch differs between stages. (A ring inside a
+        stage gathers its keys and values, no collective-permute: :mod:`jaxscale.parallel.ring_attention`.)"""
+        return bool(self.stage_free_axes(blocks, moe, explicit_tp))
 
-    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
         """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
-        manual = self.stage_manual_axes(blocks, moe)
+        manual = self.stage_manual_axes(blocks, moe, explicit_tp)
         return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
 
     # -- validation ----------------------------------------------------------------------
@@ -321,15 +358,12 @@ class Layout:
                 f"precision.fp8_head: not supported with pipeline parallelism ({where} put layers on "
                 f"{list(self.stage_axes)}): the loop keeps no amax history for the head"
             )
-        if self.stage_axes and model.moe is not None and model.moe.balance != "off":
+        chunk = config.train.seq_len // self.ways(("norm_length",))
+        if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
             raise ConfigError(
-                f"model.moe.balance={model.moe.balance}: not supported with pipeline parallelism ({where} "
-                f"put layers on {list(self.stage_axes)}): the pipeline returns no per-layer expert loads"
-            )
-        if model.tp_overlap and config.precision.fp8 == "blockwise":
-            raise ConfigError(
-                "precision.fp8=blockwise: not supported with model.tp_overlap (the collective matmuls take "
-                "per-tensor fp8: delayed or current)"
+                f"precision.fp8=blockwise with model.tp_overlap: each device's part of the sequence ({chunk} "
+                f"tokens under {where}) must be a multiple of precision.fp8_block ({config.precision.fp8_block}): "
+                "the ring passes whole tiles"
             )
         if config.precision.fp8_head and model.loss_chunk:
             raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
@@ -374,7 +408,7 @@ class Layout:
         slots = stage_layers.stack_size(config)
         if slots % (p * v) and pipeline.layers_per_stage is None:
             raise ConfigError(
-                f"model.layers ({config.model.layers}) is not divisible by mesh.stage ({p}) x pipeline.repeats "
+                f"{stage_layers.stacked_named(config.model)} is not divisible by mesh.stage ({p}) x pipeline.repeats "
                 f"({v}); pipeline.layers_per_stage splits them unevenly"
             )
         if m < p:

@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jaxscale.axes import HIDDEN
 from jaxscale.layout import TOKENS
 from jaxscale.parallel import pipeline
+from jaxscale.routing import joined
 from jaxscale.sharding import active, constrain
 
 WEIGHT = ("embed", "vocab")  # the head weight [embed, vocab] as its parameter is laid out
@@ -239,19 +240,32 @@ def head_cross_entropy(model: Any, x: jax.Array, targets: jax.Array, chunk: int)
     return cross_entropy(model.logits(x), targets)
 
 
-def stage_head_loss(model: Any, y: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    """A pipeline's last stage: final norm, head and mean cross-entropy of the stack's output ``y``."""
-    return head_cross_entropy(model, model.final_norm(y), targets, chunk)
+def stage_head_loss(
+    model: Any, y: jax.Array, batch: dict[str, jax.Array], chunk: int
+) -> tuple[jax.Array, dict[str, Any]]:
+    """A pipeline's last stage on one microbatch: final norm, head and mean cross-entropy of the stack's output
+    ``y``; with the model's ``ahead`` (the contract's predictions ahead), plus their weighted terms, and
+    their metrics."""
+    loss = head_cross_entropy(model, model.final_norm(y), batch["targets"], chunk)
+    if not hasattr(model, "ahead"):
+        return loss, {}
+    metrics = model.ahead(y, batch)
+    return loss + model.aux_loss(metrics), metrics
 
 
 def model_objective(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The default training objective: mean cross-entropy plus the model's auxiliary losses, and its metrics.
 
     Asks the model contract (docs/models.md): a model with ``hidden`` and ``logits`` (or, with ``chunk`` > 0,
-    ``head_weight``: the chunked loss) gives the hidden states and metrics, weighed by its ``aux_loss``.
+    ``head_weight``: the chunked loss) gives the hidden states and metrics, weighed by its ``aux_loss``; one
+    with ``ahead`` gives the stack's output by ``trunk``, and ``ahead``'s metrics join the stack's.
     Otherwise the model is called, ``model(tokens, positions)``, for its logits.
     """
     tokens, positions, targets = batch["inputs"], batch["positions"], batch["targets"]
+    if hasattr(model, "ahead"):
+        y, metrics = model.trunk(tokens, positions)
+        metrics = joined(metrics, model.ahead(y, batch))
+        return head_cross_entropy(model, model.final_norm(y), targets, chunk) + model.aux_loss(metrics), metrics
     if not (hasattr(model, "hidden") and hasattr(model, "head_weight" if chunk else "logits")):
         return cross_entropy(model(tokens, positions), targets), {}
     hidden, metrics = model.hidden(tokens, positions)

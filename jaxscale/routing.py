@@ -4,10 +4,12 @@ Pure array functions of the routing decisions, shared by the two places the
 experts run: under the partitioner (:func:`jaxscale.models.moe.partitioner_experts`)
 and in expert parallelism's ``shard_map`` (:mod:`jaxscale.parallel.expert`), so
 this module sits below both ``models/`` and ``parallel/``.
-With ``precision.fp8`` on (delayed or current scaling) the experts' matmuls run in fp8: the weights
-are fp8 operands with a scale per expert (:class:`jaxscale.fp8.Operand`), the buffers and hidden
-activations are quantized per tensor by ``f8`` (:class:`jaxscale.fp8.Inputs`), the einsums of capacity
-dispatch by :func:`jaxscale.fp8.einsum` and the grouped matmuls by :func:`jaxscale.fp8_grouped.ragged`.
+With ``precision.fp8`` on the experts' matmuls run in fp8: the weights are fp8 operands with a scale
+per expert (:class:`jaxscale.fp8.Operand`), the buffers and hidden activations are quantized per tensor by
+``f8`` (:class:`jaxscale.fp8.Inputs`), the einsums of capacity dispatch by :func:`jaxscale.fp8.einsum` and
+the grouped matmuls by :func:`jaxscale.fp8_grouped.ragged`. Under ``blockwise`` the scales are per
+``1 x B`` tile and per ``B x B`` block of each expert's weight: :func:`jaxscale.fp8_blockwise.einsum` (the
+expert a batch letter) and :func:`jaxscale.fp8_blockwise_grouped.ragged`.
 See :mod:`jaxscale.models.moe` for the routing rules (GShard's capacity
 priority, the auxiliary losses).
 """
@@ -15,17 +17,34 @@ priority, the auxiliary losses).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale import fp8, fp8_grouped, lean, precision
+from jaxscale import fp8, fp8_blockwise_grouped, fp8_grouped, lean, precision
 from jaxscale.config import MoEConfig
 from jaxscale.sharding import constrain
 
 METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # of route's statistics, the means over the MoE layers
+LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # ... those kept per layer
+
+
+def joined(metrics: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """A stack's metrics and more layers' (a model's predictions ahead): the per-layer statistics
+    (``moe_layers``: ``LAYER_STATS`` stacked [layers, ...]) of ``more`` after the stack's."""
+    out = {**metrics, **more}
+    if "moe_layers" in metrics and "moe_layers" in more:
+        out["moe_layers"] = {k: jnp.concatenate([v, more["moe_layers"][k]]) for k, v in metrics["moe_layers"].items()}
+    return out
+
+
+def layer_stat_shapes(moe: MoEConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of one layer's ``LAYER_STATS`` as :func:`route` gives them under ``moe``."""
+    quantile = {"moe_bias_target": (moe.experts,)} if moe.balance == "quantile" else {}
+    return {"moe_load": (moe.experts,), "moe_entropy": (), "moe_dropped": (), **quantile}
 
 
 class Routing(NamedTuple):
@@ -159,6 +178,13 @@ def combine(out: jax.Array, routing: Routing) -> jax.Array:
     return jnp.einsum("bskd,bsk->bsd", picked.reshape(b, s, k, d), routing.gate.astype(out.dtype))
 
 
+def _grouped_dot(f8: fp8.Inputs | None) -> Callable[..., jax.Array]:
+    """The grouped matmul ``(x, w, sizes) -> y``: ``lax.ragged_dot``, or in fp8 scaled per tensor or blockwise."""
+    if f8 is None:
+        return lax.ragged_dot
+    return fp8_blockwise_grouped.ragged if f8.recipe.mode == "blockwise" else fp8_grouped.ragged
+
+
 def grouped_swiglu(
     x: jax.Array, expert: jax.Array, w_gate: Weight, w_up: Weight, w_down: Weight, f8: fp8.Inputs | None = None
 ) -> jax.Array:
@@ -171,7 +197,7 @@ def grouped_swiglu(
     key = jnp.where(local, expert, groups)
     order = jnp.argsort(key, stable=True)
     sizes = jnp.zeros((groups,), jnp.int32).at[key].add(1, mode="drop")
-    dot = lax.ragged_dot if f8 is None else fp8_grouped.ragged
+    dot = _grouped_dot(f8)
     x_gate, x_up = _input(f8, "buffer", x[order], 2)
     hidden = lean.swiglu(dot(x_gate, w_gate, sizes), dot(x_up, w_up, sizes))
     out = dot(_input(f8, "hidden", hidden, 1)[0], w_down, sizes)[jnp.argsort(order)]

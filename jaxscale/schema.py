@@ -26,8 +26,9 @@ MoEExchange = Literal["rows", "all_gather"]
 DataSource = Literal["builtin", "stdlib", "tokens"]
 NonFinite = Literal["stop", "skip"]
 Resume = Literal["off", "auto", "required"]
-Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b"]  # jaxscale/parallel/schedules.py
+Schedule = Literal["gpipe", "circular", "1f1b", "interleaved_1f1b", "zb_h1"]  # jaxscale/parallel/schedules.py
 INTERLEAVED: tuple[Schedule, ...] = ("circular", "interleaved_1f1b")  # the schedules that take pipeline.repeats > 1
+SPLIT: tuple[Schedule, ...] = ("zb_h1",)  # the schedules that split the backward into input and weight gradients
 DEFAULT_SCHEDULE: Schedule = "1f1b"
 FsdpGather = Literal["step", "tick"]  # when a pipeline stage gathers its FSDP-split blocks (parallel/pipeline.py)
 XlaPreset = Literal["none", "gpu", "tpu"]
@@ -235,9 +236,10 @@ class DistributedConfig:
 class PipelineConfig:
     """Pipeline parallelism, used when the rules put ``layers`` on the ``stage`` mesh axis (size > 1).
 
-    ``schedule``: gpipe or 1f1b (v = 1), circular or interleaved_1f1b (``repeats`` = v ≥ 2 chunks
-    per stage); every schedule keeps each in-flight microbatch's stage input and recomputes the
-    stage once in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
+    ``schedule``: gpipe, 1f1b or zb_h1 (v = 1; zb_h1 splits the backward into its input and weight
+    gradients, :mod:`jaxscale.parallel.schedules`), circular or interleaved_1f1b (``repeats`` = v ≥ 2
+    chunks per stage); every schedule keeps each in-flight microbatch's stage input and recomputes the
+    stage in its backward (:mod:`jaxscale.parallel.pipeline`). ``layers_per_stage``: the layers
     of each virtual stage 0..p·v−1 (e.g. the first and last one lighter: they also hold the embedding
     and the head), summing to ``model.layers``; None splits them evenly
     (:mod:`jaxscale.stage_layers`: the stack then holds p·v·max slots). ``fsdp``: with FSDP inside a

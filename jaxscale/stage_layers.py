@@ -1,7 +1,7 @@
 """The layer stack's storage: uneven stages' padded slots, and each stage's chunks contiguous on it.
 
 With ``pipeline.layers_per_stage`` = [n_0, ..., n_{G−1}] (G = p·v virtual stages, numbered as the
-schedules number them, summing to ``model.layers``) every virtual stage is a chunk of
+schedules number them, summing to the stacked layers, :func:`stacked`) every virtual stage is a chunk of
 Lmax = max(n_g) *slots*: the model's stacked blocks hold G·Lmax slots (they still split evenly over
 ``stage``), chunk g's first n_g slots are its layers and the rest are unused (zero). The pipeline runs an
 unused slot as the identity (h passes through; its gradient is exactly zero), so a stage with
@@ -34,9 +34,22 @@ def unit(model: ModelConfig) -> int:
     return model.moe.every_n_layers if model.moe else 1
 
 
+def stacked(model: ModelConfig) -> int:
+    """The layers of the model's stacked blocks: ``model.layers``, less a DeepSeek model's dense first layers
+    (``model.deepseek.dense_layers``: its prefix, which a pipeline runs with the embedding)."""
+    return model.layers - (model.deepseek.dense_layers if model.deepseek else 0)
+
+
+def stacked_named(model: ModelConfig) -> str:
+    """:func:`stacked` as an error message names it."""
+    if model.deepseek and model.deepseek.dense_layers:
+        return f"the stacked layers ({stacked(model)}: model.layers less model.deepseek.dense_layers)"
+    return f"model.layers ({model.layers})"
+
+
 def counts(pipeline: PipelineConfig, model: ModelConfig, stages: int) -> tuple[int, ...]:
     """Stacked units of each virtual stage (even when ``layers_per_stage`` is unset)."""
-    units = model.layers // unit(model)
+    units = stacked(model) // unit(model)
     chunks = stages * pipeline.repeats
     if pipeline.layers_per_stage is None:
         return (units // chunks,) * chunks
@@ -47,7 +60,7 @@ def stack_size(config: Config) -> int:
     """Slots in the model's stacked blocks: the stacked units, or G·Lmax with uneven stages."""
     listed = config.pipeline.layers_per_stage
     if listed is None:
-        return config.model.layers // unit(config.model)
+        return stacked(config.model) // unit(config.model)
     return len(listed) * max(listed) // unit(config.model)
 
 
@@ -146,7 +159,7 @@ class Storage:
 def storage(config: Config, stages: int) -> Storage:
     """The stack's storage for ``config`` on ``stages`` pipeline stages (1: no pipeline, the canonical order)."""
     if stages == 1:
-        return Storage((config.model.layers // unit(config.model),))
+        return Storage((stacked(config.model) // unit(config.model),))
     return Storage(counts(config.pipeline, config.model, stages), stages)
 
 
@@ -156,4 +169,5 @@ def written_before(model: dict[str, Any], pipeline: dict[str, Any]) -> Storage:
     moe = model.get("moe")
     per = moe["every_n_layers"] if moe else 1
     listed = pipeline.get("layers_per_stage")
-    return Storage(tuple(n // per for n in listed) if listed else (model["layers"] // per,))
+    layers = model["layers"] - ((model.get("deepseek") or {}).get("dense_layers") or 0)  # as :func:`stacked`
+    return Storage(tuple(n // per for n in listed) if listed else (layers // per,))

@@ -181,6 +181,8 @@ class Trainer:
         chunk = self.config.model.loss_chunk
         if chunk and self.custom_objective is None:
             contract.require(self.parts, contract.CHUNKED_LOSS, name, f"model.loss_chunk={chunk}")
+        if "ahead" in self.parts:
+            contract.require(self.parts, contract.AHEAD, name, "its ahead")
         if self.pipelined:
             why = f"rules '{self.rules.name}' (layers on stage: {self.layout.stages} pipeline stages)"
             if self.custom_objective is not None:
@@ -189,6 +191,12 @@ class Trainer:
                     "cross-entropy on the last stage"
                 )
             contract.require(self.parts, contract.PIPELINE, name, why)
+            fp8 = self.config.precision.fp8
+            if fp8 != "off" and {"prefix", "ahead"} & self.parts:
+                raise ConfigError(
+                    f"{why}: precision.fp8={fp8} with model {name}'s prefix or ahead, which run outside the "
+                    "pipeline's stack: the loop keeps fp8 amax histories for the stack only"
+                )
 
     @property
     def layout(self) -> Layout:

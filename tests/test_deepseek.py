@@ -1,17 +1,20 @@
 """The DeepSeek-V3-style model (jaxscale/models/deepseek.py: multi-head latent attention, dense then MoE blocks
 with group-limited routing and shared experts, multi-token prediction) under the layouts: each gives the loss and
-every gradient of one device (fp32, 1e-5)."""
+every gradient of one device (fp32, 1e-5); its MTP loss honours loss masks and packed documents."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import math
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from helpers import assert_trees_close, fails_early, rel_err
 from jax.ad_checkpoint import print_saved_residuals
 
@@ -23,14 +26,13 @@ from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import placement
 from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import Config, ConfigError, load_config, read_yaml, resolve_named
+from jaxscale.models import balance
+from jaxscale.models.deepseek import DeepSeek
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer, abstract_model
 
 TRAIN = ["train.global_batch=16", "train.seq_len=32", "train.steps=2", "train.warmup_steps=1",
          "train.learning_rate=0.01", "data.max_bytes=200000"]
-# The pipeline runs model.blocks (no dense blocks, no MTP), the experts by the partitioner, no bias balancing.
-PIPELINED = ("model.layers=4", "model.deepseek.dense_layers=0", "model.deepseek.mtp_depth=0", "model.moe.balance=off",
-             "model.moe.impl=partitioner")
 
 
 def config(*overrides: str, rules: str = "dp", mesh: dict[str, int] | None = None) -> Config:
@@ -79,19 +81,88 @@ def test_deepseek_under_a_layout_gives_the_loss_and_gradients_of_one_device(name
     same_as_one_device(trainer, reference)
 
 
+def step_of(trainer: Trainer, params: dict, bias: dict) -> tuple:
+    """Loss, gradients and the routing biases after the step's update, at ``params`` and ``bias`` on batch 0."""
+    grads = trainer._jit(lambda p, b, bias: trainer._grads(p, b, None, bias))
+    loss, grads, aux, _ = grads(jax.device_put(params, trainer.param_shardings()), trainer.batch(0), bias)
+    update = balance.updated(bias, aux["moe_layers"], trainer.config.model.moe)
+    return float(loss), jax.device_get(grads), jax.device_get(update)
+
+
 @pytest.mark.slow
 def test_deepseek_pipelines_1f1b_as_one_device():
-    """The MoE blocks (no dense ones, no MTP: the pipeline runs model.blocks) on 2 stages x 4 data shards, against
-    one device on the same 4 microbatches (the routing statistics, and so the load-balance loss, are per microbatch)."""
-    pipe = ("pipeline.schedule=1f1b", "pipeline.microbatches=4")
-    trainer = Trainer.build(config(*PIPELINED, *pipe, rules="pp", mesh={"stage": 2, "data": 4}))
-    same_as_one_device(trainer, one_device(*PIPELINED, "train.microbatches=4"))
+    """The whole tiny model under 1F1B on 2 stages (the dense block with the embedding on the first, one MoE block
+    on each, MTP with the head on the last), experts split over ``expert`` inside each stage (pp_ep: 2 x 2 data),
+    bias balancing on from a random bias: loss, every gradient and the bias update of one device on the same 4
+    microbatches (the routing statistics, and so the load-balance loss and the loads, are per microbatch)."""
+    one = Trainer.build(config("train.microbatches=4"), jax.devices()[:1])
+    params = jax.device_get(one.init_state().params)
+    rng = np.random.default_rng(0)
+    bias = jax.tree.map(lambda a: jnp.asarray(rng.normal(scale=0.05, size=a.shape), a.dtype), one.fresh_balance())
+    assert jax.tree.structure(bias) == jax.tree.structure({"blocks": {"routed": {"bias": 0}},
+                                                           "mtp": {0: {"block": {"routed": {"bias": 0}}}}})
+    pipe = ("pipeline.schedule=1f1b", "pipeline.microbatches=4", "model.moe.impl=partitioner")
+    pp = Trainer.build(config(*pipe, rules="pp_ep", mesh={"stage": 2, "expert": 2, "data": 2}))
+    assert pp.param_shardings()["blocks"]["routed"]["w_gate"].spec[:2] == ("stage", "expert")
+    (loss, grads, update), (ref_loss, ref_grads, ref_update) = step_of(pp, params, bias), step_of(one, params, bias)
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert_trees_close(grads, ref_grads)
+    assert_trees_close(update, ref_update)
+
+
+def packed_rows() -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """Two rows of 16 inputs cut from streams of 17 tokens, as the data path makes them: row 0 one document, a
+    prompt (tokens 1-5 not trained) and padding (tokens 14-16); row 1 packed documents starting at tokens 0, 5,
+    11 and 16 (the row's last target), token 9 not trained; positions restart at each document, whose first
+    token is no target. Returns the batch, the streams, whether each token is trained, each token's document."""
+    tokens = np.random.default_rng(3).integers(0, 256, (2, 17)).astype(np.int32)
+    trained = np.ones((2, 17), bool)
+    trained[0, 1:6] = trained[0, 14:] = trained[1, 9] = False
+    starts = [np.array([0]), np.array([0, 5, 11, 16])]
+    doc = np.stack([np.searchsorted(row, np.arange(17), side="right") for row in starts])
+    positions = np.stack([np.arange(17) - row[d - 1] for row, d in zip(starts, doc, strict=True)])
+    keep = trained[:, 1:] & (positions[:, 1:] != 0)
+    batch = {"inputs": tokens[:, :16], "positions": positions[:, :16].astype(np.int32),
+             "targets": np.where(keep, tokens[:, 1:], -1).astype(np.int32)}
+    return batch, tokens, trained, doc
+
+
+def with_documents(cfg: Config) -> Config:
+    """``cfg`` with data.documents on (the model's view; there is no prepare-data directory to read them from)."""
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, documents=True))
+
+
+def test_mtp_loss_honours_loss_masks_and_documents():
+    """MTP depth 1 at token t predicts token t+2: its loss is the mean over the t whose token t+2 is in the stream,
+    trained, and in t's document of -log p(token t+2), written here over the depth's log-probabilities (the MTP
+    module run on the stack's output and the embedding of each token's next, its head's log-softmax)."""
+    with nnx.use_eager_sharding(False):
+        graph, state = nnx.split(DeepSeek(with_documents(config("model.layers=2")), nnx.Rngs(0)))
+    batch, tokens, trained, doc = packed_rows()
+
+    @jax.jit
+    def run(state: nnx.State, batch: dict, after: jax.Array) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graph, state)
+        y, _ = model.trunk(batch["inputs"], batch["positions"])
+        _, normed, _ = model.mtp[0](y, model.embed(after), batch["positions"])
+        return model.ahead(y, batch)["mtp_loss"], jax.nn.log_softmax(model.logits(normed))
+
+    after = np.concatenate([tokens[:, 1:16], tokens[:, 15:16]], axis=1)  # the next token (the row's last: any)
+    mtp_loss, logp = run(state, batch, after)
+    picked = [-logp[b, t, tokens[b, t + 2]] for b in range(2) for t in range(15)
+              if trained[b, t + 2] and doc[b, t] == doc[b, t + 2]]
+    assert len(picked) == 17  # of 30: row 0's t = 4..11; row 1's 0-2, 5, 6, 8, 11-13
+    assert rel_err(mtp_loss, np.mean(picked)) <= 1e-5
 
 
 def test_deepseek_refuses_what_it_cannot_run_in_one_line():
-    with fails_early(r"^model\.deepseek: rules 'pp' pipeline model\.blocks only: dense_layers \(1\) and "
-                     r"mtp_depth \(1\) must be 0"):
-        Trainer.build(config(rules="pp", mesh={"stage": 2, "data": 4}))
+    rngs = nnx.Rngs(0)
+    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under ring "
+                       r"attention"), nnx.use_eager_sharding(False):
+        DeepSeek(with_documents(config("model.attention=ring")), rngs)
+    with fails_early(r"^rules 'pp' \(layers on stage: 2 pipeline stages\): precision\.fp8=current with model "
+                     r"build's prefix or ahead"):
+        Trainer.build(config("precision.fp8=current", rules="pp", mesh={"stage": 2, "data": 4}))
     for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),
                             ("model.deepseek.dense_layers=3", r"dense_layers \(3\) must be below model\.layers"),
                             ("model.deepseek.mtp_loss_weight=nan", r"^model\.deepseek\.mtp_loss_weight must be"),

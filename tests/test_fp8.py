@@ -113,12 +113,14 @@ def test_precision_config_errors():
         tiny_config("precision.fp8_head=true")
     with pytest.raises(ConfigError, match=r"blockwise: model\.embed \(64\) is not divisible by precision\.fp8_block"):
         tiny_config("precision.fp8=blockwise")
+    with pytest.raises(ConfigError, match=r"blockwise: model\.moe\.mlp \(24\) is not divisible by"):
+        tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", "model.moe={}", "model.moe.mlp=24")
     assert tiny_config("precision.fp8=off").precision.fp8 == "off"  # YAML reads off as false
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with pipeline parallelism"):
         Trainer.build(tiny_config("precision.fp8=delayed", "precision.fp8_head=true", rules="pp",
                                   mesh={"stage": 2, "data": 4}))
-    with pytest.raises(ConfigError, match=r"precision\.fp8=blockwise: not supported with model\.tp_overlap"):
-        overlap = tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", "model.tp_overlap=true",
+    with pytest.raises(ConfigError, match=r"tp_overlap: each device.s part of the sequence \(16 tokens"):
+        overlap = tiny_config("precision.fp8=blockwise", "precision.fp8_block=32", "model.tp_overlap=true",
                               rules="fsdp_tp_sp", mesh={"tensor": 2})
         Trainer.build(overlap, jax.devices()[:2])
     with pytest.raises(ConfigError, match=r"precision\.fp8_head: not supported with model\.loss_chunk"):

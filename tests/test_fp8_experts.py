@@ -77,3 +77,19 @@ def test_routed_experts_run_in_fp8(dispatch):
     assert conditionals(text) == 0
     histories = jax.tree.leaves(trainer.abstract_state().fp8)
     assert sum(h.shape == (2, 8, 16) for h in histories) == 3  # w_gate, w_up, w_down: [layers, experts, history]
+
+
+@pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
+def test_routed_experts_run_in_blockwise_fp8(dispatch):
+    """``precision.fp8=blockwise`` (16-element tiles and blocks): the routed experts' matmuls have f8 operands too,
+    forward, dx and dw (before: bf16, 7 of each kind per layer), with a weight history per expert; no
+    conditional. The dropless grouped matmuls' slices and row tiles are batch and groups of one ragged dot each."""
+    config = tiny_config("precision.fp8=blockwise", "precision.fp8_block=16", *MOE, f"model.moe.dispatch={dispatch}")
+    trainer = Trainer.build(config, jax.devices()[:1])
+    text = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).as_text()
+    dots = dot_types(text)
+    assert dots[E4M3, E4M3] == dots[E5M2, E4M3] == dots[E4M3, E5M2] == PROJECTIONS
+    assert dots[E5M2, E5M2] == 0
+    assert conditionals(text) == 0
+    histories = jax.tree.leaves(trainer.abstract_state().fp8)
+    assert sum(h.shape == (2, 8, 16) for h in histories) == 3

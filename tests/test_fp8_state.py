@@ -74,7 +74,12 @@ LAYOUTS = {
         "pp_fsdp_tp",
         {"stage": 2, "fsdp": 2, "tensor": 2},
     ),
+    # The routed experts in blockwise fp8 too: per-expert 16 x 16 weight blocks, 1 x 16 tiles of the buffers' rows;
+    # dropless: the grouped matmuls' weight gradients tiled along each expert's rows (rows exchange).
     "blockwise-moe-ep": (("precision.fp8=blockwise", "precision.fp8_block=16", *MOE), "ep", {"expert": 8}),
+    "blockwise-moe-ep-dropless": (
+        ("precision.fp8=blockwise", "precision.fp8_block=16", *MOE, "model.moe.dispatch=dropless"), "ep", {"expert": 8}
+    ),
 }
 
 
@@ -108,7 +113,9 @@ def test_fp8_collective_matmul_quantizes_as_plain_sequence_parallelism(optimized
     per operand for the whole ring and push each history once, as the plain collectives' step does. Two steps'
     loss, gradients and updated histories from the same parameters and fp8 state: a fresh one (the tensors'
     own amaxes), then the first step's histories (delayed scales). Measured: loss and histories equal,
-    gradients 1.2e-7 apart (summation order; held to PARAM_RTOL, as above)."""
+    gradients 1.2e-7 apart (summation order; held to PARAM_RTOL, as above). Blockwise: function level in
+    tests/test_fp8_blockwise.py (measured on this step: loss equal, histories 2.3e-5, gradients 5.4e-4 and
+    2.9e-3 of their largest value)."""
     plain, overlap = (
         Trainer.build(tiny_config("precision.fp8=delayed", f"model.tp_overlap={on}", rules="fsdp_tp_sp", mesh=MESH))
         for on in ("false", "true")

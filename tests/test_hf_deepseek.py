@@ -177,6 +177,9 @@ def test_mtp_loss_is_deepseek_v3s(exported):
                  "train.seq_len=16"]
     trainer = Trainer.build(load_config(None, overrides), jax.devices()[:1])
     x = tokens()
-    batch = {"inputs": x, "targets": x, "positions": np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape)}
+    # The next tokens as targets, the row's last untrained: depth 1 then trains t + 2 < length, as the reference.
+    targets = np.concatenate([x[:, 1:], np.full_like(x[:, :1], -1)], axis=1)
+    batch = {"inputs": x, "targets": targets,
+             "positions": np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape)}
     _, metrics = jax.jit(trainer.loss_and_metrics)(params, batch)
     assert rel_err(metrics["mtp_loss"], mtp_reference(root / "hf", x)) < RTOL

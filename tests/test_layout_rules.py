@@ -125,28 +125,37 @@ def refuse(layout: Layout, match: str, *overrides: str) -> None:
     assert "\n" not in str(info.value)
 
 
-def test_context_parallelism_inside_a_stage_is_manual_and_masks_idle_slots():
-    """The loop is manual over stage, the batch axes and context; a ring inside a stage masks idle slots
-    (its collective-permutes in a conditional taken by some stages only come out wrong) even with no
-    partitioner axis left. FSDP's fsdp, which splits block parameters on ``embed`` alone, is manual too: the
-    stage gathers its blocks over it once a step."""
+def test_what_a_stage_makes_manual_and_when_it_skips_idle_slots():
+    """The loop is manual over stage, the batch axes, context and, where nothing else would be left to the
+    partitioner, TP's axes: then idle slots are skipped. FSDP's fsdp, which splits block parameters on
+    ``embed`` alone, is manual too (the stage gathers its blocks over it once a step). An MoE model, or a
+    batch axis splitting a parameter dimension with tensor, leaves axes to the partitioner: masked slots."""
     blocks = [("layers", "embed", "heads", "head_dim")]
     layout = on("pp_tp_cp", stage=2, data=2, context=2)
     assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context")
-    assert layout.stage_partitioned(blocks, moe=False)
+    assert not layout.stage_partitioned(blocks, moe=False)  # the ring gathers: no permute in a conditional
+    layout = on("pp_tp_cp", stage=2, context=2, tensor=2)
+    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context", "tensor")
+    assert layout.stage_tensor_axes(blocks, moe=False) == ("tensor",)
+    assert not layout.stage_partitioned(blocks, moe=False)
     assert not on("pp", stage=2, data=4).stage_partitioned(blocks, moe=False)
     layout = on("pp_fsdp_tp_cp", stage=2, fsdp=2, context=2)
     assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context")
     assert layout.stage_gathered_axes(blocks, moe=False) == ("fsdp",)
     assert on("pp_fsdp_tp", stage=2, context=2).stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp")
-    # FSDP alone inside a stage leaves nothing to the partitioner: idle slots are skipped; tensor is left to it.
     assert not on("pp_fsdp", stage=2, fsdp=4).stage_partitioned(blocks, moe=False)
-    assert on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2).stage_free_axes(blocks, moe=False) == ("tensor",)
-    # A batch axis that splits a block parameter with an axis outside the batch stays with the partitioner.
+    layout = on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2)
+    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "tensor")
+    assert layout.stage_gathered_axes(blocks, moe=False) == ("fsdp",)
+    assert layout.stage_free_axes(blocks, moe=False) == ()
+    # A batch axis that splits a block parameter with an axis outside the batch stays with the partitioner,
+    # and tensor with it.
     mixed = on(edited("pp_fsdp_tp", heads=["fsdp", "tensor"]), stage=2, fsdp=2, tensor=2)
     assert mixed.stage_manual_axes(blocks, moe=False) == ("stage", "data")
     assert mixed.stage_gathered_axes(blocks, moe=False) == ()
+    assert mixed.stage_free_axes(blocks, moe=False) == ("fsdp", "tensor")
     assert on("pp_fsdp", stage=2, fsdp=4).stage_manual_axes(blocks, moe=True) == ("stage",)
+    assert on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2).stage_free_axes(blocks, moe=True) == ("fsdp", "tensor")
 
 
 def test_fp8_head_with_a_pipeline():

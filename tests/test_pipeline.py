@@ -6,6 +6,7 @@ import itertools
 
 import jax
 import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
@@ -13,6 +14,7 @@ from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.config import CONFIG_DIR, ConfigError
+from jaxscale.models import balance
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 from jaxscale.sharding import use_rules
@@ -63,7 +65,7 @@ def close(a: float, b: float) -> bool:
     return abs(float(a) - float(b)) <= RTOL * abs(float(b))
 
 
-@pytest.mark.parametrize("schedule, p, m, v", GRID)
+@pytest.mark.parametrize("schedule, p, m, v", [*GRID, ("zb_h1", 4, 8, 1)])
 def test_pipeline_matches_single_device(schedule, p, m, v, reference):
     initial, batches, ref_loss, ref_grads, *_ = reference
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), rules="pp", mesh=MESHES[p]))
@@ -76,9 +78,11 @@ def test_pipeline_matches_single_device(schedule, p, m, v, reference):
 @pytest.mark.parametrize("rules, mesh", [("pp", MESHES[2]), ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2})])
 def test_the_chunked_loss_inside_a_stage_matches_single_device(rules, mesh, reference):
     """``model.loss_chunk`` on the last stage (the plan proposes it with pipelines): the chunked head's scan
-    carries its gradient typed as varying over the stage's manual axes; loss and gradients equal one device."""
+    carries its gradient typed as varying over the stage's manual axes; loss and gradients equal one device.
+    Under ZB-H1 (p = 2; p = 4 in the grid above): the backward split into B and W slots, idle slots skipped
+    (``pp``) or masked (``pp_fsdp_tp``), the head's gradient in the last stage's B."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.loss_chunk=8", rules=rules, mesh=mesh))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe("zb_h1", 4), "model.loss_chunk=8", rules=rules, mesh=mesh))
     params = stored(trainer, initial.params)
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
     assert close(loss, ref_loss)
@@ -112,9 +116,10 @@ def test_evaluation_runs_the_forward_table(reference):
 @pytest.mark.parametrize("schedule, v, attention, gather", [("1f1b", 1, "dot", "step"),
                                                              ("interleaved_1f1b", 2, "blockwise", "tick")])
 def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, gather, reference):
-    """Two steps of pp x fsdp x tp (2 x 2 x 2), masked slots: only messages and per-step sums cross stage, the
-    stage's FSDP gathers once a step (``pipeline.fsdp=step``) or every tick (``tick``). The blockwise kernel
-    runs inside the stage's loop as it is, no shard_map of its own."""
+    """Two steps of pp x fsdp x tp (2 x 2 x 2): only messages and per-step sums cross stage, the stage's FSDP
+    gathers once a step (``pipeline.fsdp=step``: the loop manual over fsdp and tensor, every matmul in a
+    conditional, idle slots skipped) or every tick (``tick``: fsdp and tensor left to the partitioner, idle
+    slots masked). The blockwise kernel runs inside the stage's loop as it is, no shard_map of its own."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
@@ -133,6 +138,7 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
     # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
     ticks = schedules.build(schedule, 2, m, v).ticks
+    assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather == "step")
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
@@ -142,7 +148,7 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     outer = sum(w.size * 4 for k, v in initial.params.items() if k != "blocks" for w in jax.tree.leaves(v))
     for c in over_stage:
         if c.kind != "collective-permute":
-            assert c.runs == 1 and c.result_bytes <= outer, c
+            assert c.runs == 1 and c.result_bytes <= outer + 256, c  # the parameters and a few scalars
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
 
 
@@ -171,54 +177,86 @@ def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-@pytest.mark.parametrize("rules, mesh", [("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}),
-                                         ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2})])
-def test_context_parallelism_inside_a_stage(rules, mesh, reference):
-    """Ring attention over context inside each stage (the loop manual over stage and context; tensor, or FSDP's
-    fsdp between stage and context in the mesh order, with the partitioner) equals one device, the sequence
-    in the ring's order."""
+@pytest.mark.parametrize("rules, mesh, schedule, v", [
+    ("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "1f1b", 1),
+    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "interleaved_1f1b", 2),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 2, "tensor": 2, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+    pytest.param("pp_tp_cp", {"stage": 4, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
+])
+def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+    """Ring attention over context inside each stage (the loop manual over stage, context and TP's or FSDP's
+    axes; the keys and values all-gathered over context, no collective-permute in a conditional) equals one
+    device, the sequence in the ring's order, and every matmul sits in a conditional (idle slots skipped)."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), "model.attention=ring", rules=rules, mesh=mesh))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), "model.attention=ring", rules=rules, mesh=mesh))
     order = trainer.sequence_order
     assert order is not None and sorted(order) == list(range(32))
     params = stored(trainer, initial.params)
-    loss, grads = trainer.loss_and_grads(params, placed(trainer, {k: v[:, order] for k, v in batches[0].items()}))
+    batch = placed(trainer, {k: v[:, order] for k, v in batches[0].items()})
+    compiled = trainer.jit_loss_and_grads.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
     assert close(loss, ref_loss)
     assert_trees_close(canonical(trainer, grads), ref_grads)
+    assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-def test_sequence_parallelism_inside_a_stage(reference):
-    """TP + SP inside each stage (pp_tp_sp, by the partitioner) equals one device, and the residual stream
-    is split on the sequence over tensor inside the stage: each tick's message is half a microbatch's tokens."""
+@pytest.mark.parametrize("rules, mesh, schedule, v", [
+    ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "1f1b", 1),
+    ("pp_tp_sp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2),
+    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2),
+    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "1f1b", 1),
+    pytest.param("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "1f1b", 1, marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+])
+def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+    """TP (and SP) inside each stage, the loop manual over tensor, its collectives written by the projections
+    among one stage's devices: equals one device, and every matmul sits in a conditional (idle slots skipped).
+    Under SP the residual stream is split on the sequence over tensor inside the stage: each tick's message is
+    half a microbatch's tokens."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe("1f1b", 4), rules="pp_tp_sp",
-                                        mesh={"stage": 2, "tensor": 2, "data": 2}))
-    params = stored(trainer, initial.params)
-    loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), rules=rules, mesh=mesh))
+    params, batch = stored(trainer, initial.params), placed(trainer, batches[0])
+    compiled = trainer.jit_loss_and_grads.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
     assert close(loss, ref_loss)
     assert_trees_close(canonical(trainer, grads), ref_grads)
-    found = hlo.collectives(xla.compile_step(trainer).as_text(), trainer.mesh)
+    assert hlo.dots(compiled.as_text())["outside"] == 0
+    found = hlo.collectives(compiled.as_text(), trainer.mesh)
     permutes = {c.shapes for c in found if c.kind == "collective-permute" and c.axes == ("stage",)}
-    assert permutes == {(("f32", (4, 16, 64)),)}  # 32 rows / 4 microbatches / data 2; 32 tokens / tensor 2
+    rows = 32 // 4 // mesh.get("data", 1) // mesh.get("fsdp", 1)
+    assert permutes == {(("f32", (rows, 32 // 2 if rules == "pp_tp_sp" else 32, 64)),)}
 
 
-def test_moe_with_expert_parallelism_inside_a_stage(tmp_path):
-    """MoE blocks (partitioner experts, experts over ``expert``) in a 1F1B pipeline equal one device with
-    the same microbatches (the routing statistics are per microbatch), aux losses included."""
-    moe = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner")
+def test_moe_with_expert_parallelism_inside_a_stage():
+    """MoE blocks (partitioner experts, experts over ``expert``) in an interleaved 1F1B pipeline equal one device
+    with the same microbatches (the routing statistics are per microbatch), aux losses included; with bias
+    balancing from a random bias, the biases' update too: each stage's loads, stored as its chunks are (two per
+    stage, not the model's order), averaged over the microbatches."""
+    moe = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner",
+           "model.moe.balance=sign")
     ref = Trainer.build(tiny_config(*BASE, *moe, "train.microbatches=4"), jax.devices()[:1])
     state = ref.init_state()
     batch = jax.device_get(ref.batch(0))
-    ref_loss, ref_grads = ref.loss_and_grads(state.params, ref.batch(0))
-    table = yaml.safe_load((CONFIG_DIR / "rules" / "ep.yaml").read_text())
-    table["rules"]["layers"] = "stage"
-    (tmp_path / "pp_ep.yaml").write_text(yaml.safe_dump(table))
+    rng = np.random.default_rng(0)
+    bias = jax.tree.map(lambda a: jnp.asarray(rng.normal(scale=0.05, size=a.shape), a.dtype), ref.fresh_balance())
+
+    def step_of(trainer: Trainer, params: dict, bias: dict) -> tuple:
+        loss, grads, aux, _ = trainer._jit(lambda p, b, bias: trainer._grads(p, b, None, bias))(
+            params, placed(trainer, batch), bias)
+        update = balance.updated(bias, aux["moe_layers"], trainer.config.model.moe)
+        return loss, canonical(trainer, grads), canonical(trainer, update)
+
+    ref_loss, ref_grads, ref_update = step_of(ref, state.params, bias)
     mesh = {"stage": 2, "expert": 2, "data": 2}
-    trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("1f1b", 4), rules=str(tmp_path / "pp_ep.yaml"), mesh=mesh))
-    params = stored(trainer, jax.device_get(state.params))
-    loss, grads = trainer.loss_and_grads(params, placed(trainer, batch))
+    trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("interleaved_1f1b", 4, 2), rules="pp_ep", mesh=mesh))
+    assert not trainer.storage.canonical_order
+    loss, grads, update = step_of(trainer, stored(trainer, jax.device_get(state.params)),
+                                  trainer.storage.place_params(bias))
     assert close(loss, ref_loss)
-    assert_trees_close(canonical(trainer, grads), ref_grads)
+    assert_trees_close(grads, ref_grads)
+    assert_trees_close(update, ref_update)
 
 
 # -- the tables --------------------------------------------------------------------
@@ -229,6 +267,7 @@ def simulate(table: schedules.Table) -> None:
     p, v, last = table.p, table.v, table.v * table.p - 1
     acts = [dict() for _ in range(p)]
     grads = [dict() for _ in range(p)]
+    cots = [dict() for _ in range(p)]
     seen = set()
     for t in range(table.ticks):
         sent_f, sent_b = [None] * p, [None] * p
@@ -251,19 +290,29 @@ def simulate(table: schedules.Table) -> None:
                 if g < last:
                     assert grads[s][table.b_grad[t, s]] == ("grad", i, g), (t, s)
                 seen.add(("B", i, g))
+                if table.split:  # the B keeps its units' output gradients for the W
+                    cots[s][table.b_cot[t, s]] = ("cot", i, g)
                 if g > 0:
                     sent_b[(s - 1) % p] = ("grad", i, g - 1)
+            i, c = table.w_micro[t, s], table.w_chunk[t, s]
+            if table.w_kind[t, s] != IDLE:
+                g = c * p + s
+                assert table.split and ("B", i, g) in seen and ("W", i, g) not in seen
+                assert acts[s][table.w_src[t, s]] == ("act", i, g) and cots[s][table.w_cot[t, s]] == ("cot", i, g)
+                seen.add(("W", i, g))
         for s in range(p):
             if table.recv_f[t, s] >= 0:
                 acts[s][table.recv_f[t, s]] = sent_f[s]
             if table.recv_b[t, s] >= 0:
                 grads[s][table.recv_b[t, s]] = sent_b[s]
-    kinds = ("F", "B") if table.train else ("F",)
+    kinds = ("F", "B", "W") if table.train and table.split else ("F", "B") if table.train else ("F",)
     assert seen == {(k, i, g) for k in kinds for i in range(table.m) for g in range(v * p)}
 
 
 @pytest.mark.parametrize("schedule, p, m, v", [*GRID, ("1f1b", 3, 7, 1), ("circular", 3, 5, 3),
-                                                ("interleaved_1f1b", 3, 6, 3), ("1f1b", 8, 64, 1)])
+                                                ("interleaved_1f1b", 3, 6, 3), ("1f1b", 8, 64, 1),
+                                                *[("zb_h1", p, k * p, 1) for p in (2, 3, 4, 8) for k in (1, 2, 4)],
+                                                ("zb_h1", 3, 7, 1)])
 @pytest.mark.parametrize("train", [True, False])
 def test_table_runs_every_operation_once_with_its_inputs(schedule, p, m, v, train):
     simulate(schedules.build(schedule, p, m, v, train))
@@ -286,6 +335,25 @@ def test_counted_bubble_is_the_formula(schedule, v):
         formula = (p - 1) / (v * m + p - 1)
         assert schedules.formula_bubble(p, m, v) == pytest.approx(formula, rel=1e-12)
         assert schedules.build(schedule, p, m, v).bubble() == pytest.approx(formula, rel=1e-9), (p, m)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_zb_h1_bubble_is_its_formula_below_1f1b(p):
+    """ZB-H1 in the paper's units (F = B = W = 1; 1F1B's backward B + W = 2): the bubble counted from the table is
+    Qi et al.'s (p − 1)·(F + B − W) over a step of m·(F + B + W) + (p − 1)·(F + B − W), within 10% (here exact),
+    below 1F1B's (p − 1)/(m + p − 1) on the same (p, m); and it keeps no more stage inputs than 1F1B, with at
+    most p chunks' output gradients from a B to its W."""
+    for m in (p, 2 * p, 4 * p, 8 * p):
+        zb, f1b = schedules.build("zb_h1", p, m, 1), schedules.build("1f1b", p, m, 1)
+        paper = (p - 1) * (1 + 1 - 1) / (m * (1 + 1 + 1) + (p - 1) * (1 + 1 - 1))
+        counted = zb.bubble(forward=1, input_grad=1, weight_grad=1)
+        assert counted == pytest.approx(paper, rel=0.1) and zb.ticks == 3 * m + p - 1
+        assert counted < f1b.bubble(forward=1, backward=2) == pytest.approx((p - 1) / (m + p - 1), rel=1e-9)
+        assert schedules.formula_bubble(p, m, 1, "zb_h1") == pytest.approx(paper, rel=1e-12)
+        assert zb.act_slots <= f1b.act_slots and zb.cot_slots <= p
+        # Our B and W each recompute the chunk: in those terms (F 1, B 2, W 3 against 1F1B's 1 + 3) the step is
+        # longer than 1F1B's, which ZB-H1 beats only where W is cheap.
+        assert zb.cost() > f1b.cost()
 
 
 def test_the_head_runs_once_per_microbatch_on_the_last_stage():
@@ -406,7 +474,8 @@ def test_pipeline_shape_errors(warm, overrides, mesh, match):
 @pytest.mark.parametrize(
     "override, match",
     [
-        ("pipeline.schedule=zb", r"^pipeline\.schedule: 'zb' is not one of gpipe, circular, 1f1b, interleaved_1f1b$"),
+        ("pipeline.schedule=zb", r"^pipeline\.schedule: 'zb' is not one of gpipe, circular, 1f1b, interleaved_1f1b, "
+         r"zb_h1$"),
         ("pipeline.repeats=2", r"^pipeline\.repeats \(2\) needs pipeline\.schedule=circular or interleaved_1f1b"),
         ("pipeline.schedule=circular", r"^pipeline\.schedule=circular needs pipeline\.repeats >= 2"),
         ("pipeline.microbatches=0", r"^pipeline\.microbatches must be at least 1, got 0$"),
@@ -417,6 +486,11 @@ def test_pipeline_shape_errors(warm, overrides, mesh, match):
 def test_pipeline_config_errors(override, match):
     with fails_early(match):
         tiny_config(override)
+
+
+def test_zb_h1_runs_each_stages_layers_once():
+    with fails_early(r"^pipeline\.repeats \(2\) needs pipeline\.schedule=circular or interleaved_1f1b \(zb_h1 runs"):
+        tiny_config("pipeline.schedule=zb_h1", "pipeline.repeats=2")
 
 
 def test_layers_on_stage_and_another_axis(warm, tmp_path):

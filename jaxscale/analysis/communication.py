@@ -36,7 +36,9 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   all-reduce; SP: 2 all-gathers, 1 reduce-scatter); with ``model.tp_overlap`` each SP
   collective is t−1 collective-permutes of b·s·h/t, counted as hidden by its matmuls;
 * CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, as much backward plus the fp32 key and value
-  gradients, which travel c hops (the last brings them home); with CP a gradient is all-reduced over
+  gradients, which travel c hops (the last brings them home); inside a pipeline stage K and V are
+  all-gathered instead (forward, and once more in the backward slot) and their fp32 gradients
+  reduce-scattered (:mod:`jaxscale.parallel.ring_attention`); with CP a gradient is all-reduced over
   the context axes and then over the data axes (two all-reduces, as compiled); PP: a
   microbatch's b·s·h per loop tick (``Table.ticks`` of them, the bubble's included) each way; each
   stage's copy of the embedding, final norm and head gathered once, its fp32 gradient
@@ -44,8 +46,10 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   embedding's gradient (m times a step; counted here as the compiled loop's T ticks, the runs
   :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
-  inside a stage the layers' collectives run per tick and slot (idle slots are computed, masked,
-  where there are any); EP: dispatch + combine all-to-all of
+  inside a stage the layers' collectives run per tick and slot (the compiled loop's count, idle slots
+  skipped or masked alike); where the stage is manual over TP's axes it holds the embedding and head
+  whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); EP: dispatch +
+  combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md), at the capacity factor, or for the dropless rows
   exchange times the routing imbalance :data:`EP_IMBALANCE` (dropless by all-gather: ``ep·b·s·h`` gathered
   and reduce-scattered, :func:`_expert_flows`); DeepSeek's prediction depths as MoE layers more.
@@ -182,16 +186,17 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
 
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float,
-                 stage_gathered: tuple[str, ...] = ()) -> list[Flow]:
+                 stage_gathered: tuple[str, ...] = (), stage_tensor: tuple[str, ...] = ()) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
     the axes over which a pipeline stage gathers its blocks once a step
-    (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`)."""
+    (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`), ``stage_tensor`` its manual TP axes
+    (:meth:`~jaxscale.layout.Layout.stage_tensor_axes`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
     out: list[Flow] = []
     if layout.pipelined and not p.in_layers:
-        out += _pipeline_outer_flows(p, sp, layout, step, pbytes, bool(stage_gathered))
+        out += _pipeline_outer_flows(p, sp, layout, step, pbytes, bool(stage_gathered), stage_tensor)
     elif p.is_embedding:
         looked = bsh * (1 + layers_run(m) - m.layers)  # DeepSeek's prediction depths look up the tokens ahead too
         ids = looked / (m.embed * dtype_bytes(m.dtype)) * 4  # a microbatch's int32 token ids on a device
@@ -244,7 +249,8 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
 
 
 
-def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int, manual: bool) -> list[Flow]:
+def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int, manual: bool,
+                          tensor: tuple[str, ...] = ()) -> list[Flow]:
     """The embedding, final norm and head of a pipelined model (:mod:`jaxscale.parallel.pipeline`).
 
     Each stage gets its own copy gathered over the stage's axes once (no lookup traffic); each
@@ -254,9 +260,11 @@ def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbyte
     compiled); once a step the per-stage accumulators are summed over ``stage`` and then reduced
     over the data axes. Where the loop is manual over the stage's FSDP axes (``manual``) each device adds up
     its own rows' gradient and the sum over those axes runs once, after the loop: an all-reduce, and the
-    stages' copies are then summed whole.
+    stages' copies are then summed whole. A stage manual over TP's axes (``tensor``) holds its copy whole
+    over them too.
     """
     micro = step.microbatches
+    sp = dataclasses.replace(sp, whole=sp.whole * layout.size([a for a in sp.held if a in tensor]))
     whole, shard = sp.whole * pbytes, sp.whole / layout.size(sp.gathered) * 4
     ticks = pipeline_ticks(layout, step)
     out = flow(p.path + " (stage copy)", "all-gather", sp.gathered, whole, micro, layout, "forward", False)
@@ -270,25 +278,27 @@ def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbyte
                                       layout)
 
 
-def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, stage_remat: bool) -> list[Flow]:
+def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, in_stage: bool) -> list[Flow]:
     """Context parallelism's ring: keys and values round it each layer, their fp32 gradients home in c hops;
-    ``tokens`` a microbatch's on a device, ``runs`` a layer's activation collectives."""
+    ``tokens`` a microbatch's on a device, ``runs`` a layer's activation collectives. Inside a pipeline stage
+    (``in_stage``) they are all-gathered instead, forward and in the backward slot (whose recomputed forward
+    shares the backward's gather), and their fp32 gradients reduce-scattered."""
     context, cbytes, flows = layout.context_axes, dtype_bytes(m.dtype), []
     if not context:
         return []
     c, att = layout.size(context), attention(m)
     kv = tokens * (att.k + att.v) / layout.ways((att.kv_name,))  # keys and values (MLA's: each head's, wider keys)
+    if in_stage:
+        for phase in ("forward", "backward"):
+            flows += flow("CP (stage): keys, values gathered", "all-gather", context, kv * cbytes * c, runs,
+                           layout, phase, True)
+        return flows + flow("CP (stage): key, value gradients (fp32)", "reduce-scatter", context, kv * 4 * c,
+                            runs, layout, "backward", True)
     for phase in ("forward", "backward"):
         flows += flow("CP ring: keys, values", "collective-permute", context, kv * cbytes, (c - 1) * runs,
                        layout, phase, True)
-    flows += flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
-                   kv * 4, c * runs, layout, "backward", True)
-    if stage_remat and c > 2:
-        # The backward slot's recomputed forward passes K and V round the ring again; with c = 2 its one
-        # hop sends what the backward's first hop sends, and XLA keeps one of the two (compiled step).
-        flows += flow("CP ring: recomputed keys, values", "collective-permute", context, kv * cbytes,
-                       (c - 1) * runs, layout, "backward", True)
-    return flows
+    return flows + flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
+                        kv * 4, c * runs, layout, "backward", True)
 
 
 def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, bsh: float) -> list[Flow]:
@@ -313,9 +323,12 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     # uneven stages: the slots, as masked ones run; DeepSeek's prediction depths: one block each
     layers = (stack_layers(m, step) + layers_run(m) - m.layers) / layout.ways(("layers",))
     flows: list[Flow] = []
-    gathered = layout.stage_gathered_axes([p.axes for p in params if p.in_layers], m.moe is not None)
+    blocks = [p.axes for p in params if p.in_layers]
+    gathered = layout.stage_gathered_axes(blocks, m.moe is not None)
+    stage_tensor = layout.stage_tensor_axes(blocks, m.moe is not None) if layout.pipelined else ()
+    whole = bool(stage_tensor)  # the stage holds the embedding and head whole over its manual TP axes
     for p in params:
-        flows += _param_flows(p, m, layout, step, bsh, gathered)
+        flows += _param_flows(p, m, layout, step, bsh, gathered, stage_tensor)
 
     tensor = [a for a in layout.mesh_axes(("heads",)) if a not in layout.token_axes]
     sp = layout.sequence_axes
@@ -346,8 +359,9 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
         if recompute:
             flows += sp_flow("SP: recomputed norm outputs", "all-gather", 2 * runs, "backward")
             flows += sp_flow("SP: recomputed attention output", "reduce-scatter", runs, "backward")
-        flows += sp_flow("SP: final norm output", "all-gather", micro, "forward")
-        flows += sp_flow("SP: final norm output", "reduce-scatter", micro, "backward")
+        if not whole:
+            flows += sp_flow("SP: final norm output", "all-gather", micro, "forward")
+            flows += sp_flow("SP: final norm output", "reduce-scatter", micro, "backward")
     elif tensor:
         flows += flow("TP: attention and MLP out", "all-reduce", tensor, bsh, 2 * runs, layout, "forward", False)
         flows += flow("TP: q, k, v, gate, up input gradients", "all-reduce", tensor, bsh, 5 * runs, layout,
@@ -356,9 +370,11 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
         flows += flow("TP: recomputed forward", "all-reduce", tensor, bsh, (2 * stage_remat + recompute) * runs,
                        layout, "backward", False)
         size = bsh / step.pipeline_microbatches if layout.pipelined else bsh
-        flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, size, lookup_runs, layout, "forward",
-                       False)
-        flows += flow("TP: head input gradient", "all-reduce", tensor, size, head_runs, layout, "backward", False)
+        if not whole:
+            flows += flow("TP: vocabulary-parallel lookup", "all-reduce", tensor, size, lookup_runs, layout,
+                           "forward", False)
+            flows += flow("TP: head input gradient", "all-reduce", tensor, size, head_runs, layout, "backward",
+                           False)
 
     flows += _ring_flows(m, layout, rows * s_local, runs, stage_remat)
     flows += _stage_flows(m, params, layout, step, bsh)

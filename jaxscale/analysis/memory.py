@@ -18,7 +18,8 @@ optimizer state, gradients and parameters in turn):
   SP and CP divide exactly what they shard) times the layers this device holds; the
   scores mask of dot-product attention once (under PP one bool s x s); the batch;
 * under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
-  loop keeps the stage inputs its schedule has in flight (``Table.act_slots``) and fp32 gradient
+  loop keeps the stage inputs its schedule has in flight (``Table.act_slots``; ZB-H1 also its units' output
+  gradients from a B to its W, ``cot_slots``) and fp32 gradient
   accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
   with no remat inside (:func:`_pipeline`);
 * the transient peak: the larger of one layer's backward and the loss. The layer backward: its
@@ -509,7 +510,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
-    out["activations"] = (2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
+    out["activations"] = (2 * ((table.act_slots + table.cot_slots) * chunk + table.grad_slots) + chunk) * x
     out["transient"] = none + max(loss, cotangents) + layer_elems(params, layout, reduced=False) * pbytes
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.

@@ -128,7 +128,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     moe = m.moe
     heads = attention(m).k // attention(m).qk_dim  # the heads that split keys: kv_heads, or MLA's every head
     tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if heads % t == 0]
-    # DeepSeek's dense blocks and prediction depths are not pipelined (jaxscale.models.deepseek.check)
+    # Not modelled: a pipeline's first stage running DeepSeek's dense blocks, its last the prediction depths
     max_stages = 1 if m.deepseek and (m.deepseek.dense_layers or m.deepseek.mtp_depth) else max_stages
     contexts = [c for c in _divisors(devices) if seq_len % c == 0 and (c == 1 or seq_len // c >= 512)]
     experts = [e for e in _divisors(devices) if moe is not None and moe.experts % e == 0] or [1]
@@ -368,7 +368,7 @@ def _bubble_note(c: Candidate) -> str:
         return ""
     p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
     place = placement(lay)
-    free = (*place.stage_context_axes, *place.stage_free_axes(BLOCK_AXES, lay.expert > 1))
+    free = place.stage_free_axes(BLOCK_AXES, lay.expert > 1)
     slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage" if free else
              "idle slots skipped")
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "

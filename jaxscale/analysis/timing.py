@@ -365,21 +365,27 @@ def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: boo
 
     A forward slot runs a chunk forward, a backward slot recomputes it and runs its backward; the
     last virtual stage's backward runs the head and loss too, the first's the embedding gradient.
+    A schedule that splits the backward (``Table.split``, ZB-H1) runs in its B slot the recompute and the input
+    gradients, 2/3 of the backward, and in its W slot the recompute, the weight gradients and the input
+    gradients inside each layer that lead to them, about the whole backward again (:meth:`schedules.Table.cost`).
     ``masked`` (a stage with mesh axes left to the partitioner): every slot is computed every tick,
     the head and embedding branches on every stage in the ticks where one needs them. ``chunks``: the
     layers of each virtual stage where they differ (``comp``'s chunk is the average one): a slot skips
     its chunk's unused layer slots, or computes them all (as many as the largest chunk's) when masked.
     """
     f, b, head, embed = (comp[k] for k in ("chunk_forward", "chunk_backward", "head", "embedding_gradient"))
-    fk, bk = table.f_kind, table.b_kind
+    fk, bk, wk = table.f_kind, table.b_kind, table.w_kind
+    b, w = (2 * b / 3, b) if table.split else (b, 0.0)
     sizes = np.asarray(chunks if chunks is not None else [1] * (table.p * table.v), float)
     sizes /= sizes.mean()
     if masked:
         top = sizes.max()
-        return float((top * (f + b) + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
+        return float((top * (f + b + w) + head * (bk == LAST).any(axis=1) + embed * (bk == FIRST).any(axis=1)).sum())
     stage = np.arange(table.p)
-    f_size, b_size = (sizes[np.maximum(chunk, 0) * table.p + stage] for chunk in (table.f_chunk, table.b_chunk))
+    f_size, b_size, w_size = (sizes[np.maximum(chunk, 0) * table.p + stage]
+                              for chunk in (table.f_chunk, table.b_chunk, table.w_chunk))
     busy = f * f_size * (fk > IDLE) + b * b_size * (bk > IDLE) + head * (bk == LAST) + embed * (bk == FIRST)
+    busy += w * w_size * (wk > IDLE)
     return float(busy.max(axis=1).sum())
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxscale.config import MoEConfig
@@ -50,13 +51,22 @@ def router_bias(moe: MoEConfig) -> RouterBias | None:
 
 
 def updated(bias: Any, layers: dict[str, jax.Array], moe: MoEConfig) -> Any:
-    """The biases after one step: ``bias`` (``TrainState.balance``, one stacked leaf [moe layers, experts])
-    moved by the step's per-layer statistics ``layers`` (``moe_load``, ``moe_bias_target``: [moe layers, experts])."""
+    """The biases after one step: ``bias`` (``TrainState.balance``) moved by the step's per-layer statistics
+    ``layers`` (``moe_load``, ``moe_bias_target``: [moe layers, experts]).
 
-    def step(b: jax.Array) -> jax.Array:
+    Each leaf of ``bias`` is a stack [n, experts] of n layers' biases, or one layer's [experts]; the rows of
+    ``layers`` are those leaves' layers one after the other, in the leaves' order (a model's stacked blocks,
+    then, say, DeepSeek's multi-token prediction blocks: :func:`jaxscale.loss.model_objective`)."""
+    leaves, tree = jax.tree.flatten(bias)
+    starts = np.cumsum([0] + [b.shape[0] if b.ndim > 1 else 1 for b in leaves])
+
+    def step(b: jax.Array, start: int) -> jax.Array:
+        def rows(key: str) -> jax.Array:
+            return layers[key][start : start + (b.shape[0] if b.ndim > 1 else 1)].reshape(b.shape)
+
         if moe.balance == "sign":
-            load = layers["moe_load"]
+            load = rows("moe_load")
             return b + moe.bias_rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
-        return moe.bias_ema * b + (1 - moe.bias_ema) * layers["moe_bias_target"]
+        return moe.bias_ema * b + (1 - moe.bias_ema) * rows("moe_bias_target")
 
-    return jax.tree.map(step, bias)
+    return tree.unflatten([step(b, int(start)) for b, start in zip(leaves, starts[:-1], strict=True)])

@@ -27,6 +27,11 @@ class Staged(Protocol):
     weighted term the objective adds by :meth:`aux_loss`."""
 
     config: ModelConfig  # the shapes the pipeline's buffers take (embed, dtype, vocab_size, moe)
+    # Optional, False when absent: every projection of the stacked unit goes through
+    # jaxscale.parallel.sequence's column_parallel / row_parallel, which write TP's collectives where a
+    # pipeline stage's loop is manual over TP's axes (Layout.stage_tensor_axes): such a stage skips its idle
+    # slots. Without it TP inside a stage stays with the partitioner and idle slots are masked.
+    explicit_tp: bool
     embedding: nnx.Param  # the token table [vocab, embed] that :meth:`embed` reads
     blocks: nnx.Module  # the stacked unit, leading ``layers`` axis: ``unit(x, positions) -> (x, metrics)``
 
@@ -55,14 +60,41 @@ class Staged(Protocol):
         ...
 
 
+class Extended(Staged, Protocol):
+    """Optional parts of the richer form, each read where present.
+
+    ``prefix``: what runs between :meth:`embed` and the stack (DeepSeek's dense blocks); a pipeline runs
+    it on its first stage, after the lookup, its parameters with the embedding's. ``ahead``: predictions
+    beyond the next token (DeepSeek's multi-token prediction) from the stack's output before
+    :meth:`final_norm`; the objective adds their weighted terms by :meth:`aux_loss`, and a pipeline runs it
+    on its last stage with the head. A model with ``ahead`` gives the plain objective that output by
+    ``trunk``."""
+
+    def prefix(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """The residual stream after the embedding -> the stack's input, the same shape (no metrics)."""
+        ...
+
+    def trunk(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """The stack's output before :meth:`final_norm` and the metrics (``hidden`` without the final norm)."""
+        ...
+
+    def ahead(self, y: jax.Array, batch: dict[str, jax.Array]) -> Metrics:
+        """The stack's output ``y`` and the batch (``inputs``, ``positions``, ``targets``) -> metrics for
+        :meth:`aux_loss`; per-layer MoE statistics under ``moe_layers`` follow the stack's layers."""
+        ...
+
+
 # What each part of the richer form unlocks: the thing asked for -> the attributes it needs.
 CHUNKED_LOSS = "the chunked loss (model.loss_chunk > 0)"
 PIPELINE = "pipeline parallelism"
+AHEAD = "predictions ahead (a model with ahead)"
 NEEDS: dict[str, tuple[str, ...]] = {
     CHUNKED_LOSS: ("hidden", "head_weight"),
     PIPELINE: ("config", "embedding", "embed", "blocks", "final_norm", "logits", "head_weight", "aux_loss"),
+    AHEAD: ("trunk", "final_norm", "logits", "head_weight", "aux_loss"),
 }
-OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token")  # read when present
+OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token", "explicit_tp", "prefix",
+            "ahead")  # read when present
 
 
 def parts(model: Any) -> frozenset[str]:

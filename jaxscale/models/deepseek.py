@@ -10,23 +10,27 @@ layouts by logical name), in the contract's richer form; ``model.deepseek`` sele
   is decoupled: ``qk_rope_head_dim`` more query columns per head, and one rotated key of that width computed
   from the input beside the latent (``wkv_a``'s last columns) and shared by every head. Scores are scaled by
   ``1/sqrt(nope + rope)``; the values are narrower than the queries, which every kernel takes.
-* **Blocks**: the first ``dense_layers`` with a dense SwiGLU of ``model.mlp`` (``dense``), the rest with
-  ``model.moe``'s routed experts (group-limited with ``moe.groups``, sigmoid router in DeepSeek-V3), their output
-  scaled by ``routed_scale``, plus a dense SwiGLU of ``shared_experts x moe.mlp`` (``blocks``): two stacks, each
-  scanned.
-* **Multi-token prediction** (:class:`MTP`, ``mtp_depth`` modules in sequence): depth k joins the previous
-  depth's hidden state of token i (the stack's output for k = 1), RMS-normed, with the embedding of token i+k,
+* **Blocks**: the first ``dense_layers`` with a dense SwiGLU of ``model.mlp`` (``dense``, the contract's ``prefix``:
+  under a pipeline they run on the first stage after the embedding, their stack's leading axis unnamed, never
+  split), the rest with ``model.moe``'s routed experts (group-limited with ``moe.groups``, sigmoid router in
+  DeepSeek-V3), their output scaled by ``routed_scale``, plus a dense SwiGLU of ``shared_experts x moe.mlp``
+  (``blocks``, the pipelined stack): two stacks, each scanned. With ``data.documents`` attention stays within
+  each packed document.
+* **Multi-token prediction** (:class:`MTP`, ``mtp_depth`` modules in sequence; the contract's ``ahead``: under
+  a pipeline it runs on the last stage with the head): depth k joins the previous depth's hidden state of token
+  i (the stack's output before the final norm for k = 1), RMS-normed, with the embedding of token i+k,
   RMS-normed, by a projection of their concatenation (embedding first, as DeepSeek-V3's checkpoints), runs one
   MoE block, RMS-norms its output and predicts token i+k+1 with the shared head; embedding and head are the
-  model's. The objective adds ``mtp_loss_weight`` times the mean of the depths' cross-entropies. The tokens ahead
-  are read from the inputs in their logical order (positions, so ring attention's zig-zag order is followed):
-  each depth trains the positions whose token i+k+1 is in the sequence, all of them (loss masks are not seen).
-  The MTP blocks route without the balance bias (``model.moe.balance``): their load-balance and z losses join
-  the objective with the MoE weights.
+  model's. The objective adds ``mtp_loss_weight`` times the mean of the depths' cross-entropies, each over its
+  trained targets: those of the loss mask (the target of token i+k+1 is the batch's at i+k, with its mask),
+  within the sequence, and with packed documents (``data.documents``) within the document of token i. The MTP
+  blocks route with the balance bias (``model.moe.balance``) as the main ones; their per-layer loads follow the
+  main blocks' (``moe_layers``, which the bias update reads), their load-balance and z losses join the
+  objective with the MoE weights.
 
 Not here: YaRN rope scaling (DeepSeek-V3's long-context extension; jaxscale has no such option). Refused in one
-line when the model is built: MTP with documents (``data.documents``), and dense layers or MTP under pipeline
-parallelism (which runs the contract's ``blocks`` only).
+line when the model is built: MTP with documents under ring attention (the zig-zag row's logical order is read
+from positions, which restart at each document).
 
 Recomputation (``model.remat``) as the built-in models': the layer policies of :func:`jaxscale.nn.remat_policy`,
 ``selective`` recomputing the attention core, ``save_named`` keeping the named ``query``, ``key``, ``value``,
@@ -38,7 +42,6 @@ Logical axes: the latents are ``q_lora`` and ``kv_lora`` (parameters and activat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -49,7 +52,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import flops, nn
 from jaxscale.config import Config, ConfigError, ModelConfig
-from jaxscale.layout import Rules
 
 Q_LATENT = ("batch", "length", "q_lora")
 KV_LATENT = ("batch", "length", "kv_lora")
@@ -73,6 +75,7 @@ class MLA(nnx.Module):
         c = self.config = config.model
         d = c.deepseek
         self.grads = nn.weight_grads(config)
+        self.documents = config.data.documents  # packed documents: attention masked across them
         h, qk = c.heads, d.qk_nope_head_dim + d.qk_rope_head_dim
         if d.q_lora_rank:
             self.wq_a = param(rngs, c, (c.embed, d.q_lora_rank), ("embed", "q_lora"))
@@ -109,7 +112,8 @@ class MLA(nnx.Module):
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:3], k_rope.shape[-1]))], -1)
         q, k, v = (checkpoint_name(a, name) for a, name in ((q, "query"), (nn.constrain(k, nn.Q_AXES), "key"),
                                                               (v, "value")))
-        core = functools.partial(nn.attention, config=c, kv_axes=nn.Q_AXES)
+        documents = positions if self.documents else None
+        core = functools.partial(nn.attention, config=c, kv_axes=nn.Q_AXES, documents=documents)
         if c.remat == "selective":  # keep q, k, v; recompute the attention core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
         out = checkpoint_name(nn.constrain(core(q, k, v), nn.Q_AXES), "attention")
@@ -168,8 +172,7 @@ class MTP(nnx.Module):
         c = config.model
         self.embed_norm, self.hidden_norm, self.out_norm = (norm(c, c.embed, "embed") for _ in range(3))
         self.proj = param(rngs, c, (2, c.embed, c.embed), (None, "embed", None))  # [embedding; hidden] -> embed
-        unbiased = dataclasses.replace(c.moe, balance="off")
-        self.block = Block(dataclasses.replace(config, model=dataclasses.replace(c, moe=unbiased)), rngs, True)
+        self.block = Block(config, rngs, True)
         self.dtype = c.dtype
 
     def __call__(self, h: jax.Array, emb: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, Metrics]:
@@ -180,11 +183,11 @@ class MTP(nnx.Module):
         return x, self.out_norm(x), metrics
 
 
-def stack(config: Config, rngs: nnx.Rngs, n: int, moe: bool) -> Block:
-    """``n`` blocks stacked on a leading ``layers`` axis."""
+def stack(config: Config, rngs: nnx.Rngs, n: int, moe: bool, axis: str | None) -> Block:
+    """``n`` blocks stacked on a leading axis named ``axis``."""
 
     @nnx.split_rngs(splits=n)
-    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
     def make(rngs: nnx.Rngs) -> Block:
         return Block(config, rngs, moe)
 
@@ -192,30 +195,27 @@ def stack(config: Config, rngs: nnx.Rngs, n: int, moe: bool) -> Block:
 
 
 def check(config: Config) -> None:
-    """What this model cannot run, in one line: dense layers or MTP under the pipeline (it runs ``blocks``
-    only), MTP over packed documents (the tokens ahead cross documents; positions restart)."""
-    d = config.model.deepseek
-    layers = Rules.load(config.rules).params.get("layers", ())
-    if "stage" in layers and config.mesh.stage != 1 and (d.dense_layers or d.mtp_depth):
-        raise ConfigError(
-            f"model.deepseek: rules '{config.rules}' pipeline model.blocks only: dense_layers "
-            f"({d.dense_layers}) and mtp_depth ({d.mtp_depth}) must be 0"
-        )
-    if config.data.documents and d.mtp_depth:
-        raise ConfigError("model.deepseek.mtp_depth: not with data.documents (the tokens ahead cross documents)")
+    """What this model cannot run, in one line: MTP over packed documents in ring attention's zig-zag order
+    (positions restart at each document, so the tokens' logical order is not to be read from them)."""
+    if config.data.documents and config.model.deepseek.mtp_depth and config.model.attention == "ring":
+        raise ConfigError("model.deepseek.mtp_depth: not with data.documents under ring attention (the tokens' "
+                          "logical order is not to be read from positions that restart at each document)")
 
 
 class DeepSeek(nnx.Module):
-    """Token ids and positions [batch, length] -> logits [batch, length, vocab]; the richer form of the contract."""
+    """Token ids and positions [batch, length] -> logits [batch, length, vocab]; the richer form of the contract
+    with its optional parts: the dense blocks are the ``prefix``, MTP is ``ahead``."""
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = self.config = config.model
         d = c.deepseek
         check(config)
         self.grads = nn.weight_grads(config)
+        self.documents = config.data.documents
         self.embedding = param(rngs, c, (c.vocab_size, c.embed), ("vocab", "embed"))
-        self.dense = stack(config, rngs, d.dense_layers, False) if d.dense_layers else None
-        self.blocks = stack(config, rngs, c.layers - d.dense_layers, True)
+        # The dense stack's leading axis is never split: under a pipeline it runs with the embedding.
+        self.dense = stack(config, rngs, d.dense_layers, False, None) if d.dense_layers else None
+        self.blocks = stack(config, rngs, c.layers - d.dense_layers, True, "layers")
         self.final_norm = norm(c, c.embed, "embed")
         self.mtp = nnx.List([MTP(config, rngs) for _ in range(d.mtp_depth)])
         if not c.tie_embeddings:
@@ -236,8 +236,8 @@ class DeepSeek(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         return nn.constrain(nn.einsum("bse,ev->bsv", x, self.head_weight(), self.grads), nn.LOGITS)
 
-    def run(self, blocks: Block, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
-        """A stack of blocks scanned over ``x``, each recomputed by ``model.remat``'s policy."""
+    def run(self, blocks: Block, x: jax.Array, positions: jax.Array, axis: str | None) -> tuple[jax.Array, Metrics]:
+        """A stack of blocks (leading axis ``axis``) scanned over ``x``, each recomputed by ``model.remat``'s policy."""
 
         def body(x: jax.Array, block: Block) -> tuple[jax.Array, Metrics]:
             return block(x, positions)
@@ -246,18 +246,21 @@ class DeepSeek(nnx.Module):
         if policy is not None:
             body = nnx.remat(body, policy=policy, prevent_cse=False)
         scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),
-                        transform_metadata={nnx.PARTITION_NAME: "layers"})
+                        transform_metadata={nnx.PARTITION_NAME: axis})
         return scan(x, blocks)
 
+    def prefix(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """The dense blocks on the embedded tokens ``x`` (none: ``x``)."""
+        return x if self.dense is None else self.run(self.dense, x, positions, None)[0]
+
+    def trunk(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+        """The MoE stack's output (before the final norm) and its metrics (:func:`jaxscale.nn.moe_metrics`)."""
+        x, stats = self.run(self.blocks, self.prefix(self.embed(tokens), positions), positions, "layers")
+        return x, nn.moe_metrics(stats)
+
     def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
-        """The final-normed hidden states, the MoE metrics (:func:`jaxscale.nn.moe_metrics`) and the MTP losses."""
-        x = self.embed(tokens)
-        if self.dense is not None:
-            x, _ = self.run(self.dense, x, positions)
-        x, stats = self.run(self.blocks, x, positions)
-        metrics = nn.moe_metrics(stats)
-        if len(self.mtp):
-            metrics.update(self.predict_ahead(x, tokens, positions))
+        """The final-normed hidden states and the MoE metrics (MTP is :meth:`ahead`, which needs the targets)."""
+        x, metrics = self.trunk(tokens, positions)
         return self.final_norm(x), metrics
 
     def cross_entropy(self, x: jax.Array, targets: jax.Array) -> jax.Array:
@@ -267,31 +270,42 @@ class DeepSeek(nnx.Module):
             return nn.chunked_cross_entropy(x, self.head_weight(), targets, chunk)
         return nn.cross_entropy(self.logits(x), targets)
 
-    def predict_ahead(self, h: jax.Array, tokens: jax.Array, positions: jax.Array) -> Metrics:
-        """The MTP depths on the stack's output ``h``: their mean cross-entropy (``mtp_loss``) and their MoE
-        blocks' mean load-balance and z losses."""
+    def ahead(self, y: jax.Array, batch: dict[str, jax.Array]) -> Metrics:
+        """The MTP depths on the stack's output ``y``: their mean cross-entropy (``mtp_loss``), their MoE blocks'
+        mean load-balance and z losses and per-layer statistics (``moe_layers``, one row per depth).
+
+        In logical order (ring attention's zig-zag rows are read through the positions), depth k predicts at
+        token t the token t+k+1, the target at t+k with its loss mask (``targets`` [t+k] < 0: not trained),
+        from the embedding of token t+k; with ``data.documents`` nothing is predicted across a document
+        boundary (token t+k+1 in another document than t's: a position restarts at 0 between them; at the
+        row's end the target's mask tells, as the data path masks a document's first token)."""
+        if not len(self.mtp):
+            return {}
+        tokens, positions, targets = batch["inputs"], batch["positions"], batch["targets"]
         s = tokens.shape[1]
-        order = jnp.argsort(positions, axis=1)  # the place in the row of each logical position
+        # The logical index of each place in the row, and the place of each logical index.
+        logical = jnp.broadcast_to(jnp.arange(s), tokens.shape) if self.documents else positions
+        order = jnp.argsort(logical, axis=1)
 
-        def ahead(k: int) -> tuple[jax.Array, jax.Array]:
-            """The token k places ahead of each (logically), and whether it is in the sequence."""
-            place = jnp.take_along_axis(order, jnp.minimum(positions + k, s - 1), axis=1)
-            return jnp.take_along_axis(tokens, place, axis=1), positions + k < s
+        def at(a: jax.Array, k: int) -> jax.Array:
+            """``a`` at the token k ahead of each (logically; the last token where none is)."""
+            return jnp.take_along_axis(a, jnp.take_along_axis(order, jnp.minimum(logical + k, s - 1), axis=1), axis=1)
 
-        losses, aux, z = [], [], []
+        losses, stats = [], []
         for k, module in enumerate(self.mtp, start=1):
-            targets, inside = ahead(k + 1)
-            h, normed, stats = module(h, self.embed(ahead(k)[0]), positions)
-            losses.append(self.cross_entropy(normed, jnp.where(inside, targets, -1)))
-            aux.append(stats["moe_aux_loss"])
-            z.append(stats["moe_z_loss"])
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        return {"mtp_loss": mean(losses), "mtp_moe_aux_loss": mean(aux), "mtp_moe_z_loss": mean(z)}
+            same = (at(positions, k) == positions + k) & ((logical + k + 1 >= s) | (at(positions, k + 1) != 0))
+            trained = jnp.where((logical + k < s) & same, at(targets, k), -1)
+            y, normed, aux = module(y, self.embed(at(tokens, k)), positions)
+            losses.append(self.cross_entropy(normed, trained))
+            stats.append(aux)
+        metrics = nn.moe_metrics(jax.tree.map(lambda *a: jnp.stack(a), *stats))
+        return {"mtp_loss": sum(losses) / len(losses), "mtp_moe_aux_loss": metrics["moe_aux_loss"],
+                "mtp_moe_z_loss": metrics["moe_z_loss"], "moe_layers": metrics["moe_layers"]}
 
     def aux_loss(self, metrics: Metrics) -> jax.Array:
         """The MoE layers' weighted auxiliary losses, plus ``mtp_loss_weight`` times the MTP loss and the MTP
-        blocks' MoE losses (where ``metrics`` has them: a pipeline stage's have the MoE ones only)."""
-        total = nn.moe_objective(metrics, self.config)
+        blocks' MoE losses, where ``metrics`` has them (a pipeline stage's have the MoE ones, its head's the MTP's)."""
+        total = nn.moe_objective(metrics, self.config) if "moe_aux_loss" in metrics else 0.0
         if "mtp_loss" in metrics:
             mtp = {"moe_aux_loss": metrics["mtp_moe_aux_loss"], "moe_z_loss": metrics["mtp_moe_z_loss"]}
             total = total + self.config.deepseek.mtp_loss_weight * metrics["mtp_loss"]

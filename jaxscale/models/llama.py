@@ -330,7 +330,10 @@ class Llama(nnx.Module):
 
     Built from the whole experiment config, the one channel into the model (every submodule takes
     it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
+    Its projections are :mod:`jaxscale.parallel.sequence`'s (``explicit_tp``).
     """
+
+    explicit_tp = True
 
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = config.model

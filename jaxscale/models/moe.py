@@ -51,9 +51,9 @@ which states only the layouts (the buffers' ``expert`` dimension on the rules'
 ``expert`` axes, their batch on ``expert_batch``) and leaves the collectives to
 XLA's SPMD partitioner.
 
-With ``precision.fp8`` delayed or current, the experts' matmuls run in fp8 with a scale per expert
-(:class:`MoE`'s ``fp8``: per-expert weight histories, the buffers' and hidden activations' per tensor);
-``blockwise`` leaves them in ``model.dtype``.
+With ``precision.fp8`` on, the experts' matmuls run in fp8 with a scale per expert (``blockwise``: per
+block of each expert's weight; :class:`MoE`'s ``fp8``: per-expert weight histories, the buffers' and hidden
+activations' per tensor).
 
 The routing math and the kernels both places share (dispatch, combine,
 grouped matmuls) are :mod:`jaxscale.routing`.
@@ -80,10 +80,9 @@ from jaxscale.fp8 import Fp8
 from jaxscale.models import balance
 from jaxscale.models.params import param
 from jaxscale.parallel import expert
-from jaxscale.routing import METRICS, Routing, Weight, capacity, dropless, flat_slot, route
+from jaxscale.routing import LAYER_STATS, METRICS, Routing, Weight, capacity, dropless, flat_slot, route
 from jaxscale.sharding import active, constrain
 
-LAYER_STATS = ("moe_load", "moe_entropy", "moe_dropped", "moe_bias_target")  # kept per layer: "moe_layers"
 WEIGHTS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}  # the experts' weights, their outputs' names
 LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")
 
@@ -168,8 +167,8 @@ class MoE(nnx.Module):
         self.shared = shared
         self.bias = balance.router_bias(moe)
         self.grads = precision.weight_grads(config)
-        per_tensor = config.precision.fp8 in ("delayed", "current")  # blockwise: the routed experts stay bf16
-        self.fp8 = Fp8(config.precision, ("buffer", "hidden"), WEIGHTS, moe.experts) if per_tensor else None
+        on = config.precision.fp8 != "off"
+        self.fp8 = Fp8(config.precision, ("buffer", "hidden"), WEIGHTS, moe.experts) if on else None
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         c, moe = self.config, self.config.moe
@@ -180,7 +179,7 @@ class MoE(nnx.Module):
         routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias)
         weights = tuple(getattr(self, name)[...].astype(dt) for name in WEIGHTS)
         f8 = None if self.fp8 is None else self.fp8.inputs()
-        if f8 is not None:  # per-expert e4m3 copies and scales (made once per step by jaxscale.fp8.prepare)
+        if f8 is not None:  # per-expert e4m3 copies and scales (jaxscale.fp8.prepare; blockwise: none)
             weights = tuple(self.fp8.weight(name, w) for name, w in zip(WEIGHTS, weights, strict=True))
         if moe.impl == "partitioner" or active() is None:
             y = partitioner_experts(x, routing, weights, moe, seq_capacity, self.grads, f8)

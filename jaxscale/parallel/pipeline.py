@@ -9,8 +9,14 @@ stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed
 (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
-the loop (:func:`sum_shards`): no FSDP collective runs in a tick, and with nothing else inside a stage
-idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
+the loop (:func:`sum_shards`): no FSDP collective runs in a tick. **TP and SP inside a stage**: where
+that leaves only TP's axes to the partitioner, they are manual too
+(:meth:`~jaxscale.layout.Layout.stage_tensor_axes`, which says where they cannot be): each device keeps
+its shard of the blocks (and of their gradients) and the projections write TP's all-reduces, or SP's
+all-gathers and reduce-scatters, among the devices of one stage (:mod:`jaxscale.parallel.sequence`); the
+embedding, final norm and head stay whole on each device (with TP alone each of a stage's TP devices runs
+the head on the whole microbatch; with SP on its own part of the sequence). With no axis left to the
+partitioner, idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
 groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
 exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
 chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
@@ -24,13 +30,15 @@ whose slots every stage keeps room for.
 tick every stage runs at most one *forward slot* and then one *backward slot*, each IDLE, FIRST,
 MIDDLE or LAST by the table: an idle slot is skipped by a conditional (or, with mesh axes left to
 the partitioner inside a stage, computed on zeros and masked), the first virtual stage embeds its
-microbatch's tokens, the last one runs the final norm, the output head and the loss. The forward
-slot keeps the input of every layer of its chunk; the backward slot recomputes each layer from its
-input under ``jax.vjp``, last layer first, and adds the parameter gradients to fp32 accumulators;
+microbatch's tokens (and runs the model's ``prefix``, if any: DeepSeek's dense blocks), the last one runs the
+final norm, the output head and the loss (and the model's ``ahead``, if any: DeepSeek's multi-token
+prediction). The forward slot keeps the input of every layer of its chunk; the backward slot recomputes
+each layer from its input under ``jax.vjp``, last layer first, and adds the parameter gradients to fp32 accumulators;
 its input gradient goes to the previous stage. Both messages of a tick (the forward's output, the
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
-interleaved_1f1b) is only which slot runs what.
+interleaved_1f1b, zb_h1) is only which slot runs what; zb_h1 splits the backward slot into the input
+gradient and a third, weight-gradient slot (:class:`~jaxscale.parallel.stage_program.StageProgram`).
 
 **Memory**: a stage keeps the layer inputs of its in-flight microbatches (``Table.act_slots`` of
 them: m for GPipe, at most 2p for 1F1B in lock-step ticks, whatever m; L/(p·v) layers' b·s·h each)
@@ -46,17 +54,20 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (TP all-reduces, GShard-style experts, an MoE model's FSDP; once per step
+axes stay with the partitioner (TP's where not manual, GShard-style experts, an MoE model's FSDP; once per step
 the embedding table is moved to the lookup's layout, split on its width,
-:meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); the ring's key/value blocks
-travel over ``context`` in every layer.
+:meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); in every layer the keys and
+values are all-gathered over ``context`` (the ring's kernel on every device's blocks) and their gradients
+reduce-scattered.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
 scales the gradients computed there by the loss's cotangent; evaluation (no gradient) runs a
 forward-only table, the loss in the last stage's forward slot. The MoE auxiliary losses enter each
 chunk's objective with their weight, so their gradients flow through the same backward slots; the
-metrics returned are not differentiable.
+metrics returned are not differentiable. Each unit slot's MoE statistics (``moe_layers``: loads and the
+rest, their microbatches' mean) leave the loop with their stage, in the stack's storage order, and the
+head's after them: the routing biases (stored in the same order) are updated from them.
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ from jaxscale.layout import TOKENS, Stage
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_program import AXIS, StageProgram, vary
+from jaxscale.routing import joined
 from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
 
 __all__ = ["AXIS", "objective", "settings", "table", "vary"]
@@ -125,8 +137,11 @@ def split_model(model: Any) -> Parts:
     )
 
 
+HeadLoss = Callable[[Any, jax.Array, dict[str, jax.Array]], tuple[jax.Array, Any]]
+
+
 def build(
-    mesh: Mesh, place: Layout, parts: Parts, model: Any, head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
+    mesh: Mesh, place: Layout, parts: Parts, model: Any, head_loss: HeadLoss, head_metrics: Any
 ) -> StageProgram:
     """The training program of each stage for this step (its shapes checked at build: ``Layout.validate``)."""
     config, c = settings(place), model.config
@@ -136,22 +151,33 @@ def build(
     # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
     # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
     # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    # Context axes are manual too (a dense model): ring attention passes keys and values round them.
+    # Context axes are manual too (a dense model): ring attention gathers keys and values over them.
+    # TP's axes are manual too where the stage leaves nothing else to the partitioner: each device keeps its
+    # shard of the blocks, and jaxscale.parallel.sequence writes the collectives (Layout.stage_tensor_axes).
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
-    manual = place.stage_manual_axes(block_axes, c.moe is not None)
+    moe, explicit = c.moe is not None, getattr(model, "explicit_tp", False)
+    manual = place.stage_manual_axes(block_axes, moe, explicit)
     ring = tuple(a for a in manual if a in place.stage_context_axes)
+    tensor = place.stage_tensor_axes(block_axes, moe, explicit)
+    split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
+    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
-    gathered = place.stage_gathered_axes(block_axes, c.moe is not None)
+    gathered = place.stage_gathered_axes(block_axes, moe)
+
+    def per_dim(axes: tuple[str | None, ...], among: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+        return tuple(tuple(a for a in place.mesh_axes((n,)) if a in among) for n in axes[1:])
+
     return StageProgram(
-        gathers=tuple(tuple(tuple(a for a in place.mesh_axes((n,)) if a in gathered) for n in axes[1:])
-                      for axes in block_axes),
+        gathers=tuple(per_dim(axes, gathered) for axes in block_axes),
+        shards=tuple(per_dim(axes, tensor) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, c.moe is not None),
-        inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=Stage(manual, ring)),
+        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, moe, explicit),
+        inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes, head_loss=head_loss,
+        head_metrics=head_metrics,
         aux_loss=model.aux_loss,
     )
 
@@ -186,7 +212,7 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
     The stacked blocks enter as they are stored (:class:`~jaxscale.stage_layers.Storage`): stage s's shard
     is its v chunks one after the other, [v·slots, ...], seen as [v, slots, ...] where it runs."""
     ring = program.inner.stage.ring
-    data = tuple(a for a in program.summed if a not in ring)
+    data = tuple(a for a in program.summed if a not in ring and a not in program.inner.stage.tensor)
     batch = PartitionSpec(None, data or None, ring or None)
     stacked = PartitionSpec(AXIS)
     v = program.repeats
@@ -202,55 +228,66 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         out = program.run(outer, chunks, hist, xs)
         if not program.table.train:
             return out
-        leaves, tree = jax.tree.flatten(out[2])
+        leaves, tree = jax.tree.flatten(out[4])
         grads = tree.unflatten([stored(d, dims) for d, dims in zip(leaves, program.gathers, strict=True)])
-        return (*out[:2], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[3]), out[4])
+        return (*out[:4], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[5]), out[6])
 
     def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
         tree = jax.tree.structure(blocks)
-        block_specs, history_specs = (jax.tree.map(lambda _: stacked, t) for t in (blocks, histories))
+        # TP's axes: each device keeps its shard of the blocks and of their gradients.
+        specs = [PartitionSpec(AXIS, *(s or None for s in dims)) for dims in program.shards]
+        block_specs, history_specs = tree.unflatten(specs), jax.tree.map(lambda _: stacked, histories)
         # FSDP's axes: the blocks enter gathered over them, each device's gradient leaves whole, one per device.
-        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), AXIS)
-                                     for d in program.gathers])
-        outs = (PartitionSpec(), PartitionSpec(), grad_specs, history_specs, stacked)
+        grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) else ()), *spec)
+                                     for d, spec in zip(program.gathers, specs, strict=True)])
+        # Loss and metrics, each unit slot's MoE statistics (stored as the stack), the head's metrics.
+        outs = (PartitionSpec(), PartitionSpec(), stacked, PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
-            out_specs=outs if program.table.train else outs[:2], axis_names=set(program.manual),
+            out_specs=outs if program.table.train else outs[:4], axis_names=set(program.manual),
         )(per_stage, blocks, histories, xs)
         if not program.table.train:
             return out
-        return (*out[:2], sum_shards(program, out[2], mesh, rules), out[3], program.sum_stage_copies(out[4]))
+        return (*out[:4], sum_shards(program, out[4], mesh, rules), out[5], program.sum_stage_copies(out[6]))
 
     return run
 
 
 def objective(
-    model: Any, batch: dict[str, jax.Array], head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]
-) -> tuple[jax.Array, dict[str, jax.Array]]:
+    model: Any, batch: dict[str, jax.Array], head_loss: HeadLoss
+) -> tuple[jax.Array, dict[str, Any]]:
     """The training objective of a pipelined :class:`~jaxscale.models.llama.Llama` on ``batch`` and its metrics.
 
     Mean cross-entropy plus the weighted MoE auxiliary losses (as the trainer's objective).
-    ``head_loss(model, y, targets)`` is the mean loss of the stack's output ``y`` on one microbatch
-    (final norm, head, cross-entropy), run on the last stage. Differentiable in the model's parameters.
+    ``head_loss(model, y, micro)`` is the mean loss of the stack's output ``y`` on one microbatch ``micro``
+    (final norm, head, cross-entropy, and the model's predictions ahead) and the metrics of the latter, run
+    on the last stage. Differentiable in the model's parameters. The MoE layers' per-layer statistics
+    (``moe_layers``) are the stack's as stored, then the head's.
     """
     mesh, place = active()
     parts = split_model(model)
-    train = build(mesh, place, parts, model, head_loss)
+    y = jax.ShapeDtypeStruct((*batch["inputs"].shape, model.config.embed), model.config.dtype)
+    head_metrics = jax.eval_shape(lambda y, b: head_loss(model, y, b)[1], y, {k: batch[k] for k in BATCH})
+    train = build(mesh, place, parts, model, head_loss, head_metrics)
     evaluate = dataclasses.replace(train, table=table(place.pipeline, train.stages, train=False))
     blocks, histories = parts.blocks, parts.histories  # stored with each stage's chunks together: no reshuffle
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
 
+    def metrics_of(metrics: dict[str, Any], layers: Any, head: Any) -> dict[str, Any]:
+        return joined({**metrics, **({"moe_layers": layers} if layers else {})}, head)
+
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        return shard_mapped(evaluate, mesh, place.rules)(outer, blocks, histories, xs)
+        loss, *metrics = shard_mapped(evaluate, mesh, place.rules)(outer, blocks, histories, xs)
+        return loss, metrics_of(*metrics)
 
     def pipelined_fwd(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
+        loss, metrics, layers, head, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
             outer, blocks, histories, xs
         )
-        return (loss, metrics), ((d_outer, d_blocks), new_histories)
+        return (loss, metrics_of(metrics, layers, head)), ((d_outer, d_blocks), new_histories)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);

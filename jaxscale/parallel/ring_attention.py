@@ -51,7 +51,14 @@ Inside a ``shard_map`` that is already manual over the ring's axes (a pipeline s
 active layout's :class:`~jaxscale.layout.Stage` names them) the kernel runs directly on each
 device's blocks: a ``shard_map`` of its own
 nested in that partly manual loop does not lower (Shardy: "manual axes must come before free
-axes" for its residuals, whose leading dimension spans the loop's free axes, e.g. fsdp).
+axes" for its residuals, whose leading dimension spans the loop's free axes, e.g. fsdp). There the
+keys and values are **all-gathered** over the ring's axes (``_Ring.gathered``) and the kernel visits
+every device's blocks from the gathered copy in the ring's order; the backward adds each block's
+gradient into a buffer of all of them, reduce-scattered at the end. The bytes are the ring's
+(``c−1`` blocks in, and out for the gradients), the memory one layer's whole K and V; what it buys is no
+collective-permute: a stage skips its idle slots with a conditional, and XLA:CPU runs a permute in a
+branch that some stages do not take wrong (an all-gather or reduce-scatter among one stage's devices
+runs right).
 """
 
 from __future__ import annotations
@@ -127,9 +134,14 @@ class _Ring:
     block: int
     scale: float
     varying: tuple[str, ...]
+    gathered: bool = False  # K and V all-gathered over the ring's axes, their gradients reduce-scattered
 
     def index(self) -> jax.Array:
         return lax.axis_index(self.axes) if self.cp > 1 else jnp.int32(0)
+
+    def gather(self, x):
+        """Every device's block of ``x`` (a tree; None stays None), [cp, ...] in the ring's order."""
+        return jax.tree.map(lambda a: lax.all_gather(a, self.axes), x)
 
     def shift(self, x):
         """Send to the next device of the ring."""
@@ -298,7 +310,15 @@ def _forward(q, k, v, starts, plan: _Ring):
         return _fold(q, k, v, ids[me], ids[(me - step) % plan.cp], state, plan, both)
 
     kv = (k, v, starts)
-    if plan.cp > 1:
+    if plan.gathered:
+        every = plan.gather(kv)
+
+        def gathered_step(state, step):
+            return visit(state, jax.tree.map(lambda a: a[(me - step) % plan.cp], every), step), None
+
+        state, _ = lax.scan(gathered_step, state, jnp.arange(plan.cp - 1))
+        kv = jax.tree.map(lambda a: a[(me + 1) % plan.cp], every)
+    elif plan.cp > 1:
 
         def ring_step(carry, step):
             state, kv = carry
@@ -327,6 +347,8 @@ def _backward(plan: _Ring, residuals, do):
         return dq, (dkv[0] + dk, dkv[1] + dv)
 
     kv = (k, v, starts)
+    if plan.gathered:
+        return _gathered_backward(plan, q, do, lse, delta, kv, dq)
     if plan.cp > 1:
 
         def ring_step(carry, step):
@@ -340,6 +362,26 @@ def _backward(plan: _Ring, residuals, do):
     if plan.cp > 1:
         dkv = plan.shift(dkv)  # the last hop brings each block's gradient home
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None
+
+
+def _gathered_backward(plan: _Ring, q, do, lse, delta, kv, dq):
+    """The backward on K and V all-gathered: each device adds its gradient of every device's block into a
+    buffer of all of them, reduce-scattered at the end (each block's gradient summed onto its device)."""
+    me, ids, every = plan.index(), jnp.asarray(plan.ids, jnp.int32), plan.gather(kv)
+    starts = kv[2]
+
+    def step(carry, step):
+        dq, dks = carry
+        src = (me - step) % plan.cp
+        k, v, k_starts = jax.tree.map(lambda a: a[src], every)
+        both = None if starts is None else (starts, k_starts)
+        dq, dk, dv = _grad(q, do, lse, delta, k, v, ids[me], ids[src], dq, plan, both)
+        return (dq, (dks[0].at[src].add(dk), dks[1].at[src].add(dv))), None
+
+    dks = (plan.zeros((plan.cp, *kv[0].shape)), plan.zeros((plan.cp, *kv[1].shape)))
+    (dq, dks), _ = lax.scan(step, (dq, dks), jnp.arange(plan.cp))
+    dk, dv = (lax.psum_scatter(d, plan.axes) for d in dks)
+    return dq.astype(q.dtype), dk.astype(kv[0].dtype), dv.astype(kv[1].dtype), None
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -444,4 +486,4 @@ def _in_manual(
     seq_len = q.shape[1] * cp
     varying = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))))
     plan = _plan(seq_len, cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
-    return _local(plan, q, k, v, positions)
+    return _local(dataclasses.replace(plan, gathered=cp > 1), q, k, v, positions)

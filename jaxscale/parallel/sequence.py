@@ -36,22 +36,28 @@ With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
 einsum + reduce-scatter become collective matmuls
 (:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU;
-on per-tensor fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s. It needs SP axes
+on fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s (per-tensor scales) or
+:mod:`jaxscale.parallel.fp8_blockwise_collective`'s (``blockwise``). It needs SP axes
 (:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one ring over their product.
 
-**Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) the
-``shard_map`` cannot nest in the loop's partly manual one, so the same layout is left to the
-partitioner: both functions are the plain einsums, and the constraints (the rules put ``norm_length``
-on the SP axes) make XLA gather the sequence before a column-parallel matmul and scatter the partial
-sums onto it after a row-parallel one. The activations between regions are 1/t as above; the bytes
-are the same on GPU and TPU, whose pipelines write the reduce-scatter; XLA:CPU runs it as an
-all-reduce and a slice. Collective matmuls (``model.tp_overlap``) need the ``shard_map``: a stage
-refuses them.
+**Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) no
+``shard_map`` can nest in the loop's. Where the loop is manual over TP's axes too
+(:meth:`jaxscale.layout.Layout.stage_tensor_axes`: :attr:`~jaxscale.layout.Stage.tensor`), each device
+holds its shard of the blocks' weights and both functions write the collectives themselves, over the
+devices of one stage: a projection whose weight is split (a TP region) gathers its input on the sequence
+over SP's axes first; leaving it, the partial sums are all-reduced over TP's axes, or reduce-scattered onto
+the sequence over SP's (XLA:CPU runs the reduce-scatter too). Autodiff writes the backward: a region's input,
+the same on every TP device, gets its gradient summed over them. A whole weight (the output head) reads each
+device's own tokens as they are. Elsewhere in a stage the layout is left to the partitioner: both functions
+are the plain einsums, and the constraints make XLA gather the sequence before a column-parallel matmul
+and scatter the partial sums onto it after a row-parallel one (as an all-reduce and a slice on XLA:CPU).
+Collective matmuls (``model.tp_overlap``) need the ``shard_map``: a stage refuses them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -60,11 +66,24 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale import fp8, precision
-from jaxscale.parallel import fp8_collective
+from jaxscale.layout import Stage
+from jaxscale.parallel import fp8_blockwise_collective, fp8_collective
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec
+from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec, stage
 
 SEQUENCE = "norm_length"
+
+
+def _manual_tensor() -> Stage | None:
+    """The pipeline stage the code is traced in, where its loop is manual over TP's axes."""
+    current = stage()
+    return current if current is not None and current.tensor else None
+
+
+def _split(where: Stage, w_axes: Axes) -> bool:
+    """Whether the stage's TP axes split a weight with these logical names (each device holds a shard)."""
+    return any(name in where.split for name in w_axes if name)
+
 def sequence_axes() -> tuple[str, ...]:
     """SP axes under the active rules that this module's collectives run over: mesh axes of size > 1 that
     shard ``norm_length`` but not ``length``; none inside a pipeline stage (the partitioner's there)."""
@@ -103,6 +122,11 @@ def _readers(x: Any, n: int) -> list[Any]:
     return fp8.sharing(x, n) if isinstance(x, fp8.Operand) else [x] * n
 
 
+def _fp8_ring(x: fp8.Operand) -> ModuleType:
+    """The collective matmuls of fp8 operand ``x``'s recipe: per-tensor scales, or blockwise."""
+    return fp8_blockwise_collective if x.recipe.mode == "blockwise" else fp8_collective
+
+
 def _gather_weight(w: Any, s: PartitionSpec, manual: tuple[str, ...], grads: jnp.dtype | None) -> Any:
     """:func:`gather_shards` of a weight; an fp8 weight's float8 values are gathered as they are (1 byte each)."""
     if not isinstance(w, fp8.Operand):
@@ -124,7 +148,9 @@ def column_parallel(
     ``overlap`` (``model.tp_overlap``): the gather and the einsums as one collective matmul. ``grads``:
     the weight gradients' dtype (:func:`jaxscale.precision.einsum`).
     """
-    manual = sequence_axes()
+    manual, where = sequence_axes(), _manual_tensor()
+    if where is not None and where.sequence and any(_split(where, w_axes) for _, _, w_axes, _ in projections):
+        x = _arrays(lambda a: lax.all_gather(a, where.sequence, axis=x_axes.index(SEQUENCE), tiled=True), x)
     if not manual:
         pairs = zip(projections, _readers(x, len(projections)), strict=True)
         return [constrain(precision.einsum(eq, x, w, grads), out) for (eq, w, _, out), x in pairs]
@@ -136,7 +162,7 @@ def column_parallel(
         pairs = zip(projections, ws, w_specs, strict=True)
         weights = [(eq, _gather_weight(w, s, manual, grads)) for (eq, *_), w, s in pairs]
         if overlap and isinstance(x, fp8.Operand):
-            return tuple(fp8_collective.all_gather_matmul(x, weights, manual, dim))
+            return tuple(_fp8_ring(x).all_gather_matmul(x, weights, manual, dim))
         if overlap:
             return tuple(all_gather_matmul(x, weights, manual, dim, grads))
         x = _arrays(lambda a: lax.all_gather(a, manual, axis=dim, tiled=True), x)
@@ -162,7 +188,14 @@ def row_parallel(
     ``overlap`` (``model.tp_overlap``): the einsum and the reduce-scatter as one collective matmul.
     ``grads``: the weight gradient's dtype (:func:`jaxscale.precision.einsum`).
     """
-    manual = sequence_axes()
+    manual, where = sequence_axes(), _manual_tensor()
+    if where is not None and _split(where, w_axes):
+        y = precision.einsum(equation, h, w, grads)
+        summed = tuple(a for a in where.tensor if a not in where.sequence)
+        y = lax.psum(y, summed) if summed else y
+        if where.sequence:
+            y = lax.psum_scatter(y, where.sequence, scatter_dimension=out_axes.index(SEQUENCE), tiled=True)
+        return constrain(y, out_axes)
     if not manual:
         return constrain(precision.einsum(equation, h, w, grads), out_axes)
     _, place = active()
@@ -172,7 +205,7 @@ def row_parallel(
     def body(h: Any, w: Any) -> jax.Array:
         w = _gather_weight(w, w_spec, manual, grads)
         if overlap and isinstance(h, fp8.Operand):
-            return fp8_collective.matmul_reduce_scatter(equation, h, w, manual, dim)
+            return _fp8_ring(h).matmul_reduce_scatter(equation, h, w, manual, dim)
         if overlap:
             return matmul_reduce_scatter(equation, h, w, manual, dim, grads)
         y = precision.einsum(equation, h, w, grads)

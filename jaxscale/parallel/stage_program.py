@@ -6,12 +6,17 @@ the compute dtype, the graphs of a block and of the rest of the model) and build
 :class:`StageProgram`; :meth:`StageProgram.run` is the body of the ``shard_map`` over ``stage``.
 
 A tick (:meth:`StageProgram.tick`) is one row of the table: each stage runs its *forward slot*
-(:meth:`~StageProgram.forward_slot`: the first virtual stage embeds its microbatch, every chunk keeps
-the input of each of its layers) and, training, its *backward slot* (:meth:`~StageProgram.backward_slot`:
-each layer recomputed from its kept input under ``jax.vjp``, last layer first, the last virtual stage's
-output gradient from the head and loss, :meth:`~StageProgram.head_grad`; the first virtual stage's
-input gradient into the embedding's, :meth:`~StageProgram.embedding_grad`). A slot is IDLE, FIRST,
-MIDDLE or LAST by the table; an idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
+(:meth:`~StageProgram.forward_slot`: the first virtual stage embeds its microbatch and runs the model's
+``prefix`` if it has one, every chunk keeps the input of each of its layers) and, training, its *backward
+slot* (:meth:`~StageProgram.backward_slot`: each layer recomputed from its kept input under ``jax.vjp``,
+last layer first, the last virtual stage's output gradient from the head and loss, the model's ``ahead``
+included, :meth:`~StageProgram.head_grad`; the first virtual stage's input gradient into the prefix's and
+the embedding's, :meth:`~StageProgram.embedding_grad`). Each unit's MoE statistics are kept per unit slot,
+the head's metrics apart (:attr:`Loop.metrics`, :attr:`Loop.head`). A slot is IDLE, FIRST, MIDDLE or LAST
+by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there the input gradient
+alone, keeping each unit's output gradient, and a third, *weight slot* (:meth:`~StageProgram.weight_slot`)
+recomputes each unit from its kept input and takes its parameters' gradient from that kept output gradient.
+An idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
 axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
 **What crosses stages** is in one place, the last methods of the class: per tick the forward's
@@ -39,11 +44,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale import fp8
 from jaxscale.config import ModelConfig
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
-from jaxscale.routing import METRICS
+from jaxscale.routing import METRICS, layer_stat_shapes
 from jaxscale.sharding import Layout, constrain, use_layout
 
 AXIS = "stage"
 F32 = jnp.float32
+LAYER = "layer"  # in a unit's metrics: its MoE layer's per-layer statistics (routing.LAYER_STATS)
 
 
 def vary(tree: Any, axes: tuple[str, ...]) -> Any:
@@ -54,6 +60,11 @@ def vary(tree: Any, axes: tuple[str, ...]) -> Any:
         return lax.pcast(x, missing, to="varying") if missing else x
 
     return jax.tree.map(cast, tree)
+
+
+def varying(x: jax.Array) -> tuple[str, ...]:
+    """The manual axes ``x`` is typed as varying over."""
+    return tuple(jax.typeof(x).manual_axis_type.varying)
 
 
 def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
@@ -103,11 +114,13 @@ class Loop(NamedTuple):
 
     acts: jax.Array  # [act_slots, slots, rows, length, embed]: each kept microbatch's layer inputs
     grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
+    cots: jax.Array  # [cot_slots, slots, rows, length, embed]: split, each unit's output gradient from B to W
     acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
     acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
     amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
     loss: jax.Array  # the objective's share of this device
-    metrics: dict[str, jax.Array]  # MoE metrics, summed
+    metrics: dict[str, Any]  # MoE metrics, summed; under LAYER each unit slot's statistics, [v, slots, ...]
+    head: Any  # the head's metrics (the model's predictions ahead), summed
 
 
 def _slot(col: dict[str, jax.Array], stage: jax.Array, prefix: str) -> Slot:
@@ -126,8 +139,9 @@ class StageProgram:
     microbatches: int  # m
     counts: tuple[int, ...]  # the stacked units (blocks, or MoE groups) of each virtual stage
     slots: int  # unit slots per chunk: the largest virtual stage's
-    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data and context axes
-    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the manual axes splitting each dim
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and TP axes
+    gathers: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the FSDP axes splitting each dim
+    shards: tuple[tuple[tuple[str, ...], ...], ...]  # per block parameter, the TP axes splitting each dim
     block_axes: tuple[tuple[str | None, ...], ...]  # per block parameter, its logical axes (layers first)
     skip: bool  # whether idle slots are skipped by a conditional (no axis left to the partitioner)
     inner: Layout  # the layout inside a stage: the rules less the manual axes, and the stage itself
@@ -138,13 +152,21 @@ class StageProgram:
     rest: Any
     block_graph: Any  # one stacked unit's graph
     outer_axes: Any  # the logical axes of the embedding, final norm and head
-    head_loss: Callable[[Any, jax.Array, jax.Array], jax.Array]  # (model, y, targets) -> mean loss
+    head_loss: Callable[[Any, jax.Array, dict[str, jax.Array]], tuple[jax.Array, Any]]  # (model, y, micro) -> loss, ...
+    head_metrics: Any  # the shapes of the head's metrics (jax.ShapeDtypeStruct)
     aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
 
     @property
+    def rows(self) -> tuple[str, ...]:
+        """The manual axes over which activations differ: ``stage``, data, context and SP's axes (not TP's
+        alone: there each device holds the same activations and its shard of the blocks)."""
+        where = self.inner.stage
+        return tuple(a for a in self.manual if a not in where.tensor or a in where.sequence)
+
+    @property
     def summed(self) -> tuple[str, ...]:
-        """The manual axes besides ``stage``: each device holds its own rows, summed once per step."""
-        return self.manual[1:]
+        """The row axes besides ``stage``: each device holds its own rows, summed once per step."""
+        return self.rows[1:]
 
     @property
     def uneven(self) -> bool:
@@ -163,17 +185,41 @@ class StageProgram:
         unit = nnx.merge(self.block_graph, lp.params, lp.histories)
         fp8.attach(unit, lp.copies)
         y, aux = unit(h, pos)
-        metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}  # no per-layer loads here
+        metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}
         share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
-        return vary((y, jnp.asarray(share, F32), metrics), self.manual)
+        if self.model.moe:
+            metrics[LAYER] = {k: aux[k].astype(F32) for k in layer_stat_shapes(self.model.moe)}
+        return vary((y, jnp.asarray(share, F32), metrics), self.rows)
 
-    def zero_metrics(self) -> dict[str, jax.Array]:
-        return vary({k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())}, self.manual)
+    def zero_metrics(self, lead: tuple[int, ...] = ()) -> dict[str, Any]:
+        """A unit's metrics as zeros; with ``lead`` (v, slots) a slot's or the loop's, statistics per unit slot."""
+        if not self.model.moe:
+            return {}
+        stats = {k: jnp.zeros((*lead, *shape), F32) for k, shape in layer_stat_shapes(self.model.moe).items()}
+        return vary({**{k: jnp.zeros((), F32) for k in METRICS}, LAYER: stats}, self.rows)
 
-    def loss_of(self, outer: Any, y: jax.Array, targets: jax.Array, total: jax.Array) -> jax.Array:
-        """The loss of the stack's output ``y`` on one microbatch, as its share of the batch's mean: weighed by
-        its trained targets over the batch's ``total`` (:mod:`jaxscale.loss`)."""
-        return self.head_loss(self.head_model(outer), y, targets) * (jnp.sum(targets >= 0, dtype=F32) / total)
+    def tally(self, met: dict[str, Any], chunk: jax.Array) -> dict[str, Any]:
+        """A chunk's units' metrics [slots, ...]: the scalars summed, the statistics at chunk ``chunk``'s slots."""
+        out = {k: jnp.sum(a) for k, a in met.items() if k != LAYER}
+        if LAYER in met:
+            out[LAYER] = jax.tree.map(lambda a: lax.dynamic_update_slice_in_dim(
+                jnp.zeros((self.repeats, *a.shape), F32), a[None], chunk, 0), met[LAYER])
+        return out
+
+    def zero_head(self) -> Any:
+        """The head's metrics as zeros (none without the model's ``ahead``)."""
+        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.head_metrics), self.rows)
+
+    def loss_of(self, outer: Any, y: jax.Array, micro: dict[str, jax.Array], total: jax.Array) -> tuple:
+        """The loss of the stack's output ``y`` on one microbatch ``micro``, as its share of the batch's mean:
+        weighed by its trained targets over the batch's ``total`` (:mod:`jaxscale.loss`); and the head's metrics."""
+        loss, metrics = self.head_loss(self.head_model(outer), y, micro)
+        share = jnp.sum(micro["targets"] >= 0, dtype=F32) / total
+        return loss * share, jax.tree.map(lambda a: a.astype(F32), metrics)
+
+    def micro(self, w: Weights, i: jax.Array) -> dict[str, jax.Array]:
+        """Microbatch ``i`` of the batch: inputs, positions, targets."""
+        return {k: a[i] for k, a in w.xs.items()}
 
     def lookup_table(self, table: jax.Array) -> jax.Array:
         """The embedding table as the lookup reads it: split over the vocabulary's mesh axes on its width.
@@ -197,17 +243,18 @@ class StageProgram:
         collectives of a conditional whose branch differs between stages (a check fails in
         spmd_partitioner_util; on CPU a collective-permute in a branch waits for every device)."""
         if self.skip:
-            return lax.cond(pred, lambda: vary(f(), self.manual), lambda: vary(zeros, self.manual))
+            return lax.cond(pred, lambda: vary(f(), self.rows), lambda: vary(zeros, self.rows))
         return jax.tree.map(lambda o, z: jnp.where(pred, o, z), f(), zeros)
 
     def at_end(self, here: jax.Array, anywhere: jax.Array, f: Callable[[], Any], zeros: Any) -> Any:
         """``f()`` on the stage where ``here`` holds (the head on the last virtual stage, the embedding's
-        gradient on the first). Unless idle slots are skipped, the conditional must take the same branch on
-        every stage: ``f`` then runs on every stage in the ticks where one needs it (``anywhere``), masked."""
+        gradient on the first), skipped elsewhere by a conditional where idle slots are (``skip``). Else the
+        conditional must take the same branch on every stage: ``f`` then runs on every stage in the ticks where
+        one needs it (``anywhere``), masked."""
         if self.skip:
             return self.when(here, f, zeros)
         masked = functools.partial(self.when, here, f, zeros)
-        return lax.cond(anywhere, lambda: vary(masked(), self.manual), lambda: vary(zeros, self.manual))
+        return lax.cond(anywhere, lambda: vary(masked(), self.rows), lambda: vary(zeros, self.rows))
 
     # -- the forward slot ------------------------------------------------------------------
 
@@ -216,109 +263,159 @@ class StageProgram:
         whose gradients are zero)."""
         if not self.uneven:
             return self.layer(lp, h, pos)
-        passed = (h, jnp.zeros((), F32), {k: jnp.zeros((), F32) for k in (METRICS if self.model.moe else ())})
-        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.manual))
+        passed = (h, jnp.zeros((), F32), self.zero_metrics())
+        return self.when(real, lambda: self.layer(lp, h, pos), vary(passed, self.rows))
 
     def units(self, chunk: jax.Array, stage: jax.Array) -> jax.Array:
         """How many units the stage's chunk ``chunk`` runs: those of virtual stage chunk·p + stage."""
         return jnp.asarray(self.counts)[jnp.clip(chunk * self.stages + stage, 0, len(self.counts) - 1)]
 
     def chunk_forward(self, pc: Unit, h: jax.Array, pos: jax.Array, n: jax.Array) -> tuple:
-        """A chunk of ``n`` units in its slots: output, the input of every slot, aux objective share, metrics."""
+        """A chunk of ``n`` units in its slots: output, the input of every slot, aux objective share, metrics
+        (per slot)."""
 
         def one(h: jax.Array, lk: tuple) -> tuple[jax.Array, tuple]:
             y, obj, met = self.unit_slot(lk[0], h, pos, lk[1] < n)
             return y, (h, obj, met)
 
         y, (inputs, obj, met) = lax.scan(one, h, (pc, jnp.arange(self.slots)))
-        return y, inputs, jnp.sum(obj), jax.tree.map(jnp.sum, met)
+        return y, inputs, jnp.sum(obj), met
 
     def forward_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array) -> tuple:
         """The chunk's output (sent on), its units' inputs (kept), its objective share and metrics; evaluating,
-        the loss on the last virtual stage is in the objective share."""
+        the loss on the last virtual stage is in the objective share, and the head's metrics."""
         pos = w.xs["positions"][slot.micro]
 
         def embedded() -> jax.Array:
-            return self.head_model({**w.outer, "embedding": w.lookup}).embed(w.xs["inputs"][slot.micro])
+            """The embedding, then the model's prefix where it has one (the first virtual stage's input)."""
+            model = self.head_model({**w.outer, "embedding": w.lookup})
+            h = model.embed(w.xs["inputs"][slot.micro])
+            return model.prefix(h, pos) if hasattr(model, "prefix") else h
 
         def run() -> tuple:
             h = self.when(slot.kind == FIRST, embedded, acts[slot.src, 0])
             y, inputs, obj, met = self.chunk_forward(_take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
+            head = self.zero_head()
             if not self.table.train:
-                loss = functools.partial(self.loss_of, w.outer, y, w.xs["targets"][slot.micro], w.total)
-                obj = obj + self.at_end(slot.kind == LAST, slot.any_last, loss, jnp.zeros((), F32))
-            return y, inputs, obj, met
+                loss = functools.partial(self.loss_of, w.outer, y, self.micro(w, slot.micro), w.total)
+                f_loss, head = self.at_end(slot.kind == LAST, slot.any_last, loss, (jnp.zeros((), F32), head))
+                obj = obj + f_loss
+            return y, inputs, obj, self.tally(met, slot.chunk), head
 
-        zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32), self.zero_metrics())
-        return self.when(slot.kind > IDLE, run, vary(zeros, self.manual))
+        zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32),
+                 self.zero_metrics((self.repeats, self.slots)), self.zero_head())
+        return self.when(slot.kind > IDLE, run, vary(zeros, self.rows))
 
     # -- the backward slot -----------------------------------------------------------------
 
-    def head_grad(self, w: Weights, here: jax.Array, anywhere: jax.Array, y: jax.Array, targets: jax.Array,
-                  acc_outer: Any) -> tuple[jax.Array, jax.Array, Any]:
-        """Loss, its gradient in ``y``, and ``acc_outer`` plus the head's gradient, on the last virtual stage
-        (the sum inside the conditional: its cross-device sum then runs in these ticks only)."""
+    def head_grad(self, w: Weights, here: jax.Array, anywhere: jax.Array, y: jax.Array, micro: dict[str, jax.Array],
+                  acc_outer: Any) -> tuple[jax.Array, jax.Array, Any, Any]:
+        """Loss, its gradient in ``y``, ``acc_outer`` plus the head's gradient, and the head's metrics, on the
+        last virtual stage (the sum inside the conditional: its cross-device sum then runs in these ticks only)."""
 
-        def run() -> tuple[jax.Array, jax.Array, Any]:
-            loss, pull = jax.vjp(lambda o, y: self.loss_of(o, y, targets, w.total), w.outer, y)
+        def run() -> tuple[jax.Array, jax.Array, Any, Any]:
+            loss, pull, metrics = jax.vjp(lambda o, y: self.loss_of(o, y, micro, w.total), w.outer, y, has_aux=True)
             d_outer, dy = pull(jnp.ones_like(loss))
-            return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer)
+            return loss, dy, jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_outer, d_outer), metrics
 
-        return self.at_end(here, anywhere, run, (jnp.zeros((), F32), jnp.zeros_like(y), acc_outer))
+        return self.at_end(here, anywhere, run, (jnp.zeros((), F32), jnp.zeros_like(y), acc_outer, self.zero_head()))
 
-    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, table: jax.Array) -> jax.Array:
-        """``table`` plus the embedding's gradient from the first virtual stage's input gradient,
-        one-hot(tokens)ᵀ · dh, there.
+    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, acc_outer: Any) -> Any:
+        """``acc_outer`` plus, from the first virtual stage's input gradient ``dh``, the gradients of the model's
+        prefix (where it has one: recomputed from the lookup under ``jax.vjp``) and of the embedding,
+        one-hot(tokens)ᵀ · (the lookup's output gradient), there.
 
         A matmul, not the scatter-add that autodiff of the lookup gives: XLA's partitioner cannot split a
         scatter into a sharded operand inside a partly manual ``shard_map``."""
 
-        def run() -> jax.Array:
-            hot = jax.nn.one_hot(w.xs["inputs"][slot.micro], self.model.vocab_size, dtype=dh.dtype)
-            return table + jnp.einsum("bsv,bse->ve", hot, dh, preferred_element_type=F32)
+        def run() -> Any:
+            tokens, acc, de = w.xs["inputs"][slot.micro], acc_outer, dh
+            model = self.head_model({**w.outer, "embedding": w.lookup})
+            if hasattr(model, "prefix"):
 
-        return self.at_end(slot.kind == FIRST, slot.any_first, run, table)
+                def prefix(outer: Any, h: jax.Array) -> jax.Array:
+                    return self.head_model(outer).prefix(h, w.xs["positions"][slot.micro])
+
+                d_outer, de = jax.vjp(prefix, w.outer, model.embed(tokens))[1](dh)
+                acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, d_outer)
+            hot = jax.nn.one_hot(tokens, self.model.vocab_size, dtype=de.dtype)
+            table = acc["embedding"] + jnp.einsum("bsv,bse->ve", hot, de, preferred_element_type=F32)
+            return {**acc, "embedding": table}
+
+        return self.at_end(slot.kind == FIRST, slot.any_first, run, acc_outer)
 
     def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
         """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
         unit's output gradient: the head's on the last virtual stage, else ``dy_in`` from the next); each
-        unit's gradient added to ``acc`` as it comes. Returns acc, acc_outer, the chunk's input gradient,
-        the loss share and the metrics."""
+        unit's gradient added to ``acc`` as it comes, or, split, in the input alone, each unit's output
+        gradient kept for :meth:`weight_slot`. Returns acc, amax, acc_outer, the chunk's input gradient,
+        the loss share, the metrics, the head's and, split, the units' output gradients [slots, ...] (else None)."""
         pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
         n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
-        cot = on.astype(F32)  # the aux objective's cotangent: 0 in a masked slot
+        cot, split = on.astype(F32), self.table.split  # the aux objective's cotangent: 0 in a masked slot
 
         def unit(lp: Any, hp: Any, x: jax.Array, k: jax.Array) -> tuple:
             return self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), x, pos, k < n)
 
-        def down(carry: tuple, k: jax.Array) -> tuple[tuple, dict]:
-            dx, acc, amax, acc_outer, loss = carry
-            (y, obj, met), pull = jax.vjp(
-                functools.partial(unit, k=k), _take(pc.params, k), _take(pc.histories, k), inputs[k]
-            )
-            head_loss, dy_head, acc_outer = self.head_grad(
-                w, (slot.kind == LAST) & (k == top), slot.any_last & (k == top), y, w.xs["targets"][slot.micro],
+        def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
+            dx, acc, amax, acc_outer, loss, head = carry
+            lp, hp = _take(pc.params, k), _take(pc.histories, k)
+            if split:  # the input gradient only: the parameters' waits for the weight slot
+                (y, obj, met), pull = jax.vjp(lambda x: unit(lp, hp, x, k), inputs[k])
+            else:
+                (y, obj, met), pull = jax.vjp(functools.partial(unit, k=k), lp, hp, inputs[k])
+            head_loss, dy_head, acc_outer, head_met = self.head_grad(
+                w, (slot.kind == LAST) & (k == top), slot.any_last & (k == top), y, self.micro(w, slot.micro),
                 acc_outer,
             )
             dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
-            d_lp, d_hp, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.manual))
-            acc = self.add_unit_grad(acc, slot.chunk, k, d_lp)
-            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
-            return (dx, acc, amax, acc_outer, loss + head_loss + obj), met
+            *d_w, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            if not split:
+                acc = self.add_unit_grad(acc, slot.chunk, k, d_w[0])
+                amax = self.add_amax(amax, slot.chunk, k, d_w[1], on & (k < n))
+            head = jax.tree.map(jnp.add, head, head_met)
+            return (dx, acc, amax, acc_outer, loss + head_loss + obj, head), (met, dy if split else None)
 
         def run() -> tuple:
-            init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32)),
-                        self.manual)
-            (dx, acc, amax, acc_outer, loss), mets = lax.scan(down, init, jnp.arange(self.slots), reverse=True)
-            return acc, amax, acc_outer, dx, loss, jax.tree.map(jnp.sum, mets)
+            init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32),
+                         self.zero_head()), self.rows)
+            (dx, acc, amax, acc_outer, loss, head), (mets, dys) = lax.scan(
+                down, init, jnp.arange(self.slots), reverse=True
+            )
+            return acc, amax, acc_outer, dx, loss, self.tally(mets, slot.chunk), head, dys
 
         zeros = vary((state.acc, state.amax, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32),
-                      self.zero_metrics()), self.manual)
+                      self.zero_metrics((self.repeats, self.slots)), self.zero_head(),
+                      jnp.zeros_like(inputs) if split else None), self.rows)
         if self.skip:
             return self.when(on, run, zeros)
         # Masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``; its amaxes are masked.
         acc, amax, *rest = run()
         return acc, amax, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[2:])
+
+    def weight_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array, cots: jax.Array, acc: Any,
+                    amax: Any) -> tuple[Any, Any]:
+        """Split schedules: each unit of the chunk recomputed from its kept input in ``acts`` and differentiated in
+        its parameters alone, by its output gradient kept in ``cots`` (and the MoE aux objective's); returns
+        ``acc`` plus the units' gradients and ``amax`` with their fp8 histories' updates."""
+        pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
+        n, inputs, cot = self.units(slot.chunk, stage), acts[slot.src], on.astype(F32)
+
+        def one(carry: tuple, k: jax.Array) -> tuple[tuple, None]:
+            acc, amax = carry
+            (_, _, met), pull = jax.vjp(
+                lambda lp, hp: self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), inputs[k], pos, k < n),
+                _take(pc.params, k), _take(pc.histories, k),
+            )
+            dy = jnp.where(on, cots[k], jnp.zeros_like(cots[k]))  # exact zeros in a masked slot
+            d_lp, d_hp = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
+            return (self.add_unit_grad(acc, slot.chunk, k, d_lp), amax), None
+
+        def run() -> tuple[Any, Any]:
+            return lax.scan(one, vary((acc, amax), self.rows), jnp.arange(self.slots))[0]
+
+        return self.when(on, run, (acc, amax)) if self.skip else run()
 
     @staticmethod
     def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array, d_lp: Any) -> Any:
@@ -349,23 +446,29 @@ class StageProgram:
     def tick(self, w: Weights, stage: jax.Array, state: Loop, col: dict[str, jax.Array]) -> tuple[Loop, None]:
         """One row of the table: the forward slot, the backward slot (training), then the two messages."""
         fwd = _slot(col, stage, "f_")
-        y, inputs, f_loss, f_met = self.forward_slot(w, fwd, stage, state.acts)
+        y, inputs, f_loss, f_met, f_head = self.forward_slot(w, fwd, stage, state.acts)
         if not self.table.train:
             acts = self.send_forward(state.acts, y, col["recv_f"][stage])
             return state._replace(acts=acts, loss=state.loss + f_loss,
-                                  metrics=jax.tree.map(jnp.add, state.metrics, f_met)), None
+                                  metrics=jax.tree.map(jnp.add, state.metrics, f_met),
+                                  head=jax.tree.map(jnp.add, state.head, f_head)), None
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=_put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = _slot(col, stage, "b_")
-        acc, amax, acc_outer, dh, b_loss, b_met = self.backward_slot(
+        acc, amax, acc_outer, dh, b_loss, b_met, b_head, dys = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
-        acc_outer = {**acc_outer, "embedding": self.embedding_grad(w, bwd, dh, acc_outer["embedding"])}
+        acc_outer = self.embedding_grad(w, bwd, dh, acc_outer)
+        cots = state.cots
+        if self.table.split:  # the weight slot, after the B slot has kept its output gradients
+            cots = _put(cots, col["b_cot"][stage], dys)
+            acc, amax = self.weight_slot(w, _slot(col, stage, "w_"), stage, state.acts, cots[col["w_cot"][stage]],
+                                         acc, amax)
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
-            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]),
+            grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
             acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss,
-            metrics=jax.tree.map(jnp.add, state.metrics, b_met),
+            metrics=jax.tree.map(jnp.add, state.metrics, b_met), head=jax.tree.map(jnp.add, state.head, b_head),
         )
         return state, None
 
@@ -374,16 +477,17 @@ class StageProgram:
         h = (*w.xs["inputs"].shape[1:], self.model.embed)  # a microbatch's activations: rows, length, embed
         train = self.table.train
 
-        def zeros(tree: Any) -> Any:
-            return jax.tree.map(lambda a: jnp.zeros(a.shape, F32), tree) if train else {}
+        def zeros(tree: Any) -> Any:  # each typed as varying as its parameter (a TP shard varies over TP's axes)
+            return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, F32), varying(a)), tree) if train else {}
 
         state = Loop(
             acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
+            cots=jnp.zeros((self.table.cot_slots, self.slots, *h), self.dtype),
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
-            loss=jnp.zeros((), F32), metrics=self.zero_metrics(),
+            loss=jnp.zeros((), F32), metrics=self.zero_metrics((self.repeats, self.slots)), head=self.zero_head(),
         )
-        return vary(state, self.manual)
+        return vary(state, self.rows)
 
     def quantized(self, blocks: Unit) -> Any:
         """The e4m3 copies of the stage's fp8 weights, made once per step before the loop (:func:`jaxscale.fp8.prepare`;
@@ -391,7 +495,7 @@ class StageProgram:
         if not blocks.histories:
             return {}
         copies = fp8.prepare(nnx.merge(self.block_graph, blocks.params, blocks.histories))
-        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.manual)), copies,
+        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.rows)), copies,
                             is_leaf=lambda q: isinstance(q, fp8.Quantized))
 
     def run(self, outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
@@ -410,12 +514,24 @@ class StageProgram:
                 is_leaf=lambda x: isinstance(x, jax.Array),
             )
             copies = self.quantized(Unit(blocks, histories, {}))  # once per step: not per microbatch or tick
-            outer, lookup, blocks, xs = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.manual)
+            xs = self.own_tokens(xs)
+            outer, lookup, blocks, xs = vary((outer, self.lookup_table(outer["embedding"]), blocks, xs), self.rows)
             w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
             state, _ = lax.scan(tick, self.start(w), cols)
             return self.reduce(state)
+
+    def own_tokens(self, xs: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """With SP's axes manual, the device's own part of the sequence of the token ids and targets: it
+        embeds those, and the head reads the residual stream there (split on the sequence); the positions
+        stay whole, for attention reads them on its gathered input."""
+        axes = self.inner.stage.sequence
+        if not axes:
+            return xs
+        n = xs["inputs"].shape[2] // self.inner.size(axes)
+        start = lax.axis_index(axes) * n
+        return {**xs, **{k: lax.dynamic_slice_in_dim(xs[k], start, n, axis=2) for k in ("inputs", "targets")}}
 
     # -- what crosses stages ------------------------------------------------------------------
 
@@ -441,32 +557,39 @@ class StageProgram:
 
     def reduce(self, state: Loop) -> tuple:
         """Once per step: gradients and loss summed over the manual data and context axes (each device's
-        own rows), then loss and metrics over ``stage`` (each stage's own layers and microbatches). The
-        metrics need no sum over data axes: the loop of an MoE model is manual over ``stage`` alone."""
-        metrics = jax.tree.map(lambda a: a / (sum(self.counts) * self.microbatches), state.metrics)
+        own rows), then loss and metrics over ``stage`` (each stage's own layers and microbatches; the
+        head's metrics are the last stage's). The metrics need no sum over data axes: the loop of an MoE
+        model is manual over ``stage`` alone. Each unit slot's statistics, their microbatches' mean, stay
+        with their stage, [v·slots, ...], as the stack is stored."""
+        m = self.microbatches
+        metrics = {k: a / (sum(self.counts) * m) for k, a in state.metrics.items() if k != LAYER}
+        layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) / m, state.metrics.get(LAYER, {}))
         acc, acc_outer, loss = self.scatter(state.acc) if self.table.train else state.acc, state.acc_outer, state.loss
         amax = state.amax
         if self.summed:
             acc_outer, loss = lax.psum((acc_outer, loss), self.summed)
             amax = lax.pmax(amax, self.summed)  # the same on every device of a stage (global amaxes)
-        loss, metrics = lax.psum((loss, metrics), AXIS)
+        head = jax.tree.map(lambda a: a / m, state.head)
+        if self.summed:  # a loop manual over data axes (a dense model): each device's rows' means, averaged
+            head = lax.pmean(head, self.summed)
+        loss, metrics, head = lax.psum((loss, metrics, head), AXIS)
         if not self.table.train:
-            return loss, metrics
-        return loss, metrics, acc, amax, jax.tree.map(lambda a: a[None], acc_outer)
+            return loss, metrics, layers, head
+        return loss, metrics, layers, head, acc, amax, jax.tree.map(lambda a: a[None], acc_outer)
 
     def scatter(self, acc: Any) -> Any:
         """Once per step: the blocks' gradients summed over the manual data and context axes that split no
         block parameter; over those that do (FSDP's, the blocks entered gathered over them) each device's
         own sum is handed out whole, in a leading dimension that :meth:`sum_shards` reduces onto the shards."""
 
-        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
+        def one(g: jax.Array, dims: tuple[tuple[str, ...], ...], shards: tuple[tuple[str, ...], ...]) -> jax.Array:
             split = {a for axes in dims for a in axes}
-            rest = tuple(a for a in self.summed if a not in split)
+            rest = tuple(a for a in self.summed if a not in split and a not in {a for s in shards for a in s})
             g = lax.psum(g, rest) if rest else g
             return g[None] if split else g
 
         leaves, tree = jax.tree.flatten(acc)
-        return tree.unflatten([one(g, dims) for g, dims in zip(leaves, self.gathers, strict=True)])
+        return tree.unflatten([one(*a) for a in zip(leaves, self.gathers, self.shards, strict=True)])
 
     @staticmethod
     def sum_stage_copies(d_outer: Any) -> Any:
