@@ -533,10 +533,11 @@ def main(direction: str, source: str, target: str, override: str | None, dtype: 
     """The ``convert`` command; returns the line it prints."""
     if direction == "hf-to-jaxscale":
         model = hf_to_jaxscale(source, target, override)
-        kind = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}.get(architecture(model), "")
-        kind = f"{model.moe.experts}-expert {kind}" if model.moe else kind
         if model.deepseek is not None:
             kind = f"DeepSeek-V3 ({model.moe.experts} routed experts, MTP depth {model.deepseek.mtp_depth})"
+        else:
+            kind = {"llama": "Llama", "mixtral": "Mixtral", "qwen3_moe": "Qwen3-MoE"}[architecture(model)]
+            kind = f"{model.moe.experts}-expert {kind}" if model.moe else kind
         return f"{target}: {kind}, {model.layers} layers; model config in {Path(target) / 'model.yaml'}"
     files = jaxscale_to_hf(source, target, override, dtype, max_shard_mb)
     return f"{target}: {len(files)} safetensors file{'s' * (len(files) > 1)} and config.json"

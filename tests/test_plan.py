@@ -121,15 +121,22 @@ SMALL = {"device": "small", "memory_bytes": 4.0e6, "peak_flops": 1.0e12, "intra_
          "inter_bandwidth": 1.0e10, "devices_per_node": 8}  # a made-up device the test model nearly fills
 
 
-def test_every_family_the_plan_writes_traces(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_plan(tmp_path_factory):
+    """Steps 1-3 on the test model for a made-up small device, 16 sequences of 32 tokens: every candidate."""
+    root = tmp_path_factory.mktemp("tiny_plan")
+    (root / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))
+    cluster_file = root / "small.yaml"
+    cluster_file.write_text(yaml.safe_dump(SMALL))
+    config = load_config(None, [f"model={root / 'tiny.yaml'}"])
+    return plan.search(config.model, param_table(config), load_cluster(str(cluster_file)), 16 * 32, 32, top=0)
+
+
+def test_every_family_the_plan_writes_traces(tiny_plan):
     # One layout of each family (and collective-matmul choice) the plan ranks for the test model, each also with
     # the chunked loss, and context parallelism alone and inside a stage (CP needs 512 tokens per device in a
     # search): each lowers as the trainer builds it. The chunked loss inside a stage once failed to trace.
-    cluster_file = tmp_path / "small.yaml"
-    cluster_file.write_text(yaml.safe_dump(SMALL))
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))
-    config = load_config(None, [f"model={tmp_path / 'tiny.yaml'}"])
-    result = plan.search(config.model, param_table(config), load_cluster(str(cluster_file)), 16 * 32, 32, top=0)
+    result = tiny_plan
     one = {(c.layout.family, c.layout.tp_overlap): c.layout for c in result.candidates}
     assert any(lay.stage > 1 for lay in one.values()) and len(one) >= 12
     layouts = [*one.values(), plan.Strategy(data=2, context=4, micro_batch=2),
@@ -140,16 +147,10 @@ def test_every_family_the_plan_writes_traces(tmp_path):
 
 
 @pytest.mark.slow
-def test_written_plan_compiles_as_predicted(tmp_path):
-    # Step 1-3 on the test model for a made-up small device, then the compiled check of the best two.
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny_model()))
-    cluster_file = tmp_path / "small.yaml"
-    cluster_file.write_text(yaml.safe_dump(SMALL))
-    config = load_config(None, [f"model={tmp_path / 'tiny.yaml'}"])
-    params = param_table(config)
-    result = plan.search(config.model, params, load_cluster(str(cluster_file)), 16 * 32, 32, top=2)
-    assert result.candidates
-    rows = verify(result.candidates, tiny_model(), 32)
+def test_written_plan_compiles_as_predicted(tiny_plan):
+    # The compiled check of the best two (what search(top=2) keeps: the ranked list's first two).
+    assert tiny_plan.candidates
+    rows = verify(tiny_plan.candidates[:2], tiny_model(), 32)
     for row in rows:
         assert row["memory_predicted"] == pytest.approx(row["memory_compiled"], rel=0.10), row
         assert row["comm_predicted"] == pytest.approx(row["comm_compiled"], rel=0.05), row
@@ -204,10 +205,16 @@ def _llama(name: str):
     return config.model, param_table(config)
 
 
-def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node():
-    # torchtitan's Llama 3 8B recipe: FSDP over the 8 GPUs, 8192-token sequences (33-39% MFU published).
+@pytest.fixture(scope="module")
+def plan_8b_1m():
+    """Llama 3 8B (flash attention) on one node of H100s, 1M tokens of 8192: the whole ranked search, once."""
     model, params = _llama("llama3-8b")
-    result = plan.search(model, params, load_cluster("h100"), 2**20, 8192, top=0)
+    return plan.search(model, params, load_cluster("h100"), 2**20, 8192, top=0)
+
+
+def test_llama3_8b_on_8_h100_at_1m_tokens_picks_fsdp_over_the_node(plan_8b_1m):
+    # torchtitan's Llama 3 8B recipe: FSDP over the 8 GPUs, 8192-token sequences (33-39% MFU published).
+    result = plan_8b_1m
     best = result.candidates[0]
     assert best.layout.mesh_text == "fsdp=8", plan.table(result)
     assert 0.3 < best.time["mfu"] < 0.7
@@ -250,9 +257,8 @@ def test_fsdp_step_time_is_near_maxtexts_measured_on_h100(overrides, nodes, seq_
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
-def test_ties_break_on_memory_then_simplicity_and_identical_rows_merge(llama8b):
-    model, params = llama8b
-    result = plan.search(model, params, load_cluster("h100"), 2**20, 8192, top=0)
+def test_ties_break_on_memory_then_simplicity_and_identical_rows_merge(plan_8b_1m):
+    result = plan_8b_1m  # 53 pairs of rows within 0.1% of each other, 47 of them apart in memory
     keys = [plan.rank_key(c) for c in result.candidates]
     assert keys == sorted(keys)
     for a, b in itertools.pairwise(result.candidates):
@@ -263,10 +269,10 @@ def test_ties_break_on_memory_then_simplicity_and_identical_rows_merge(llama8b):
     assert len(seen) == len(result.candidates)
 
 
-def test_a_loss_too_big_to_fit_is_chunked_and_the_line_says_so(llama8b):
+def test_a_loss_too_big_to_fit_is_chunked_and_the_line_says_so(llama8b, plan_8b):
     # The whole vocabulary's logits of a large micro-batch: the plain loss does not fit beside the layers.
     model, params = llama8b
-    result = plan.search(model, params, load_cluster("h100"), TOKENS_4M, 8192, top=0)
+    result = plan_8b  # Llama 3 8B on one node of H100s, 4M tokens of 8192
     chunked = [c for c in result.candidates if c.layout.loss_chunk]
     assert chunked and all(8192 % c.layout.loss_chunk == 0 for c in chunked)
     plain = dataclasses.replace(chunked[0].layout, loss_chunk=0)
