@@ -90,7 +90,8 @@ from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
-from jaxscale.parallel.stage_program import AXIS, StageProgram, vary
+from jaxscale.parallel.stage_program import AXIS, StageProgram
+from jaxscale.parallel.stage_state import vary
 from jaxscale.routing import joined
 from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
 

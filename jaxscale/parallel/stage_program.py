@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,89 +44,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxscale import fp8, precision
 from jaxscale.config import ModelConfig
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
+from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take, vary, varying
 from jaxscale.routing import METRICS, layer_stat_shapes
 from jaxscale.sharding import Layout, constrain, use_layout
 
 AXIS = "stage"
 F32 = jnp.float32
 LAYER = "layer"  # in a unit's metrics: its MoE layer's per-layer statistics (routing.LAYER_STATS)
-
-
-def vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    """``tree`` typed as varying over ``axes`` (each device's own values: no sum is inserted in autodiff)."""
-
-    def cast(x: jax.Array) -> jax.Array:
-        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def varying(x: jax.Array) -> tuple[str, ...]:
-    """The manual axes ``x`` is typed as varying over."""
-    return tuple(jax.typeof(x).manual_axis_type.varying)
-
-
-def _put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
-    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part."""
-    i = jnp.maximum(slot, 0)
-    old = buf[i] if whole else lax.dynamic_slice_in_dim(buf[i], 0, x.shape[0])
-    start = (i, *([0] * (buf.ndim - 1)))
-    return lax.dynamic_update_slice(buf, jnp.where(slot >= 0, x, old)[None], start)
-
-
-def _take(tree: Any, i: jax.Array) -> Any:
-    """Entry ``i`` of every leaf's leading dimension."""
-    return jax.tree.map(lambda w: lax.dynamic_index_in_dim(w, i, keepdims=False), tree)
-
-
-class Unit(NamedTuple):
-    """A stacked unit's state (pure dicts), or a chunk's or the stage's (leading [v, slots] or [slots])."""
-
-    params: Any  # its parameters
-    histories: Any  # its fp8 amax histories (:mod:`jaxscale.fp8`; empty with precision.fp8=off)
-    copies: Any  # its weights' e4m3 copies, made once per step (:meth:`StageProgram.quantized`)
-
-
-class Weights(NamedTuple):
-    """What a stage reads, unchanged through the loop."""
-
-    outer: Any  # its copy of the embedding, final norm and head (pure dict)
-    lookup: jax.Array  # the embedding table as the lookup reads it (:meth:`StageProgram.lookup_table`)
-    blocks: Unit  # its chunks of the stacked blocks, [v, slots, ...]
-    xs: dict[str, jax.Array]  # inputs, positions, targets: [m, rows, length]
-    total: jax.Array  # the batch's trained targets (targets ≥ 0; at least 1): :meth:`StageProgram.count_targets`
-
-
-class Slot(NamedTuple):
-    """One stage's forward or backward slot in a tick, from the table."""
-
-    kind: jax.Array  # IDLE, FIRST, MIDDLE or LAST (the virtual stage's place in the ring)
-    micro: jax.Array  # the microbatch
-    chunk: jax.Array  # the stage's chunk (virtual stage chunk·p + stage)
-    src: jax.Array  # the buffer slot its input waits in (and its layers' inputs are kept in)
-    any_first: jax.Array  # whether some stage runs a FIRST slot of this kind in this tick
-    any_last: jax.Array  # whether some stage runs a LAST slot of this kind in this tick
-
-
-class Loop(NamedTuple):
-    """The loop's state, carried from tick to tick."""
-
-    acts: jax.Array  # [act_slots, slots, rows, length, embed]: each kept microbatch's layer inputs
-    grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
-    cots: jax.Array  # [cot_slots, slots, rows, length, embed]: split, each unit's output gradient from B to W
-    acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
-    acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
-    amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
-    loss: jax.Array  # the objective's share of this device
-    metrics: dict[str, Any]  # MoE metrics, summed; under LAYER each unit slot's statistics, [v, slots, ...]
-    head: Any  # the head's metrics (the model's predictions ahead), summed
-
-
-def _slot(col: dict[str, jax.Array], stage: jax.Array, prefix: str) -> Slot:
-    kinds = col[prefix + "kind"]
-    mine = [col[prefix + k][stage] for k in ("kind", "micro", "chunk", "src")]
-    return Slot(*mine, jnp.any(kinds == FIRST), jnp.any(kinds == LAST))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -309,7 +233,7 @@ class StageProgram:
 
         def run() -> tuple:
             h = self.when(slot.kind == FIRST, embedded, acts[slot.src, 0])
-            y, inputs, obj, met = self.chunk_forward(_take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
+            y, inputs, obj, met = self.chunk_forward(take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
             head = self.zero_head()
             if not self.table.train:
                 loss = functools.partial(self.loss_of, w.outer, y, self.micro(w, slot.micro), w.total)
@@ -370,16 +294,16 @@ class StageProgram:
         unit's gradient added to ``acc`` as it comes, or, split, in the input alone, each unit's output
         gradient kept for :meth:`weight_slot`. Returns acc, amax, acc_outer, the chunk's input gradient,
         the loss share, the metrics, the head's and, split, the units' output gradients [slots, ...] (else None)."""
-        pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
+        pc, pos, on = take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
         n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
         cot, split = on.astype(F32), self.table.split  # the aux objective's cotangent: 0 in a masked slot
 
         def unit(lp: Any, hp: Any, x: jax.Array, k: jax.Array) -> tuple:
-            return self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), x, pos, k < n)
+            return self.unit_slot(Unit(lp, hp, take(pc.copies, k)), x, pos, k < n)
 
         def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
             dx, acc, amax, acc_outer, loss, head = carry
-            lp, hp = _take(pc.params, k), _take(pc.histories, k)
+            lp, hp = take(pc.params, k), take(pc.histories, k)
             if split:  # the input gradient only: the parameters' waits for the weight slot
                 (y, obj, met), pull = jax.vjp(lambda x: unit(lp, hp, x, k), inputs[k])
             else:
@@ -418,14 +342,14 @@ class StageProgram:
         """Split schedules: each unit of the chunk recomputed from its kept input in ``acts`` and differentiated in
         its parameters alone, by its output gradient kept in ``cots`` (and the MoE aux objective's); returns
         ``acc`` plus the units' gradients and ``amax`` with their fp8 histories' updates."""
-        pc, pos, on = _take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
+        pc, pos, on = take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
         n, inputs, cot = self.units(slot.chunk, stage), acts[slot.src], on.astype(F32)
 
         def one(carry: tuple, k: jax.Array) -> tuple[tuple, None]:
             acc, amax = carry
             (_, _, met), pull = jax.vjp(
-                lambda lp, hp: self.unit_slot(Unit(lp, hp, _take(pc.copies, k)), inputs[k], pos, k < n),
-                _take(pc.params, k), _take(pc.histories, k),
+                lambda lp, hp: self.unit_slot(Unit(lp, hp, take(pc.copies, k)), inputs[k], pos, k < n),
+                take(pc.params, k), take(pc.histories, k),
             )
             dy = jnp.where(on, cots[k], jnp.zeros_like(cots[k]))  # exact zeros in a masked slot
             d_lp, d_hp = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
@@ -465,7 +389,7 @@ class StageProgram:
 
     def tick(self, w: Weights, stage: jax.Array, state: Loop, col: dict[str, jax.Array]) -> tuple[Loop, None]:
         """One row of the table: the forward slot, the backward slot (training), then the two messages."""
-        fwd = _slot(col, stage, "f_")
+        fwd = read_slot(col, stage, "f_")
         y, inputs, f_loss, f_met, f_head = self.forward_slot(w, fwd, stage, state.acts)
         if not self.table.train:
             acts = self.send_forward(state.acts, y, col["recv_f"][stage])
@@ -473,16 +397,16 @@ class StageProgram:
                                   metrics=jax.tree.map(jnp.add, state.metrics, f_met),
                                   head=jax.tree.map(jnp.add, state.head, f_head)), None
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
-        state = state._replace(acts=_put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
-        bwd = _slot(col, stage, "b_")
+        state = state._replace(acts=put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
+        bwd = read_slot(col, stage, "b_")
         acc, amax, acc_outer, dh, b_loss, b_met, b_head, dys = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
         acc_outer = self.embedding_grad(w, bwd, dh, acc_outer)
         cots = state.cots
         if self.table.split:  # the weight slot, after the B slot has kept its output gradients
-            cots = _put(cots, col["b_cot"][stage], dys)
-            acc, amax = self.weight_slot(w, _slot(col, stage, "w_"), stage, state.acts, cots[col["w_cot"][stage]],
+            cots = put(cots, col["b_cot"][stage], dys)
+            acc, amax = self.weight_slot(w, read_slot(col, stage, "w_"), stage, state.acts, cots[col["w_cot"][stage]],
                                          acc, amax)
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
@@ -565,11 +489,11 @@ class StageProgram:
     def send_forward(self, acts: jax.Array, y: jax.Array, recv: jax.Array) -> jax.Array:
         """Each tick: the forward slot's output to the next stage, into its buffer slot ``recv`` (−1: none),
         as the first unit's input there."""
-        return _put(acts, recv, lax.ppermute(y, AXIS, self._ring())[None], whole=False)
+        return put(acts, recv, lax.ppermute(y, AXIS, self._ring())[None], whole=False)
 
     def send_backward(self, grads: jax.Array, dh: jax.Array, recv: jax.Array) -> jax.Array:
         """Each tick (training): the backward slot's input gradient to the previous stage, into slot ``recv``."""
-        return _put(grads, recv, lax.ppermute(dh, AXIS, [(b, a) for a, b in self._ring()]))
+        return put(grads, recv, lax.ppermute(dh, AXIS, [(b, a) for a, b in self._ring()]))
 
     def count_targets(self, targets: jax.Array) -> jax.Array:
         """Once per step: the trained targets (≥ 0) of the batch, summed over the manual data and context axes
