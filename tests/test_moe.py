@@ -261,7 +261,8 @@ PRESET_MESHES = {
 }
 # A pipeline runs MoE blocks with the partitioner experts; the shard_map experts cannot nest in its loop.
 PIPELINE_MESHES = {"pp": {"stage": 2, "data": 4}, "pp_fsdp": {"stage": 2, "fsdp": 4},
-                   "pp_fsdp_tp": {"stage": 2, "fsdp": 2, "tensor": 2}, "pp_tp_sp": {"stage": 2, "tensor": 2, "data": 2}}
+                   "pp_fsdp_tp": {"stage": 2, "fsdp": 2, "tensor": 2}, "pp_tp_sp": {"stage": 2, "tensor": 2, "data": 2},
+                   "pp_ep": {"stage": 2, "expert": 2, "data": 2}}
 # Context parallelism inside a stage runs dense blocks only (the loop is manual over context).
 CP_PIPELINE_MESHES = {"pp_tp_cp": {"stage": 2, "context": 2, "tensor": 2},
                       "pp_fsdp_tp_cp": {"stage": 2, "fsdp": 2, "context": 2}}
