@@ -62,7 +62,15 @@ def params_of(abstract_params: Any, axes: Any) -> list[Param]:
     # Imports jax: this module stays jax-free for the CLI's plan (it reads configs before devices exist).
     from jaxscale.sharding import named_params
 
-    return [Param(name, tuple(leaf.shape), a) for name, leaf, a in named_params(abstract_params, axes)]
+    named = named_params(abstract_params, axes)
+    return [Param(name, tuple(leaf.shape), _stack_axes(name, a)) for name, leaf, a in named]
+
+
+def _stack_axes(name: str, axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """``axes``, with the leading axis of DeepSeek's dense stack read as ``layers``: the model leaves it unnamed
+    so that no rules table splits it over ``stage`` (:mod:`jaxscale.models.deepseek`), but it is scanned and
+    recomputed as the layer stack is (its gathers repeat in the backward); the planner pipelines no such model."""
+    return ("layers", *axes[1:]) if name.split(".")[0] == "dense" and axes and axes[0] is None else axes
 
 
 def param_table(config: Config) -> list[Param]:
