@@ -35,26 +35,17 @@ from jax import lax
 
 from jaxscale.fp8 import E4M3, E5M2, Operand, Recipe, cast, pushed, scale_of
 from jaxscale.fp8_blockwise import blocks, tiles
+from jaxscale.fp8_grouped import WGRAD, Static
 
 # [K/B, m, B] rows (ragged over m) times [K/B, G, B, N] experts' weights: the K/B slices a batch.
 _SLICED = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([2], [2]), ([0], [0])), lhs_ragged_dimensions=[1], rhs_group_dimensions=[1]
 )
-# dw[t] = x[rows of tile t]ᵀ · g[rows of tile t]: the rows contracted, ragged over the tiles.
-_TILED = lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
-)
-
-
-class _Static(NamedTuple):
-    recipe: Recipe
-    x_dtype: Any
-    w_dtype: Any
 
 
 def ragged(x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
     """``ragged_dot(x, w, sizes)`` in blockwise fp8 (``x`` [m, K] rows, ``w`` [G, K, N]), in ``x``'s dtype."""
-    return _ragged(_Static(x.recipe, jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)), x, w, sizes)
+    return _ragged(Static(x.recipe, jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)), x, w, sizes)
 
 
 def grouped_block_dot(
@@ -111,16 +102,16 @@ def _weight_grad(x: jax.Array, g: jax.Array, sizes: jax.Array, groups: int, reci
     """``dw[e] = Σ_{rows r of e} x[r]ᵀ g[r]`` from ``B x 1`` tiles of ``x`` (e4m3) and ``g`` (e5m2), in fp32."""
     tiling = row_tiles(sizes, x.shape[0], recipe.block)
     (qx, sx), (qg, sg) = (_row_tiled(a, tiling, f, recipe.margin) for a, f in ((x, E4M3), (g, E5M2)))
-    partial = lax.ragged_dot_general(qx, qg, tiling.sizes, _TILED, preferred_element_type=jnp.float32)  # [T, K, N]
+    partial = lax.ragged_dot_general(qx, qg, tiling.sizes, WGRAD, preferred_element_type=jnp.float32)  # [T, K, N]
     return jax.ops.segment_sum(partial * sx[:, :, None] * sg[:, None, :], tiling.expert, num_segments=groups)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
+def _ragged(static: Static, x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
     return _forward(static, x, w, sizes)[0]
 
 
-def _forward(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple[jax.Array, tuple]:
+def _forward(static: Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple[jax.Array, tuple]:
     b, margin = static.recipe.block, static.recipe.margin
     qx = tiles(x.value, b, E4M3, margin)
     qw = jax.vmap(functools.partial(blocks, block=b, fmt=E4M3, margin=margin))(w.value)
@@ -128,7 +119,7 @@ def _forward(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple
     return y.astype(static.x_dtype), (x.value, qw, sizes, qx.amax, x.history, w.history, w.grad_history)
 
 
-def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand, None]:
+def _backward(static: Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand, None]:
     x, qw, sizes, x_amax, x_history, w_history, g_history = saved
     recipe = static.recipe
     qg = tiles(g, recipe.block, E5M2, recipe.margin)

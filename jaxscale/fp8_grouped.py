@@ -25,13 +25,15 @@ from jax import lax
 
 from jaxscale.fp8 import E5M2, Operand, Quantized, Recipe, pushed, quantize
 
-# dw[g] = x[rows of g]ᵀ · g[rows of g]: the rows contracted, ragged over the groups.
-_WGRAD = lax.RaggedDotDimensionNumbers(
+# dw[g] = x[rows of g]ᵀ · g[rows of g]: the rows contracted, ragged over the groups (blockwise's row tiles too).
+WGRAD = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
 )
 
 
-class _Static(NamedTuple):
+class Static(NamedTuple):
+    """What a grouped fp8 matmul's custom VJP fixes when traced (here and in :mod:`jaxscale.fp8_blockwise_grouped`)."""
+
     recipe: Recipe
     x_dtype: Any
     w_dtype: Any
@@ -39,7 +41,7 @@ class _Static(NamedTuple):
 
 def ragged(x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
     """``ragged_dot(x, w, sizes)`` of fp8 operands (a per-tensor activation, per-expert weights), in ``x``'s dtype."""
-    return _ragged(_Static(x.recipe, jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)), x, w, sizes)
+    return _ragged(Static(x.recipe, jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)), x, w, sizes)
 
 
 def _row_scales(scale: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
@@ -48,23 +50,23 @@ def _row_scales(scale: jax.Array, sizes: jax.Array, rows: int) -> jax.Array:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ragged(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
+def _ragged(static: Static, x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
     return _forward(static, x, w, sizes)[0]
 
 
-def _forward(static: _Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple[jax.Array, tuple]:
+def _forward(static: Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple[jax.Array, tuple]:
     qx, qw = x.quantized, w.quantized
     y = lax.ragged_dot(qx.q, qw.q, sizes, preferred_element_type=jnp.float32)
     y = y * (qx.scale * _row_scales(qw.scale, sizes, y.shape[0]))
     return y.astype(static.x_dtype), (qx, qw, sizes, x.history, w.history, w.grad_history)
 
 
-def _backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand, None]:
+def _backward(static: Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand, None]:
     qx, qw, sizes, x_history, w_history, g_history = saved
     qg = quantize(g, g_history, E5M2, static.recipe)
     dx = lax.ragged_dot(qg.q, jnp.swapaxes(qw.q, 1, 2), sizes, preferred_element_type=jnp.float32)
     dx = dx * (qg.scale * _row_scales(qw.scale, sizes, dx.shape[0]))
-    dw = lax.ragged_dot_general(qx.q, qg.q, sizes, _WGRAD, preferred_element_type=jnp.float32)
+    dw = lax.ragged_dot_general(qx.q, qg.q, sizes, WGRAD, preferred_element_type=jnp.float32)
     dw = dw * (qx.scale * qg.scale)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices the rows are split over
