@@ -224,19 +224,24 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-@pytest.mark.parametrize("rules, mesh, schedule, v", [
-    ("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "1f1b", 1),
-    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "interleaved_1f1b", 2),
-    pytest.param("pp_fsdp_tp_cp", {"stage": 2, "tensor": 2, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
-    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
-    pytest.param("pp_tp_cp", {"stage": 4, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("rules, mesh, schedule, v, gather", [
+    ("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "1f1b", 1, "step"),
+    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "interleaved_1f1b", 2, "step"),
+    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "zb_h1", 1, "visit"),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 2, "tensor": 2, "context": 2}, "1f1b", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "interleaved_1f1b", 2, "step", marks=pytest.mark.slow),
+    pytest.param("pp_tp_cp", {"stage": 4, "context": 2}, "1f1b", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
 ])
-def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, gather, reference):
     """Ring attention over context inside each stage (the loop manual over stage, context and TP's or FSDP's
     axes; the keys and values all-gathered over context, no collective-permute in a conditional) equals one
-    device, the sequence in the ring's order, and every matmul sits in a conditional (idle slots skipped)."""
+    device, the sequence in the ring's order, and every matmul sits in a conditional (idle slots skipped),
+    under ZB-H1 too (its B and W slots), and with FSDP's axes gathered per layer visit (``visit``)."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), "model.attention=ring", rules=rules, mesh=mesh))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), "model.attention=ring",
+                                        f"pipeline.fsdp={gather}", rules=rules, mesh=mesh))
     order = trainer.sequence_order
     assert order is not None and sorted(order) == list(range(32))
     params = stored(trainer, initial.params)
@@ -248,22 +253,41 @@ def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, reference)
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-@pytest.mark.parametrize("rules, mesh, schedule, v", [
-    ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "1f1b", 1),
-    ("pp_tp_sp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2),
-    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2),
-    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "1f1b", 1),
-    pytest.param("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
-    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "1f1b", 1, marks=pytest.mark.slow),
-    pytest.param("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+@pytest.fixture(scope="module")
+def fsdp_tp_sp(tmp_path_factory) -> str:
+    """pp_fsdp_tp's rules with SP (``norm_length`` over tensor): FSDP, TP and SP inside a stage."""
+    return write_rules(tmp_path_factory.mktemp("rules"), "pp_fsdp_tp_sp", norm_length="tensor")
+
+
+@pytest.mark.parametrize("rules, mesh, schedule, v, gather", [
+    ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "1f1b", 1, "step"),
+    ("pp_tp_sp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, "step"),
+    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2, "step"),
+    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "1f1b", 1, "step"),
+    ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "zb_h1", 1, "step"),
+    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "zb_h1", 1, "step"),
+    ("pp_fsdp_tp_sp", {"stage": 2, "fsdp": 2, "tensor": 2}, "zb_h1", 1, "visit"),
+    pytest.param("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "interleaved_1f1b", 2, "step",
+                 marks=pytest.mark.slow),
+    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "1f1b", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, "step", marks=pytest.mark.slow),
+    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "1f1b", 1, "visit", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_sp", {"stage": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2, "visit",
+                 marks=pytest.mark.slow),
 ])
-def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v, gather, reference, fsdp_tp_sp):
     """TP (and SP) inside each stage, the loop manual over tensor, its collectives written by the projections
-    among one stage's devices: equals one device, and every matmul sits in a conditional (idle slots skipped).
-    Under SP the residual stream is split on the sequence over tensor inside the stage: each tick's message is
-    half a microbatch's tokens."""
+    among one stage's devices: equals one device, and every matmul sits in a conditional (idle slots skipped),
+    under ZB-H1 too (its B and W slots), and with FSDP's axes gathered per layer visit (``visit``; FSDP, TP
+    and SP together). Under SP the residual stream is split on the sequence over tensor inside the stage: each
+    tick's message is half a microbatch's tokens."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), rules=rules, mesh=mesh))
+    sp = rules != "pp_fsdp_tp"
+    rules = fsdp_tp_sp if rules == "pp_fsdp_tp_sp" else rules
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), f"pipeline.fsdp={gather}", rules=rules,
+                                        mesh=mesh))
     params, batch = stored(trainer, initial.params), placed(trainer, batches[0])
     compiled = trainer.jit_loss_and_grads.lower(params, batch).compile()
     loss, grads = compiled(params, batch)
@@ -273,7 +297,7 @@ def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     permutes = {c.shapes for c in found if c.kind == "collective-permute" and c.axes == ("stage",)}
     rows = 32 // 4 // mesh.get("data", 1) // mesh.get("fsdp", 1)
-    assert permutes == {(("f32", (rows, 32 // 2 if rules == "pp_tp_sp" else 32, 64)),)}
+    assert permutes == {(("f32", (rows, 32 // 2 if sp else 32, 64)),)}
 
 
 def test_moe_with_expert_parallelism_inside_a_stage():
