@@ -123,7 +123,9 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     conditional, idle slots skipped), each layer as a slot runs it (``visit``: the blocks enter split over fsdp
     and tensor, fsdp gathered layer by layer; idle slots skipped) or every tick (``tick``: fsdp and tensor left
     to the partitioner, idle slots masked). The blockwise kernel runs inside the stage's loop as it is, no
-    shard_map of its own."""
+    shard_map of its own. Executed work: the layers' matmul FLOPs, each tick's conditionals counted on the
+    stage's busy slots, are the table's work (v·m forwards and v·m backwards, a backward 3 forwards: the
+    recompute, then two matmuls per forward matmul) times a chunk's forward FLOPs (:func:`chunk_flops`)."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
@@ -141,8 +143,11 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     # other collective over stage runs once per step on parameters (the embedding and head gradients'
     # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
     # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
-    ticks = schedules.build(schedule, 2, m, v).ticks
+    table = schedules.build(schedule, 2, m, v)
+    ticks = table.ticks
     assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather != "tick")
+    if attention == "dot":
+        assert executed_layer_flops(compiled.as_text(), table) == table.work(1, 3) * chunk_flops(v)
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
@@ -154,6 +159,24 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
         if c.kind != "collective-permute":
             assert c.runs == 1 and c.result_bytes <= outer + 256, c  # the parameters and a few scalars
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
+
+
+def chunk_flops(v: int) -> int:
+    """A forward slot's matmul FLOPs on one device of pp_fsdp_tp (stage 2 x fsdp 2 x tensor 2, m = 4): a
+    microbatch's 32 / 4 / 2 = 4 sequences of 32 tokens through 8 / (2·v) layers, each token 2 FLOPs per
+    projection weight (q 64x64, k and v 64x32, o 64x64, gate, up, down 64x128) and 2·2·32·64 in dot attention
+    (QKᵀ and PV over 32 keys, 8 heads of 8), all split over tensor."""
+    weights = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128
+    return 4 * 32 * (2 * weights + 2 * 2 * 32 * 64) // 2 * (8 // (2 * v))
+
+
+def executed_layer_flops(text: str, table: schedules.Table) -> int:
+    """The FLOPs per step and device of the compiled step's layer matmuls (in the layer scan inside a slot's
+    conditional; the head's apart, in a conditional inside it), a tick's conditionals counted on the stage's
+    busy slots."""
+    slots = [d for d in hlo.matmuls(text, hlo.busy_slots(table)) if len(d.loops) == 2
+             and d.loops[0].trips == table.ticks and d.branches == 1]
+    return sum(d.flops * d.runs for d in slots)
 
 
 def pp_fsdp_steps(reference, schedule: str, v: int, gather: str):
@@ -198,7 +221,7 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
     U·(n−1)/n (U one layer's fp32 parameters, n = 4); a stage runs m·v busy slots of each kind, L/(p·v)
     layers each, so a step moves 2·m·(L/p)·U·(n−1)/n gathered and m·(L/p)·U·(n−1)/n scattered, against
     (T ticks) 2·T·(L/(p·v))·U·(n−1)/n and T·(L/(p·v))·U·(n−1)/n gathered every tick (``tick``). The planner's
-    analytic model counts the same."""
+    analytic model counts the same, and so does ``hlo`` given the busy slots (``hlo.busy_slots``)."""
     initial = reference[0]
     trainer, compiled, found = pp_fsdp_steps(reference, schedule, v, "visit")
     p, m, n, layers = 2, 8, 4, 8
@@ -219,6 +242,10 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
                                    "reduce-scatter": m * layers / p * unit * (n - 1) / n})
     flows = [f for f in predict_trainer(trainer).flows if f.what.startswith("blocks.") and f.axes == ("fsdp",)]
     assert {kind: sum(f.wire_bytes for f in flows if f.kind == kind) for kind in moved} == pytest.approx(moved)
+    # hlo counts the loop's conditionals on the busy slots: the bytes moved, what the planner counts
+    counted = [c for c in hlo.collectives(compiled.as_text(), trainer.mesh, hlo.busy_slots(table))
+               if c.axes == ("fsdp",) and c.loops]
+    assert {kind: sum(c.wire_bytes for c in counted if c.kind == kind) for kind in moved} == pytest.approx(moved)
     outer = sum(w.size * 4 for k, part in initial.params.items() if k != "blocks" for w in jax.tree.leaves(part))
     assert all(c.result_bytes <= outer for c in fsdp if c.runs == 1)  # outside the loop: no block gathered
     assert hlo.dots(compiled.as_text())["outside"] == 0

@@ -46,13 +46,14 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   embedding's gradient (m times a step; counted here as the compiled loop's T ticks, the runs
   :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
-  inside a stage the layers' collectives run per tick and slot (the compiled loop's count, idle slots
-  skipped or masked alike); where the stage is manual over TP's axes it holds the embedding and head
-  whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); FSDP inside a stage
-  (``pipeline.fsdp``): ``step`` gathers the stage's blocks once and reduce-scatters their gradients once,
-  ``visit`` gathers each layer as a slot runs it (2·m times a step where idle slots are skipped: the runs
-  executed, where ``hlo`` reads the loop's branch as run every tick) and reduce-scatters its fp32 gradient
-  after its backward (m), ``tick`` gathers and scatters in every slot of every tick; EP: dispatch +
+  inside a stage the layers' collectives run on the busy slots where idle slots are skipped (the runs
+  executed: ``hlo`` counts a tick's conditionals so, :func:`jaxscale.analysis.inspect.branch_runs`), in every
+  slot of every tick where they are masked; where the stage is manual over TP's axes it holds the embedding
+  and head whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); FSDP inside a
+  stage (``pipeline.fsdp``): ``step`` gathers the stage's blocks once and reduce-scatters their gradients once,
+  ``visit`` gathers each layer as a slot runs it (2·m times a step where idle slots are skipped) and
+  reduce-scatters its fp32 gradient after its backward (m), ``tick`` gathers and scatters in every slot of
+  every tick; EP: dispatch +
   combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md), at the capacity factor, or for the dropless rows
   exchange times the routing imbalance :data:`EP_IMBALANCE` (dropless by all-gather: ``ep·b·s·h`` gathered
@@ -352,12 +353,13 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     head_runs = lookup_runs = micro  # the head's input gradient, the vocabulary-parallel lookup
     stage_remat = False  # the backward slot recomputes its chunk's forward (pipeline)
     if layout.pipelined:
-        # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers in each slot, bubble
-        # ticks included (computed and masked where a stage has partitioner axes); the backward slot
+        # Each busy slot runs a microbatch (bsh / m) through 1/v of the stage's layers, and where a stage has
+        # partitioner axes every slot of every tick does (the bubble's computed and masked); the backward slot
         # recomputes its chunk whole (no layer remat inside a stage), and embeds again on the first
         # virtual stage; the head runs in the backward slot.
         ticks = pipeline_ticks(layout, step)
-        runs *= ticks / (step.pipeline_microbatches * step.repeats)
+        if masked:
+            runs *= ticks / (step.pipeline_microbatches * step.repeats)
         head_runs, lookup_runs = ticks * micro, 2 * ticks * micro
         stage_remat, recompute = True, False
     if sp:
