@@ -255,8 +255,26 @@ def _axes_name(dims: list[tuple[str, int, int]], mesh: Mesh) -> tuple[str, ...]:
     return tuple(name if size == mesh.shape[name] else f"{name}:({pre}){size}" for name, pre, size in runs)
 
 
-def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr, n: int) -> int:
-    """Bytes of an all-reduce's operands whose every use is a dynamic-slice of 1/n of them."""
+def _owners(c: Computation, user: Instr, groups: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether a fusion slicing an all-reduce's result slices the devices of a group different parts: false where
+    it reads the slice's index from a per-device table (a constant of one integer per device, indexed by the
+    partition id) that gives every device of a group the same index (the slice follows other mesh axes alone,
+    as a pipeline's stage sum sliced to a TP or FSDP shard)."""
+    devices = sum(len(g) for g in groups)
+    for name in user.operands:
+        table = c.instrs.get(name)
+        if table is None or table.opcode != "constant" or not re.fullmatch(rf"[su]\d+\[{devices}\]\S*", table.type):
+            continue
+        index = _ints(table.args.strip("{}"))
+        if len(index) == devices and all(len({index[d] for d in g}) == 1 for g in groups):
+            return False
+    return True
+
+
+def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr, n: int,
+                  groups: tuple[tuple[int, ...], ...]) -> int:
+    """Bytes of an all-reduce's operands whose every use is a dynamic-slice of 1/n of them, each device of a
+    group its own (:func:`_owners`)."""
     users = comp.users()
 
     def only_slices(c: Computation, name: str, c_users: dict, slices: list[int]) -> bool:
@@ -265,6 +283,8 @@ def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr
         for user, k in c_users[name]:
             if user.opcode in _TRANSPARENT:
                 ok = only_slices(c, user.name, c_users, slices)
+            elif user.opcode == "fusion" and not _owners(c, user, groups):
+                ok = False
             elif user.opcode == "fusion":
                 callee = comps[callees(user)[0][1]]
                 ok = only_slices(callee, callee.params()[k], callee.users(), slices)
@@ -371,7 +391,7 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
             exact = kind != "collective-permute"
             if (groups, exact) not in axes_of:
                 axes_of[groups, exact] = mesh_axes(groups, mesh, exact)
-            sliced = _sliced_bytes(comps, comp, instr, n) if kind == "all-reduce" and n > 1 else 0
+            sliced = _sliced_bytes(comps, comp, instr, n, groups) if kind == "all-reduce" and n > 1 else 0
             op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
             out.append(
                 Collective(
