@@ -263,7 +263,8 @@ def _owners(c: Computation, user: Instr, groups: tuple[tuple[int, ...], ...]) ->
     devices = sum(len(g) for g in groups)
     for name in user.operands:
         table = c.instrs.get(name)
-        if table is None or table.opcode != "constant" or not re.fullmatch(rf"[su]\d+\[{devices}\]\S*", table.type):
+        if (table is None or table.opcode != "constant" or "..." in table.args  # a long constant is elided
+                or not re.fullmatch(rf"[su]\d+\[{devices}\]\S*", table.type)):
             continue
         index = _ints(table.args.strip("{}"))
         if len(index) == devices and all(len({index[d] for d in g}) == 1 for g in groups):
