@@ -50,6 +50,14 @@ def step_collectives(trainer: Any, compiled: Any) -> tuple[list[Collective], str
     return exchange_counted(text, found)
 
 
+def _branches_line(taken: Taken | None) -> str:
+    """What :func:`branch_runs` does to the counts, in a line (empty where it does nothing)."""
+    if taken is None:
+        return ""
+    return (f"a pipeline tick's conditionals counted on the stage's busy slots: {taken.runs} of the loop's "
+            f"{taken.trips} ticks (idle slots are skipped)")
+
+
 def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
     """Compile the step (unless given) and report memory, collectives and the formulas; JSON-serialisable."""
     compiled = compile_step(trainer) if compiled is None else compiled
@@ -62,6 +70,7 @@ def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
         "state": state_bytes(trainer),
         "collectives": summarize(found),
         "exchange": exchange,
+        "branches": _branches_line(branch_runs(trainer)),
         "formulas": formulas(trainer.config.model, *trainer_inputs(trainer)),
     }
     return json.loads(json.dumps(report))
@@ -168,6 +177,8 @@ def format_inspect(report: dict[str, Any]) -> str:
                  f"analytic {_mb(analytic_total)} ({100 * err:+.1f}% of the rs reading)")
     if report["exchange"]:
         lines.append(f"  {report['exchange']}; the analytic model assumes an imbalance of {EP_IMBALANCE}")
+    if report["branches"]:
+        lines.append(f"  {report['branches']}")
     lines.append("  analytic by kind and axes: " + "  ".join(
         f"{r['kind']} [{r['axes']}] {_mb(r['wire_bytes'])}" for r in report["analytic"]["collectives"]))
     refs = [(k, v) for k, v in ref.items() if k.endswith("_comm_bytes")]
