@@ -228,6 +228,16 @@ def test_all_reduce_then_slice_reads_as_reduce_scatter():
     # A slice of 1/4 on 8 devices is not each device's shard: not a reduce-scatter.
     (c,) = hlo.collectives(SLICED.replace("ROWS", "16"), MESH_222)
     assert c.sliced_bytes == 0
+    # Over pairs {d, d + 4} (data), a half sliced by a per-device table: each device of a pair its own half reads
+    # as a reduce-scatter; both the same half (the table follows another axis, as a stage sum sliced to a TP
+    # shard) does not.
+    pairs = only.replace("[8,128]", "[32,128]").replace("={8,128}", "={32,128}")
+    pairs = pairs.replace("[1,8]<=[8]", "{{0,4},{1,5},{2,6},{3,7}}")
+    pairs = pairs.replace("%off), kind", "%off, %t), kind").replace(
+        "%off = s32[] parameter(2)", "%off = s32[] parameter(2)\n  %t = u32[8]{0} constant({TABLE})")
+    for table, sliced in (("0, 0, 0, 0, 1, 1, 1, 1", 32768), ("0, 1, 0, 1, 0, 1, 0, 1", 0)):
+        (c,) = hlo.collectives(pairs.replace("TABLE", table), MESH_222)
+        assert (c.axes, c.sliced_bytes) == (("data",), sliced)
 
 
 # -- compiled steps ----------------------------------------------------------------
