@@ -337,7 +337,7 @@ def simulate(table: schedules.Table) -> None:
                 if g < last:
                     assert grads[s][table.b_grad[t, s]] == ("grad", i, g), (t, s)
                 seen.add(("B", i, g))
-                if table.split:  # the B keeps its units' output gradients for the W
+                if table.split:  # the B keeps its units' matmul inputs and output gradients for the W
                     cots[s][table.b_cot[t, s]] = ("cot", i, g)
                 if g > 0:
                     sent_b[(s - 1) % p] = ("grad", i, g - 1)
@@ -345,7 +345,8 @@ def simulate(table: schedules.Table) -> None:
             if table.w_kind[t, s] != IDLE:
                 g = c * p + s
                 assert table.split and ("B", i, g) in seen and ("W", i, g) not in seen
-                assert acts[s][table.w_src[t, s]] == ("act", i, g) and cots[s][table.w_cot[t, s]] == ("cot", i, g)
+                # The W reads what its B kept alone: the stage inputs are freed at the B.
+                assert table.w_src[t, s] == -1 and cots[s][table.w_cot[t, s]] == ("cot", i, g)
                 seen.add(("W", i, g))
         for s in range(p):
             if table.recv_f[t, s] >= 0:

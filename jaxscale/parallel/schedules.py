@@ -37,9 +37,9 @@ slot writes them where its input arrived; the first virtual stage's slot is take
 runs), so that its backward recomputes each layer once from its input. The last virtual stage's
 backward also runs the final norm, the output head and the loss: the head runs once per
 microbatch, on the last stage only, and its logits never outlive the tick. Split, the B keeps each
-layer's output gradient (a *cotangent slot*, ``cot_slots`` of them, from the B to the W) and the W
-recomputes each layer from its kept input to take its weights' gradient: the layer inputs are kept
-until the W, and every layer runs forward three times per microbatch instead of twice (:meth:`Table.cost`).
+layer's weight matmuls' inputs and output gradients (a *cotangent slot*, ``cot_slots`` of them, from the B
+to the W; :mod:`jaxscale.parallel.weight_split`) and the W runs those matmuls' weight gradients alone: the
+layer inputs are freed at the B, and W costs the weight-gradient matmuls (:meth:`Table.cost`).
 
 Everything here is NumPy: the tables are built while the step is traced, and the planner and the
 benchmark count ticks, bubble and stash from them without jax.
@@ -120,9 +120,10 @@ class Table:
     ``b_src``: the activation slot of its inputs (the first virtual stage's forward embeds the tokens);
     ``b_grad``: the gradient slot holding its output's gradient (the last virtual stage takes the
     loss's); ``recv_f``/``recv_b``: the slot where the message arriving at the end of the tick goes.
-    Split schedules (``split``): the backward slot computes the input gradient and writes its layers'
-    output gradients into cotangent slot ``b_cot``; the *weight slot* ``w_*`` reads them (``w_cot``)
-    with the layers' inputs (``w_src``); elsewhere every ``w_*``/``b_cot`` entry is idle (−1).
+    Split schedules (``split``): the backward slot computes the input gradient and writes what its layers'
+    weight gradients need (their matmuls' inputs and output gradients) into cotangent slot ``b_cot``; the
+    *weight slot* ``w_*`` reads that alone (``w_cot``; ``w_src`` is −1); elsewhere every ``w_*``/``b_cot``
+    entry is idle (−1).
     """
 
     p: int
@@ -273,9 +274,8 @@ def _table(
     kinds = {k: np.zeros((ticks, p), int) for k in "FBW"}
     acts, grads, cots = ([_Slots() for _ in range(p)] for _ in range(3))
     # Activation slots: written when the previous virtual stage's forward runs (the first virtual
-    # stage's as its own forward starts), read until the weight gradient (split), the backward
-    # (training) or the forward.
-    reader = "W" if split else "B" if train else "F"
+    # stage's as its own forward starts), read until the backward (training; split: B) or the forward.
+    reader = "B" if train else "F"
     inputs = [(done["F", micro, g - 1] if g else done["F", micro, g] - 1, done[reader, micro, g], micro, g)
               for (kind, micro, g) in done if kind == "F"]
     act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its inputs on its stage
@@ -299,7 +299,7 @@ def _table(
                 g, k = op.chunk * p + s, op.kind.lower()
                 kinds[op.kind][t, s] = FIRST if g == 0 else LAST if g == last else MIDDLE
                 cols[k + "_micro"][t, s], cols[k + "_chunk"][t, s] = op.micro, op.chunk
-                cols[k + "_src"][t, s] = act_slot.get((op.micro, g), -1)
+                cols[k + "_src"][t, s] = act_slot.get((op.micro, g), -1) if op.kind != "W" else -1
                 if op.kind == "B":
                     cols["b_grad"][t, s] = grad_slot.get((op.micro, g), -1)
                     cols["b_cot"][t, s] = cot_slot.get((op.micro, g), -1)
