@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import re
 
 import jax
 import jax.extend
@@ -10,15 +12,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import yaml
+from flax import nnx
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.predict import predict_trainer
-from jaxscale.config import CONFIG_DIR, ConfigError
+from jaxscale.config import CONFIG_DIR, MESH_AXES, ConfigError
+from jaxscale.layout import Rules, Stage
 from jaxscale.models import balance
-from jaxscale.parallel import schedules
+from jaxscale.models.llama import Block
+from jaxscale.parallel import schedules, weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
-from jaxscale.sharding import use_rules
+from jaxscale.sharding import layout_of, use_layout, use_rules
 from jaxscale.train import Trainer
 
 # Eight layers split over up to 4 stages x 2 chunks; 32 sequences cut into up to 16 microbatches.
@@ -88,6 +93,49 @@ def test_the_chunked_loss_inside_a_stage_matches_single_device(rules, mesh, refe
     loss, grads = trainer.loss_and_grads(params, placed(trainer, batches[0]))
     assert close(loss, ref_loss)
     assert_trees_close(canonical(trainer, grads), ref_grads)
+
+
+def step_dots(trainer: Trainer) -> list[str]:
+    """The dot instructions of the compiled step, each with the name of the code that made it."""
+    text = xla.compile_step(trainer).as_text()
+    dots = [line for line in text.splitlines() if re.search(r"= \S+ dot\(", line)]
+    return [re.search(r'op_name="([^"]*)"', line).group(1) for line in dots]
+
+
+def test_zb_h1_weight_slot_runs_the_weight_gradient_matmuls_alone():
+    """ZB-H1's W slot (``pp``, p = 2, m = 4) compiles to one dot per weight matmul of a unit, each the transpose of
+    a projection (its weight gradient): no recompute of the layer, no activation backward (attention's). Every
+    matmul of 1F1B's step runs once in ZB-H1's too, in its B or its W: the same number of dots in all."""
+    projections = 4 + 3  # q, k, v, o; gate, up, down
+    zb, f1b = (step_dots(Trainer.build(tiny_config(*BASE, *pipe(schedule, 4), rules="pp", mesh=MESHES[2])))
+               for schedule in ("zb_h1", "1f1b"))
+    weight = [name for name in zb if "/weight_slot/" in name]
+    assert len(weight) == projections and all("transpose(jvp(" in name for name in weight), weight
+    assert len(zb) == len(f1b)
+
+
+def test_b_keeps_each_weight_matmuls_input_and_output_gradient():
+    """What ZB-H1's B keeps of a Llama unit for its W (:mod:`jaxscale.parallel.weight_split`): each distinct weight
+    matmul input, as it is in the compute dtype (the normed input once for q, k and v, the attention output, the
+    normed input once for gate and up, the MLP hidden: 2h + q + f per token) and each matmul's output gradient
+    (q, k, v, o, gate, up, down: q + 2k + h + 2f + h), where the unsplit backward keeps the unit's input, h."""
+    config = tiny_config()
+    c = config.model
+    h, q, k, f, rows = c.embed, c.heads * c.head_dim, c.kv_heads * c.head_dim, c.mlp, 2
+    tokens = rows * config.train.seq_len
+    mesh = jax.make_mesh((1,) * len(MESH_AXES), MESH_AXES, (jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                         devices=jax.devices()[:1])
+    place = dataclasses.replace(layout_of(mesh, Rules.load("dp")), stage=Stage((), ()))
+    with nnx.use_eager_sharding(False):
+        block = Block(config, nnx.Rngs(0))
+    x = jnp.zeros((rows, config.train.seq_len, h), jnp.dtype(c.dtype))
+    positions = jnp.broadcast_to(jnp.arange(config.train.seq_len), x.shape[:2])
+    with use_layout(mesh, place):
+        outputs, inputs = weight_split.types(lambda: block(x, positions))
+    assert len(outputs) == 7 and len(inputs) == 4
+    itemsize = jnp.dtype(c.dtype).itemsize
+    assert weight_split.kept_bytes(inputs) == tokens * (2 * h + q + f) * itemsize
+    assert weight_split.kept_bytes(outputs) == tokens * (q + 2 * k + h + 2 * f + h) * itemsize
 
 
 def test_the_pipeline_backward_scales_with_its_cotangent(reference):

@@ -267,7 +267,7 @@ def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
 def _table(
     schedule: str, p: int, m: int, v: int, train: bool, at: list[list[list[Op]]], done: dict[tuple[str, int, int], int]
 ) -> Table:
-    ticks, last, split = len(at), v * p - 1, schedule in SPLIT and train
+    ticks, last = len(at), v * p - 1
     cols = {n: np.full((ticks, p), -1) for n in ("f_micro", "f_chunk", "f_src", "b_micro", "b_chunk", "b_src",
                                                  "b_grad", "recv_f", "recv_b", "w_micro", "w_chunk", "w_src",
                                                  "w_cot", "b_cot")}

@@ -429,8 +429,9 @@ class StageProgram:
         cots = state.cots
         if self.table.split:  # the weight slot, after the B slot has kept its matmuls' inputs and output gradients
             cots = jax.tree.map(lambda c, k: put(c, col["b_cot"][stage], k), cots, kept)
-            acc, amax = self.weight_slot(w, read_slot(col, stage, "w_"), stage,
-                                         jax.tree.map(lambda c: c[col["w_cot"][stage]], cots), acc, amax)
+            with jax.named_scope("weight_slot"):
+                acc, amax = self.weight_slot(w, read_slot(col, stage, "w_"), stage,
+                                             jax.tree.map(lambda c: c[col["w_cot"][stage]], cots), acc, amax)
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
             grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
