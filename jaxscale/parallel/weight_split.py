@@ -55,12 +55,13 @@ def readable(x: jax.Array | fp8.Operand) -> Any:
 
 
 def restored(x: jax.Array | fp8.Operand, kept: Any) -> jax.Array | fp8.Operand:
-    """Matmul input ``x`` read from what B kept of it; an fp8 input without its history (B pushed its amax)."""
+    """Matmul input ``x`` read from what B kept of it; an fp8 input without its history (B pushed its amax), its
+    live compute-dtype values (unread by the e4m3 matmul) cut from the gradient: the unit's forward stays dead."""
     if not isinstance(x, fp8.Operand):
         return kept
     if x.quantized is None:
         return x.replace(value=kept, history=None)
-    return x.replace(quantized=kept, history=None)
+    return x.replace(value=lax.stop_gradient(x.value), quantized=kept, history=None)
 
 
 @dataclasses.dataclass(eq=False)
