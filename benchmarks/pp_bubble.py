@@ -44,6 +44,7 @@ gradient, recomputing it) and of the unsplit backward, per forward, from XLA's c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,8 +61,10 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.config import INTERLEAVED, load_config
-from jaxscale.parallel import schedules
+from jaxscale.config import INTERLEAVED, MESH_AXES, load_config
+from jaxscale.layout import Rules, Stage
+from jaxscale.parallel import schedules, weight_split
+from jaxscale.sharding import layout_of, use_layout
 from jaxscale.train import Trainer, make_model
 
 MODEL = [
@@ -164,8 +167,10 @@ def kept_bytes(table: schedules.Table, layers: int, act: int) -> int:
 
 
 def slot_flops(rows: int = 4) -> dict[str, float]:
-    """One layer's forward FLOPs on ``rows`` sequences, and its B, W and unsplit backward (each recomputing it) per
-    forward, from XLA's cost analysis."""
+    """One layer's forward FLOPs on ``rows`` sequences, and per forward its B (recomputing it: its input gradient
+    and every gradient but its weight matmuls', :mod:`jaxscale.parallel.weight_split`), its W (the weight matmuls'
+    gradients from the inputs and output gradients B kept) and the unsplit backward (recomputing it), from XLA's
+    cost analysis."""
     config = load_config(None, [*MODEL, "model.layers=1"])
     with nnx.use_eager_sharding(False):
         blocks = make_model(config).blocks
@@ -182,13 +187,26 @@ def slot_flops(rows: int = 4) -> dict[str, float]:
     def flops(f, *args) -> float:
         return jax.jit(f).lower(*args).compile().cost_analysis()["flops"]
 
-    forward = flops(layer, params, x)
-    slots = {
-        "B": lambda p, x: jax.vjp(lambda x: layer(p, x), x)[1](x),
-        "W": lambda p, x: jax.vjp(lambda p: layer(p, x), p)[1](x),
-        "backward": lambda p, x: jax.vjp(layer, p, x)[1](x),
-    }
-    return {"layer_forward_flops": forward, **{k: round(flops(f, params, x) / forward, 3) for k, f in slots.items()}}
+    mesh = jax.make_mesh((1,) * len(MESH_AXES), MESH_AXES, (jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                         devices=jax.devices()[:1])
+    with use_layout(mesh, dataclasses.replace(layout_of(mesh, Rules.load("dp")), stage=Stage((), ()))):
+        outs, ins = weight_split.types(lambda: layer(params, x))
+
+        def input_grad(p: dict, x: jax.Array) -> tuple:
+            _, pull, kept = jax.vjp(lambda p, x, taps: weight_split.input_grad(lambda: layer(p, x), taps), p, x,
+                                      weight_split.zeros(outs), has_aux=True)
+            return pull(x), kept  # as below: the cotangent is not the layer's output, which is dead
+
+        def weight_grad(p: dict, kept: list, dys: list) -> dict:
+            return jax.vjp(lambda p: weight_split.weight_outputs(lambda: layer(p, x), kept), p)[1](dys)
+
+        forward = flops(layer, params, x)
+        slots = {
+            "B": flops(input_grad, params, x),
+            "W": flops(weight_grad, params, weight_split.zeros(ins), weight_split.zeros(outs)),
+            "backward": flops(lambda p, x: jax.vjp(layer, p, x)[1](x), params, x),
+        }
+    return {"layer_forward_flops": forward, **{k: round(f / forward, 3) for k, f in slots.items()}}
 
 
 def zero_bubble(stages: list[int], steps: int) -> None:

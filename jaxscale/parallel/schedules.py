@@ -167,27 +167,27 @@ class Table:
                  "recv_f", "recv_b", "w_kind", "w_micro", "w_chunk", "w_src", "w_cot", "b_cot")
         return {n: getattr(self, n).astype(np.int32) for n in names}
 
-    def cost(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 3.0
+    def cost(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 1.0
              ) -> float:
         """Step time in forward-chunk units: each tick lasts as long as its busiest stage's slots.
 
         A backward costs ``backward`` (default 3: each layer recomputed from its input, then the
         backward's two matmuls per forward matmul). Split, a B costs ``input_grad`` (default 2: the
-        recompute, then the input gradients) and a W ``weight_grad`` (default 3: the recompute again, the
-        weight gradients, and the input gradients inside each layer that lead to its weights, all but its
-        first projections'): 5 where the unsplit backward costs 3 (XLA's FLOPs of a layer of
-        benchmarks/pp_bubble.py: B 1.82, W 2.76, unsplit 2.76 forwards). The paper's terms are 1, 1 and 1.
+        recompute, then the input gradients) and a W ``weight_grad`` (default 1: the weight matmuls'
+        gradients alone, :mod:`jaxscale.parallel.weight_split`): the unsplit backward's 3 in all (XLA's FLOPs
+        of a layer of benchmarks/pp_bubble.py: B 1.82, W 0.93, unsplit 2.76 forwards). The paper's terms are
+        1, 1 and 1.
         """
         b = input_grad if self.split else backward
         busy = forward * (self.f_kind > IDLE) + b * (self.b_kind > IDLE) + weight_grad * (self.w_kind > IDLE)
         return float(busy.max(axis=1).sum())
 
-    def work(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 3.0
+    def work(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 1.0
              ) -> float:
         """The v·m chunks' work in the units of :meth:`cost`: what a stage computes with no bubble."""
         return self.m * self.v * (forward + (input_grad + weight_grad if self.split else backward))
 
-    def bubble(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 3.0
+    def bubble(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 1.0
                ) -> float:
         """The step's time lost to the schedule, counted from the table: 1 − :meth:`work` / :meth:`cost`.
 

@@ -116,7 +116,8 @@ def zeros(shapes: Any, lead: tuple[int, ...] = ()) -> Any:
     its type does."""
 
     def one(s: jax.ShapeDtypeStruct) -> jax.Array:
-        return vary(jnp.zeros((*lead, *s.shape), s.dtype), tuple(sorted(s.manual_axis_type.varying)))
+        manual = s.manual_axis_type  # None outside a shard_map
+        return vary(jnp.zeros((*lead, *s.shape), s.dtype), tuple(sorted(manual.varying)) if manual else ())
 
     return jax.tree.map(one, shapes)
 
