@@ -399,7 +399,7 @@ def _bubble_note(c: Candidate) -> str:
     slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage"
              if place.stage_partitioned(BLOCK_AXES, lay.expert > 1) else "idle slots skipped")
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
-            f"((p-1)/(v·m+p-1) = {100 * formula_bubble(p, m, v):.0f}% by the formula, {slots})")
+            f"({100 * formula_bubble(p, m, v, lay.schedule):.0f}% by the schedule's formula, {slots})")
 
 
 def _gb(x: float) -> str:

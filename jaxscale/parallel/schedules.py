@@ -23,9 +23,12 @@ times (layers are grouped in that order, :mod:`jaxscale.parallel.pipeline`). The
 :func:`build` then runs the orders in lock-step *ticks*, the unit of the SPMD loop: each tick a
 stage runs at most one forward and then at most one backward, each as soon as its input is there
 (sent by a neighbour in an earlier tick; a backward may follow its own forward in the same tick),
-and never out of the stage's order. A schedule that splits the backward (``zb_h1``) runs one operation
-per stage per tick (F, B or W, one unit each in the paper's terms), so that a tick is as long as one of
-them and a W placed in a tick where the stage would wait costs nothing. Messages sent in tick t (the
+and never out of the stage's order. A schedule that splits the backward (``zb_h1``) runs a B alone in
+its tick and a W with the F that follows it: here a B recomputes its chunk (2 forwards' time) and a W
+is its weight matmuls alone (1, :mod:`jaxscale.parallel.weight_split`), so that every tick is about as
+long as a B, and a W placed in a tick where the stage would wait costs nothing. Per microbatch a stage
+then runs two ticks where 1F1B runs one twice as long; the bubble is (p − 1)·(F + B) of the step
+where 1F1B's is (p − 1)·(F + B + W) (:func:`formula_bubble`). Messages sent in tick t (the
 forward's output to the next virtual stage, the backward's input gradient to the previous one) are
 written into a *slot* of the receiver's buffer at the end of tick t and freed when read for the last
 time; slots are reused greedily, so the buffers are as small as the schedule allows: the ``1f1b`` stash stays at
@@ -199,10 +202,12 @@ class Table:
 
 
 def formula_bubble(p: int, m: int, v: int, schedule: str = "1f1b") -> float:
-    """The idle fraction of ``schedule`` in its authors' unit terms: (p − 1) / (v·m + p − 1) (the playbook's,
-    a forward and a backward per tick), or ZB-H1's (p − 1)·(F + B − W) of 3·m + p − 1 unit ticks."""
+    """The idle fraction of ``schedule``: (p − 1) / (v·m + p − 1) (the playbook's, a forward and a backward per
+    tick), or for ZB-H1 as :func:`build` ticks it (a B alone, a W with the next F) (p − 1)·(F + B) over
+    m·(F + B + W) + (p − 1)·(F + B), in :meth:`Table.cost`'s terms F 1, B 2, W 1. (The paper's, Qi et al.'s, with
+    F = B = W and free-running stages: (p − 1)·(F + B − W) over m·(F + B + W) + (p − 1)·(F + B − W).)"""
     if schedule in SPLIT:
-        return (p - 1) / (3 * m + p - 1)
+        return 3 * (p - 1) / (4 * m + 3 * (p - 1))
     return (p - 1) / (v * m + p - 1)
 
 
@@ -226,7 +231,7 @@ def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
 
     The arguments are the ones :meth:`jaxscale.layout.Layout.validate` accepts: v > 1 for the interleaved
     schedules only, m ≥ p, and m a multiple of p for ``interleaved_1f1b``."""
-    last, single = v * p - 1, schedule in SPLIT and train  # split: one operation per stage per tick
+    last, single = v * p - 1, schedule in SPLIT and train  # split: a B alone, a W with the next F
     orders = [order(schedule, p, m, v, s) for s in range(p)]
     if not train:
         orders = [[op for op in ops if op.kind == "F"] for ops in orders]
@@ -243,7 +248,7 @@ def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
             while position[s] < len(orders[s]):
                 op = orders[s][position[s]]
                 g = op.chunk * p + s
-                if op.kind in kinds or (single and kinds):
+                if op.kind in kinds or (single and kinds and {op.kind, *kinds} != {"F", "W"}):
                     break
                 if op.kind == "F":
                     ready = g == 0 or done.get(("F", op.micro, g - 1), t) < t
