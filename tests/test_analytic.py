@@ -70,6 +70,9 @@ LAYOUTS = [
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=8", "pipeline.schedule=interleaved_1f1b",
      "pipeline.repeats=2"),
     ("pp_tp_cp", {"stage": 2, "context": 4}, "model.layers=4", "model.attention=ring"),
+    # ZB-H1: what each layer's B keeps for its W (memory.split_kept), the W slot's weight-gradient matmuls alone
+    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4", "pipeline.schedule=zb_h1",
+     "pipeline.microbatches=4"),
     # flash-style attention's score tiles: one tile of the whole sequence, and 128-token tiles of a TP head shard
     ("pp", {"stage": 2, "data": 4}, "model.layers=4", "train.seq_len=256", "model.attention=blockwise"),
     ("tp_sp", {"data": 2, "tensor": 4}, "model.layers=4", "train.seq_len=512", "model.attention=blockwise",
