@@ -13,9 +13,9 @@ last layer first, the last virtual stage's output gradient from the head and los
 included, :meth:`~StageProgram.head_grad`; the first virtual stage's input gradient into the prefix's and
 the embedding's, :meth:`~StageProgram.embedding_grad`). Each unit's MoE statistics are kept per unit slot,
 the head's metrics apart (:attr:`Loop.metrics`, :attr:`Loop.head`). A slot is IDLE, FIRST, MIDDLE or LAST
-by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there the input gradient
-alone, keeping each unit's output gradient, and a third, *weight slot* (:meth:`~StageProgram.weight_slot`)
-recomputes each unit from its kept input and takes its parameters' gradient from that kept output gradient.
+by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there every gradient but the
+weight matmuls', keeping their inputs and output gradients (:mod:`~jaxscale.parallel.weight_split`), and a
+third, *weight slot* (:meth:`~StageProgram.weight_slot`) runs those matmuls' weight gradients alone.
 An idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
 axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
