@@ -290,7 +290,7 @@ def test_pipelines_try_every_schedule_from_p_to_32p_microbatches():
     tried = list(plan._pipelines(model, 64, 16, sequences=512))
     for p in (2, 4, 8, 16):
         mine = [(m, v, s, split) for q, m, v, s, split in tried if q == p]
-        assert {s for _, _, s, _ in mine} == {"gpipe", "1f1b", "interleaved_1f1b"}
+        assert {s for _, _, s, _ in mine} == {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1"}
         assert min(m for m, *_ in mine) == p and max(m for m, *_ in mine) == 32 * p
         assert all(v == (2 if s == "interleaved_1f1b" else 1) and m % p == 0 for m, v, s, _ in mine)
         # 80 layers split evenly but over 16 x 2 virtual stages: there 2 or 3 each, the ends lighter.
