@@ -525,13 +525,15 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
+    block_axes = [p.axes for p in params if p.in_layers]
+    # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
+    tensor = layout.stage_tensor_axes(block_axes, m.moe is not None)
+    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
     out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
                           + 2 * table.cot_slots * chunk * kept)
-    block_axes = [p.axes for p in params if p.in_layers]
     gathered = layout.stage_gathered_axes(block_axes, m.moe is not None)
     visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
     layer = layer_elems(params, layout, reduced=False)
@@ -545,6 +547,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     whole = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in gathered])
                 for p in params if p.in_layers) if once else 0.0
     out["pipeline accumulator"] = 4 * whole + (4 * (held - blocks if once else held) if partitioned else 0.0)
+    if tensor:  # its fp32 gradient accumulated whole over them too, beside the sharded gradients
+        out["pipeline accumulator"] += 4 * (outer - (held - blocks))
     out["pipeline copies"] = (outer + whole) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
