@@ -87,7 +87,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import fp8, stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
-from jaxscale.layout import TOKENS, Stage
+from jaxscale.layout import TOKENS, Stage, stage_moe
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_program import AXIS, StageProgram
@@ -155,19 +155,25 @@ def build(
     p, v = place.stages, config.repeats
     m = config.microbatches or p
     layers = jax.tree.leaves(parts.blocks)[0].shape[0]  # stacked slots (padded with uneven stages)
-    # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
-    # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
-    # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    # Context axes are manual too (a dense model): ring attention gathers keys and values over them.
+    # Data-parallel axes that shard no block parameter are manual too (unless the partitioner runs an MoE
+    # model's experts: its routing statistics span the microbatch): each device then adds up its own gradients
+    # over the ticks, summed over those axes once after the loop; explicit experts keep their EP shards and
+    # exchange tokens among the stage's devices (Layout.stage_expert_axes), their routing statistics summed
+    # over the row axes. Context axes are manual too (a dense model): ring attention gathers keys and values.
     # TP's axes are manual too where the stage leaves nothing else to the partitioner: each device keeps its
     # shard of the blocks, and jaxscale.parallel.sequence writes the collectives (Layout.stage_tensor_axes).
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
-    moe, explicit = c.moe is not None, getattr(model, "explicit_tp", False)
-    manual = place.stage_manual_axes(block_axes, moe, explicit)
+    flags, explicit = stage_moe(c), getattr(model, "explicit_tp", False)
+    moe = flags["moe"]
+    if flags["experts"]:
+        place.check_stage_experts(place.stage_free_axes(block_axes, explicit_tp=explicit, **flags))
+    manual = place.stage_manual_axes(block_axes, explicit_tp=explicit, **flags)
     ring = tuple(a for a in manual if a in place.stage_context_axes)
-    tensor = place.stage_tensor_axes(block_axes, moe, explicit)
+    tensor = place.stage_tensor_axes(block_axes, explicit_tp=explicit, **flags)
+    expert = place.stage_expert_axes(block_axes, flags["experts"])
     split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
-    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor))
+    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor), expert,
+                  tuple(a for a in place.mesh_axes(("expert_mlp",)) if a in tensor))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     gathered = place.stage_gathered_axes(block_axes, moe)
@@ -178,10 +184,10 @@ def build(
     return StageProgram(
         gathers=tuple(per_dim(axes, gathered) for axes in block_axes),
         visit=config.fsdp == "visit",
-        shards=tuple(per_dim(axes, tensor) for axes in block_axes),
+        shards=tuple(per_dim(axes, (*tensor, *expert)) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, moe, explicit),
+        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, explicit_tp=explicit, **flags),
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,
