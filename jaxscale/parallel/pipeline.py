@@ -165,8 +165,9 @@ def build(
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
     flags, explicit = stage_moe(c), getattr(model, "explicit_tp", False)
     moe = flags["moe"]
+    free = place.stage_free_axes(block_axes, explicit_tp=explicit, **flags)
     if flags["experts"]:
-        place.check_stage_experts(place.stage_free_axes(block_axes, explicit_tp=explicit, **flags))
+        place.check_stage_experts(free)
     manual = place.stage_manual_axes(block_axes, explicit_tp=explicit, **flags)
     ring = tuple(a for a in manual if a in place.stage_context_axes)
     tensor = place.stage_tensor_axes(block_axes, explicit_tp=explicit, **flags)
@@ -187,7 +188,7 @@ def build(
         shards=tuple(per_dim(axes, (*tensor, *expert)) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, explicit_tp=explicit, **flags),
+        slots=layers // (p * v), manual=manual, skip=not free,
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,
