@@ -2,9 +2,13 @@
 
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
-head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the batch axes and the context axes, whose ring attention then runs its per-device kernel
-inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **FSDP inside a
+head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, unless the partitioner
+runs an MoE model's experts, over the batch axes and the context axes, whose ring attention then runs its
+per-device kernel inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **Experts
+inside a stage** (``model.moe.impl=shard_map``): each device keeps its shard of the experts over the EP axes
+(:meth:`~jaxscale.layout.Layout.stage_expert_axes`), and expert parallelism's per-device body exchanges the
+tokens among the stage's devices (:func:`jaxscale.parallel.expert.local_experts`); the routing statistics are
+summed over the stage's row axes (:attr:`~jaxscale.layout.Stage.tokens`), so they are each microbatch's. **FSDP inside a
 stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed``) are manual too
 (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
@@ -57,8 +61,8 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (TP's where not manual, GShard-style experts, an MoE model's FSDP; once per step
-the embedding table is moved to the lookup's layout, split on its width,
+axes stay with the partitioner (TP's where not manual; with partitioner experts, GShard's dispatch and
+FSDP; once per step the embedding table is moved to the lookup's layout, split on its width,
 :meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); in every layer the keys and
 values are all-gathered over ``context`` (the ring's kernel on every device's blocks) and their gradients
 reduce-scattered.
