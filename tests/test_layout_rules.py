@@ -180,9 +180,14 @@ def test_pipeline_errors():
            cp + r"a dense model", *MOE, "model.moe.impl=partitioner", "model.attention=ring")
     refuse(on(edited("pp", length="context", norm_length="context", embed="context"), stage=2, context=2),
            cp + r"the block parameters unsplit over \['context'\]", "model.attention=ring")
-    refuse(on("pp", stage=2, data=4), r"^rules 'pp': model\.moe\.impl=shard_map inside a pipeline stage nests a "
-           r"shard_map", *MOE, "model.moe.impl=shard_map")
-    on("pp", stage=2, data=4).validate(tiny_config(*MOE, "model.moe.impl=partitioner"))
+    sp = on("pp_tp_sp", stage=2, tensor=2)
+    refuse(sp, r"^rules 'pp_tp_sp': model\.moe\.impl=shard_map inside a pipeline stage needs the stage's loop manual "
+           r"over every mesh axis, but \['tensor'\] would stay with the partitioner", *MOE, "model.moe.impl=shard_map")
+    refuse(on("pp_ep", stage=2, expert=2), r"^rules 'pp_ep': precision\.fp8=delayed with model\.moe\.impl=shard_map "
+           r"inside a pipeline stage is not supported", *MOE, "model.moe.impl=shard_map", "precision.fp8=delayed")
+    for impl in ("partitioner", "shard_map"):
+        on("pp", stage=2, data=4).validate(tiny_config(*MOE, f"model.moe.impl={impl}"))
+    sp.validate(tiny_config(*MOE, "model.moe.impl=partitioner"))
 
 
 def test_sequence_parallel_errors():
