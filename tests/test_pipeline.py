@@ -337,6 +337,9 @@ def test_moe_with_expert_parallelism_inside_a_stage(schedule, v, mesh, dispatch,
     assert_trees_close(grads, ref_grads)
     assert_trees_close(update, ref_update)
     assert (hlo.dots(text)["outside"] == 0) == (impl == "shard_map")
+    if impl == "shard_map":  # the experts' exchange among a stage's devices, in the busy slots' conditionals
+        exchange = hlo.dots(text, ("all-to-all",))
+        assert exchange["outside"] == 0 and exchange["in_conditional"] > 0
 
 
 # -- the tables --------------------------------------------------------------------
