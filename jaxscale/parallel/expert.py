@@ -45,6 +45,15 @@ Routing (router, top-k, capacity slots and the auxiliary losses) runs before,
 under the partitioner, with whole-batch statistics, so every layout routes
 and drops exactly as one device does.
 
+**Inside a pipeline stage** no ``shard_map`` nests in the stage's loop; the loop
+is manual over every axis instead (:meth:`jaxscale.layout.Layout.stage_expert_axes`):
+each device holds its rows and its experts' shard, routing sums its statistics
+over the stage's row axes (:func:`token_axes`, so they are each microbatch's),
+and the per-device body, :func:`local_experts`, runs as it is, its all-to-alls
+(or the dropless exchange's counts, rows and ``pmax`` of trips over the EP
+axes alone) among the devices of one stage: they take the same branch of each
+conditional, so a stage's idle slots are skipped.
+
 The layouts this needs (the EP axes among the batch's, ``act_embed``
 unsharded, the sequence split over all or none of ``expert_mlp``'s axes) are
 checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`).
