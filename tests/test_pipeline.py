@@ -123,7 +123,9 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     conditional, idle slots skipped), each layer as a slot runs it (``visit``: the blocks enter split over fsdp
     and tensor, fsdp gathered layer by layer; idle slots skipped) or every tick (``tick``: fsdp and tensor left
     to the partitioner, idle slots masked). The blockwise kernel runs inside the stage's loop as it is, no
-    shard_map of its own."""
+    shard_map of its own. Executed work: the layers' matmul FLOPs, each tick's conditionals counted on the
+    stage's busy slots, are the table's work (v·m forwards and v·m backwards, a backward 3 forwards: the
+    recompute, then two matmuls per forward matmul) times a chunk's forward FLOPs (:func:`chunk_flops`)."""
     initial, batches, _, _, ref_params, ref_outs = reference
     m = 4
     trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, m, v), f"model.attention={attention}",
@@ -141,12 +143,13 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     # other collective over stage runs once per step on parameters (the embedding and head gradients'
     # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
     # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
-    ticks = schedules.build(schedule, 2, m, v).ticks
+    table = schedules.build(schedule, 2, m, v)
     assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather != "tick")
+    assert attention != "dot" or executed_layer_flops(compiled.as_text(), table) == table.work(1, 3) * chunk_flops(v)
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
     permutes = [c for c in over_stage if c.kind == "collective-permute"]
-    assert {(c.shapes, c.runs) for c in permutes} == {((("f32", (4, 32, 64)),), ticks)}
+    assert {(c.shapes, c.runs) for c in permutes} == {((("f32", (4, 32, 64)),), table.ticks)}
     assert len(permutes) == 2
     assert not [c for c in over_stage if c.kind == "all-to-all"]
     outer = sum(w.size * 4 for k, v in initial.params.items() if k != "blocks" for w in jax.tree.leaves(v))
@@ -154,6 +157,20 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
         if c.kind != "collective-permute":
             assert c.runs == 1 and c.result_bytes <= outer + 256, c  # the parameters and a few scalars
             assert all(np.prod(s) < 16 * 32 * 64 for _, s in c.shapes), c  # the stack's output on a device
+
+
+def chunk_flops(v: int) -> int:
+    """A forward slot's matmul FLOPs on a device of pp_fsdp_tp (2 x 2 x 2, m = 4): 32 / 4 / 2 = 4 sequences of 32
+    tokens through 8 / (2·v) layers, 2 FLOPs a token per weight (q, o 64x64, k, v 64x32, gate, up, down 64x128)
+    and 2·2·32·64 in dot attention (QKᵀ and PV, 32 keys, 8 heads of 8), all split over tensor."""
+    return 4 * 32 * (2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128) + 2 * 2 * 32 * 64) // 2 * (8 // (2 * v))
+
+
+def executed_layer_flops(text: str, table: schedules.Table) -> int:
+    """FLOPs per step and device of the layer matmuls (in the layer scan in a slot's conditional; the head's in
+    one inside it), a tick's conditionals counted on the stage's busy slots."""
+    return sum(d.flops * d.runs for d in hlo.matmuls(text, hlo.busy_slots(table))
+               if len(d.loops) == 2 and d.loops[0].trips == table.ticks and d.branches == 1)
 
 
 def pp_fsdp_steps(reference, schedule: str, v: int, gather: str):
@@ -198,7 +215,7 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
     U·(n−1)/n (U one layer's fp32 parameters, n = 4); a stage runs m·v busy slots of each kind, L/(p·v)
     layers each, so a step moves 2·m·(L/p)·U·(n−1)/n gathered and m·(L/p)·U·(n−1)/n scattered, against
     (T ticks) 2·T·(L/(p·v))·U·(n−1)/n and T·(L/(p·v))·U·(n−1)/n gathered every tick (``tick``). The planner's
-    analytic model counts the same."""
+    analytic model counts the same, and so does ``hlo`` given the busy slots (``hlo.busy_slots``)."""
     initial = reference[0]
     trainer, compiled, found = pp_fsdp_steps(reference, schedule, v, "visit")
     p, m, n, layers = 2, 8, 4, 8
@@ -219,24 +236,31 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
                                    "reduce-scatter": m * layers / p * unit * (n - 1) / n})
     flows = [f for f in predict_trainer(trainer).flows if f.what.startswith("blocks.") and f.axes == ("fsdp",)]
     assert {kind: sum(f.wire_bytes for f in flows if f.kind == kind) for kind in moved} == pytest.approx(moved)
+    taken = {c.name: c.wire_bytes for c in hlo.collectives(compiled.as_text(), trainer.mesh, hlo.busy_slots(table))}
+    assert {k: sum(taken[c.name] for c in looped if c.kind == k) for k in moved} == pytest.approx(moved)
     outer = sum(w.size * 4 for k, part in initial.params.items() if k != "blocks" for w in jax.tree.leaves(part))
     assert all(c.result_bytes <= outer for c in fsdp if c.runs == 1)  # outside the loop: no block gathered
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-@pytest.mark.parametrize("rules, mesh, schedule, v", [
-    ("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "1f1b", 1),
-    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "interleaved_1f1b", 2),
-    pytest.param("pp_fsdp_tp_cp", {"stage": 2, "tensor": 2, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
-    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
-    pytest.param("pp_tp_cp", {"stage": 4, "context": 2}, "1f1b", 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("rules, mesh, schedule, v, gather", [
+    ("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "1f1b", 1, "step"),
+    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "interleaved_1f1b", 2, "step"),
+    ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "zb_h1", 1, "visit"),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 2, "tensor": 2, "context": 2}, "1f1b", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "interleaved_1f1b", 2, "step", marks=pytest.mark.slow),
+    pytest.param("pp_tp_cp", {"stage": 4, "context": 2}, "1f1b", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp_cp", {"stage": 4, "context": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_tp_cp", {"stage": 2, "context": 2, "tensor": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
 ])
-def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, gather, reference):
     """Ring attention over context inside each stage (the loop manual over stage, context and TP's or FSDP's
     axes; the keys and values all-gathered over context, no collective-permute in a conditional) equals one
-    device, the sequence in the ring's order, and every matmul sits in a conditional (idle slots skipped)."""
+    device, the sequence in the ring's order, and every matmul sits in a conditional (idle slots skipped),
+    under ZB-H1 too (its B and W slots), and with FSDP's axes gathered per layer visit (``visit``)."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), "model.attention=ring", rules=rules, mesh=mesh))
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), "model.attention=ring",
+                                        f"pipeline.fsdp={gather}", rules=rules, mesh=mesh))
     order = trainer.sequence_order
     assert order is not None and sorted(order) == list(range(32))
     params = stored(trainer, initial.params)
@@ -248,22 +272,30 @@ def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, reference)
     assert hlo.dots(compiled.as_text())["outside"] == 0
 
 
-@pytest.mark.parametrize("rules, mesh, schedule, v", [
-    ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "1f1b", 1),
-    ("pp_tp_sp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2),
-    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2),
-    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "1f1b", 1),
-    pytest.param("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
-    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "1f1b", 1, marks=pytest.mark.slow),
-    pytest.param("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("rules, mesh, schedule, v, gather", [
+    ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "1f1b", 1, "step"),
+    ("pp_tp_sp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, "step"),
+    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "interleaved_1f1b", 2, "step"),
+    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "1f1b", 1, "step"),
+    ("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "zb_h1", 1, "step"),
+    ("pp_fsdp_tp_sp", {"stage": 2, "fsdp": 2, "tensor": 2}, "zb_h1", 1, "visit"),
+    pytest.param("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "interleaved_1f1b", 2, "step",
+                 marks=pytest.mark.slow),
+    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "1f1b", 1, "step", marks=pytest.mark.slow),
+    pytest.param("pp_fsdp_tp", {"stage": 4, "tensor": 2}, "interleaved_1f1b", 2, "step", marks=pytest.mark.slow),
+    pytest.param("pp_tp_sp", {"stage": 4, "tensor": 2}, "zb_h1", 1, "step", marks=pytest.mark.slow),
 ])
-def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v, reference):
+def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v, gather, reference, tmp_path):
     """TP (and SP) inside each stage, the loop manual over tensor, its collectives written by the projections
-    among one stage's devices: equals one device, and every matmul sits in a conditional (idle slots skipped).
-    Under SP the residual stream is split on the sequence over tensor inside the stage: each tick's message is
-    half a microbatch's tokens."""
+    among one stage's devices: equals one device, and every matmul sits in a conditional (idle slots skipped),
+    under ZB-H1 too and with FSDP gathered per layer visit. Under SP the residual stream is split on the
+    sequence over tensor inside the stage: each tick's message is half a microbatch's tokens."""
     initial, batches, ref_loss, ref_grads, *_ = reference
-    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), rules=rules, mesh=mesh))
+    sp = rules != "pp_fsdp_tp"
+    if rules == "pp_fsdp_tp_sp":  # pp_fsdp_tp with SP (norm_length over tensor): FSDP, TP and SP in a stage
+        rules = write_rules(tmp_path, rules, norm_length="tensor")
+    trainer = Trainer.build(tiny_config(*BASE, *pipe(schedule, 4, v), f"pipeline.fsdp={gather}", rules=rules,
+                                        mesh=mesh))
     params, batch = stored(trainer, initial.params), placed(trainer, batches[0])
     compiled = trainer.jit_loss_and_grads.lower(params, batch).compile()
     loss, grads = compiled(params, batch)
@@ -273,7 +305,7 @@ def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     permutes = {c.shapes for c in found if c.kind == "collective-permute" and c.axes == ("stage",)}
     rows = 32 // 4 // mesh.get("data", 1) // mesh.get("fsdp", 1)
-    assert permutes == {(("f32", (rows, 32 // 2 if rules == "pp_tp_sp" else 32, 64)),)}
+    assert permutes == {(("f32", (rows, 32 // 2 if sp else 32, 64)),)}
 
 
 MOE = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.balance=sign", "model.layers=4",

@@ -509,11 +509,13 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
+    block_axes = [p.axes for p in params if p.in_layers]
+    # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
+    tensor = layout.stage_tensor_axes(block_axes, **stage_moe(m))
+    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     out["activations"] = (2 * ((table.act_slots + table.cot_slots) * chunk + table.grad_slots) + chunk) * x
-    block_axes = [p.axes for p in params if p.in_layers]
     gathered = layout.stage_gathered_axes(block_axes, stage_moe(m)["moe"])
     visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
     layer = layer_elems(params, layout, reduced=False)
@@ -527,6 +529,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     whole = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in gathered])
                 for p in params if p.in_layers) if once else 0.0
     out["pipeline accumulator"] = 4 * whole + (4 * (held - blocks if once else held) if partitioned else 0.0)
+    if tensor:  # its fp32 gradient accumulated whole over them too, beside the sharded gradients
+        out["pipeline accumulator"] += 4 * (outer - (held - blocks))
     out["pipeline copies"] = (outer + whole) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
