@@ -73,6 +73,9 @@ LAYOUTS = [
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=8", "pipeline.schedule=interleaved_1f1b",
      "pipeline.repeats=2"),
     ("pp_tp_cp", {"stage": 2, "context": 4}, "model.layers=4", "model.attention=ring"),
+    # ZB-H1: what each layer's B keeps for its W (memory.split_kept), the W slot's weight-gradient matmuls alone
+    ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4", "pipeline.schedule=zb_h1",
+     "pipeline.microbatches=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "pipeline.fsdp=visit"),  # gathered per layer visit
     ("pp_tp_sp", {"stage": 2, "tensor": 2, "data": 2}, "model.layers=4"),  # TP and SP manual in a stage
     ("pp_fsdp_tp_cp", {"stage": 2, "fsdp": 2, "context": 2}, "model.layers=4", "model.attention=ring"),

@@ -367,8 +367,8 @@ def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: boo
     A forward slot runs a chunk forward, a backward slot recomputes it and runs its backward; the
     last virtual stage's backward runs the head and loss too, the first's the embedding gradient.
     A schedule that splits the backward (``Table.split``, ZB-H1) runs in its B slot the recompute and the input
-    gradients, 2/3 of the backward, and in its W slot the recompute, the weight gradients and the input
-    gradients inside each layer that lead to them, about the whole backward again (:meth:`schedules.Table.cost`).
+    gradients, 2/3 of the backward, and in its W slot the weight matmuls' gradients alone, the other third
+    (:mod:`jaxscale.parallel.weight_split`, :meth:`schedules.Table.cost`).
     ``masked`` (a stage with mesh axes left to the partitioner): every slot is computed every tick,
     the head and embedding branches on every stage in the ticks where one needs them. ``chunks``: the
     layers of each virtual stage where they differ (``comp``'s chunk is the average one): a slot skips
@@ -376,7 +376,7 @@ def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: boo
     """
     f, b, head, embed = (comp[k] for k in ("chunk_forward", "chunk_backward", "head", "embedding_gradient"))
     fk, bk, wk = table.f_kind, table.b_kind, table.w_kind
-    b, w = (2 * b / 3, b) if table.split else (b, 0.0)
+    b, w = (2 * b / 3, b / 3) if table.split else (b, 0.0)
     sizes = np.asarray(chunks if chunks is not None else [1] * (table.p * table.v), float)
     sizes /= sizes.mean()
     if masked:

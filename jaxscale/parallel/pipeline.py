@@ -45,7 +45,8 @@ its input gradient goes to the previous stage. Both messages of a tick (the forw
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
 interleaved_1f1b, zb_h1) is only which slot runs what; zb_h1 splits the backward slot into the input
-gradient and a third, weight-gradient slot (:class:`~jaxscale.parallel.stage_program.StageProgram`).
+gradient and a third, weight-gradient slot of the weight matmuls alone
+(:class:`~jaxscale.parallel.stage_program.StageProgram`, :mod:`jaxscale.parallel.weight_split`).
 
 **Memory**: a stage keeps the layer inputs of its in-flight microbatches (``Table.act_slots`` of
 them: m for GPipe, at most 2p for 1F1B in lock-step ticks, whatever m; L/(p·v) layers' b·s·h each)
@@ -177,8 +178,8 @@ def build(
     tensor = place.stage_tensor_axes(block_axes, explicit_tp=explicit, **flags)
     expert = place.stage_expert_axes(block_axes, flags["experts"])
     split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
-    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor), expert,
-                  tuple(a for a in place.mesh_axes(("expert_mlp",)) if a in tensor))
+    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor), expert=expert,
+                  expert_mlp=tuple(a for a in place.mesh_axes(("expert_mlp",)) if a in tensor))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     gathered = place.stage_gathered_axes(block_axes, moe)
