@@ -4,6 +4,7 @@
     python benchmarks/pp_bubble.py --schedules 1f1b --stages 4 --steps 5
     python benchmarks/pp_bubble.py --inside --stages 2 4   # FSDP and TP inside a stage, 1F1B at m = 4p
     python benchmarks/pp_bubble.py --zero-bubble --stages 2 4   # ZB-H1 against 1F1B: memory, bubble, time
+    python benchmarks/pp_bubble.py --moe --stages 2 4   # experts inside a stage (pp_ep), 1F1B at m = 4p
 
 One JSON object per line: first the same model without a pipeline (``rules=dp``, data = 8), then for
 each schedule and (p, m, v) the step on mesh ``stage=p`` x ``data=8/p`` (``rules=pp``):
@@ -30,6 +31,12 @@ one, 1F1B at m = 4p: ``pp_fsdp_tp`` on ``stage=p`` x ``fsdp=4/p`` x ``tensor=2``
 ``fsdp=4`` x ``tensor=2`` (step time ratio next to (m + p − 1)/m), and ``pp_fsdp`` on ``stage=2`` x
 ``fsdp=4`` against ``fsdp`` 8 (``zero3``): collective wire bytes per device per step from the compiled
 step, the pipeline's next to the reference's plus its permutes.
+
+``--moe`` measures the model with MoE blocks (8 experts, top 2, capacity dispatch) on ``pp_ep``, ``stage=p`` x
+``expert=2`` x ``data=4/p``, 1F1B at m = 4p, against ``ep`` on ``data=4`` x ``expert=2`` without a pipeline
+(explicit experts), each ``model.moe.impl``: ``partitioner`` (the stage's loop manual over ``stage`` alone,
+idle slots computed and masked) and ``shard_map`` (manual over every axis, idle slots skipped): the step
+time ratio next to (m + p − 1)/m.
 
 ``--zero-bubble`` compares ZB-H1 with 1F1B on ``pp`` (``stage=p`` x ``data=8/p``) for m in {p, 2p, 4p}: the
 compiled step's temporaries per device and ZB-H1's extra over 1F1B, next to the table's figure for the
@@ -164,6 +171,22 @@ def inside(stages: list[int], steps: int) -> None:
                       "ratio": round(mine["all"] / (theirs["all"] + mine["permutes"]), 3)}), flush=True)
 
 
+def moe(stages: list[int], steps: int) -> None:
+    """One JSON line per p and ``model.moe.impl``: experts inside a stage against the same axes unpipelined."""
+    experts = ["model.moe={experts: 8, top_k: 2}"]
+    ref = build("ep", {"data": 4, "expert": 2}, experts)
+    base = step_time(ref, xla.compile_step(ref), steps)
+    for p in stages:
+        m = 4 * p
+        for impl in ("partitioner", "shard_map"):
+            trainer = build("pp_ep", {"stage": p, "expert": 2, "data": 4 // p},
+                            [*experts, f"model.moe.impl={impl}", *pipe("1f1b", m)])
+            seconds = step_time(trainer, xla.compile_step(trainer), steps)
+            print(json.dumps({"layout": "pp_ep vs ep", "impl": impl, "schedule": "1f1b", "p": p, "m": m,
+                              "seconds": round(seconds, 4), "reference_seconds": round(base, 4),
+                              "ratio": round(seconds / base, 3), "formula": round((m + p - 1) / m, 3)}), flush=True)
+
+
 def kept_bytes(table: schedules.Table, layers: int, act: int, kept: float) -> int:
     """The bytes of the buffers a stage keeps through the loop, by the table: inputs, what each layer's B keeps for
     its W (``kept`` times a layer input: :func:`jaxscale.analysis.memory.split_kept`), messages."""
@@ -253,9 +276,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--inside", action="store_true", help="FSDP and TP inside a stage against no pipeline")
     parser.add_argument("--zero-bubble", action="store_true", help="ZB-H1 against 1F1B: memory, bubble, time")
+    parser.add_argument("--moe", action="store_true", help="experts inside a stage (pp_ep) against no pipeline")
     args = parser.parse_args()
     if args.inside:
         inside(args.stages, args.steps)
+        return
+    if args.moe:
+        moe(args.stages, args.steps)
         return
     if args.zero_bubble:
         zero_bubble(args.stages, args.steps)

@@ -38,7 +38,7 @@ from typing import Any
 
 from jaxscale import stage_layers
 from jaxscale.axes import LOGICAL_AXES, WHOLE_AXES
-from jaxscale.config import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
+from jaxscale.config import MESH_AXES, Config, ConfigError, ModelConfig, PipelineConfig, read_yaml, resolve_named
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -47,6 +47,7 @@ KINDS = ("params", "optimizer", "gradients")
 TOKENS = ("batch", "length")  # the logical axes of a batch of token ids
 STAGE = "stage"  # the mesh axis a pipeline runs over
 BLOCK_AXES = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp")  # a dense block's parameters' axes
+MOE_BLOCK = (*BLOCK_AXES, "expert", "expert_mlp", "q_lora", "kv_lora")  # ... and an MoE block's (MLA's too)
 
 
 def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
@@ -59,6 +60,13 @@ def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
         if n not in MESH_AXES:
             raise ConfigError(f"{where}: '{n}' is not a mesh axis ({', '.join(MESH_AXES)})")
     return tuple(names)
+
+
+def stage_moe(model: ModelConfig) -> dict[str, bool]:
+    """The ``moe`` and ``experts`` flags of :class:`Layout`'s pipeline stage queries for ``model``: whether the
+    partitioner runs its experts (``model.moe.impl=partitioner``), or explicit collectives do (``shard_map``)."""
+    impl = None if model.moe is None else model.moe.impl
+    return {"moe": impl == "partitioner", "experts": impl == "shard_map"}
 
 
 def is_axes(x: Any) -> bool:
@@ -147,10 +155,12 @@ class Stage:
     """Inside a pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`): what the code traced there must know.
 
     The loop recomputes each layer itself (no remat policy applies), ring attention runs its per-device
-    kernel over the ``ring`` axes, already manual, and where the ``tensor`` axes are manual too
+    kernel over the ``ring`` axes, already manual, where the ``tensor`` axes are manual too
     (:meth:`Layout.stage_tensor_axes`) the projections of :mod:`jaxscale.parallel.sequence` write TP's
-    and SP's collectives themselves, over the block parameters' logical names in ``split``. While a split
-    schedule's B or W slot traces a unit, ``weights`` runs its weight matmuls (:func:`jaxscale.precision.einsum`)."""
+    and SP's collectives themselves, over the block parameters' logical names in ``split``, and an MoE layer
+    with explicit experts (``model.moe.impl=shard_map``) runs expert parallelism's per-device body over
+    ``expert`` (:mod:`jaxscale.parallel.expert`). While a split schedule's B or W slot traces a unit,
+    ``weights`` runs its weight matmuls (:func:`jaxscale.precision.einsum`)."""
 
     manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and tensor axes
     ring: tuple[str, ...]  # of them, the context axes (ring attention's ring)
@@ -158,6 +168,14 @@ class Stage:
     split: tuple[str, ...] = ()  # the logical names of block parameter dimensions that ``tensor`` splits
     sequence: tuple[str, ...] = ()  # of ``tensor``, SP's: the residual stream split on the sequence over them
     weights: Any = None  # in a split backward's unit, how weight matmuls run (:mod:`jaxscale.parallel.weight_split`)
+    expert: tuple[str, ...] = ()  # of the row axes, EP's: each device keeps its experts, tokens exchanged over them
+    expert_mlp: tuple[str, ...] = ()  # of ``tensor``, those splitting the experts' MLP (their outputs partial sums)
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The manual axes besides ``stage`` over which a microbatch's tokens are spread (each device holds its
+        own rows or part of the sequence): an MoE layer's routing statistics are sums over them."""
+        return tuple(a for a in self.manual[1:] if a not in self.tensor or a in self.sequence)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,10 +293,13 @@ class Layout:
         """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
         return self.mesh[STAGE] if self.pipelined else 1
 
-    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
-        """The mesh axes the pipeline loop is manual over: ``stage`` and, for a dense model, the batch axes,
-        the context axes, whose ring attention then runs inside the loop (:mod:`jaxscale.parallel.pipeline`),
-        and TP's axes where :meth:`stage_tensor_axes` says.
+    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                          experts: bool = False) -> tuple[str, ...]:
+        """The mesh axes the pipeline loop is manual over: ``stage`` and, unless the partitioner runs an MoE
+        model's experts (``moe``), the batch axes, the context axes, whose ring attention then runs inside the
+        loop (:mod:`jaxscale.parallel.pipeline`), and TP's axes where :meth:`stage_tensor_axes` says.
+        ``experts``: an MoE model whose experts run explicit collectives (``model.moe.impl=shard_map``): as a
+        dense model, its experts kept split over the EP axes (:meth:`stage_expert_axes`).
 
         Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
         they split is split by batch axes alone: the loop gathers the stage's blocks over them itself
@@ -286,31 +307,36 @@ class Layout:
         ``step`` or ``visit``) unless ``pipeline.fsdp`` is ``tick``; else only the leading batch
         axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
         blocks = list(blocks)
-        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp))
+        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp, experts))
 
     def _stage_row_axes(self, blocks: list[Axes], moe: bool) -> tuple[str, ...]:
-        """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, context)."""
+        """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, EP, context)."""
         if moe:
             return (STAGE,)
         manual = self.pipeline is None or self.pipeline.fsdp != "tick"
         return (STAGE, *(self.axes_of("batch") if manual and self._gatherable(blocks) else self.data_axes(blocks)),
                 *self.stage_context_axes)
 
-    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
-        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a dense model whose stage would
+    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                          experts: bool = False) -> tuple[str, ...]:
+        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a model whose stage would
         leave only them to the partitioner, and only where each block parameter dimension they split is split
         by them alone. Each device then keeps its shard of the blocks and :mod:`jaxscale.parallel.sequence`
-        writes the collectives, so idle slots are skipped (:meth:`stage_partitioned`). ``explicit_tp``: whether
-        the model's projections go through those functions (the model contract's ``explicit_tp``).
+        writes the collectives (explicit experts, :mod:`jaxscale.parallel.expert`, their partial sums), so idle
+        slots are skipped (:meth:`stage_partitioned`). ``explicit_tp``: whether the model's projections go through
+        those functions (the model contract's ``explicit_tp``).
 
         This is the one place that says where a stage leaves axes to the partitioner, its idle slots then
-        computed on zeros and masked: an MoE model (the loop manual over ``stage`` alone: routing statistics
-        span the whole microbatch and the partitioner runs the experts, so FSDP, TP and experts stay free),
-        FSDP gathered every tick (``pipeline.fsdp=tick``: the batch axes that split parameters stay free, and
-        TP's with them), TP axes that share a parameter dimension with other axes, and a model whose
-        projections are its own einsums (no ``explicit_tp``: nothing would write TP's collectives)."""
+        computed on zeros and masked: an MoE model whose experts the partitioner runs (``moe``,
+        ``model.moe.impl=partitioner``: the loop manual over ``stage`` alone, routing statistics over the whole
+        microbatch, so FSDP, TP and experts stay free), FSDP gathered every tick (``pipeline.fsdp=tick``: the
+        batch axes that split parameters stay free, and TP's with them), TP axes that share a parameter
+        dimension with other axes, SP with explicit experts (``experts``: an MoE layer routes whole sequences),
+        and a model whose projections are its own einsums (no ``explicit_tp``: nothing would write TP's
+        collectives). Explicit experts (``model.moe.impl=shard_map``) in such a stage are refused
+        (:meth:`validate`, :func:`jaxscale.parallel.pipeline.build`)."""
         blocks = list(blocks)
-        if moe or not explicit_tp:
+        if moe or not explicit_tp or (experts and self.sequence_axes):
             return ()
         rows = self._stage_row_axes(blocks, moe)
         free = tuple(a for a, n in self.mesh.items() if n > 1 and a not in rows)
@@ -322,6 +348,12 @@ class Layout:
         held = {a for axes in splits for a in axes}
         return free if set(free) <= held and set(self.sequence_axes) <= set(free) else ()
 
+    def stage_expert_axes(self, blocks: Iterable[Axes], experts: bool) -> tuple[str, ...]:
+        """Expert parallelism's mesh axes, manual in a pipeline stage's loop with explicit experts: each device
+        keeps its shard of the experts (never gathered) and the exchange runs among the stage's devices."""
+        rows = self._stage_row_axes(list(blocks), moe=False)
+        return tuple(a for a in self.expert_axes if a in rows) if experts else ()
+
     def _gatherable(self, blocks: Iterable[Axes]) -> bool:
         batch = set(self.axes_of("batch"))
         splits = [set(self.axes_of(name)) for axes in blocks for name in axes if name]
@@ -330,26 +362,29 @@ class Layout:
     def stage_gathered_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
         """The mesh axes of size > 1 over which a pipeline stage gathers its blocks itself (once per step, or
         each layer as a slot runs it: ``pipeline.fsdp`` step or visit): the manual batch axes that split a
-        block parameter (FSDP's, inside a stage)."""
+        block parameter (FSDP's, inside a stage) on a dimension other than ``expert`` (EP's stay split)."""
         blocks = list(blocks)
         rows = self._stage_row_axes(blocks, moe)
-        return tuple(a for a in self.mesh_axes(n for axes in blocks for n in axes) if a in rows and a != STAGE)
+        named = (n for axes in blocks for n in axes if n != "expert")
+        return tuple(a for a in self.mesh_axes(named) if a in rows and a != STAGE)
 
     @property
     def stage_context_axes(self) -> tuple[str, ...]:
         """The mesh axes of size > 1 that split ``length`` in a pipeline (:meth:`_check_stage_context`)."""
         return self.mesh_axes(("length",)) if self.pipelined else ()
 
-    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> bool:
+    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                          experts: bool = False) -> bool:
         """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner (:meth:`stage_tensor_axes`
         says where), so that the loop computes its idle slots and masks them instead of skipping them: XLA
         cannot partition collectives in a conditional whose branch differs between stages. (A ring inside a
         stage gathers its keys and values, no collective-permute: :mod:`jaxscale.parallel.ring_attention`.)"""
-        return bool(self.stage_free_axes(blocks, moe, explicit_tp))
+        return bool(self.stage_free_axes(blocks, moe, explicit_tp, experts))
 
-    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True) -> tuple[str, ...]:
+    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                        experts: bool = False) -> tuple[str, ...]:
         """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
-        manual = self.stage_manual_axes(blocks, moe, explicit_tp)
+        manual = self.stage_manual_axes(blocks, moe, explicit_tp, experts)
         return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
 
     # -- validation ----------------------------------------------------------------------
@@ -383,9 +418,9 @@ class Layout:
             raise ConfigError(
                 f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
             )
-        # Collective matmuls and shard_map experts are shard_maps of their own; XLA (Shardy and GSPMD
-        # alike) cannot lower them nested in the pipeline's partly manual loop. (Sequence parallelism runs
-        # there by the partitioner: Layout.stage, jaxscale.parallel.sequence.sequence_axes.)
+        # Collective matmuls are shard_maps of their own; XLA (Shardy and GSPMD alike) cannot lower them nested
+        # in the pipeline's partly manual loop. (Sequence parallelism and explicit experts write their collectives
+        # there in the loop's manual axes: Layout.stage, jaxscale.parallel.sequence, jaxscale.parallel.expert.)
         nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
         if config.model.tp_overlap:
             raise ConfigError(
@@ -398,11 +433,24 @@ class Layout:
                 f"pipeline.fsdp=visit: not supported with precision.fp8={config.precision.fp8} (the e4m3 copies "
                 "are made once a step of whole weights): pipeline.fsdp=step or tick, or precision.fp8=blockwise"
             )
-        moe = config.model.moe
-        if moe is not None and moe.impl == "shard_map":
+        if stage_moe(config.model)["experts"]:
+            self.check_stage_experts(self.stage_free_axes([MOE_BLOCK], moe=False, experts=True))
+            if config.precision.fp8 != "off":
+                raise ConfigError(
+                    f"{where}: precision.fp8={config.precision.fp8} with model.moe.impl=shard_map inside a pipeline "
+                    "stage is not supported (the experts' scales are not split with them there); "
+                    "model.moe.impl=partitioner runs fp8 experts in a stage"
+                )
+
+    def check_stage_experts(self, free: tuple[str, ...]) -> None:
+        """Explicit experts (``model.moe.impl=shard_map``) in a pipeline stage need its loop manual over every
+        mesh axis (``free``: those it would leave to the partitioner): the exchange runs among its devices."""
+        if free:
             raise ConfigError(
-                f"{where}: model.moe.impl=shard_map inside a pipeline stage {nested}; "
-                "model.moe.impl=partitioner runs the experts (and expert parallelism) there"
+                f"rules '{self.name}': model.moe.impl=shard_map inside a pipeline stage needs the stage's loop manual "
+                f"over every mesh axis, but {list(free)} would stay with the partitioner (sequence parallelism, "
+                "pipeline.fsdp=tick, or an axis sharing a parameter dimension with others); "
+                "model.moe.impl=partitioner runs the experts there (idle slots computed and masked)"
             )
 
     def _check_pipeline_shapes(self, config: Config) -> None:

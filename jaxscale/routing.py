@@ -79,8 +79,27 @@ def quantile_bias(need: jax.Array, share: float) -> jax.Array:
     return target - jnp.mean(target)
 
 
+def _varying_like(a: jax.Array, like: jax.Array) -> jax.Array:
+    """``a`` typed as varying over every manual axis ``like`` is: jax's argsort (jax 0.10 and 0.12) drops the
+    type, so each device's choices would read as the same everywhere (a sum over the devices would scale them)."""
+    more = tuple(jax.typeof(like).manual_axis_type.varying - jax.typeof(a).manual_axis_type.varying)
+    return lax.pcast(a, more, to="varying") if more else a
+
+
+def _size(axes: tuple[str, ...]) -> int:
+    """The number of devices along these manual mesh axes."""
+    return math.prod(lax.axis_size(a) for a in axes)
+
+
+def _mean(x: jax.Array, dims: tuple[int, ...], over: tuple[str, ...]) -> jax.Array:
+    """The mean of ``x`` over ``dims`` and over the manual axes ``over`` (each device holding as many)."""
+    if not over:
+        return jnp.mean(x, dims)
+    return lax.psum(jnp.sum(x, dims), over) / (math.prod(x.shape[d] for d in dims) * _size(over))
+
+
 def route(
-    logits: jax.Array, moe: MoEConfig, seq_capacity: int, bias: jax.Array | None = None
+    logits: jax.Array, moe: MoEConfig, seq_capacity: int, bias: jax.Array | None = None, over: tuple[str, ...] = ()
 ) -> tuple[Routing, dict[str, jax.Array]]:
     """Top-k routing of ``logits`` [batch, length, experts]; the layer's auxiliary losses, drop fraction and load.
 
@@ -89,7 +108,9 @@ def route(
     group-limited (:func:`group_limited`). The load statistics (whole-batch, so every
     layout counts the same) are ``moe_load`` (choices per expert, before dropping), ``moe_dropped`` (the
     fraction of choices dropped), ``moe_entropy`` (the router distribution's mean entropy, nats) and,
-    with ``balance: quantile``, ``moe_bias_target`` (:func:`quantile_bias`).
+    with ``balance: quantile``, ``moe_bias_target`` (:func:`quantile_bias`). ``over``: the manual mesh axes
+    the batch's sequences are spread over (a pipeline stage's rows, :attr:`jaxscale.layout.Stage.tokens`): the
+    statistics are sums and means over them too, the same on each device.
     """
     logits = logits.astype(jnp.float32)
     n, k = moe.experts, moe.top_k
@@ -103,22 +124,22 @@ def route(
         biased = group_limited(biased, moe.groups, moe.top_groups)
     # top-k as a sort along the experts: the partitioner keeps it local to each token shard
     # (it gathers every token's scores for lax.top_k); ties go to the lower index either way.
-    ranked = jnp.argsort(-biased, axis=-1, stable=True)
+    ranked = _varying_like(jnp.argsort(-biased, axis=-1, stable=True), biased)
     index = ranked[..., :k]
     top = jnp.take_along_axis(scores, index, axis=-1)
     gate = top / top.sum(-1, keepdims=True) if moe.normalize_gates else top
-    chosen = jax.nn.one_hot(index, n, dtype=jnp.int32)  # [b, s, k, e]
-    load = chosen.sum((0, 1, 2))
-    fraction = load / index.size
+    load, choices = jax.nn.one_hot(index, n, dtype=jnp.int32).sum((0, 1, 2)), index.size * _size(over)
+    load = lax.psum(load, over) if over else load
     aux = {
-        "moe_aux_loss": n * jnp.sum(fraction * probs.mean((0, 1))),
-        "moe_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "moe_aux_loss": n * jnp.sum(load / choices * _mean(probs, (0, 1), over)),
+        "moe_z_loss": _mean(jax.nn.logsumexp(logits, axis=-1) ** 2, (0, 1), over),
         "moe_load": load.astype(jnp.float32),
-        "moe_entropy": -jnp.mean(jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)),
+        "moe_entropy": -_mean(jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1), (0, 1), over),
     }
     if moe.balance == "quantile":
         cutoff = jnp.take_along_axis(biased, ranked[..., k : k + 1], axis=-1)  # each token's (k+1)-th score
-        aux["moe_bias_target"] = quantile_bias(cutoff - scores, k / n)
+        need = cutoff - scores
+        aux["moe_bias_target"] = quantile_bias(lax.all_gather(need, over, tiled=True) if over else need, k / n)
     if moe.dispatch == "capacity":
         b, s = index.shape[:2]
         # Choice-major order within a whole sequence: every first choice, then every second, ...
@@ -126,7 +147,7 @@ def route(
         order = order.reshape(b, k * s, n)
         before = jnp.cumsum(order, axis=1) - order
         slot = (before * order).sum(-1).reshape(b, k, s).transpose(0, 2, 1)
-        aux["moe_dropped"] = jnp.mean((slot >= seq_capacity).astype(jnp.float32))
+        aux["moe_dropped"] = _mean((slot >= seq_capacity).astype(jnp.float32), (0, 1, 2), over)
     else:
         slot = jnp.zeros_like(index)
         aux["moe_dropped"] = jnp.zeros((), jnp.float32)

@@ -156,6 +156,15 @@ def test_what_a_stage_makes_manual_and_when_it_skips_idle_slots():
     assert mixed.stage_free_axes(blocks, moe=False) == ("fsdp", "tensor")
     assert on("pp_fsdp", stage=2, fsdp=4).stage_manual_axes(blocks, moe=True) == ("stage",)
     assert on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2).stage_free_axes(blocks, moe=True) == ("fsdp", "tensor")
+    # Explicit experts (model.moe.impl=shard_map): as a dense model, the experts kept split over expert (never
+    # gathered); FSDP's embed gathered; with SP (sequences split) tensor stays free.
+    experts = [*blocks, ("layers", "expert", "embed", "expert_mlp")]
+    ep = on(edited("pp_ep", embed="fsdp", expert_mlp="tensor", heads="tensor"), stage=2, expert=2, fsdp=2, tensor=2)
+    assert ep.stage_manual_axes(experts, moe=False, experts=True) == ("stage", "data", "fsdp", "expert", "tensor")
+    assert (ep.stage_expert_axes(experts, True), ep.stage_gathered_axes(experts, moe=False)) == (("expert",), ("fsdp",))
+    assert ep.stage_expert_axes(experts, False) == ()
+    assert on("pp_tp_sp", stage=2, tensor=2).stage_free_axes(experts, moe=False, experts=True) == ("tensor",)
+    assert on("pp_tp_sp", stage=2, tensor=2).stage_free_axes(experts, moe=False) == ()
 
 
 def test_pipeline_errors():
@@ -171,9 +180,14 @@ def test_pipeline_errors():
            cp + r"a dense model", *MOE, "model.moe.impl=partitioner", "model.attention=ring")
     refuse(on(edited("pp", length="context", norm_length="context", embed="context"), stage=2, context=2),
            cp + r"the block parameters unsplit over \['context'\]", "model.attention=ring")
-    refuse(on("pp", stage=2, data=4), r"^rules 'pp': model\.moe\.impl=shard_map inside a pipeline stage nests a "
-           r"shard_map", *MOE, "model.moe.impl=shard_map")
-    on("pp", stage=2, data=4).validate(tiny_config(*MOE, "model.moe.impl=partitioner"))
+    sp = on("pp_tp_sp", stage=2, tensor=2)
+    refuse(sp, r"^rules 'pp_tp_sp': model\.moe\.impl=shard_map inside a pipeline stage needs the stage's loop manual "
+           r"over every mesh axis, but \['tensor'\] would stay with the partitioner", *MOE, "model.moe.impl=shard_map")
+    refuse(on("pp_ep", stage=2, expert=2), r"^rules 'pp_ep': precision\.fp8=delayed with model\.moe\.impl=shard_map "
+           r"inside a pipeline stage is not supported", *MOE, "model.moe.impl=shard_map", "precision.fp8=delayed")
+    for impl in ("partitioner", "shard_map"):
+        on("pp", stage=2, data=4).validate(tiny_config(*MOE, f"model.moe.impl={impl}"))
+    sp.validate(tiny_config(*MOE, "model.moe.impl=partitioner"))
 
 
 def test_sequence_parallel_errors():

@@ -356,34 +356,70 @@ def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v
     assert permutes == {(("f32", (rows, 32 // 2 if sp else 32, 64)),)}
 
 
-def test_moe_with_expert_parallelism_inside_a_stage():
-    """MoE blocks (partitioner experts, experts over ``expert``) in an interleaved 1F1B pipeline equal one device
-    with the same microbatches (the routing statistics are per microbatch), aux losses included; with bias
-    balancing from a random bias, the biases' update too: each stage's loads, stored as its chunks are (two per
-    stage, not the model's order), averaged over the microbatches."""
-    moe = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.impl=partitioner",
-           "model.moe.balance=sign")
-    ref = Trainer.build(tiny_config(*BASE, *moe, "train.microbatches=4"), jax.devices()[:1])
-    state = ref.init_state()
-    batch = jax.device_get(ref.batch(0))
-    rng = np.random.default_rng(0)
-    bias = jax.tree.map(lambda a: jnp.asarray(rng.normal(scale=0.05, size=a.shape), a.dtype), ref.fresh_balance())
+MOE = ("model.moe={}", "model.moe.experts=4", "model.moe.top_k=2", "model.moe.balance=sign", "model.layers=4",
+       "train.global_batch=16")
+# pp_ep with TP inside each stage too: attention heads, the MLP and the experts' MLP over tensor.
+EP_TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "expert_mlp": "tensor", "vocab": "tensor"}
 
-    def step_of(trainer: Trainer, params: dict, bias: dict) -> tuple:
-        loss, grads, aux, _ = trainer._jit(lambda p, b, bias: trainer._grads(p, b, None, bias))(
-            params, placed(trainer, batch), bias)
-        update = balance.updated(bias, aux["moe_layers"], trainer.config.model.moe)
-        return loss, canonical(trainer, grads), canonical(trainer, update)
 
-    ref_loss, ref_grads, ref_update = step_of(ref, state.params, bias)
-    mesh = {"stage": 2, "expert": 2, "data": 2}
-    trainer = Trainer.build(tiny_config(*BASE, *moe, *pipe("interleaved_1f1b", 4, 2), rules="pp_ep", mesh=mesh))
-    assert not trainer.storage.canonical_order
-    loss, grads, update = step_of(trainer, stored(trainer, jax.device_get(state.params)),
-                                  trainer.storage.place_params(bias))
+def moe_step(trainer: Trainer, params: dict, batch: dict, bias: dict) -> tuple:
+    """Loss, gradients and the routing biases' update (the model's order) and the compiled step's text."""
+    fn = trainer._jit(lambda p, b, bias: trainer._grads(p, b, None, bias))
+    args = (params, placed(trainer, batch), bias)
+    compiled = fn.lower(*args).compile()
+    loss, grads, aux, _ = compiled(*args)
+    update = balance.updated(bias, aux["moe_layers"], trainer.config.model.moe)
+    return loss, canonical(trainer, grads), canonical(trainer, update), compiled.as_text()
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    """One device with the pipeline's 4 microbatches (routing statistics are per microbatch), per dispatch: the
+    initial parameters, batch 0, a random routing bias (balancing on), and loss, gradients and bias update."""
+    cache = {}
+
+    def get(dispatch: str) -> tuple:
+        if dispatch not in cache:
+            ref = Trainer.build(tiny_config(*BASE, *MOE, f"model.moe.dispatch={dispatch}", "train.microbatches=4"),
+                                jax.devices()[:1])
+            params, batch = jax.device_get(ref.init_state().params), jax.device_get(ref.batch(0))
+            rng = np.random.default_rng(0)
+            bias = jax.tree.map(lambda a: jnp.asarray(rng.normal(scale=0.05, size=a.shape), a.dtype),
+                                ref.fresh_balance())
+            cache[dispatch] = (params, batch, bias, *moe_step(ref, params, batch, bias)[:3])
+        return cache[dispatch]
+
+    return get
+
+
+@pytest.mark.parametrize("schedule, v, mesh, dispatch, impl", [
+    ("1f1b", 1, {"stage": 4, "expert": 2}, "capacity", "shard_map"),
+    ("interleaved_1f1b", 2, {"stage": 2, "expert": 2, "data": 2}, "dropless", "shard_map"),
+    ("zb_h1", 1, {"stage": 2, "expert": 2, "tensor": 2}, "capacity", "shard_map"),
+    ("interleaved_1f1b", 2, {"stage": 2, "expert": 2, "data": 2}, "capacity", "partitioner"),
+])
+def test_moe_with_expert_parallelism_inside_a_stage(schedule, v, mesh, dispatch, impl, moe_reference, tmp_path):
+    """MoE blocks with their experts split over ``expert`` inside each stage equal one device with the same
+    microbatches, aux losses included; with bias balancing from a random bias, the biases' update too: each
+    stage's loads, stored as its chunks are (two per stage with v = 2, not the model's order), averaged over the
+    microbatches. Explicit experts (``model.moe.impl=shard_map``): the loop manual over every axis, the tokens
+    exchanged among a stage's devices (all-to-alls; dropless: counts then rows), with TP (``tensor``) the experts'
+    MLP split and summed: every matmul of the compiled step in a conditional (idle slots skipped). Partitioner
+    experts: the loop manual over ``stage`` alone, idle slots computed and masked."""
+    params, batch, bias, ref_loss, ref_grads, ref_update = moe_reference(dispatch)
+    rules = write_rules(tmp_path, "pp_ep_tp", base="pp_ep", **EP_TP) if "tensor" in mesh else "pp_ep"
+    config = tiny_config(*BASE, *MOE, f"model.moe.dispatch={dispatch}", f"model.moe.impl={impl}",
+                         *pipe(schedule, 4, v), rules=rules, mesh=mesh)
+    trainer = Trainer.build(config)
+    assert trainer.storage.canonical_order == (v == 1)
+    loss, grads, update, text = moe_step(trainer, stored(trainer, params), batch, trainer.storage.place_params(bias))
     assert close(loss, ref_loss)
     assert_trees_close(grads, ref_grads)
     assert_trees_close(update, ref_update)
+    assert (hlo.dots(text)["outside"] == 0) == (impl == "shard_map")
+    if impl == "shard_map":  # the experts' exchange among a stage's devices, in the busy slots' conditionals
+        exchange = hlo.dots(text, ("all-to-all",))
+        assert exchange["outside"] == 0 and exchange["in_conditional"] > 0
 
 
 # -- the tables --------------------------------------------------------------------
@@ -564,8 +600,8 @@ def warm():
     Trainer.build(tiny_config(*pipe("gpipe", 2), rules="pp", mesh={"stage": 2, "data": 4}))
 
 
-def write_rules(tmp_path, name: str, **changes) -> str:
-    table = yaml.safe_load((CONFIG_DIR / "rules" / "pp_fsdp_tp.yaml").read_text())
+def write_rules(tmp_path, name: str, base: str = "pp_fsdp_tp", **changes) -> str:
+    table = yaml.safe_load((CONFIG_DIR / "rules" / f"{base}.yaml").read_text())
     table["rules"].update(changes)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(table))
@@ -634,9 +670,10 @@ def test_layers_on_stage_and_another_axis(warm, tmp_path):
         ({"length": "context", "norm_length": "context"}, [], {"stage": 2, "context": 2, "fsdp": 2},
          r"^rules 'x': context parallelism \(length on \['context'\]\) inside a pipeline stage needs "
          r"model\.attention=ring"),
-        ({}, ["model.moe={experts: 4}", "model.moe.impl=shard_map"], {"stage": 2, "fsdp": 2, "tensor": 2},
-         r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage nests a shard_map .*"
-         r"model\.moe\.impl=partitioner runs the experts"),
+        ({"norm_length": "tensor"}, ["model.moe={experts: 4}", "model.moe.impl=shard_map"],
+         {"stage": 2, "fsdp": 2, "tensor": 2}, r"^rules 'x': model\.moe\.impl=shard_map inside a pipeline stage "
+         r"needs the stage's loop manual over every mesh axis, but \['tensor'\] would stay with the partitioner "
+         r"\(sequence parallelism, .*model\.moe\.impl=partitioner runs the experts there"),
         ({}, ["pipeline.fsdp=visit", "precision.fp8=delayed"], {"stage": 2, "fsdp": 2, "tensor": 2},
          r"^pipeline\.fsdp=visit: not supported with precision\.fp8=delayed \(the e4m3 copies"),
     ],

@@ -76,7 +76,7 @@ from jaxscale.analysis.blocks import attention, layers_run, moe_layers
 from jaxscale.analysis.hlo import wire_bytes
 from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split, stack_layers
 from jaxscale.config import ModelConfig, MoEConfig
-from jaxscale.layout import Layout
+from jaxscale.layout import Layout, stage_moe
 
 # The max/mean rows a device sends an expert shard in the dropless exchange, as the planner assumes it: a router
 # balanced by its bias or auxiliary loss (measured per layer at run time: the moe load metrics).
@@ -346,10 +346,11 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     layers = (stack_layers(m, step) + layers_run(m) - m.layers) / layout.ways(("layers",))
     flows: list[Flow] = []
     blocks = [p.axes for p in params if p.in_layers]
-    gathered = layout.stage_gathered_axes(blocks, m.moe is not None)
-    stage_tensor = layout.stage_tensor_axes(blocks, m.moe is not None) if layout.pipelined else ()
+    flags = stage_moe(m)
+    gathered = layout.stage_gathered_axes(blocks, flags["moe"])
+    stage_tensor = layout.stage_tensor_axes(blocks, **flags) if layout.pipelined else ()
     whole = bool(stage_tensor)  # the stage holds the embedding and head whole over its manual TP axes
-    masked = layout.stage_partitioned(blocks, m.moe is not None)
+    masked = layout.stage_partitioned(blocks, **flags)
     for p in params:
         flows += _param_flows(p, m, layout, step, bsh, gathered, stage_tensor, masked)
 

@@ -499,9 +499,10 @@ def grouped(found: list[Collective]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
 
 
-def dots(hlo_text: str) -> dict[str, int]:
-    """The matmul instructions (``dot``, and fusions' dots counted where they are called) of a compiled step:
-    how many sit in a conditional's branch (run only where the branch is taken) and how many outside one."""
+def dots(hlo_text: str, opcodes: tuple[str, ...] = ("dot",)) -> dict[str, int]:
+    """The matmul instructions (``dot``, or other ``opcodes``; fusions' counted where they are called) of a
+    compiled step: how many sit in a conditional's branch (run only where the branch is taken) and how many
+    outside one."""
     comps, entry = parse(hlo_text)
     out = {"in_conditional": 0, "outside": 0}
     seen: set[tuple[str, bool]] = set()
@@ -511,7 +512,7 @@ def dots(hlo_text: str) -> dict[str, int]:
             return
         seen.add((name, branch))
         for instr in comps[name].instrs.values():
-            if instr.opcode == "dot":
+            if instr.opcode in opcodes:
                 out["in_conditional" if branch else "outside"] += 1
             for role, callee in callees(instr):
                 visit(callee, branch or role in ("branch_computations", "true_computation", "false_computation"))

@@ -36,7 +36,7 @@ from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
 from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import DEFAULT_SCHEDULE, ConfigError, ModelConfig
-from jaxscale.layout import Layout
+from jaxscale.layout import Layout, stage_moe
 from jaxscale.parallel.schedules import formula_bubble
 from jaxscale.stage_layers import lighter_ends, unit
 
@@ -152,8 +152,9 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
                 one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
                 yield one
-                if p > 1 and f > 1 and moe is None:  # FSDP in a stage per layer visit or every tick: less memory
-                    # (an MoE stage leaves FSDP to the partitioner whatever pipeline.fsdp says)
+                if p > 1 and f > 1 and not stage_moe(m)["moe"]:  # FSDP in a stage per visit or every tick
+                    # (less memory; a stage of partitioner experts leaves FSDP to the partitioner whatever
+                    # pipeline.fsdp says)
                     yield from (dataclasses.replace(one, fsdp_gather=g) for g in FSDP_GATHERS[1:])
 
 
@@ -291,7 +292,7 @@ def search(
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     ranked = found[:top] if top else found
     piped = next((c for c in found if c.layout.stage > 1), None)
-    why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "")
+    why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "", stage_moe(m))
     if m.moe is not None and m.moe.dispatch == "dropless" and m.moe.dropless_exchange == "rows":
         why.append(f"EP's dropless exchange: 2·k·b·s·h·bytes·(ep−1)/ep per MoE layer each way times a routing "
                    f"imbalance (max/mean rows to a shard) assumed {EP_IMBALANCE}; its buffers sized for every row "
@@ -309,7 +310,7 @@ def gather_note(m: ModelConfig, params: Sequence[Param], c: Candidate, seq_len: 
     for mode in FSDP_GATHERS:
         lay = dataclasses.replace(c.layout, fsdp_gather=mode)
         alt = c if mode == c.layout.fsdp_gather else evaluate(m, params, lay, seq_len, cluster)
-        slots = "masked" if placement(lay).stage_partitioned(BLOCK_AXES, lay.expert > 1) else "skipped"
+        slots = "masked" if placement(lay).stage_partitioned(BLOCK_AXES, **stage_moe(m)) else "skipped"
         fits = "" if alt.memory["total"] <= cluster.budget else ", does not fit"
         parts.append(f"{mode}{' (runs)' if alt is c else ''} {_gb(alt.memory['total'])} GB{fits}, "
                      f"{alt.comm['by_axes'].get('fsdp', 0.0) / 1e12:.2f} TB over fsdp, idle slots {slots}, "
@@ -344,10 +345,11 @@ def _time(x: float) -> str:
     return f"{x * scale:.3g} {unit}"
 
 
-def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
+def reasons(ranked: Sequence[Candidate], note: str = "", moe: dict[str, bool] | None = None) -> list[str]:
     """One line each for the winner and the runner-up: what dominates its step, and why it beats the next; for
     the best pipeline outside the two, what it pays against the winner (the parts of the step that differ most,
-    signed, each over a tenth of the gap); ``note`` on the best pipeline (:func:`gather_note`)."""
+    signed, each over a tenth of the gap); ``note`` on the best pipeline (:func:`gather_note`); ``moe``: the
+    model's experts inside a stage (:func:`jaxscale.layout.stage_moe`), for whether its idle slots are skipped."""
     lines = []
     for i, c in enumerate(ranked[:2]):
         total = c.time["total"]
@@ -367,7 +369,7 @@ def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
                          f"({c.memory['total'] / 1e9:.2f} vs {nxt.memory['total'] / 1e9:.2f} GB)")
             else:
                 line += f"; ties #{i + 2} on time and memory, the simpler layout"
-        lines.append(line + _bubble_note(c))
+        lines.append(line + _bubble_note(c, moe))
     piped = next(((i, c) for i, c in enumerate(ranked) if c.layout.stage > 1), None)
     if piped and piped[0] >= 2:  # why the best pipeline lost to the winner
         i, c = piped
@@ -378,7 +380,7 @@ def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
         paid = ", ".join(f"{'+' if d > 0 else '-'}{_time(abs(d))} {k}" for d, k in diffs[:4] if abs(d) > 0.1 * gap)
         lines.append(f"best pipeline #{i + 1} {c.layout.describe()}: {_time(c.time['total'])}, "
                      f"{100 * gap / best.time['total']:.0f}% ({_time(gap)}) slower than #1: {paid}"
-                     + _bubble_note(c) + (f"; {note}" if note else ""))
+                     + _bubble_note(c, moe) + (f"; {note}" if note else ""))
     elif piped and note:
         lines.append(f"#{piped[0] + 1} {note}")
     return lines
@@ -388,16 +390,16 @@ def reasons(ranked: Sequence[Candidate], note: str = "") -> list[str]:
 BLOCK_AXES = (("layers", "embed", "heads", "head_dim"), ("layers", "embed", "mlp"))
 
 
-def _bubble_note(c: Candidate) -> str:
-    """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula."""
+def _bubble_note(c: Candidate, moe: dict[str, bool] | None = None) -> str:
+    """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula;
+    ``moe``: the model's experts inside a stage (:func:`jaxscale.layout.stage_moe`; none: a dense model)."""
     lay, t = c.layout, c.time
     if lay.stage == 1 or t["bubble"] < max(t["exposed"], t["contention"]):
         return ""
     p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
     place = placement(lay)
-    free = place.stage_free_axes(BLOCK_AXES, lay.expert > 1)
-    slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage"
-             if place.stage_partitioned(BLOCK_AXES, lay.expert > 1) else "idle slots skipped")
+    free = place.stage_free_axes(BLOCK_AXES, **(moe or {"moe": False}))
+    slots = f"idle slots computed masked: {', '.join(free)} inside a stage" if free else "idle slots skipped"
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
             f"({100 * formula_bubble(p, m, v, lay.schedule):.0f}% by the schedule's formula, {slots})")
 

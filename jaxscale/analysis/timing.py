@@ -64,7 +64,7 @@ from jaxscale.analysis.communication import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
-from jaxscale.layout import Layout
+from jaxscale.layout import Layout, stage_moe
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 
@@ -452,7 +452,7 @@ def step_time(
     bubble, stretch = 0.0, 1.0
     if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
         blocks = [p.axes for p in params or () if p.in_layers]
-        masked = layout.stage_partitioned(blocks, m.moe is not None)
+        masked = layout.stage_partitioned(blocks, **stage_moe(m))
         loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp, masked, step.layers_per_stage)
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
         if not masked and comp["forward"] + comp["backward"] > 0:

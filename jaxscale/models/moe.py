@@ -176,7 +176,7 @@ class MoE(nnx.Module):
         logits = jnp.einsum("bsd,de->bse", x.astype(jnp.float32), self.router[...].astype(jnp.float32))
         seq_capacity = capacity(moe, x.shape[1])
         bias = None if self.bias is None else self.bias[...]
-        routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias)
+        routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias, expert.token_axes())
         weights = tuple(getattr(self, name)[...].astype(dt) for name in WEIGHTS)
         f8 = None if self.fp8 is None else self.fp8.inputs()
         if f8 is not None:  # per-expert e4m3 copies and scales (jaxscale.fp8.prepare; blockwise: none)

@@ -45,6 +45,15 @@ Routing (router, top-k, capacity slots and the auxiliary losses) runs before,
 under the partitioner, with whole-batch statistics, so every layout routes
 and drops exactly as one device does.
 
+**Inside a pipeline stage** no ``shard_map`` nests in the stage's loop; the loop
+is manual over every axis instead (:meth:`jaxscale.layout.Layout.stage_expert_axes`):
+each device holds its rows and its experts' shard, routing sums its statistics
+over the stage's row axes (:func:`token_axes`, so they are each microbatch's),
+and the per-device body, :func:`local_experts`, runs as it is, its all-to-alls
+(or the dropless exchange's counts, rows and ``pmax`` of trips over the EP
+axes alone) among the devices of one stage: they take the same branch of each
+conditional, so a stage's idle slots are skipped.
+
 The layouts this needs (the EP axes among the batch's, ``act_embed``
 unsharded, the sequence split over all or none of ``expert_mlp``'s axes) are
 checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`).
@@ -52,7 +61,7 @@ checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +73,7 @@ from jaxscale import routing as kernels
 from jaxscale.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config import MoEConfig
 from jaxscale.parallel import exchange
-from jaxscale.sharding import active, constrain, gather_shards, spec
+from jaxscale.sharding import active, constrain, gather_shards, spec, stage
 
 Weight = jax.Array | fp8.Operand
 
@@ -89,6 +98,59 @@ def _gathered(w: Weight, s: PartitionSpec, keep: tuple[str, ...], grads: jnp.dty
     return w.replace(value=gather_shards(w.value, s, keep, grads), quantized=q)
 
 
+class Exchange(NamedTuple):
+    """Where one device's experts sit among its peers, for :func:`local_experts`."""
+
+    ep: tuple[str, ...]  # the EP axes (manual): experts split over them, tokens exchanged among them
+    shards: int  # their size
+    partial: tuple[str, ...]  # manual axes splitting the experts' MLP with the tokens whole: partial sums
+    every: tuple[str, ...]  # the manual axes a dropless exchange's trip count is agreed over
+    ragged: bool  # whether the devices compile lax.ragged_all_to_all (exchange.ragged_compiles)
+
+
+def local_experts(
+    x: jax.Array, local: kernels.Routing, weights: tuple[Weight, ...], moe: MoEConfig, seq_capacity: int,
+    where: Exchange, grads: jnp.dtype | None = None, f8: fp8.Inputs | None = None,
+) -> jax.Array:
+    """One device's part of the routed experts, in a trace already manual over ``where``'s axes: its tokens
+    ``x`` [b, s, h] (whole sequences) routed by ``local``, its experts' ``weights`` (its EP shard, its slice of
+    the experts' MLP), the exchange among the EP group; the gated sum of each token's experts (partial sums
+    summed over ``where.partial``)."""
+    ep, w_gate, w_up, w_down = where.ep, *weights
+    if where.partial:
+        # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
+        # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.
+        x = lax.pcast(x, where.partial, to="varying")
+    if moe.dispatch == "capacity":
+        buf = kernels.dispatch(x, local, moe.experts, seq_capacity)
+        if ep:
+            buf = lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
+        out = kernels.swiglu(buf, w_gate, w_up, w_down, grads, f8)
+        if ep:
+            out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
+        y = kernels.combine(out, local)
+    elif ep and moe.dropless_exchange == "rows" and where.ragged:
+        y = exchange.ragged_rows(x, local, weights, ep, where.shards, f8)
+    elif ep and moe.dropless_exchange == "rows":
+        y = exchange.dropless_rows(x, local, weights, ep, where.shards, where.every, f8)
+    elif ep:
+        x, local = (lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, local))
+        first = lax.axis_index(ep) * w_gate.shape[0]
+        y = kernels.dropless(x, local, w_gate, w_up, w_down, first, f8)
+        y = lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
+    else:
+        y = kernels.dropless(x, local, w_gate, w_up, w_down, f8=f8)
+    return lax.psum(y, where.partial) if where.partial else y
+
+
+def token_axes() -> tuple[str, ...]:
+    """The manual mesh axes a batch's tokens are spread over where an MoE layer is traced: inside a pipeline
+    stage, its row axes (:attr:`jaxscale.layout.Stage.tokens`; none where the partitioner runs the experts);
+    elsewhere none (routing runs under the partitioner on the whole batch)."""
+    current = stage()
+    return () if current is None else current.tokens
+
+
 def experts(
     x: jax.Array,
     routing: kernels.Routing,
@@ -101,45 +163,30 @@ def experts(
     """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map;
     ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.einsum`; the grouped matmuls of
     ``dropless`` keep autodiff's); ``f8``: the buffers' fp8 histories, whole on every device (an amax is
-    then the whole batch's), with fp8 weights (:mod:`jaxscale.models.routing`)."""
+    then the whole batch's), with fp8 weights (:mod:`jaxscale.models.routing`).
+
+    Inside a pipeline stage (:func:`jaxscale.sharding.stage`) the loop is already manual over every axis
+    and each device holds its rows and its experts' shard (:meth:`jaxscale.layout.Layout.stage_expert_axes`):
+    :func:`local_experts` runs there as it is, its collectives among the stage's devices."""
     mesh, place = active()
+    current = stage()
+    if current is not None:
+        ep = current.expert
+        where = Exchange(ep, place.size(ep), current.expert_mlp, ep, exchange.ragged_compiles(mesh))
+        return local_experts(x, routing, weights, moe, seq_capacity, where, grads, f8)
     ep, mlp = place.expert_axes, place.mesh_axes(("expert_mlp",))
     seq = place.mesh_axes((RESIDUAL[1],))
     w_specs = tuple(spec(place, a) for a in (W_IN, W_IN, W_OUT))
     keep = ep + mlp
     partial = tuple(a for a in mlp if a not in seq)  # the tokens are whole there: partial sums of the experts
+    where = Exchange(ep, place.size(ep), partial, mesh.axis_names, exchange.ragged_compiles(mesh))
 
     def body(x: jax.Array, index: jax.Array, gate: jax.Array, slot: jax.Array, f8: Any, *ws: Weight) -> jax.Array:
         # Whole sequences on every device: capacity is counted per sequence.
         if seq:
             x, index, gate, slot = (lax.all_gather(a, seq, axis=1, tiled=True) for a in (x, index, gate, slot))
-        w_gate, w_up, w_down = (_gathered(w, s, keep, grads) for w, s in zip(ws, w_specs, strict=True))
-        if partial:
-            # Megatron's "f": the tokens enter the expert-MLP-parallel region here, so the backward
-            # sums their partial gradients once, on [b, s, h], not on the dispatched buffers.
-            x = lax.pcast(x, partial, to="varying")
-        local = kernels.Routing(index, gate, slot)
-        if moe.dispatch == "capacity":
-            buf = kernels.dispatch(x, local, moe.experts, seq_capacity)
-            if ep:
-                buf = lax.all_to_all(buf, ep, split_axis=1, concat_axis=0, tiled=True)
-            out = kernels.swiglu(buf, w_gate, w_up, w_down, grads, f8)
-            if ep:
-                out = lax.all_to_all(out, ep, split_axis=0, concat_axis=1, tiled=True)
-            y = kernels.combine(out, local)
-        elif ep and moe.dropless_exchange == "rows" and exchange.ragged_compiles(mesh):
-            y = exchange.ragged_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), f8)
-        elif ep and moe.dropless_exchange == "rows":
-            y = exchange.dropless_rows(x, local, (w_gate, w_up, w_down), ep, place.size(ep), mesh.axis_names, f8)
-        elif ep:
-            x, local = (lax.all_gather(a, ep, axis=0, tiled=True) for a in (x, local))
-            first = lax.axis_index(ep) * w_gate.shape[0]
-            y = kernels.dropless(x, local, w_gate, w_up, w_down, first, f8)
-            y = lax.psum_scatter(y, ep, scatter_dimension=0, tiled=True)
-        else:
-            y = kernels.dropless(x, local, w_gate, w_up, w_down, f8=f8)
-        if partial:
-            y = lax.psum(y, partial)
+        ws = tuple(_gathered(w, s, keep, grads) for w, s in zip(ws, w_specs, strict=True))
+        y = local_experts(x, kernels.Routing(index, gate, slot), ws, moe, seq_capacity, where, grads, f8)
         if seq and set(seq) <= set(mlp):
             y = lax.psum_scatter(y, seq, scatter_dimension=1, tiled=True)
         elif seq:

@@ -2,9 +2,13 @@
 
 When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model is computed by
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
-head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, for a dense
-model, over the batch axes and the context axes, whose ring attention then runs its per-device kernel
-inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **FSDP inside a
+head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, unless the partitioner
+runs an MoE model's experts, over the batch axes and the context axes, whose ring attention then runs its
+per-device kernel inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **Experts
+inside a stage** (``model.moe.impl=shard_map``): each device keeps its shard of the experts over the EP axes
+(:meth:`~jaxscale.layout.Layout.stage_expert_axes`), and expert parallelism's per-device body exchanges the
+tokens among the stage's devices (:func:`jaxscale.parallel.expert.local_experts`); the routing statistics are
+summed over the stage's row axes (:attr:`~jaxscale.layout.Stage.tokens`), so they are each microbatch's. **FSDP inside a
 stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed``) are manual too
 (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
@@ -58,8 +62,8 @@ where the playbook counts 2·v·m·b·s·h (the bubble's ticks send zeros, as an
 once per step, the gradients of the embedding and head (replicated over ``stage``) are summed over
 ``stage`` and, for the manual data and context axes, the block gradients over those axes. Nothing else
 crosses ``stage``: no stage sees another's activations but its neighbour's. Inside a stage the other
-axes stay with the partitioner (TP's where not manual, GShard-style experts, an MoE model's FSDP; once per step
-the embedding table is moved to the lookup's layout, split on its width,
+axes stay with the partitioner (TP's where not manual; with partitioner experts, GShard's dispatch and
+FSDP; once per step the embedding table is moved to the lookup's layout, split on its width,
 :meth:`~jaxscale.parallel.stage_program.StageProgram.lookup_table`); in every layer the keys and
 values are all-gathered over ``context`` (the ring's kernel on every device's blocks) and their gradients
 reduce-scattered.
@@ -88,7 +92,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxscale import fp8, stage_layers
 from jaxscale.config import ConfigError, PipelineConfig
-from jaxscale.layout import TOKENS, Stage
+from jaxscale.layout import TOKENS, Stage, stage_moe
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_program import AXIS, StageProgram
@@ -156,23 +160,29 @@ def build(
     p, v = place.stages, config.repeats
     m = config.microbatches or p
     layers = jax.tree.leaves(parts.blocks)[0].shape[0]  # stacked slots (padded with uneven stages)
-    # Data-parallel axes that shard no block parameter are manual too, for a dense model: each device
-    # then adds up its own gradients over the ticks, summed over those axes once after the loop. An
-    # MoE model's routing statistics are over the whole microbatch, so it leaves them to the partitioner.
-    # Context axes are manual too (a dense model): ring attention gathers keys and values over them.
+    # Data-parallel axes that shard no block parameter are manual too (unless the partitioner runs an MoE
+    # model's experts: its routing statistics span the microbatch): each device then adds up its own gradients
+    # over the ticks, summed over those axes once after the loop; explicit experts keep their EP shards and
+    # exchange tokens among the stage's devices (Layout.stage_expert_axes), their routing statistics summed
+    # over the row axes. Context axes are manual too (a dense model): ring attention gathers keys and values.
     # TP's axes are manual too where the stage leaves nothing else to the partitioner: each device keeps its
     # shard of the blocks, and jaxscale.parallel.sequence writes the collectives (Layout.stage_tensor_axes).
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
-    moe, explicit = c.moe is not None, getattr(model, "explicit_tp", False)
-    manual = place.stage_manual_axes(block_axes, moe, explicit)
-    skip = not place.stage_partitioned(block_axes, moe, explicit)
-    if skip:  # Nothing left to the partitioner: the size-1 axes manual too. An automatic one makes jax annotate
+    flags, explicit = stage_moe(c), getattr(model, "explicit_tp", False)
+    moe = flags["moe"]
+    free = place.stage_free_axes(block_axes, explicit_tp=explicit, **flags)
+    if flags["experts"]:
+        place.check_stage_experts(free)
+    manual = place.stage_manual_axes(block_axes, explicit_tp=explicit, **flags)
+    if not free:  # Nothing left to the partitioner: the size-1 axes manual too. An automatic one makes jax annotate
         # each reduction's add with a sharding, which XLA:CPU's widening of bf16 all-reduces cannot clone (abort).
         manual = (*manual, *(a for a in mesh.axis_names if a not in manual))
     ring = tuple(a for a in manual if a in place.stage_context_axes)
-    tensor = place.stage_tensor_axes(block_axes, moe, explicit)
+    tensor = place.stage_tensor_axes(block_axes, explicit_tp=explicit, **flags)
+    expert = place.stage_expert_axes(block_axes, flags["experts"])
     split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
-    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor))
+    where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor), expert=expert,
+                  expert_mlp=tuple(a for a in place.mesh_axes(("expert_mlp",)) if a in tensor))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     gathered = place.stage_gathered_axes(block_axes, moe)
@@ -183,10 +193,10 @@ def build(
     return StageProgram(
         gathers=tuple(per_dim(axes, gathered) for axes in block_axes),
         visit=config.fsdp == "visit",
-        shards=tuple(per_dim(axes, tensor) for axes in block_axes),
+        shards=tuple(per_dim(axes, (*tensor, *expert)) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=skip,
+        slots=layers // (p * v), manual=manual, skip=not free,
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,

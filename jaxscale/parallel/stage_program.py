@@ -113,7 +113,9 @@ class StageProgram:
         fp8.attach(unit, lp.copies)
         y, aux = unit(h, pos)
         metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}
-        share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches)
+        # Each device of the stage's rows holds the microbatch's aux terms (summed over them, routing.route): a
+        # share of them each, as the loss is summed over those devices.
+        share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches * self.inner.size(self.summed))
         if self.model.moe:
             metrics[LAYER] = {k: aux[k].astype(F32) for k in layer_stat_shapes(self.model.moe)}
         return vary((y, jnp.asarray(share, F32), metrics), self.rows)
@@ -528,8 +530,9 @@ class StageProgram:
     def reduce(self, state: Loop) -> tuple:
         """Once per step: gradients and loss summed over the manual data and context axes (each device's
         own rows), then loss and metrics over ``stage`` (each stage's own layers and microbatches; the
-        head's metrics are the last stage's). The metrics need no sum over data axes: the loop of an MoE
-        model is manual over ``stage`` alone. Each unit slot's statistics, their microbatches' mean, stay
+        head's metrics are the last stage's). The MoE metrics need no sum over data axes: each microbatch's
+        statistics are the same on every device of a stage (the loop manual over ``stage`` alone, or routing
+        summing them over the row axes). Each unit slot's statistics, their microbatches' mean, stay
         with their stage, [v·slots, ...], as the stack is stored."""
         m = self.microbatches
         metrics = {k: a / (sum(self.counts) * m) for k, a in state.metrics.items() if k != LAYER}
@@ -543,8 +546,8 @@ class StageProgram:
                                          self.outer_histories)
             amax = lax.pmax(amax, self.summed)  # the same on every device of a stage (global amaxes)
         head = jax.tree.map(lambda a: a / m, state.head)
-        if self.summed:  # a loop manual over data axes (a dense model): each device's rows' means, averaged
-            head = lax.pmean(head, self.summed)
+        if self.summed:  # a loop manual over data axes: each device's rows' means, averaged (MoE's: the same)
+            head, metrics, layers = lax.pmean((head, metrics, layers), self.summed)
         loss, metrics, head = lax.psum((loss, metrics, head), AXIS)
         if not self.table.train:
             return loss, metrics, layers, head
