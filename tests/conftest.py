@@ -62,13 +62,14 @@ def curve_batches() -> list:
 
 
 @pytest.fixture(scope="session")
-def bf16_curves() -> list[Curve]:
-    """The test model's bf16 curves (compute copy and fp32 master, no fp8) from :data:`helpers.CURVE_SEEDS`
-    seeds: what test_fp8 holds its variants to."""
-    return loss_curves(seeds=CURVE_SEEDS)
+def bf16_curve() -> Curve:
+    """The test model's bf16 curve (compute copy and fp32 master, no fp8) from seed 0 (on :func:`curve_batches`):
+    what test_precision holds its variants to."""
+    return loss_curves(seeds=1)[0]
 
 
 @pytest.fixture(scope="session")
-def bf16_curve(bf16_curves) -> Curve:
-    """The bf16 curve of seed 0 (on :func:`curve_batches`): what test_precision holds its variants to."""
-    return bf16_curves[0]
+def bf16_curves(bf16_curve) -> list[Curve]:
+    """The bf16 curves from :data:`helpers.CURVE_SEEDS` seeds (seed 0's is :func:`bf16_curve`): what test_fp8
+    holds its variants to. A worker that runs test_precision alone makes seed 0's only."""
+    return [bf16_curve, *loss_curves(seeds=range(1, CURVE_SEEDS))]

@@ -236,11 +236,11 @@ def loss_curve(*overrides: str, batches: list[dict[str, jax.Array]]) -> Curve:
     return _curve(step, state, batches)
 
 
-def loss_curves(*overrides: str, seeds: int) -> list[Curve]:
-    """:func:`loss_curve` from seeds 0 to ``seeds`` - 1 (``train.seed``: the initial weights and the batches),
-    the step compiled once (its program is the same for every seed)."""
+def loss_curves(*overrides: str, seeds: int | range) -> list[Curve]:
+    """:func:`loss_curve` from each of ``seeds`` (an int n: seeds 0 to n - 1; ``train.seed``: the initial weights
+    and the batches), the step compiled once (its program is the same for every seed)."""
     step, curves = None, []
-    for seed in range(seeds):
+    for seed in range(seeds) if isinstance(seeds, int) else seeds:
         trainer = Trainer.build(tiny_config(*CURVE, *overrides, f"train.seed={seed}"), jax.devices()[:1])
         with optimized_codegen():
             step = step or trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
