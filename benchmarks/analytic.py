@@ -25,6 +25,7 @@ def main() -> None:
     from test_analytic import LAYOUTS, layout_id
 
     from jaxscale.analysis import hlo, xla
+    from jaxscale.analysis.inspect import step_collectives
     from jaxscale.analysis.predict import predict_trainer
     from jaxscale.train import Trainer
 
@@ -33,7 +34,7 @@ def main() -> None:
         step = xla.compile_step(trainer)
         prediction = predict_trainer(trainer)
         memory = xla.memory(step)["total"]
-        wire = hlo.summarize(hlo.collectives(step.as_text(), trainer.mesh))["total"]["rs_wire_bytes"]
+        wire = hlo.summarize(step_collectives(trainer, step)[0])["total"]["rs_wire_bytes"]
         row = {
             "layout": layout_id((rules, mesh, *overrides)),
             "memory_predicted": round(prediction.memory["total"]),

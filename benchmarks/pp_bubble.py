@@ -33,17 +33,20 @@ step, the pipeline's next to the reference's plus its permutes.
 
 ``--zero-bubble`` compares ZB-H1 with 1F1B on ``pp`` (``stage=p`` x ``data=8/p``) for m in {p, 2p, 4p}: the
 compiled step's temporaries per device and ZB-H1's extra over 1F1B, next to the table's figure for the
-buffers a stage keeps (stage inputs ``act_slots``, output gradients from B to W ``cot_slots``, each a
-chunk's L/p layers of b·s·h, and the received gradients ``grad_slots`` of b·s·h); the ticks; the bubble
-in the paper's units (F = B = W = 1) and in ours (F 1, B 2, W 3: each recomputes the chunk; 1F1B's
-backward 3), with the step cost in ours; and the step time ratio ZB-H1 / 1F1B. Its first line: the FLOPs
-of one layer's B (its input gradient, recomputing it) and W (its weight gradient from its input and output
-gradient, recomputing it) and of the unsplit backward, per forward, from XLA's cost analysis.
+buffers a stage keeps (stage inputs ``act_slots``, each a chunk's L/p layers of b·s·h; what B keeps for W
+``cot_slots``, each layer's weight matmul inputs and output gradients, ``memory.split_kept``; the received
+gradients ``grad_slots`` of b·s·h); the ticks; the bubble in the paper's units (F = B = W = 1) and in ours
+(F 1, B 2: it recomputes the chunk; W 1: the weight matmuls' gradients alone; 1F1B's backward 3), with the
+step cost in ours, and the schedules' formulas (:func:`schedules.formula_bubble`); and the step time ratio
+ZB-H1 / 1F1B. Its first line: the FLOPs of one layer's B (recomputing it: its input gradient and every
+gradient but its weight matmuls'), W (the weight matmuls' gradients from the inputs and output gradients B
+kept) and of the unsplit backward, per forward, from XLA's cost analysis.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -60,8 +63,11 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.config import INTERLEAVED, load_config
-from jaxscale.parallel import schedules
+from jaxscale.analysis.memory import split_kept
+from jaxscale.config import INTERLEAVED, MESH_AXES, load_config
+from jaxscale.layout import Rules, Stage
+from jaxscale.parallel import schedules, weight_split
+from jaxscale.sharding import layout_of, use_layout
 from jaxscale.train import Trainer, make_model
 
 MODEL = [
@@ -158,14 +164,17 @@ def inside(stages: list[int], steps: int) -> None:
                       "ratio": round(mine["all"] / (theirs["all"] + mine["permutes"]), 3)}), flush=True)
 
 
-def kept_bytes(table: schedules.Table, layers: int, act: int) -> int:
-    """The bytes of the buffers a stage keeps through the loop, by the table: inputs, output gradients, messages."""
-    return (table.act_slots + table.cot_slots) * layers * act + table.grad_slots * act
+def kept_bytes(table: schedules.Table, layers: int, act: int, kept: float) -> int:
+    """The bytes of the buffers a stage keeps through the loop, by the table: inputs, what each layer's B keeps for
+    its W (``kept`` times a layer input: :func:`jaxscale.analysis.memory.split_kept`), messages."""
+    return round((table.act_slots + table.cot_slots * kept) * layers * act + table.grad_slots * act)
 
 
 def slot_flops(rows: int = 4) -> dict[str, float]:
-    """One layer's forward FLOPs on ``rows`` sequences, and its B, W and unsplit backward (each recomputing it) per
-    forward, from XLA's cost analysis."""
+    """One layer's forward FLOPs on ``rows`` sequences, and per forward its B (recomputing it: its input gradient
+    and every gradient but its weight matmuls', :mod:`jaxscale.parallel.weight_split`), its W (the weight matmuls'
+    gradients from the inputs and output gradients B kept) and the unsplit backward (recomputing it), from XLA's
+    cost analysis."""
     config = load_config(None, [*MODEL, "model.layers=1"])
     with nnx.use_eager_sharding(False):
         blocks = make_model(config).blocks
@@ -182,13 +191,26 @@ def slot_flops(rows: int = 4) -> dict[str, float]:
     def flops(f, *args) -> float:
         return jax.jit(f).lower(*args).compile().cost_analysis()["flops"]
 
-    forward = flops(layer, params, x)
-    slots = {
-        "B": lambda p, x: jax.vjp(lambda x: layer(p, x), x)[1](x),
-        "W": lambda p, x: jax.vjp(lambda p: layer(p, x), p)[1](x),
-        "backward": lambda p, x: jax.vjp(layer, p, x)[1](x),
-    }
-    return {"layer_forward_flops": forward, **{k: round(flops(f, params, x) / forward, 3) for k, f in slots.items()}}
+    mesh = jax.make_mesh((1,) * len(MESH_AXES), MESH_AXES, (jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+                         devices=jax.devices()[:1])
+    with use_layout(mesh, dataclasses.replace(layout_of(mesh, Rules.load("dp")), stage=Stage((), ()))):
+        outs, ins = weight_split.types(lambda: layer(params, x))
+
+        def input_grad(p: dict, x: jax.Array) -> tuple:
+            _, pull, kept = jax.vjp(lambda p, x, taps: weight_split.input_grad(lambda: layer(p, x), taps), p, x,
+                                      weight_split.zeros(outs), has_aux=True)
+            return pull(x), kept  # as below: the cotangent is not the layer's output, which is dead
+
+        def weight_grad(p: dict, kept: list, dys: list) -> dict:
+            return jax.vjp(lambda p: weight_split.weight_outputs(lambda: layer(p, x), kept), p)[1](dys)
+
+        forward = flops(layer, params, x)
+        slots = {
+            "B": flops(input_grad, params, x),
+            "W": flops(weight_grad, params, weight_split.zeros(ins), weight_split.zeros(outs)),
+            "backward": flops(lambda p, x: jax.vjp(layer, p, x)[1](x), params, x),
+        }
+    return {"layer_forward_flops": forward, **{k: round(f / forward, 3) for k, f in slots.items()}}
 
 
 def zero_bubble(stages: list[int], steps: int) -> None:
@@ -204,7 +226,8 @@ def zero_bubble(stages: list[int], steps: int) -> None:
                 act = rows * config.train.seq_len * config.model.embed * np.dtype(config.model.dtype).itemsize
                 record[schedule] = {
                     "ticks": table.ticks, "act_slots": table.act_slots, "cot_slots": table.cot_slots,
-                    "kept_bytes": kept_bytes(table, config.model.layers // p, act),
+                    "kept_bytes": kept_bytes(table, config.model.layers // p, act,
+                                             sum(a.per_token for a in split_kept(config.model)) / config.model.embed),
                     "temp_bytes": xla.memory(compiled)["temp"],
                     "bubble_unit": round(table.bubble(1, 2, 1, 1), 4), "bubble": round(table.bubble(), 4),
                     "cost": table.cost(), "seconds": round(step_time(trainer, compiled, steps), 4),
@@ -212,7 +235,7 @@ def zero_bubble(stages: list[int], steps: int) -> None:
             zb, f1b = record["zb_h1"], record["1f1b"]
             record["extra_temp_bytes"] = {"compiled": zb["temp_bytes"] - f1b["temp_bytes"],
                                           "table": zb["kept_bytes"] - f1b["kept_bytes"]}
-            record["formula_bubble_unit"] = {"zb_h1": round(schedules.formula_bubble(p, m, 1, "zb_h1"), 4),
+            record["formula_bubble"] = {"zb_h1": round(schedules.formula_bubble(p, m, 1, "zb_h1"), 4),
                                              "1f1b": round(schedules.formula_bubble(p, m, 1), 4)}
             record["time_ratio"] = {"measured": round(zb["seconds"] / f1b["seconds"], 3),
                                     "table": round(zb["cost"] / f1b["cost"], 3)}

@@ -29,6 +29,7 @@ layout into jax shardings; nothing here imports jax.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
@@ -148,13 +149,15 @@ class Stage:
     The loop recomputes each layer itself (no remat policy applies), ring attention runs its per-device
     kernel over the ``ring`` axes, already manual, and where the ``tensor`` axes are manual too
     (:meth:`Layout.stage_tensor_axes`) the projections of :mod:`jaxscale.parallel.sequence` write TP's
-    and SP's collectives themselves, over the block parameters' logical names in ``split``."""
+    and SP's collectives themselves, over the block parameters' logical names in ``split``. While a split
+    schedule's B or W slot traces a unit, ``weights`` runs its weight matmuls (:func:`jaxscale.precision.einsum`)."""
 
     manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and tensor axes
     ring: tuple[str, ...]  # of them, the context axes (ring attention's ring)
     tensor: tuple[str, ...] = ()  # of them, TP's: they split the blocks' parameters, each device keeps its shard
     split: tuple[str, ...] = ()  # the logical names of block parameter dimensions that ``tensor`` splits
     sequence: tuple[str, ...] = ()  # of ``tensor``, SP's: the residual stream split on the sequence over them
+    weights: Any = None  # in a split backward's unit, how weight matmuls run (:mod:`jaxscale.parallel.weight_split`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -541,3 +544,8 @@ class Layout:
                 f"{where}: the sequence ('norm_length' on {seq}) must be sharded over all or none "
                 f"of the axes of 'expert_mlp' ({mlp})"
             )
+
+
+# jaxscale's one trace-time state, the mesh and layout the code traced sees: set by
+# :func:`jaxscale.sharding.use_layout`, here so that :mod:`jaxscale.precision` reads it too.
+ACTIVE: contextvars.ContextVar[tuple[Any, Layout] | None] = contextvars.ContextVar("jaxscale_layout", default=None)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import dtypes, fp8, fp8_blockwise
+from jaxscale import dtypes, fp8, fp8_blockwise, layout
 from jaxscale.config import Config, ConfigError
 
 
@@ -102,6 +102,9 @@ def einsum(
     """``jnp.einsum(equation, x, w)`` of activations ``x`` and a weight ``w``, the weight's gradient matmul
     producing ``grads`` (:func:`weight_grads`; None: autodiff's einsum).
 
+    Inside a split schedule's B or W slot (the active stage's ``weights``, :mod:`jaxscale.parallel.weight_split`)
+    that runs it, deferring the weight's gradient to the W slot, where the matmul is its weight gradient alone.
+
     With fp8 operands (:class:`jaxscale.fp8.Operand`, ``precision.fp8`` on) the projection runs in fp8:
     :func:`jaxscale.fp8.einsum` (per-tensor scales) or :func:`jaxscale.fp8_blockwise.einsum`; its weight
     gradient leaves the matmul in fp32. Its output is named :data:`WEIGHT_DOT` as below.
@@ -116,6 +119,17 @@ def einsum(
     A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
     without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
     """
+    current = layout.ACTIVE.get()
+    split = current[1].stage.weights if current is not None and current[1].stage is not None else None
+    if split is not None:
+        return split.einsum(equation, x, w, functools.partial(_projection, grads=grads))
+    return _projection(equation, x, w, grads)
+
+
+def _projection(
+    equation: str, x: jax.Array | fp8.Operand, w: jax.Array | fp8.Operand, grads: jnp.dtype | None
+) -> jax.Array:
+    """:func:`einsum` as it runs outside a split slot."""
     lhs, rhs, out = _letters(equation)
     if isinstance(w, fp8.Operand):
         y = (fp8.einsum if w.quantized is not None else fp8_blockwise.einsum)(equation, x, w)

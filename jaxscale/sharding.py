@@ -13,7 +13,6 @@ pipeline stage's loop, the :class:`~jaxscale.layout.Stage` (:func:`stage`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -135,9 +134,7 @@ def check_divisible(name: str, shape: tuple[int, ...], axes: Axes, spec: Partiti
             )
 
 
-_ACTIVE: contextvars.ContextVar[tuple[Mesh | AbstractMesh, Layout] | None] = contextvars.ContextVar(
-    "jaxscale_layout", default=None
-)
+_ACTIVE = layout.ACTIVE
 
 
 def use_rules(

@@ -46,6 +46,7 @@ def run(config, devices=None, steps: int = 2):
 MOE = ["model.moe={}", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.mlp=32", "model.moe.shared_experts=1",
        "model.moe.capacity_factor=4"]
 PP_1F1B = ["pipeline.microbatches=2", "pipeline.schedule=1f1b"]
+PP_ZB = ["pipeline.microbatches=2", "pipeline.schedule=zb_h1"]
 LAYOUTS = {
     "current-fsdp_tp_sp": (("precision.fp8=current",), "fsdp_tp_sp", MESH),
     # 16-element tiles and blocks: every block lies within one tensor-parallel shard (the key/value
@@ -83,6 +84,10 @@ LAYOUTS = {
     "delayed-head-pp_1f1b": (("precision.fp8=delayed", "precision.fp8_head=true", *PP_1F1B), "pp",
                              {"stage": 2, "data": 4}),
     "current-pp_1f1b": (("precision.fp8=current", *PP_1F1B), "pp", {"stage": 2, "data": 4}),
+    # ZB-H1: the weight gradients and the weights' histories in the W slot, from the e4m3 inputs B kept.
+    "current-pp_zb_h1": (("precision.fp8=current", *PP_ZB), "pp", {"stage": 2, "data": 4}),
+    "blockwise-pp_zb_h1": (("precision.fp8=blockwise", "precision.fp8_block=16", *PP_ZB), "pp",
+                           {"stage": 2, "data": 4}),
     "current-pp_interleaved": (
         ("precision.fp8=current", "model.layers=4", "pipeline.microbatches=2", "pipeline.schedule=interleaved_1f1b",
          "pipeline.repeats=2"),
@@ -94,7 +99,7 @@ LAYOUTS = {
 # is the microbatch's amax. No scale can wait for the whole step's: under 1F1B the first microbatch's backward
 # runs before the last one's forward. Their one device accumulates the same microbatches (row r of microbatch
 # i is row r·m + i in both), each quantized on its own amax as a stage does.
-ACCUMULATED = {"delayed-head-pp_1f1b", "current-pp_1f1b", "current-pp_interleaved"}
+ACCUMULATED = {"delayed-head-pp_1f1b", "current-pp_1f1b", "current-pp_interleaved", "current-pp_zb_h1"}
 
 
 # The pipelines' cases run in tests/test_fp8_state_pp.py: the suite's two workers take a file each.
@@ -112,7 +117,8 @@ def matches_single_device(one_device: dict, case: str) -> None:
     """Loss and amax histories as one device's at RTOL, parameters after two steps at PARAM_RTOL (measured:
     fsdp_tp 2.3e-2)."""
     overrides, rules, mesh = LAYOUTS[case]
-    key = (*overrides, *(("train.microbatches=2",) if case in ACCUMULATED else ()))
+    key = (*(o for o in overrides if not o.startswith("pipeline.")),  # one device: no pipeline
+           *(("train.microbatches=2",) if case in ACCUMULATED else ()))
     if key not in one_device:
         one_device[key] = run(tiny_config(*key), jax.devices()[:1])
     ref_loss, ref_state = one_device[key]

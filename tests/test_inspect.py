@@ -228,6 +228,16 @@ def test_all_reduce_then_slice_reads_as_reduce_scatter():
     # A slice of 1/4 on 8 devices is not each device's shard: not a reduce-scatter.
     (c,) = hlo.collectives(SLICED.replace("ROWS", "16"), MESH_222)
     assert c.sliced_bytes == 0
+    # Over pairs {d, d + 4} (data), a half sliced by a per-device table: each device of a pair its own half reads
+    # as a reduce-scatter; both the same half (the table follows another axis, as a stage sum sliced to a TP
+    # shard) does not.
+    pairs = only.replace("[8,128]", "[32,128]").replace("={8,128}", "={32,128}")
+    pairs = pairs.replace("[1,8]<=[8]", "{{0,4},{1,5},{2,6},{3,7}}")
+    pairs = pairs.replace("%off), kind", "%off, %t), kind").replace(
+        "%off = s32[] parameter(2)", "%off = s32[] parameter(2)\n  %t = u32[8]{0} constant({TABLE})")
+    for table, sliced in (("0, 0, 0, 0, 1, 1, 1, 1", 32768), ("0, 1, 0, 1, 0, 1, 0, 1", 0)):
+        (c,) = hlo.collectives(pairs.replace("TABLE", table), MESH_222)
+        assert (c.axes, c.sliced_bytes) == (("data",), sliced)
 
 
 # -- compiled steps ----------------------------------------------------------------
@@ -457,3 +467,58 @@ def test_tp_sp_layer_moves_activations_by_gather_and_scatter_only(trainers):
     assert all(c.result_bytes == bsh for c in gathers) and all(c.operand_bytes == bsh for c in scatters)
     # Same wire bytes as TP's all-reduces: 4 x (t−1)/t·b·s·h per layer and pass.
     assert wire(gathers) + wire(scatters) == config.model.layers * 8 * 3 / 4 * bsh
+
+
+TICKS = """HloModule ticks
+
+%idle (x.0: f32[64]) -> f32[64] {
+  ROOT %x.0 = f32[64]{0} parameter(0)
+}
+
+%taken (x.2: f32[64]) -> f32[64] {
+  %x.2 = f32[64]{0} parameter(0)
+  ROOT %all-gather.1 = f32[64]{0} all-gather(%x.2), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+}
+
+%busy (x.1: f32[64]) -> f32[64] {
+  %x.1 = f32[64]{0} parameter(0)
+  %all-reduce.1 = f32[64]{0} all-reduce(%x.1), channel_id=2, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add
+  %l = f32[4,16]{1,0} reshape(%all-reduce.1)
+  %r = f32[16,8]{1,0} constant({...})
+  %dot.1 = f32[4,8]{1,0} dot(%l, %r), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %head = pred[] constant(true)
+  ROOT %inner = f32[64]{0} conditional(%head, %all-reduce.1, %all-reduce.1), true_computation=%taken, false_computation=%idle
+}
+
+%tick (q: (s32[], f32[64])) -> (s32[], f32[64]) {
+  %q = (s32[], f32[64]{0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %a = f32[64]{0} get-tuple-element(%q), index=1
+  %permuted = f32[64]{0} collective-permute(%a), channel_id=1, source_target_pairs={{0,1},{1,2}}
+  %k = s32[] constant(1)
+  %slot = f32[64]{0} conditional(%k, %permuted, %permuted), branch_computations={%idle, %busy}
+  %next = s32[] add(%j, %k)
+  ROOT %t = (s32[], f32[64]{0}) tuple(%next, %slot)
+}
+
+ENTRY %main (a.0: f32[64]) -> f32[64] {
+  %a.0 = f32[64]{0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[64]{0}) tuple(%zero, %a.0)
+  %loop = (s32[], f32[64]{0}) while(%init), condition=%cond, body=%tick, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = f32[64]{0} get-tuple-element(%loop), index=1
+}
+"""  # noqa: E501
+
+
+def test_a_ticks_conditionals_run_on_the_busy_slots():
+    """A loop of 5 ticks whose slot runs in a conditional: without ``Taken`` its collectives count at every tick;
+    with ``Taken(5, 2)`` (2 busy slots) twice, a conditional nested in the slot's as the slot's; the permute
+    outside it every tick. A matmul [4, 16] x [16, 8] is 2·4·8·16 FLOPs a run."""
+    every = {c.name: c.runs for c in hlo.collectives(TICKS, MESH_222)}
+    assert every == {"permuted": 5, "all-reduce.1": 5, "all-gather.1": 5}
+    busy = {c.name: c.runs for c in hlo.collectives(TICKS, MESH_222, hlo.Taken(trips=5, runs=2))}
+    assert busy == {"permuted": 5, "all-reduce.1": 2, "all-gather.1": 2}
+    (dot,) = hlo.matmuls(TICKS, hlo.Taken(trips=5, runs=2))
+    assert (dot.flops, dot.runs, dot.branches, [loop.trips for loop in dot.loops]) == (2 * 4 * 8 * 16, 2, 1, [5])
+    assert hlo.matmuls(TICKS)[0].runs == 5

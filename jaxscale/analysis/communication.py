@@ -46,13 +46,14 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   embedding's gradient (m times a step; counted here as the compiled loop's T ticks, the runs
   :mod:`jaxscale.analysis.hlo` reads for an instruction in a loop) and summed over the stages once
   (:func:`_pipeline_outer_flows`); no block moves between stages (stored in the chunks' order);
-  inside a stage the layers' collectives run per tick and slot (the compiled loop's count, idle slots
-  skipped or masked alike); where the stage is manual over TP's axes it holds the embedding and head
-  whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); FSDP inside a stage
-  (``pipeline.fsdp``): ``step`` gathers the stage's blocks once and reduce-scatters their gradients once,
-  ``visit`` gathers each layer as a slot runs it (2·m times a step where idle slots are skipped: the runs
-  executed, where ``hlo`` reads the loop's branch as run every tick) and reduce-scatters its fp32 gradient
-  after its backward (m), ``tick`` gathers and scatters in every slot of every tick; EP: dispatch +
+  inside a stage the layers' collectives run on the busy slots where idle slots are skipped (the runs
+  executed: ``hlo`` counts a tick's conditionals so, :func:`jaxscale.analysis.inspect.branch_runs`), in every
+  slot of every tick where they are masked; where the stage is manual over TP's axes it holds the embedding
+  and head whole: no vocabulary-parallel lookup or head collective (nor SP's final-norm gather); FSDP inside a
+  stage (``pipeline.fsdp``): ``step`` gathers the stage's blocks once and reduce-scatters their gradients once,
+  ``visit`` gathers each layer as a slot runs it (2·m times a step where idle slots are skipped) and
+  reduce-scatters its fp32 gradient after its backward (m), ``tick`` gathers and scatters in every slot of
+  every tick; EP: dispatch +
   combine all-to-all of
   k·b·s·h per MoE layer each way (docs/formulas.md), at the capacity factor, or for the dropless rows
   exchange times the routing imbalance :data:`EP_IMBALANCE` (dropless by all-gather: ``ep·b·s·h`` gathered
@@ -251,7 +252,8 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
             out += flow(p.path + " gradient", "reduce-scatter", sp.gathered, grad, fsdp_runs, layout, "backward",
                          not once)
             out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, runs, layout, "backward", True)
-            held = shard / layout.size(sp.scattered)
+            # gathered once a step, the stage sums the whole gradient over the other row axes before FSDP's scatter
+            held = (grad if once else shard) / layout.size(sp.scattered)
             out += _gradient_all_reduce(p.path + " gradient", sp.reduced, held, runs, layout)
     updated = [a for a in layout.mesh_axes(p.axes, "optimizer") if a in layout.token_axes and a not in sp.held]
     shard_all = sp.whole / layout.size(sp.gathered) * pbytes
@@ -275,21 +277,25 @@ def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbyte
     over the data axes. Where the loop is manual over the stage's FSDP axes (``manual``) each device adds up
     its own rows' gradient and the sum over those axes runs once, after the loop: an all-reduce, and the
     stages' copies are then summed whole. A stage manual over TP's axes (``tensor``) holds its copy whole
-    over them too.
+    over them too (gathered over them once, on its FSDP shard); over SP's, each device holds its part of the
+    sequence: the gradient is summed over them with the data axes.
     """
     micro = step.microbatches
-    sp = dataclasses.replace(sp, whole=sp.whole * layout.size([a for a in sp.held if a in tensor]))
+    split = [a for a in sp.held if a in tensor]
+    sp = dataclasses.replace(sp, whole=sp.whole * layout.size(split))
     whole, shard = sp.whole * pbytes, sp.whole / layout.size(sp.gathered) * 4
     ticks = pipeline_ticks(layout, step)
     out = flow(p.path + " (stage copy)", "all-gather", sp.gathered, whole, micro, layout, "forward", False)
+    out += flow(p.path + " (stage copy)", "all-gather", split, whole / layout.size(sp.gathered), micro, layout,
+                "forward", False)
     kind = "all-reduce" if p.is_embedding or manual else "reduce-scatter"
     runs = micro if manual else ticks * micro
     out += flow(p.path + " gradient", kind, sp.gathered, sp.whole * 4, runs, layout, "backward", True)
     out += flow("PP: " + p.path + " gradient summed over stages", "all-reduce", layout.mesh_axes(("layers",)),
                 sp.whole * 4 if manual else shard, micro, layout, "backward", False)
     out += flow(p.path + " gradient", "reduce-scatter", sp.scattered, shard, micro, layout, "backward", True)
-    return out + _gradient_all_reduce(p.path + " gradient", sp.reduced, shard / layout.size(sp.scattered), micro,
-                                      layout)
+    rows = (*sp.reduced, *(a for a in layout.sequence_axes if a in tensor and a not in sp.reduced))
+    return out + _gradient_all_reduce(p.path + " gradient", rows, shard / layout.size(sp.scattered), micro, layout)
 
 
 def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, in_stage: bool) -> list[Flow]:
@@ -315,13 +321,15 @@ def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, in_s
                         kv * 4, c * runs, layout, "backward", True)
 
 
-def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, bsh: float) -> list[Flow]:
-    """The pipeline's stage boundaries each tick (the blocks are stored in the chunks' order: none move)."""
+def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, bsh: float,
+                 stage_sp: tuple[str, ...] = ()) -> list[Flow]:
+    """The pipeline's stage boundaries each tick (the blocks are stored in the chunks' order: none move); with
+    SP's axes manual in a stage (``stage_sp``) a message is the device's part of the sequence."""
     stages, micro, flows = layout.mesh_axes(("layers",)), step.microbatches, []
     if not stages:
         return []
     ticks = pipeline_ticks(layout, step)
-    size = bsh / step.pipeline_microbatches
+    size = bsh / step.pipeline_microbatches / layout.size(stage_sp)
     for phase in ("forward", "backward"):
         flows += flow("PP: stage boundary", "collective-permute", stages, size, ticks * micro, layout, phase, False)
     return flows
@@ -352,12 +360,13 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     head_runs = lookup_runs = micro  # the head's input gradient, the vocabulary-parallel lookup
     stage_remat = False  # the backward slot recomputes its chunk's forward (pipeline)
     if layout.pipelined:
-        # Each tick runs a microbatch (bsh / m) through 1/v of the stage's layers in each slot, bubble
-        # ticks included (computed and masked where a stage has partitioner axes); the backward slot
+        # Each busy slot runs a microbatch (bsh / m) through 1/v of the stage's layers, and where a stage has
+        # partitioner axes every slot of every tick does (the bubble's computed and masked); the backward slot
         # recomputes its chunk whole (no layer remat inside a stage), and embeds again on the first
         # virtual stage; the head runs in the backward slot.
         ticks = pipeline_ticks(layout, step)
-        runs *= ticks / (step.pipeline_microbatches * step.repeats)
+        if masked:
+            runs *= ticks / (step.pipeline_microbatches * step.repeats)
         head_runs, lookup_runs = ticks * micro, 2 * ticks * micro
         stage_remat, recompute = True, False
     if sp:
@@ -374,6 +383,9 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
         if recompute:
             flows += sp_flow("SP: recomputed norm outputs", "all-gather", 2 * runs, "backward")
             flows += sp_flow("SP: recomputed attention output", "reduce-scatter", runs, "backward")
+        if stage_remat:  # the backward slot's recomputed chunk: each layer's two gathers and two scatters again
+            flows += sp_flow("SP: recomputed stage forward", "all-gather", 2 * runs, "backward")
+            flows += sp_flow("SP: recomputed stage forward", "reduce-scatter", 2 * runs, "backward")
         if not whole:
             flows += sp_flow("SP: final norm output", "all-gather", micro, "forward")
             flows += sp_flow("SP: final norm output", "reduce-scatter", micro, "backward")
@@ -392,7 +404,7 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
                            False)
 
     flows += _ring_flows(m, layout, rows * s_local, runs, stage_remat)
-    flows += _stage_flows(m, params, layout, step, bsh)
+    flows += _stage_flows(m, params, layout, step, bsh, tuple(a for a in sp if a in stage_tensor))
 
     if m.moe is not None and layout.mesh_axes(("expert",)):
         moe_runs = layers * (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)

@@ -255,8 +255,27 @@ def _axes_name(dims: list[tuple[str, int, int]], mesh: Mesh) -> tuple[str, ...]:
     return tuple(name if size == mesh.shape[name] else f"{name}:({pre}){size}" for name, pre, size in runs)
 
 
-def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr, n: int) -> int:
-    """Bytes of an all-reduce's operands whose every use is a dynamic-slice of 1/n of them."""
+def _owners(c: Computation, user: Instr, groups: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether a fusion slicing an all-reduce's result slices the devices of a group different parts: false where
+    it reads the slice's index from a per-device table (a constant of one integer per device, indexed by the
+    partition id) that gives every device of a group the same index (the slice follows other mesh axes alone,
+    as a pipeline's stage sum sliced to a TP or FSDP shard)."""
+    devices = sum(len(g) for g in groups)
+    for name in user.operands:
+        table = c.instrs.get(name)
+        if (table is None or table.opcode != "constant" or "..." in table.args  # a long constant is elided
+                or not re.fullmatch(rf"[su]\d+\[{devices}\]\S*", table.type)):
+            continue
+        index = _ints(table.args.strip("{}"))
+        if len(index) == devices and all(len({index[d] for d in g}) == 1 for g in groups):
+            return False
+    return True
+
+
+def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr, n: int,
+                  groups: tuple[tuple[int, ...], ...]) -> int:
+    """Bytes of an all-reduce's operands whose every use is a dynamic-slice of 1/n of them, each device of a
+    group its own (:func:`_owners`)."""
     users = comp.users()
 
     def only_slices(c: Computation, name: str, c_users: dict, slices: list[int]) -> bool:
@@ -265,6 +284,8 @@ def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr
         for user, k in c_users[name]:
             if user.opcode in _TRANSPARENT:
                 ok = only_slices(c, user.name, c_users, slices)
+            elif user.opcode == "fusion" and not _owners(c, user, groups):
+                ok = False
             elif user.opcode == "fusion":
                 callee = comps[callees(user)[0][1]]
                 ok = only_slices(callee, callee.params()[k], callee.users(), slices)
@@ -294,13 +315,34 @@ def _sliced_bytes(comps: dict[str, Computation], comp: Computation, instr: Instr
     return total
 
 
-def _contexts(comps: dict[str, Computation], entry: str) -> dict[str, tuple[int, tuple[Loop, ...]]]:
-    """For each computation reached from the entry: runs per step and its enclosing loops."""
-    out: dict[str, tuple[int, tuple[Loop, ...]]] = {}
+@dataclasses.dataclass(frozen=True)
+class Taken:
+    """How often a pipeline tick's conditionals take their branch: ``runs`` of the ``trips`` trips of the loop of
+    ticks (a stage's busy slots, :func:`busy_slots`). Without it a branch counts as run at every trip."""
 
-    def visit(name: str, runs: int, loops: tuple[Loop, ...]) -> None:
-        before = out.get(name, (0, loops))
-        out[name] = (before[0] + runs, before[1])
+    trips: int
+    runs: int
+
+
+def busy_slots(table: Any) -> Taken:
+    """The busy slots of a pipeline's :class:`~jaxscale.parallel.schedules.Table` as :class:`Taken`: every stage
+    runs v·m forward slots of the T ticks, as many backward slots and, split (ZB-H1), weight slots."""
+    return Taken(table.ticks, table.m * table.v)
+
+
+_BRANCH = ("branch_computations", "true_computation", "false_computation")
+
+
+def _contexts(comps: dict[str, Computation], entry: str,
+              taken: Taken | None = None) -> dict[str, tuple[int, tuple[Loop, ...], int]]:
+    """For each computation reached from the entry: runs per step, its enclosing loops and how many conditional
+    branches enclose it. With ``taken``, the branches of a conditional inside the first loop of ``taken.trips``
+    trips (the ticks) run ``taken.runs`` of them; a conditional inside such a branch counts as the branch around it."""
+    out: dict[str, tuple[int, tuple[Loop, ...], int]] = {}
+
+    def visit(name: str, runs: int, loops: tuple[Loop, ...], branches: int, ticks: str) -> None:
+        before = out.get(name, (0, loops, branches))
+        out[name] = (before[0] + runs, before[1], before[2])
         for instr in comps[name].instrs.values():
             for role, callee in callees(instr):
                 if callee not in comps:
@@ -309,24 +351,30 @@ def _contexts(comps: dict[str, Computation], entry: str) -> dict[str, tuple[int,
                     trips = trip_count(instr, comps)
                     if trips is None:
                         warnings.warn(f"while {instr.name}: trip count unknown, counted once", stacklevel=2)
-                    visit(callee, runs * (trips or 1), (*loops, Loop(instr.name, callee, trips)))
+                    inner = "in" if ticks == "out" and taken is not None and trips == taken.trips else ticks
+                    visit(callee, runs * (trips or 1), (*loops, Loop(instr.name, callee, trips)), branches, inner)
+                elif role in _BRANCH and ticks == "in":  # taken on the busy slots only
+                    visit(callee, runs // taken.trips * taken.runs, loops, branches + 1, "branch")
+                elif role in _BRANCH:
+                    visit(callee, runs, loops, branches + 1, ticks)
                 else:
-                    visit(callee, runs, loops)
+                    visit(callee, runs, loops, branches, ticks)
 
-    visit(entry, 1, ())
+    visit(entry, 1, (), 0, "out")
     return out
 
 
-def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
-    """Every collective of a compiled (post-optimisation) HLO module, in text order."""
+def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[Collective]:
+    """Every collective of a compiled (post-optimisation) HLO module, in text order; with ``taken`` those in a
+    pipeline tick's conditionals run on its busy slots (:class:`Taken`), else at every tick."""
     comps, entry = parse(hlo_text)
-    contexts = _contexts(comps, entry)
+    contexts = _contexts(comps, entry, taken)
     axes_of: dict[tuple[Any, bool], tuple[str, ...] | None] = {}
     out = []
     for comp in comps.values():
         if comp.name not in contexts:
             continue
-        runs, loops = contexts[comp.name]
+        runs, loops, _ = contexts[comp.name]
         for instr in comp.instrs.values():
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS and kind != RAGGED:
@@ -344,7 +392,7 @@ def collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
             exact = kind != "collective-permute"
             if (groups, exact) not in axes_of:
                 axes_of[groups, exact] = mesh_axes(groups, mesh, exact)
-            sliced = _sliced_bytes(comps, comp, instr, n) if kind == "all-reduce" and n > 1 else 0
+            sliced = _sliced_bytes(comps, comp, instr, n, groups) if kind == "all-reduce" and n > 1 else 0
             op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
             out.append(
                 Collective(
@@ -472,6 +520,36 @@ def dots(hlo_text: str) -> dict[str, int]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One ``dot`` instruction of a compiled step (in a fusion: counted where the fusion is called)."""
+
+    name: str
+    flops: int  # per run: 2 x output elements x contracted elements
+    runs: int  # per step, as :func:`collectives` counts them (``taken``: a tick's branches on busy slots)
+    loops: tuple[Loop, ...]  # enclosing while loops, outermost first
+    branches: int  # conditional branches around it
+
+
+def matmuls(hlo_text: str, taken: Taken | None = None) -> list[Matmul]:
+    """Every matmul of a compiled step with its FLOPs and runs per step: the work it executes, where a pipeline
+    tick's conditionals run on the busy slots given by ``taken`` (else at every tick)."""
+    comps, entry = parse(hlo_text)
+    out = []
+    for name, (runs, loops, branches) in _contexts(comps, entry, taken).items():
+        comp = comps[name]
+        for instr in comp.instrs.values():
+            if instr.opcode != "dot":
+                continue
+            lhs = instr.operand_types[0] or comp.instrs[instr.operands[0]].type
+            dims = shapes(lhs)[0][1]
+            contracted = math.prod(dims[int(d)] for d in re.search(r"lhs_contracting_dims=\{([\d,]*)\}",
+                                                                      instr.attrs).group(1).split(",") if d)
+            flops = 2 * math.prod(shapes(instr.type)[0][1]) * contracted
+            out.append(Matmul(instr.name, flops, runs, loops, branches))
+    return out
+
+
 # -- bytes written ----------------------------------------------------------------
 
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # write no buffer of their own
@@ -485,7 +563,7 @@ def scoped_bytes(hlo_text: str, scope: str) -> int:
     fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
              for _, c in callees(i)}
     total = 0
-    for name, (runs, _) in _contexts(comps, entry).items():
+    for name, (runs, *_) in _contexts(comps, entry).items():
         if name in fused:
             continue
         for instr in comps[name].instrs.values():

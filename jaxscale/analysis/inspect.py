@@ -20,22 +20,42 @@ import numpy as np
 
 from jaxscale.analysis.communication import EP_IMBALANCE
 from jaxscale.analysis.formulas import formulas
-from jaxscale.analysis.hlo import Collective, collectives, exchange_counted, grouped, summarize
-from jaxscale.analysis.params import trainer_inputs
+from jaxscale.analysis.hlo import Collective, Taken, busy_slots, collectives, exchange_counted, grouped, summarize
+from jaxscale.analysis.params import pipeline_table, trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
 from jaxscale.models import builtin
 from jaxscale.sharding import named_params
 
 
+def branch_runs(trainer: Any) -> Taken | None:
+    """How often a pipelined step's tick conditionals run, where its stages skip idle slots: on the schedule's
+    busy slots (:func:`jaxscale.analysis.hlo.busy_slots`); None without a pipeline or with idle slots masked
+    (their conditionals then run the head and the embedding's gradient on every stage where one needs them)."""
+    params, layout, step = trainer_inputs(trainer)
+    blocks = [p.axes for p in params if p.in_layers]
+    if not layout.pipelined or layout.stage_partitioned(blocks, trainer.config.model.moe is not None):
+        return None
+    return busy_slots(pipeline_table(layout, step))
+
+
 def step_collectives(trainer: Any, compiled: Any) -> tuple[list[Collective], str]:
-    """The compiled step's collectives, the dropless exchange's counted at equal load, and the line saying so
+    """The compiled step's collectives, those in a pipeline tick's conditionals counted on the busy slots that
+    run them (:func:`branch_runs`), the dropless exchange's at equal load, and the line saying so
     (:func:`jaxscale.analysis.hlo.exchange_counted`; its loop's trip count is the routing's: not warned about)."""
     text = compiled.as_text()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "while .*: trip count unknown")
-        found = collectives(text, trainer.mesh)
+        found = collectives(text, trainer.mesh, branch_runs(trainer))
     return exchange_counted(text, found)
+
+
+def _branches_line(taken: Taken | None) -> str:
+    """What :func:`branch_runs` does to the counts, in a line (empty where it does nothing)."""
+    if taken is None:
+        return ""
+    return (f"a pipeline tick's conditionals counted on the stage's busy slots: {taken.runs} of the loop's "
+            f"{taken.trips} ticks (idle slots are skipped)")
 
 
 def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
@@ -50,6 +70,7 @@ def step_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
         "state": state_bytes(trainer),
         "collectives": summarize(found),
         "exchange": exchange,
+        "branches": _branches_line(branch_runs(trainer)),
         "formulas": formulas(trainer.config.model, *trainer_inputs(trainer)),
     }
     return json.loads(json.dumps(report))
@@ -156,6 +177,8 @@ def format_inspect(report: dict[str, Any]) -> str:
                  f"analytic {_mb(analytic_total)} ({100 * err:+.1f}% of the rs reading)")
     if report["exchange"]:
         lines.append(f"  {report['exchange']}; the analytic model assumes an imbalance of {EP_IMBALANCE}")
+    if report["branches"]:
+        lines.append(f"  {report['branches']}")
     lines.append("  analytic by kind and axes: " + "  ".join(
         f"{r['kind']} [{r['axes']}] {_mb(r['wire_bytes'])}" for r in report["analytic"]["collectives"]))
     refs = [(k, v) for k, v in ref.items() if k.endswith("_comm_bytes")]

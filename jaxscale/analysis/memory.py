@@ -18,8 +18,8 @@ optimizer state, gradients and parameters in turn):
   SP and CP divide exactly what they shard) times the layers this device holds; the
   scores mask of dot-product attention once (under PP one bool s x s); the batch;
 * under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
-  loop keeps the stage inputs its schedule has in flight (``Table.act_slots``; ZB-H1 also its units' output
-  gradients from a B to its W, ``cot_slots``) and fp32 gradient
+  loop keeps the stage inputs its schedule has in flight (``Table.act_slots``; ZB-H1 also, from a B to its W,
+  its layers' weight matmul inputs and output gradients, :func:`split_kept`, ``cot_slots``) and fp32 gradient
   accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
   with no remat inside (:func:`_pipeline`);
 * the transient peak: the larger of one layer's backward and the loss. The layer backward: its
@@ -103,6 +103,22 @@ def _latents(m: ModelConfig, normed: bool) -> list[Activation]:
         return [Activation(f"normed {n} latent", w, ("batch", "length", n)) for n, w in widths]
     return [Activation(f"{n} latent", w, ("batch", "length", n)) for n, w in widths] + [
         Activation("latent norm statistics", len(widths), RESIDUAL[:2], "fp32")]
+
+
+def split_kept(m: ModelConfig) -> list[Activation]:
+    """What a split schedule's B keeps of one layer for its W (:mod:`jaxscale.parallel.weight_split`): each distinct
+    weight matmul input (the normed input twice, the attention output, the MLP hidden) and each matmul's output
+    gradient (the attention projections', gate's and up's, and the two partial sums of the residual's width).
+    Routed experts' grouped matmuls take their gradients in B; MLA's latent inputs are not counted."""
+    h, att, fe = m.embed, attention(m), dense_per_token(m)
+    projected = sum(c * n for c, n, _, _, _ in projections(m))  # the attention projections' outputs, o's too
+    return [
+        Activation("normed inputs", 2 * h, HIDDEN),
+        Activation("attention output", att.out, Q_AXES),
+        Activation("hidden, gate's and up's gradients", 3 * fe, MLP_AXES),
+        Activation("attention projections' gradients", projected - h, Q_AXES),
+        Activation("o's and down's gradients", 2 * h, HIDDEN),
+    ]
 
 
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
@@ -509,11 +525,15 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in layout.token_axes])
+    block_axes = [p.axes for p in params if p.in_layers]
+    # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
+    tensor = layout.stage_tensor_axes(block_axes, m.moe is not None)
+    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
-    out["activations"] = (2 * ((table.act_slots + table.cot_slots) * chunk + table.grad_slots) + chunk) * x
-    block_axes = [p.axes for p in params if p.in_layers]
+    kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
+    out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
+                          + 2 * table.cot_slots * chunk * kept)
     gathered = layout.stage_gathered_axes(block_axes, m.moe is not None)
     visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
     layer = layer_elems(params, layout, reduced=False)
@@ -527,6 +547,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     whole = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in gathered])
                 for p in params if p.in_layers) if once else 0.0
     out["pipeline accumulator"] = 4 * whole + (4 * (held - blocks if once else held) if partitioned else 0.0)
+    if tensor:  # its fp32 gradient accumulated whole over them too, beside the sharded gradients
+        out["pipeline accumulator"] += 4 * (outer - (held - blocks))
     out["pipeline copies"] = (outer + whole) * pbytes
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose

@@ -87,7 +87,7 @@ def _divisors(n: int) -> list[int]:
 
 
 FSDP_GATHERS = ("step", "visit", "tick")  # pipeline.fsdp: FSDP inside a stage gathered once, per visit, per tick
-PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, repeats) tried
+PIPELINE_SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1))  # (schedule, repeats)
 MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 
 
@@ -106,8 +106,8 @@ def stage_split(m: ModelConfig, chunks: int) -> tuple[int, ...] | None:
 def _pipelines(
     m: ModelConfig, devices: int, max_stages: int, sequences: int
 ) -> Iterator[tuple[int, int, int, str, tuple[int, ...] | None]]:
-    """(stages, pipeline microbatches, repeats, schedule, layers per virtual stage): GPipe, 1F1B and interleaved
-    1F1B (v = 2) with m = p, 2p, ... up to 32p and the batch's sequences; where the layers do not divide
+    """(stages, pipeline microbatches, repeats, schedule, layers per virtual stage): GPipe, 1F1B, interleaved
+    1F1B (v = 2) and ZB-H1 with m = p, 2p, ... up to 32p and the batch's sequences; where the layers do not divide
     p·v, the first and last virtual stages a layer lighter (:func:`stage_split`)."""
     yield 1, 1, 1, DEFAULT_SCHEDULE, None
     for p in _divisors(devices):
@@ -399,7 +399,7 @@ def _bubble_note(c: Candidate) -> str:
     slots = (f"idle slots computed masked: {', '.join(dict.fromkeys(free))} inside a stage"
              if place.stage_partitioned(BLOCK_AXES, lay.expert > 1) else "idle slots skipped")
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
-            f"((p-1)/(v·m+p-1) = {100 * formula_bubble(p, m, v):.0f}% by the formula, {slots})")
+            f"({100 * formula_bubble(p, m, v, lay.schedule):.0f}% by the schedule's formula, {slots})")
 
 
 def _gb(x: float) -> str:

@@ -40,7 +40,8 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
 * the pipeline bubble (:func:`pipeline_loop`): the loop's ticks, each as long as its busiest
   stage's forward and backward slots (the backward recomputes its chunk; the head on the last
   stage, the embedding's gradient on the first), less the work they hold; where a stage has
-  partitioner axes every slot is computed every tick, so the bubble is masked compute.
+  partitioner axes every slot is computed every tick, so the bubble is masked compute; elsewhere TP's
+  collectives, counted on the busy slots, stretch by the loop's ticks against its work as compute does.
 
 :func:`step_time` returns the parts, the exposed seconds by kind (``exposed.<kind>``) and
 the MFU; :func:`load_cluster` reads and checks a cluster file.
@@ -366,8 +367,8 @@ def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: boo
     A forward slot runs a chunk forward, a backward slot recomputes it and runs its backward; the
     last virtual stage's backward runs the head and loss too, the first's the embedding gradient.
     A schedule that splits the backward (``Table.split``, ZB-H1) runs in its B slot the recompute and the input
-    gradients, 2/3 of the backward, and in its W slot the recompute, the weight gradients and the input
-    gradients inside each layer that lead to them, about the whole backward again (:meth:`schedules.Table.cost`).
+    gradients, 2/3 of the backward, and in its W slot the weight matmuls' gradients alone, the other third
+    (:mod:`jaxscale.parallel.weight_split`, :meth:`schedules.Table.cost`).
     ``masked`` (a stage with mesh axes left to the partitioner): every slot is computed every tick,
     the head and embedding branches on every stage in the ticks where one needs them. ``chunks``: the
     layers of each virtual stage where they differ (``comp``'s chunk is the average one): a slot skips
@@ -375,7 +376,7 @@ def pipeline_loop(table: schedules.Table, comp: Mapping[str, float], masked: boo
     """
     f, b, head, embed = (comp[k] for k in ("chunk_forward", "chunk_backward", "head", "embedding_gradient"))
     fk, bk, wk = table.f_kind, table.b_kind, table.w_kind
-    b, w = (2 * b / 3, b) if table.split else (b, 0.0)
+    b, w = (2 * b / 3, b / 3) if table.split else (b, 0.0)
     sizes = np.asarray(chunks if chunks is not None else [1] * (table.p * table.v), float)
     sizes /= sizes.mean()
     if masked:
@@ -448,13 +449,15 @@ def step_time(
     model_flops = flops_per_token(m, step.seq_len) * tokens
     comp = _compute(m, params, layout, step, cluster)
     compute = comp["forward"] + comp["backward"] + comp["optimizer"]
-    bubble = 0.0
+    bubble, stretch = 0.0, 1.0
     if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
         blocks = [p.axes for p in params or () if p.in_layers]
-        loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp,
-                                                 layout.stage_partitioned(blocks, m.moe is not None),
-                                                 step.layers_per_stage)
+        masked = layout.stage_partitioned(blocks, m.moe is not None)
+        loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp, masked, step.layers_per_stage)
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
+        if not masked and comp["forward"] + comp["backward"] > 0:
+            # TP's collectives run in the busy slots (as counted): the bubble's ticks wait for them as for compute
+            stretch = loop / (comp["forward"] + comp["backward"])
     exposed: dict[str, float] = {}
     hidden: dict[tuple[str, bool], list[tuple[str, float]]] = {}
     total_comm = 0.0
@@ -465,7 +468,7 @@ def step_time(
         seconds, one = collective_seconds(f, cluster, inter, per_node)
         total_comm += seconds
         if not f.overlap:
-            exposed[kind] = exposed.get(kind, 0.0) + seconds
+            exposed[kind] = exposed.get(kind, 0.0) + seconds * (stretch if kind == "TP" else 1.0)
             continue
         first = min(seconds, one * step.microbatches)  # the first of each microbatch has nothing to hide behind
         exposed[kind] = exposed.get(kind, 0.0) + first

@@ -41,7 +41,8 @@ its input gradient goes to the previous stage. Both messages of a tick (the forw
 backward's input gradient) travel by ``ppermute`` at the end of the tick and wait in slots of the
 receiver's buffers until used. The schedule (``pipeline.schedule``: gpipe, circular, 1f1b,
 interleaved_1f1b, zb_h1) is only which slot runs what; zb_h1 splits the backward slot into the input
-gradient and a third, weight-gradient slot (:class:`~jaxscale.parallel.stage_program.StageProgram`).
+gradient and a third, weight-gradient slot of the weight matmuls alone
+(:class:`~jaxscale.parallel.stage_program.StageProgram`, :mod:`jaxscale.parallel.weight_split`).
 
 **Memory**: a stage keeps the layer inputs of its in-flight microbatches (``Table.act_slots`` of
 them: m for GPipe, at most 2p for 1F1B in lock-step ticks, whatever m; L/(p·v) layers' b·s·h each)

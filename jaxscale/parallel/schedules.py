@@ -23,9 +23,12 @@ times (layers are grouped in that order, :mod:`jaxscale.parallel.pipeline`). The
 :func:`build` then runs the orders in lock-step *ticks*, the unit of the SPMD loop: each tick a
 stage runs at most one forward and then at most one backward, each as soon as its input is there
 (sent by a neighbour in an earlier tick; a backward may follow its own forward in the same tick),
-and never out of the stage's order. A schedule that splits the backward (``zb_h1``) runs one operation
-per stage per tick (F, B or W, one unit each in the paper's terms), so that a tick is as long as one of
-them and a W placed in a tick where the stage would wait costs nothing. Messages sent in tick t (the
+and never out of the stage's order. A schedule that splits the backward (``zb_h1``) runs a B alone in
+its tick and a W with the F that follows it: here a B recomputes its chunk (2 forwards' time) and a W
+is its weight matmuls alone (1, :mod:`jaxscale.parallel.weight_split`), so that every tick is about as
+long as a B, and a W placed in a tick where the stage would wait costs nothing. Per microbatch a stage
+then runs two ticks where 1F1B runs one twice as long; the bubble is (p − 1)·(F + B) of the step
+where 1F1B's is (p − 1)·(F + B + W) (:func:`formula_bubble`). Messages sent in tick t (the
 forward's output to the next virtual stage, the backward's input gradient to the previous one) are
 written into a *slot* of the receiver's buffer at the end of tick t and freed when read for the last
 time; slots are reused greedily, so the buffers are as small as the schedule allows: the ``1f1b`` stash stays at
@@ -37,9 +40,9 @@ slot writes them where its input arrived; the first virtual stage's slot is take
 runs), so that its backward recomputes each layer once from its input. The last virtual stage's
 backward also runs the final norm, the output head and the loss: the head runs once per
 microbatch, on the last stage only, and its logits never outlive the tick. Split, the B keeps each
-layer's output gradient (a *cotangent slot*, ``cot_slots`` of them, from the B to the W) and the W
-recomputes each layer from its kept input to take its weights' gradient: the layer inputs are kept
-until the W, and every layer runs forward three times per microbatch instead of twice (:meth:`Table.cost`).
+layer's weight matmuls' inputs and output gradients (a *cotangent slot*, ``cot_slots`` of them, from the B
+to the W; :mod:`jaxscale.parallel.weight_split`) and the W runs those matmuls' weight gradients alone: the
+layer inputs are freed at the B, and W costs the weight-gradient matmuls (:meth:`Table.cost`).
 
 Everything here is NumPy: the tables are built while the step is traced, and the planner and the
 benchmark count ticks, bubble and stash from them without jax.
@@ -120,9 +123,10 @@ class Table:
     ``b_src``: the activation slot of its inputs (the first virtual stage's forward embeds the tokens);
     ``b_grad``: the gradient slot holding its output's gradient (the last virtual stage takes the
     loss's); ``recv_f``/``recv_b``: the slot where the message arriving at the end of the tick goes.
-    Split schedules (``split``): the backward slot computes the input gradient and writes its layers'
-    output gradients into cotangent slot ``b_cot``; the *weight slot* ``w_*`` reads them (``w_cot``)
-    with the layers' inputs (``w_src``); elsewhere every ``w_*``/``b_cot`` entry is idle (−1).
+    Split schedules (``split``): the backward slot computes the input gradient and writes what its layers'
+    weight gradients need (their matmuls' inputs and output gradients) into cotangent slot ``b_cot``; the
+    *weight slot* ``w_*`` reads that alone (``w_cot``; ``w_src`` is −1); elsewhere every ``w_*``/``b_cot``
+    entry is idle (−1).
     """
 
     p: int
@@ -166,27 +170,27 @@ class Table:
                  "recv_f", "recv_b", "w_kind", "w_micro", "w_chunk", "w_src", "w_cot", "b_cot")
         return {n: getattr(self, n).astype(np.int32) for n in names}
 
-    def cost(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 3.0
+    def cost(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 1.0
              ) -> float:
         """Step time in forward-chunk units: each tick lasts as long as its busiest stage's slots.
 
         A backward costs ``backward`` (default 3: each layer recomputed from its input, then the
         backward's two matmuls per forward matmul). Split, a B costs ``input_grad`` (default 2: the
-        recompute, then the input gradients) and a W ``weight_grad`` (default 3: the recompute again, the
-        weight gradients, and the input gradients inside each layer that lead to its weights, all but its
-        first projections'): 5 where the unsplit backward costs 3 (XLA's FLOPs of a layer of
-        benchmarks/pp_bubble.py: B 1.82, W 2.76, unsplit 2.76 forwards). The paper's terms are 1, 1 and 1.
+        recompute, then the input gradients) and a W ``weight_grad`` (default 1: the weight matmuls'
+        gradients alone, :mod:`jaxscale.parallel.weight_split`): the unsplit backward's 3 in all (XLA's FLOPs
+        of a layer of benchmarks/pp_bubble.py: B 1.82, W 0.93, unsplit 2.76 forwards). The paper's terms are
+        1, 1 and 1.
         """
         b = input_grad if self.split else backward
         busy = forward * (self.f_kind > IDLE) + b * (self.b_kind > IDLE) + weight_grad * (self.w_kind > IDLE)
         return float(busy.max(axis=1).sum())
 
-    def work(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 3.0
+    def work(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 1.0
              ) -> float:
         """The v·m chunks' work in the units of :meth:`cost`: what a stage computes with no bubble."""
         return self.m * self.v * (forward + (input_grad + weight_grad if self.split else backward))
 
-    def bubble(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 3.0
+    def bubble(self, forward: float = 1.0, backward: float = 3.0, input_grad: float = 2.0, weight_grad: float = 1.0
                ) -> float:
         """The step's time lost to the schedule, counted from the table: 1 − :meth:`work` / :meth:`cost`.
 
@@ -198,10 +202,12 @@ class Table:
 
 
 def formula_bubble(p: int, m: int, v: int, schedule: str = "1f1b") -> float:
-    """The idle fraction of ``schedule`` in its authors' unit terms: (p − 1) / (v·m + p − 1) (the playbook's,
-    a forward and a backward per tick), or ZB-H1's (p − 1)·(F + B − W) of 3·m + p − 1 unit ticks."""
+    """The idle fraction of ``schedule``: (p − 1) / (v·m + p − 1) (the playbook's, a forward and a backward per
+    tick), or for ZB-H1 as :func:`build` ticks it (a B alone, a W with the next F) (p − 1)·(F + B) over
+    m·(F + B + W) + (p − 1)·(F + B), in :meth:`Table.cost`'s terms F 1, B 2, W 1. (The paper's, Qi et al.'s, with
+    F = B = W and free-running stages: (p − 1)·(F + B − W) over m·(F + B + W) + (p − 1)·(F + B − W).)"""
     if schedule in SPLIT:
-        return (p - 1) / (3 * m + p - 1)
+        return 3 * (p - 1) / (4 * m + 3 * (p - 1))
     return (p - 1) / (v * m + p - 1)
 
 
@@ -225,7 +231,7 @@ def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
 
     The arguments are the ones :meth:`jaxscale.layout.Layout.validate` accepts: v > 1 for the interleaved
     schedules only, m ≥ p, and m a multiple of p for ``interleaved_1f1b``."""
-    last, single = v * p - 1, schedule in SPLIT and train  # split: one operation per stage per tick
+    last, single = v * p - 1, schedule in SPLIT and train  # split: a B alone, a W with the next F
     orders = [order(schedule, p, m, v, s) for s in range(p)]
     if not train:
         orders = [[op for op in ops if op.kind == "F"] for ops in orders]
@@ -242,7 +248,7 @@ def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
             while position[s] < len(orders[s]):
                 op = orders[s][position[s]]
                 g = op.chunk * p + s
-                if op.kind in kinds or (single and kinds):
+                if op.kind in kinds or (single and kinds and {op.kind, *kinds} != {"F", "W"}):
                     break
                 if op.kind == "F":
                     ready = g == 0 or done.get(("F", op.micro, g - 1), t) < t
@@ -266,16 +272,15 @@ def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
 def _table(
     schedule: str, p: int, m: int, v: int, train: bool, at: list[list[list[Op]]], done: dict[tuple[str, int, int], int]
 ) -> Table:
-    ticks, last, split = len(at), v * p - 1, schedule in SPLIT and train
+    ticks, last = len(at), v * p - 1
     cols = {n: np.full((ticks, p), -1) for n in ("f_micro", "f_chunk", "f_src", "b_micro", "b_chunk", "b_src",
                                                  "b_grad", "recv_f", "recv_b", "w_micro", "w_chunk", "w_src",
                                                  "w_cot", "b_cot")}
     kinds = {k: np.zeros((ticks, p), int) for k in "FBW"}
     acts, grads, cots = ([_Slots() for _ in range(p)] for _ in range(3))
     # Activation slots: written when the previous virtual stage's forward runs (the first virtual
-    # stage's as its own forward starts), read until the weight gradient (split), the backward
-    # (training) or the forward.
-    reader = "W" if split else "B" if train else "F"
+    # stage's as its own forward starts), read until the backward (training; split: B) or the forward.
+    reader = "B" if train else "F"
     inputs = [(done["F", micro, g - 1] if g else done["F", micro, g] - 1, done[reader, micro, g], micro, g)
               for (kind, micro, g) in done if kind == "F"]
     act_slot: dict[tuple[int, int], int] = {}  # (micro, virtual stage) -> slot of its inputs on its stage
@@ -299,7 +304,7 @@ def _table(
                 g, k = op.chunk * p + s, op.kind.lower()
                 kinds[op.kind][t, s] = FIRST if g == 0 else LAST if g == last else MIDDLE
                 cols[k + "_micro"][t, s], cols[k + "_chunk"][t, s] = op.micro, op.chunk
-                cols[k + "_src"][t, s] = act_slot.get((op.micro, g), -1)
+                cols[k + "_src"][t, s] = act_slot.get((op.micro, g), -1) if op.kind != "W" else -1
                 if op.kind == "B":
                     cols["b_grad"][t, s] = grad_slot.get((op.micro, g), -1)
                     cols["b_cot"][t, s] = cot_slot.get((op.micro, g), -1)

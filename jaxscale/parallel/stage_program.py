@@ -13,9 +13,9 @@ last layer first, the last virtual stage's output gradient from the head and los
 included, :meth:`~StageProgram.head_grad`; the first virtual stage's input gradient into the prefix's and
 the embedding's, :meth:`~StageProgram.embedding_grad`). Each unit's MoE statistics are kept per unit slot,
 the head's metrics apart (:attr:`Loop.metrics`, :attr:`Loop.head`). A slot is IDLE, FIRST, MIDDLE or LAST
-by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there the input gradient
-alone, keeping each unit's output gradient, and a third, *weight slot* (:meth:`~StageProgram.weight_slot`)
-recomputes each unit from its kept input and takes its parameters' gradient from that kept output gradient.
+by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there every gradient but the
+weight matmuls', keeping their inputs and output gradients (:mod:`~jaxscale.parallel.weight_split`), and a
+third, *weight slot* (:meth:`~StageProgram.weight_slot`) runs those matmuls' weight gradients alone.
 An idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
 axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale import fp8, precision
 from jaxscale.config import ModelConfig
+from jaxscale.parallel import weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take, vary, varying
 from jaxscale.routing import METRICS, layer_stat_shapes
@@ -291,21 +292,33 @@ class StageProgram:
     def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
         """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
         unit's output gradient: the head's on the last virtual stage, else ``dy_in`` from the next); each
-        unit's gradient added to ``acc`` as it comes, or, split, in the input alone, each unit's output
-        gradient kept for :meth:`weight_slot`. Returns acc, amax, acc_outer, the chunk's input gradient,
-        the loss share, the metrics, the head's and, split, the units' output gradients [slots, ...] (else None)."""
+        unit's gradient added to ``acc`` as it comes; split, all but its weight matmuls' (:mod:`weight_split`),
+        whose inputs and output gradients it keeps for :meth:`weight_slot`. Returns acc, amax, acc_outer, the
+        chunk's input gradient, the loss share, the metrics, the head's and, split, what the units keep for the
+        W ([slots, ...] each; else ())."""
         pc, pos, on = take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
         n, top, inputs = self.units(slot.chunk, stage), self.slots - 1, state.acts[slot.src]
         cot, split = on.astype(F32), self.table.split  # the aux objective's cotangent: 0 in a masked slot
+        outs, ins = self.split_types(w) if split else ((), ())
 
         def unit(lp: Any, hp: Any, x: jax.Array, k: jax.Array) -> tuple:
             return self.unit_slot(Unit(lp, hp, take(pc.copies, k)), x, pos, k < n)
 
+        def split_unit(lp: Any, hp: Any, x: jax.Array, taps: list, k: jax.Array) -> tuple:
+            """B: the unit with its weight matmuls' gradients deferred; their inputs, kept for the W."""
+            def run() -> tuple:
+                return weight_split.input_grad(lambda: self.layer(Unit(lp, hp, take(pc.copies, k)), x, pos), taps)
+            if not self.uneven:
+                return run()
+            passed = ((x, jnp.zeros((), F32), self.zero_metrics()), weight_split.zeros(ins))
+            return self.when(k < n, run, vary(passed, self.rows))
+
         def down(carry: tuple, k: jax.Array) -> tuple[tuple, tuple]:
             dx, acc, amax, acc_outer, loss, head = carry
-            lp, hp = take(pc.params, k), take(pc.histories, k)
-            if split:  # the input gradient only: the parameters' waits for the weight slot
-                (y, obj, met), pull = jax.vjp(lambda x: unit(lp, hp, x, k), inputs[k])
+            lp, hp, kept = take(pc.params, k), take(pc.histories, k), ()
+            if split:  # the weight matmuls' gradients wait for the weight slot
+                (y, obj, met), pull, kept = jax.vjp(functools.partial(split_unit, k=k), lp, hp, inputs[k],
+                                                    weight_split.zeros(outs), has_aux=True)
             else:
                 (y, obj, met), pull = jax.vjp(functools.partial(unit, k=k), lp, hp, inputs[k])
             head_loss, dy_head, acc_outer, head_met = self.head_grad(
@@ -313,12 +326,11 @@ class StageProgram:
                 acc_outer,
             )
             dy = jnp.where(k == top, jnp.where(on, jnp.where(slot.kind == LAST, dy_head, dy_in), 0), dx)
-            *d_w, dx = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
-            if not split:
-                acc = self.add_unit_grad(acc, slot.chunk, k, d_w[0])
-                amax = self.add_amax(amax, slot.chunk, k, d_w[1], on & (k < n))
+            d_lp, d_hp, dx, *dys = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            acc = self.add_unit_grad(acc, slot.chunk, k, d_lp)
+            amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
             head = jax.tree.map(jnp.add, head, head_met)
-            return (dx, acc, amax, acc_outer, loss + head_loss + obj, head), (met, dy if split else None)
+            return (dx, acc, amax, acc_outer, loss + head_loss + obj, head), (met, (kept, *dys) if split else ())
 
         def run() -> tuple:
             init = vary((jnp.zeros_like(inputs[0]), state.acc, state.amax, state.acc_outer, jnp.zeros((), F32),
@@ -330,29 +342,31 @@ class StageProgram:
 
         zeros = vary((state.acc, state.amax, state.acc_outer, jnp.zeros_like(inputs[0]), jnp.zeros((), F32),
                       self.zero_metrics((self.repeats, self.slots)), self.zero_head(),
-                      jnp.zeros_like(inputs) if split else None), self.rows)
+                      weight_split.zeros((ins, outs), (self.slots,)) if split else ()), self.rows)
         if self.skip:
             return self.when(on, run, zeros)
         # Masked: an idle slot's cotangents are zero, so it adds exact zeros to ``acc``; its amaxes are masked.
         acc, amax, *rest = run()
         return acc, amax, *jax.tree.map(lambda o, z: jnp.where(on, o, z), tuple(rest), zeros[2:])
 
-    def weight_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array, cots: jax.Array, acc: Any,
-                    amax: Any) -> tuple[Any, Any]:
-        """Split schedules: each unit of the chunk recomputed from its kept input in ``acts`` and differentiated in
-        its parameters alone, by its output gradient kept in ``cots`` (and the MoE aux objective's); returns
-        ``acc`` plus the units' gradients and ``amax`` with their fp8 histories' updates."""
+    def weight_slot(self, w: Weights, slot: Slot, stage: jax.Array, kept: Any, acc: Any, amax: Any) -> tuple[Any, Any]:
+        """Split schedules: each unit's weight matmuls on the inputs its B kept in ``kept``, differentiated in the
+        unit's parameters by their output gradients kept there (:mod:`weight_split`: the weight-gradient matmuls
+        alone); returns ``acc`` plus the units' gradients and ``amax`` with their fp8 histories' updates."""
         pc, pos, on = take(w.blocks, slot.chunk), w.xs["positions"][slot.micro], slot.kind > IDLE
-        n, inputs, cot = self.units(slot.chunk, stage), acts[slot.src], on.astype(F32)
+        n, x = self.units(slot.chunk, stage), self.unit_input(w)  # the units' own inputs: unread
 
         def one(carry: tuple, k: jax.Array) -> tuple[tuple, None]:
             acc, amax = carry
-            (_, _, met), pull = jax.vjp(
-                lambda lp, hp: self.unit_slot(Unit(lp, hp, take(pc.copies, k)), inputs[k], pos, k < n),
-                take(pc.params, k), take(pc.histories, k),
-            )
-            dy = jnp.where(on, cots[k], jnp.zeros_like(cots[k]))  # exact zeros in a masked slot
-            d_lp, d_hp = pull(vary((dy, cot, jax.tree.map(jnp.zeros_like, met)), self.rows))
+            lp, hp, (inputs, dys) = take(pc.params, k), take(pc.histories, k), take(kept, k)
+
+            def grads() -> tuple[Any, Any]:
+                _, pull = jax.vjp(lambda lp, hp: weight_split.weight_outputs(
+                    lambda: self.layer(Unit(lp, hp, take(pc.copies, k)), x, pos), inputs), lp, hp)
+                return pull(jax.tree.map(lambda d: jnp.where(on, d, jnp.zeros_like(d)), dys))  # a masked slot: 0
+
+            zeros = jax.tree.map(jnp.zeros_like, (lp, hp))
+            d_lp, d_hp = self.when(k < n, grads, zeros) if self.uneven else grads()
             amax = self.add_amax(amax, slot.chunk, k, d_hp, on & (k < n))
             return (self.add_unit_grad(acc, slot.chunk, k, d_lp), amax), None
 
@@ -360,6 +374,15 @@ class StageProgram:
             return lax.scan(one, vary((acc, amax), self.rows), jnp.arange(self.slots))[0]
 
         return self.when(on, run, (acc, amax)) if self.skip else run()
+
+    def unit_input(self, w: Weights) -> jax.Array:
+        """Zeros shaped as a unit's input: a microbatch's activations on this device."""
+        return vary(jnp.zeros((*w.xs["inputs"].shape[1:], self.model.embed), self.dtype), self.rows)
+
+    def split_types(self, w: Weights) -> tuple[Any, Any]:
+        """Split: the types of a unit's weight matmul outputs and distinct inputs (:func:`weight_split.types`)."""
+        unit = take(take(w.blocks, 0), 0)
+        return weight_split.types(lambda: self.layer(unit, self.unit_input(w), w.xs["positions"][0]))
 
     @staticmethod
     def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array, d_lp: Any) -> Any:
@@ -399,15 +422,16 @@ class StageProgram:
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = read_slot(col, stage, "b_")
-        acc, amax, acc_outer, dh, b_loss, b_met, b_head, dys = self.backward_slot(
+        acc, amax, acc_outer, dh, b_loss, b_met, b_head, kept = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
         acc_outer = self.embedding_grad(w, bwd, dh, acc_outer)
         cots = state.cots
-        if self.table.split:  # the weight slot, after the B slot has kept its output gradients
-            cots = put(cots, col["b_cot"][stage], dys)
-            acc, amax = self.weight_slot(w, read_slot(col, stage, "w_"), stage, state.acts, cots[col["w_cot"][stage]],
-                                         acc, amax)
+        if self.table.split:  # the weight slot, after the B slot has kept its matmuls' inputs and output gradients
+            cots = jax.tree.map(lambda c, k: put(c, col["b_cot"][stage], k), cots, kept)
+            with jax.named_scope("weight_slot"):
+                acc, amax = self.weight_slot(w, read_slot(col, stage, "w_"), stage,
+                                             jax.tree.map(lambda c: c[col["w_cot"][stage]], cots), acc, amax)
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
             grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
@@ -419,7 +443,7 @@ class StageProgram:
     def start(self, w: Weights) -> Loop:
         """The loop's state before the first tick: empty buffers, zero gradients."""
         h = (*w.xs["inputs"].shape[1:], self.model.embed)  # a microbatch's activations: rows, length, embed
-        train = self.table.train
+        train, split = self.table.train, self.table.split
 
         def zeros(tree: Any) -> Any:  # each typed as varying as its parameter (a TP shard varies over TP's axes)
             return jax.tree.map(lambda a: vary(jnp.zeros(a.shape, F32), varying(a)), tree) if train else {}
@@ -427,7 +451,7 @@ class StageProgram:
         state = Loop(
             acts=jnp.zeros((self.table.act_slots, self.slots, *h), self.dtype),
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
-            cots=jnp.zeros((self.table.cot_slots, self.slots, *h), self.dtype),
+            cots=weight_split.zeros(self.split_types(w)[::-1], (self.table.cot_slots, self.slots)) if split else (),
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
             loss=jnp.zeros((), F32), metrics=self.zero_metrics((self.repeats, self.slots)), head=self.zero_head(),
         )

@@ -78,7 +78,7 @@ class Loop(NamedTuple):
 
     acts: jax.Array  # [act_slots, slots, rows, length, embed]: each kept microbatch's layer inputs
     grads: jax.Array  # [grad_slots, rows, length, embed]: input gradients received, awaiting their backward
-    cots: jax.Array  # [cot_slots, slots, rows, length, embed]: split, each unit's output gradient from B to W
+    cots: Any  # split: what B keeps for W (weight_split: matmul inputs, output gradients), [cot_slots, slots, ...]
     acc: Any  # the blocks' gradients, fp32, [v, slots, ...]
     acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
     amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
