@@ -6,6 +6,7 @@ import contextlib
 import io
 import math
 import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,25 +91,39 @@ def test_an_update_below_bf16_resolution_moves_the_master_only():
         assert w1.dtype == jnp.bfloat16 and np.array_equal(w0, w1)
 
 
-def partitioned_collectives(trainer: Trainer, tmp_path) -> list[tuple[str, str, int]]:
-    """(dtype, collective, elements) of every all-gather / all-reduce / reduce-scatter of the partitioned step."""
-    return collectives_of(partitioned_hlo(trainer, tmp_path))
-
-
 def collectives_of(text: str) -> list[tuple[str, str, int]]:
     """(dtype, collective, elements) of every all-gather / all-reduce / reduce-scatter of an HLO text."""
     found = re.findall(r"= (\w+)\[([\d,]*)\][^\n]*? (all-gather|all-reduce|reduce-scatter)\(", text)
     return [(dtype, op, math.prod(int(d) for d in dims.split(",") if d)) for dtype, dims, op in found]
 
 
+MESHES = {"zero1": {"data": N}, "zero3": {"fsdp": N}}
+
+
+@pytest.fixture(scope="module")
+def bf16_steps(tmp_path_factory) -> Callable[[str, str], tuple[Trainer, str]]:
+    """``(rules, grads_reduce) -> (trainer, its partitioned step's HLO)`` for the bf16 test model, each partitioned
+    once: the gathers' test reads the same programs as the gradient sums' (grads_reduce float32, the default)."""
+    made: dict[tuple[str, str], tuple[Trainer, str]] = {}
+
+    def get(rules: str, reduce: str) -> tuple[Trainer, str]:
+        if (rules, reduce) not in made:
+            trainer = Trainer.build(tiny_config(BF16, f"precision.grads_reduce={reduce}", rules=rules,
+                                                mesh=MESHES[rules]))
+            made[rules, reduce] = trainer, partitioned_hlo(trainer, tmp_path_factory.mktemp(f"{rules}-{reduce}"))
+        return made[rules, reduce]
+
+    return get
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("rules", "mesh"), [("zero3", {"fsdp": N}), ("zero1", {"data": N})])
-def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, mesh, tmp_path):
+@pytest.mark.parametrize("rules", ["zero3", "zero1"])
+def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, bf16_steps):
     """Every all-gather of a parameter-sized array moves bf16: ZeRO-3's gathers in forward and backward
     (the compute copy is cast from the master shard, then gathered), ZeRO-1's gather of the new compute
     copy after the update on the shard. Read from the partitioned HLO (XLA dump after spmd-partitioning)."""
-    trainer = Trainer.build(tiny_config(BF16, rules=rules, mesh=mesh))
-    gathers = [(dtype, size) for dtype, op, size in partitioned_collectives(trainer, tmp_path) if op == "all-gather"]
+    trainer, text = bf16_steps(rules, "float32")
+    gathers = [(dtype, size) for dtype, op, size in collectives_of(text) if op == "all-gather"]
     smallest = min(math.prod(x.shape) for x in jax.tree.leaves(trainer.abstract_params["blocks"]["attn"]))
     weights = [(dtype, size) for dtype, size in gathers if size >= smallest]
     assert len(weights) >= 7, gathers  # wq, wk, wv, wo, w_gate, w_up, w_down at least
@@ -117,16 +132,15 @@ def test_parameter_gathers_of_a_bf16_step_are_bf16(rules, mesh, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reduce", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("rules", "mesh"), [("zero1", {"data": N}), ("zero3", {"fsdp": N})])
-def test_weight_gradients_are_summed_across_devices_in_grads_reduce(rules, mesh, reduce, tmp_path):
+@pytest.mark.parametrize("rules", ["zero1", "zero3"])
+def test_weight_gradients_are_summed_across_devices_in_grads_reduce(rules, reduce, bf16_steps):
     """bf16 compute: every cross-device sum of a weight gradient (an all-reduce, or a reduce-scatter, of a
     weight-sized array: the per-layer projections, the output head) moves ``precision.grads_reduce``'s dtype.
     XLA puts each one right after the matmul that makes the gradient: with float32 the weight-gradient
     matmuls produce fp32 (:func:`jaxscale.precision.einsum`). Read from the partitioned HLO (XLA dump after
     spmd-partitioning), before XLA:CPU widens bf16 to f32. The analytic model's gradient sums (wire bytes per
     device) are within 1% of the partitioned step's all-reduces and reduce-scatters (reduce-scatter reading)."""
-    trainer = Trainer.build(tiny_config(BF16, f"precision.grads_reduce={reduce}", rules=rules, mesh=mesh))
-    text = partitioned_hlo(trainer, tmp_path)
+    trainer, text = bf16_steps(rules, reduce)
     sums = [(dtype, size) for dtype, op, size in collectives_of(text) if op != "all-gather"]
     blocks = trainer.abstract_params["blocks"]
     smallest = min(math.prod(x.shape[1:]) for x in jax.tree.leaves(blocks) if x.ndim >= 3)

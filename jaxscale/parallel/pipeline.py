@@ -165,6 +165,10 @@ def build(
     block_axes = jax.tree.leaves(parts.block_axes, is_leaf=is_axes)
     moe, explicit = c.moe is not None, getattr(model, "explicit_tp", False)
     manual = place.stage_manual_axes(block_axes, moe, explicit)
+    skip = not place.stage_partitioned(block_axes, moe, explicit)
+    if skip:  # Nothing left to the partitioner: the size-1 axes manual too. An automatic one makes jax annotate
+        # each reduction's add with a sharding, which XLA:CPU's widening of bf16 all-reduces cannot clone (abort).
+        manual = (*manual, *(a for a in mesh.axis_names if a not in manual))
     ring = tuple(a for a in manual if a in place.stage_context_axes)
     tensor = place.stage_tensor_axes(block_axes, moe, explicit)
     split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
@@ -182,7 +186,7 @@ def build(
         shards=tuple(per_dim(axes, tensor) for axes in block_axes),
         block_axes=tuple(block_axes),
         table=table(config, p), stages=p, repeats=v, microbatches=m, counts=stage_layers.counts(config, c, p),
-        slots=layers // (p * v), manual=manual, skip=not place.stage_partitioned(block_axes, moe, explicit),
+        slots=layers // (p * v), manual=manual, skip=skip,
         inner=dataclasses.replace(layout_of(mesh, inner), pipeline=config, stage=where),
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,
