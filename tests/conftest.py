@@ -1,6 +1,9 @@
 """Eight simulated CPU devices and fast compiles for every test, set before jax is imported; the session's fixtures."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
@@ -12,6 +15,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # and every result is checked against a run compiled the same way. tests/test_calibrate.py, which times
 # steps, turns them back on where it times. JAX_DISABLE_MOST_OPTIMIZATIONS=0 runs the suite fully optimised.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# One persistent compilation cache for the test session: a new directory made by the process pytest starts in,
+# shared through the environment with its xdist workers and every jaxscale process the tests start, so a step
+# compiled once is read back elsewhere (never a directory from an earlier session). Every compile is written.
+# A read-back executable still emits the compile event (helpers.compilations counts it); XLA's dumps need a
+# real compile (helpers.partitioned_hlo compiles with the cache off). JAX_ENABLE_COMPILATION_CACHE=0 turns it off.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-tests-jit-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax
 import pytest
@@ -49,13 +62,14 @@ def curve_batches() -> list:
 
 
 @pytest.fixture(scope="session")
-def bf16_curves() -> list[Curve]:
-    """The test model's bf16 curves (compute copy and fp32 master, no fp8) from :data:`helpers.CURVE_SEEDS`
-    seeds: what test_fp8 holds its variants to."""
-    return loss_curves(seeds=CURVE_SEEDS)
+def bf16_curve() -> Curve:
+    """The test model's bf16 curve (compute copy and fp32 master, no fp8) from seed 0 (on :func:`curve_batches`):
+    what test_precision holds its variants to."""
+    return loss_curves(seeds=1)[0]
 
 
 @pytest.fixture(scope="session")
-def bf16_curve(bf16_curves) -> Curve:
-    """The bf16 curve of seed 0 (on :func:`curve_batches`): what test_precision holds its variants to."""
-    return bf16_curves[0]
+def bf16_curves(bf16_curve) -> list[Curve]:
+    """The bf16 curves from :data:`helpers.CURVE_SEEDS` seeds (seed 0's is :func:`bf16_curve`): what test_fp8
+    holds its variants to. A worker that runs test_precision alone makes seed 0's only."""
+    return [bf16_curve, *loss_curves(seeds=range(1, CURVE_SEEDS))]

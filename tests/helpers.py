@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.train import Trainer
@@ -108,6 +109,7 @@ def subprocess_env(xla_flags: str | None = "--xla_force_host_platform_device_cou
     return env
 
 
+# Timed around XLA's compile or the read of its executable from the persistent compilation cache: both count.
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 # Generous: a failing build takes well under a second; compiling the train step takes several.
 MAX_SECONDS = 10.0
@@ -147,11 +149,26 @@ def fails_early(match: str) -> Iterator[pytest.ExceptionInfo[ConfigError]]:
 
 
 
+@contextlib.contextmanager
+def no_compilation_cache() -> Iterator[None]:
+    """XLA compiles what is compiled inside the block: the session's persistent compilation cache (conftest.py),
+    whose keys leave out ``xla_dump_to``, would answer a compiled program without dumping it."""
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
 def partitioned_hlo(trainer: Trainer, directory: str | Path) -> str:
     """The train step's HLO right after SPMD partitioning, dumped by XLA into ``directory``: the collectives in
     the dtypes the model asks for (XLA:CPU's later passes widen bf16 collectives to f32)."""
     options = {"xla_dump_to": str(directory), "xla_dump_hlo_pass_re": "^spmd-partitioning$"}
-    trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile(compiler_options=options)
+    with no_compilation_cache():
+        trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile(compiler_options=options)
     (path,) = Path(directory).glob("*train_step*after_spmd-partitioning*.txt")
     return path.read_text()
 
@@ -219,11 +236,11 @@ def loss_curve(*overrides: str, batches: list[dict[str, jax.Array]]) -> Curve:
     return _curve(step, state, batches)
 
 
-def loss_curves(*overrides: str, seeds: int) -> list[Curve]:
-    """:func:`loss_curve` from seeds 0 to ``seeds`` - 1 (``train.seed``: the initial weights and the batches),
-    the step compiled once (its program is the same for every seed)."""
+def loss_curves(*overrides: str, seeds: int | range) -> list[Curve]:
+    """:func:`loss_curve` from each of ``seeds`` (an int n: seeds 0 to n - 1; ``train.seed``: the initial weights
+    and the batches), the step compiled once (its program is the same for every seed)."""
     step, curves = None, []
-    for seed in range(seeds):
+    for seed in range(seeds) if isinstance(seeds, int) else seeds:
         trainer = Trainer.build(tiny_config(*CURVE, *overrides, f"train.seed={seed}"), jax.devices()[:1])
         with optimized_codegen():
             step = step or trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()

@@ -168,6 +168,7 @@ def test_options_suite_skips_what_this_build_lacks(tmp_path):
     assert "skipped  unknown config key 'nosuch'" in bench.table(report)
 
 
+@pytest.mark.slow  # jaxscale's own logic, the same on every JAX: the whole suite (Python 3.11) runs it
 def test_a_row_with_other_xla_flags_runs_in_a_child_process_started_with_them(tmp_path, recwarn):
     # In this process jax started without the preset's flags: measured here, the row would warn that
     # they are not in XLA_FLAGS. A child process started with them measures it instead.

@@ -142,6 +142,7 @@ fit(Trainer.build(load_config(None, overrides)), progress=False)
 """
 
 
+@pytest.mark.slow  # jaxscale's own logic, the same on every JAX: the whole suite (Python 3.11) runs it
 def test_sigkill_during_async_save_loses_nothing_else(straight, resumed, tmp_path):
     """Killed while step 10 is being written: resume starts from step 5, and the run ends as if never killed."""
     run_dir = tmp_path / "killed"
@@ -175,6 +176,7 @@ def test_sigkill_during_async_save_loses_nothing_else(straight, resumed, tmp_pat
     assert not list(directory.glob("*.orbax-checkpoint-tmp*"))
 
 
+@pytest.mark.slow  # jaxscale's own logic, the same on every JAX: the whole suite (Python 3.11) runs it
 def test_sigterm_saves_at_the_next_step_and_exits_0(tmp_path):
     sets = [*TINY, *LAYOUT, "mesh.tensor=1", "train.steps=400", "train.log_every=1", "checkpoint.every=1000",
             f"run_dir={tmp_path}"]

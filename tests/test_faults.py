@@ -173,6 +173,7 @@ def test_a_checkpoint_dir_of_garbage_is_one_line(tmp_path):
 # -- 4. the schedule's length is part of the run --------------------------------------------------
 
 
+@pytest.mark.slow  # jaxscale's own logic, the same on every JAX: the whole suite (Python 3.11) runs it
 def test_four_steps_then_resume_to_eight_equals_eight_straight(tmp_path):
     eight = trainer(tmp_path / "straight", "train.steps=8", "train.warmup_steps=2")
     want, straight = eight.fit(progress=False)
@@ -187,6 +188,7 @@ def test_four_steps_then_resume_to_eight_equals_eight_straight(tmp_path):
     assert {r["step"]: (r["loss"], r["lr"]) for r in second if "loss" in r} == {s: losses[s] for s in range(4, 8)}
 
 
+@pytest.mark.slow  # jaxscale's own logic, the same on every JAX: the whole suite (Python 3.11) runs it
 def test_resume_with_another_schedule_length_needs_the_key(tmp_path):
     trainer(tmp_path, "train.steps=2", "checkpoint.every=2").fit(progress=False)
     longer = trainer(tmp_path, "train.steps=6", "checkpoint.resume=auto")
