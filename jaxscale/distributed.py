@@ -149,11 +149,13 @@ def initialize(cluster: Cluster, init_timeout_s: int = 300, heartbeat_timeout_s:
 
 
 _PEERS: dict[int, tuple[str, int]] = {}
-# JAX's logs of a lost coordination service: the fatal one, the errors before it, their continuation lines.
+# JAX's logs of a lost coordination service: the fatal one, the errors before it, their continuation lines
+# (jax 0.12 continues a status over lines: ":UNAVAILABLE:...", a source location trace, a hint, a blank line).
 _FATAL = re.compile(rb"^F\d{4} .*Terminating process because the JAX distributed service detected fatal errors")
 _NOISE = re.compile(
     rb"^([EW]\d{4} .*(coordination_service_agent|preemption_sync_manager|coordination_service)\.cc:\d+\]"
-    rb"|Additional GRPC error information|:UNKNOWN:Error received from peer|\*\*\* Check failure stack trace|\s+@ )"
+    rb"|Additional GRPC error information|:[A-Z_]+:|\*\*\* Check failure stack trace|\s+@ "
+    rb"|=== Source Location Trace: ===|\S+\.(cc|h):\d+\s*$|\. This is only expected if one of the tasks is unhealthy)"
 )
 
 
@@ -180,11 +182,13 @@ def _filter(read: int, out: int, process_id: int | None) -> None:
     character may begin one of those logs or a lost-peer line: a line that reaches the pipe in two
     reads is judged whole (passed on in pieces, the trainer's line once slipped past the one-line rule,
     and a survivor wrote two)."""
-    pending, said = b"", False
+    pending, said, dropped = b"", False, False
     while chunk := os.read(read, 1 << 16):
         pending += chunk
         while (end := min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)) >= 0:
             line, pending = pending[: end + 1], pending[end + 1 :]
+            noise = _NOISE.match(line) or (dropped and line == b"\n")  # blank lines after a dropped log too
+            dropped = bool(noise or _FATAL.match(line))
             if line.startswith(b"jaxscale: error: process "):  # a lost peer: one line is enough
                 if not said:
                     os.write(out, line)
@@ -195,9 +199,9 @@ def _filter(read: int, out: int, process_id: int | None) -> None:
                     me = "this process" if process_id is None else f"process {process_id}"
                     os.write(out, f"jaxscale: error: {me} lost process 0 (the coordinator): {status}\n".encode())
                 said = True
-            elif not _NOISE.match(line):
+            elif not noise:
                 os.write(out, line)
-        if pending[:1] not in b"FEW \t*:Aj":
+        if pending[:1] not in b"FEW \t*:Aje=.":
             os.write(out, pending)
             pending = b""
     if pending:

@@ -293,8 +293,19 @@ def test_the_data_key_named_on_resume(tmp_path):
         other.fit(progress=False)
 
 
+# jax 0.12 continues a log's status over lines (seen from a survivor of a killed coordinator).
+CONTINUED = [
+    b":UNAVAILABLE:Stream removed (Socket closed)\n",
+    b"=== Source Location Trace: ===\n",
+    b"external/xla+/xla/tsl/distributed_runtime/rpc/grpc_util.h:89\n",
+    b". This is only expected if one of the tasks is unhealthy. Check the logs for the actual root cause.\n",
+    b"\n",
+]
+
+
 def test_the_stderr_filter_replaces_jax_fatal_log_by_one_line():
-    """What a survivor of a lost coordinator prints (jaxscale/distributed.py: JAX aborts it)."""
+    """What a survivor of a lost coordinator prints (jaxscale/distributed.py: JAX aborts it), jax 0.12's
+    continuation lines too."""
     import os
 
     from jaxscale.distributed import _filter
@@ -306,9 +317,11 @@ def test_the_stderr_filter_replaces_jax_fatal_log_by_one_line():
         b"Additional GRPC error information from remote target coordination_service while calling\n",
         b":UNKNOWN:Error received from peer  {grpc_message:\"Socket closed\", grpc_status:14}\n",
         b"E1123 21:47:51.700014   25797 coordination_service_agent.cc:289] Polled an error\n",
+        *CONTINUED,
         b"F1123 21:47:51.7 client.cc:12] Terminating process because the JAX distributed service detected fatal "
         b"errors. This most likely indicates that another task died. absl::Status: UNAVAILABLE: Failed to send RPC "
         b"to coordination service. Either the leader task was preempted\n",
+        *CONTINUED,
         b"*** Check failure stack trace: ***\n",
         b"    @     0x7f991dcf0321  tsl::RPCState<>::OnCompleted()\n",
         b"\rtrain: 10%",
