@@ -515,7 +515,7 @@ def dots(hlo_text: str, opcodes: tuple[str, ...] = ("dot",)) -> dict[str, int]:
             if instr.opcode in opcodes:
                 out["in_conditional" if branch else "outside"] += 1
             for role, callee in callees(instr):
-                visit(callee, branch or role in ("branch_computations", "true_computation", "false_computation"))
+                visit(callee, branch or role in _BRANCH)
 
     visit(entry, False)
     return out

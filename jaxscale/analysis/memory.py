@@ -525,22 +525,22 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-    block_axes = [p.axes for p in params if p.in_layers]
+    block_axes, flags = [p.axes for p in params if p.in_layers], stage_moe(m)
     # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
-    tensor = layout.stage_tensor_axes(block_axes, **stage_moe(m))
+    tensor = layout.stage_tensor_axes(block_axes, **flags)
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
     out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
                           + 2 * table.cot_slots * chunk * kept)
-    gathered = layout.stage_gathered_axes(block_axes, stage_moe(m)["moe"])
+    gathered = layout.stage_gathered_axes(block_axes, flags["moe"])
     visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
     layer = layer_elems(params, layout, reduced=False)
     out["transient"] = none + max(loss, cotangents) + layer * (pbytes + (4 if visit else 0))
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    partitioned = layout.stage_free_axes(block_axes, **stage_moe(m))
+    partitioned = layout.stage_free_axes(block_axes, **flags)
     # FSDP inside a stage, once a step: the stage's blocks gathered whole over its manual batch axes, their
     # fp32 gradients accumulated whole beside them and reduce-scattered after the loop.
     once = bool(gathered) and not visit
