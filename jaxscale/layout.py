@@ -29,6 +29,7 @@ layout into jax shardings; nothing here imports jax.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
@@ -591,3 +592,8 @@ class Layout:
                 f"{where}: the sequence ('norm_length' on {seq}) must be sharded over all or none "
                 f"of the axes of 'expert_mlp' ({mlp})"
             )
+
+
+# jaxscale's one trace-time state, the mesh and layout the code traced sees: set by
+# :func:`jaxscale.sharding.use_layout`, here so that :mod:`jaxscale.precision` reads it too.
+ACTIVE: contextvars.ContextVar[tuple[Any, Layout] | None] = contextvars.ContextVar("jaxscale_layout", default=None)

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import dtypes, fp8, fp8_blockwise, traced
+from jaxscale import dtypes, fp8, fp8_blockwise, layout
 from jaxscale.config import Config, ConfigError
 
 
@@ -119,8 +119,8 @@ def einsum(
     A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
     without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
     """
-    inside = traced.stage()
-    split = inside.weights if inside is not None else None
+    current = layout.ACTIVE.get()
+    split = current[1].stage.weights if current is not None and current[1].stage is not None else None
     if split is not None:
         return split.einsum(equation, x, w, functools.partial(_projection, grads=grads))
     return _projection(equation, x, w, grads)

@@ -6,8 +6,8 @@ The rules tables and every question about them live in :mod:`jaxscale.layout`
 logical name through :func:`constrain`, which reads the mesh and layout set by
 :func:`use_rules` (a no-op outside it, so the model also runs unsharded); the
 parallel modules ask :func:`active` for that layout. It is jaxscale's one
-trace-time state (held in :mod:`jaxscale.traced`): the layout also carries the pipeline's settings and,
-inside a pipeline stage's loop, the :class:`~jaxscale.layout.Stage` (:func:`stage`).
+trace-time state: the layout also carries the pipeline's settings and, inside a
+pipeline stage's loop, the :class:`~jaxscale.layout.Stage` (:func:`stage`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from jaxscale import layout, precision
 from jaxscale.axes import RESIDUAL
 from jaxscale.config import ConfigError, PipelineConfig
-from jaxscale.layout import TOKENS, Axes, Layout, is_axes
-from jaxscale.traced import ACTIVE
-from jaxscale.traced import stage as stage  # the stage whose loop is traced, for the parallel modules
+from jaxscale.layout import TOKENS, Axes, Layout, Stage, is_axes
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
 
@@ -136,6 +134,9 @@ def check_divisible(name: str, shape: tuple[int, ...], axes: Axes, spec: Partiti
             )
 
 
+_ACTIVE = layout.ACTIVE
+
+
 def use_rules(
     mesh: Mesh | AbstractMesh, rules: layout.Rules, pipeline: PipelineConfig | None = None
 ) -> contextlib.AbstractContextManager[None]:
@@ -149,21 +150,27 @@ def use_layout(mesh: Mesh | AbstractMesh, place: Layout) -> Iterator[None]:
     """Within this block the code traced sees ``place`` on ``mesh`` (:func:`active`); restored after it,
     however it ends. The one trace-time state of jaxscale: a pipeline stage's loop enters its own layout
     (its rules less the loop's manual axes, and its :class:`~jaxscale.layout.Stage`)."""
-    token = ACTIVE.set((mesh, place))
+    token = _ACTIVE.set((mesh, place))
     try:
         yield
     finally:
-        ACTIVE.reset(token)
+        _ACTIVE.reset(token)
 
 
 def active() -> tuple[Mesh | AbstractMesh, Layout] | None:
     """The mesh and layout set by :func:`use_rules` or :func:`use_layout`, if any."""
-    return ACTIVE.get()
+    return _ACTIVE.get()
+
+
+def stage() -> Stage | None:
+    """The pipeline stage whose loop the code is traced in, if any (:class:`~jaxscale.layout.Stage`)."""
+    current = _ACTIVE.get()
+    return current[1].stage if current is not None else None
 
 
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:
     """Constrain an activation's sharding by the logical names of its dimensions."""
-    current = ACTIVE.get()
+    current = _ACTIVE.get()
     if current is None:
         return x
     mesh, place = current
