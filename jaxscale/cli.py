@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxscale import distributed, prepare, report, runlock, xla_flags
-from jaxscale.analysis import plan, strategy
+from jaxscale.analysis import plan, strategy, target
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import (
@@ -153,6 +153,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.png:
         report.check_pyplot()
     config = load_config(args.config, args.overrides)
+    if args.target or args.target_spec:
+        return _inspect_target(args, config)
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     xla_flags.apply(config.xla)
     # Imports jax: after the device count and XLA flags are in the environment.
@@ -170,6 +172,28 @@ def _inspect(args: argparse.Namespace) -> int:
         bars = [("compiled", compiled), ("analytic", report.analytic_parts(out["analytic"]["memory"]))]
         report.memory_png(bars, args.png, title=f"{config.rules} on {trainer.mesh.size} devices")
         print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+def _inspect_target(args: argparse.Namespace, config: Any) -> int:
+    """``inspect --target``: the step compiled for compile-only GPUs or TPU chips (jaxscale.analysis.target)."""
+    name = args.target or args.target_spec
+    platform = target.platform_of(name)
+    if args.png:
+        raise ConfigError("inspect --target prints the compiled program; --png draws a simulated run's memory")
+    target.prepare(platform)  # before jax starts: the CPU as jax's backend, the plugins compile-only
+    if config.xla.preset == "none":
+        config.xla.preset = platform  # the target's own preset, as a run on it sets it
+    xla_flags.apply(config.xla)
+    # Imports jax: after JAX_PLATFORMS and the XLA flags are in the environment.
+    from jaxscale.analysis.accelerator import format_target, target_report
+    from jaxscale.train import Trainer
+
+    devices = args.devices or requested_devices(config.mesh) or DEFAULT_CPU_DEVICES
+    compile_only = target.compile_only(name, devices, args.hosts, args.target_spec)
+    trainer = Trainer.build(config, list(compile_only.devices))
+    out = target_report(trainer, compile_only)
+    print(json.dumps(out, indent=1) if args.json else format_target(out))
     return 0
 
 
@@ -328,6 +352,11 @@ def _parser() -> argparse.ArgumentParser:
     _experiment_args(inspect, DEFAULT_EXPERIMENT, "override config keys (several after one --set, or repeated)")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
+    inspect.add_argument("--target", help="compile for this GPU or TPU instead (h100, h200, b200, a100, ..., or a "
+                         "TPU topology such as v5e:2x4): needs the gpu-compile or tpu-compile extra")
+    inspect.add_argument("--target-spec", metavar="FILE", help="a GPU target given as a GpuTargetConfigProto file")
+    inspect.add_argument("--devices", type=int, help="GPUs to compile for (default: the mesh's, else 8)")
+    inspect.add_argument("--hosts", type=int, default=1, help="hosts the GPUs are spread over (default 1)")
 
     plan_ = _command(commands, "plan", _plan, "search layouts: fit in memory, reach the batch, rank by step time")
     plan_.add_argument("--model", help="a model YAML (path, or a name in configs/models/)")

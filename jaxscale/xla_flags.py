@@ -37,10 +37,15 @@ them for H100):
   both MaxText H100 recipes): recomputation is ``model.remat``'s choice, which
   the planner sizes against the device's memory (:mod:`jaxscale.analysis.plan`);
   XLA's pass would recompute behind it when its own estimate runs short;
-* XLA's own collective matmul (windowed einsum) for every size, on the
-  all-gather/reduce-scatter + dot patterns the partitioner emits (jaxscale's
-  sequence-parallel regions state their collectives inside ``shard_map``;
-  ``model.tp_overlap`` decomposes those).
+
+The whole preset compiles for 8 H100, H200 and B200 (``jaxscale inspect --target h100``,
+``tests/test_compile_gpu.py``); ``benchmarks/gpu_flags.py`` compiles a step without each flag in turn and
+prints what the flag changes in the program. XLA's own collective matmul (windowed einsum) is left out:
+``--xla_gpu_threshold_for_windowed_einsum_mib=0`` (the recipes' "every size") makes XLA:GPU 0.12's HLO
+verifier reject every sharded step compiled for H100 (an asynchronous GEMM whose cuBLAS workspace is
+4 MiB inside its computation and 32 MiB outside), and jaxscale's sequence-parallel matmuls state their
+collectives in ``shard_map``, where ``model.tp_overlap`` decomposes them (collective matmul of its own);
+``--xla_gpu_multi_streamed_windowed_einsum`` went with it (it acts on windowed einsums only).
 
 Left out: command buffers (CUDA graphs) keep XLA's default, on for fusions,
 cuBLAS, cuDNN and custom calls: MaxText's recipes turned them off with
@@ -97,8 +102,6 @@ GPU_FLAGS = (
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
     "--xla_gpu_enable_triton_gemm=false",
     "--xla_disable_hlo_passes=rematerialization",
-    "--xla_gpu_threshold_for_windowed_einsum_mib=0",
-    "--xla_gpu_multi_streamed_windowed_einsum=true",
 )
 TPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",
