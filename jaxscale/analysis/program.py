@@ -43,6 +43,7 @@ class CollectiveOp:
     asynchronous: bool
     compute_between: int  # compute operations scheduled between start and done (0 for a synchronous one)
     bytes: int  # the result's bytes
+    in_loop: bool  # in a while loop's body (a layer scan's per-layer collectives; the peeled iterations are not)
 
     @property
     def overlapped(self) -> bool:
@@ -57,20 +58,21 @@ class Program:
     attention: dict[str, int]  # "forward", "backward": cuDNN fused attention calls
     collectives: tuple[CollectiveOp, ...]
 
-    def collective_counts(self) -> dict[str, dict[str, int]]:
-        """Per kind: operations run asynchronously and overlapped, asynchronously with nothing between, sync."""
+    def collective_counts(self, in_loops: bool = False) -> dict[str, dict[str, int]]:
+        """Per kind: operations run asynchronously and overlapped, asynchronously with nothing between, sync
+        (``in_loops``: those in loop bodies alone)."""
         out: dict[str, dict[str, int]] = {}
         for c in self.collectives:
+            if in_loops and not c.in_loop:
+                continue
             row = out.setdefault(c.kind, {"overlapped": 0, "async_idle": 0, "sync": 0})
             row["overlapped" if c.overlapped else "async_idle" if c.asynchronous else "sync"] += c.runs
         return out
 
-    def in_loops(self, kind: str) -> list[CollectiveOp]:
-        """The collectives of ``kind`` inside a loop body (a layer scan's per-layer collectives)."""
-        return [c for c in self.collectives if c.kind == kind and c.runs > 1]
-
     def as_dict(self) -> dict:
-        return {"gemms": self.gemms, "attention": self.attention, "collectives": self.collective_counts()}
+        return {"gemms": self.gemms, "attention": self.attention, "collectives": self.collective_counts(),
+                "collectives_in_loops": self.collective_counts(in_loops=True),
+                "unoverlapped": [dataclasses.asdict(c) for c in self.collectives if not c.overlapped]}
 
 
 def executions(comps: dict[str, Computation], entry: str) -> dict[str, int]:
@@ -155,7 +157,8 @@ def _done(order: list[Instr], k: int) -> int:
     return len(order)
 
 
-def _collectives(comp: Computation, comps: dict[str, Computation], runs: int, nested: set[str]) -> list[CollectiveOp]:
+def _collectives(comp: Computation, comps: dict[str, Computation], runs: int, nested: set[str],
+                 in_loop: bool) -> list[CollectiveOp]:
     """The collectives of one computation in schedule order; those inside asynchronous wrappers are
     skipped here (``nested``: counted at the wrapper)."""
     order = list(comp.instrs.values())
@@ -166,9 +169,9 @@ def _collectives(comp: Computation, comps: dict[str, Computation], runs: int, ne
             between = sum(o.opcode in _COMPUTE for o in order[k + 1:done])
             sync = '"is_sync":true' in instr.attrs
             size = nbytes(order[done].type) if done < len(order) else nbytes(instr.type)
-            out.append(CollectiveOp(kind, comp.name, runs, not sync, 0 if sync else between, size))
+            out.append(CollectiveOp(kind, comp.name, runs, not sync, 0 if sync else between, size, in_loop))
         elif instr.opcode in COLLECTIVES and comp.name not in nested:
-            out.append(CollectiveOp(instr.opcode, comp.name, runs, False, 0, nbytes(instr.type)))
+            out.append(CollectiveOp(instr.opcode, comp.name, runs, False, 0, nbytes(instr.type), in_loop))
     return out
 
 
@@ -180,6 +183,8 @@ def read(hlo_text: str) -> Program:
               for _, c in callees(i)}
     fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
              for _, c in callees(i)}
+    bodies = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "while"
+              for role, c in callees(i) if role == "body"}
     gemms: Counter[str] = Counter()
     attention: Counter[str] = Counter()
     found: list[CollectiveOp] = []
@@ -193,5 +198,5 @@ def read(hlo_text: str) -> Program:
                 gemms[kind] += runs[name]
             if (part := _attention(instr)) is not None:
                 attention[part] += runs[name]
-        found += _collectives(comp, comps, runs[name], nested)
+        found += _collectives(comp, comps, runs[name], nested, name in bodies)
     return Program(dict(gemms), dict(attention), tuple(found))
