@@ -44,7 +44,9 @@ way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
 ``norm_topk_prob``, its q/k norms ``model.qk_norm``, its ``decoder_sparse_step`` ``every_n_layers``
 (HF layer ``g·n + j`` is block ``j`` of group ``g``: ``blocks.blocks.j``; the last of each group is the MoE
 one in both), its dense layers' width ``intermediate_size`` ``model.mlp``
-(``mlp_only_layers`` is refused). The generated model uses dropless
+(``mlp_only_layers`` is refused). Their routers are a weight and nothing else (transformers' Mixtral and
+Qwen3-MoE hold no buffer or other state), so a checkpoint trained with ``model.moe.balance`` whose routing
+biases are not zero is refused on export (its routing would differ); DeepSeek-V3's biases are exported. The generated model uses dropless
 dispatch (capacity dispatch may drop tokens that HF keeps); HF's
 ``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
 jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default
@@ -69,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -81,9 +84,11 @@ from jaxscale import convert_deepseek as deepseek
 from jaxscale.checkpoint import (
     PARAMS_DIR,
     ParamsSource,
+    balance_source,
     by_name,
     param_shapes,
     params_source,
+    read_all,
     read_param,
     save_params,
 )
@@ -418,7 +423,8 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     where = _tensor_files(hf_dir)
     table = weights(model)
     expected = {tensor for w in table for _, tensor in slices(w, model)}
-    missing = sorted(expected - set(where))
+    # A routing bias absent from the files is zero, as transformers initialises it.
+    missing = sorted(expected - set(where) - {t for w in table if w.balance for _, t in slices(w, model)})
     if missing:
         raise ConfigError(f"{hf_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
     left_out = {t for t in where if model.deepseek is not None and deepseek.left_out(model, t)}
@@ -427,30 +433,56 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
         raise ConfigError(f"{hf_dir}: tensors with no place in the jaxscale model: {', '.join(unused[:5])}")
     shapes = by_name(abstract_model(Config(model=model))[1])
     params: dict[str, Any] = {}
+    biases: dict[str, Any] = {}
     with ExitStack() as stack:
         handles = {file: _open_tensors(stack, file) for file in set(where.values())}
         for w in table:
-            full = shapes[".".join(map(str, w.path))].shape
-            value = np.empty(full, NUMPY_DTYPES[model.param_dtype])
-            inner = full[w.layered + w.expert :]
-            for index, tensor in slices(w, model):
-                try:
-                    hf_value = handles[where[tensor]].get_tensor(tensor)
-                except Exception as e:  # a file cut short after its header
-                    raise ConfigError(f"{where[tensor]}: tensor {tensor} does not read ({_reason(e)})") from e
-                if hf_value.shape != hf_shape(w, inner):
-                    implied = hf_shape(w, inner)
-                    raise ConfigError(f"{hf_dir}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
-                value[index] = to_ours(w, hf_value, inner)
-                if not np.isfinite(value[index]).all():
-                    raise ConfigError(f"{where[tensor]}: tensor {tensor} holds NaN or infinite values")
-            node = params
-            for key in w.path[:-1]:
-                node = node.setdefault(key, {})
-            node[w.path[-1]] = value
-    save_params(out_dir, params, dataclasses.asdict(model))
+            if not w.balance:
+                value = _read_weight(handles, where, w, model, shapes[".".join(map(str, w.path))].shape)
+                _put(params, w.path, value)
+                continue
+            value = _read_weight(handles, where, w, model, _bias_shape(w, model))
+            if model.moe.balance != "off":
+                _put(biases, w.path, value)
+            elif value.any():
+                raise ConfigError(f"{hf_dir}: non-zero {w.hf.format(i='*')} (routing biases, which choose the "
+                                  "experts) and model.moe.balance is off: keep it on to import them")
+    save_params(out_dir, params, dataclasses.asdict(model), biases)
     (out_dir / HF_CONFIG).write_text(json.dumps(hf, indent=2))
     return model
+
+
+def _read_weight(handles: dict[Path, Any], where: dict[str, Path], w: Weight, model: ModelConfig,
+                 full: tuple[int, ...]) -> np.ndarray:
+    """Our stacked array of ``full`` shape for ``w``, read tensor by tensor from the open files ``handles``
+    (a routing bias float32, zero where the files have none; a parameter in ``model.param_dtype``)."""
+    value = np.zeros(full, np.float32 if w.balance else NUMPY_DTYPES[model.param_dtype])
+    inner = full[w.layered + w.expert :]
+    for index, tensor in slices(w, model):
+        if w.balance and tensor not in where:
+            continue
+        try:
+            hf_value = handles[where[tensor]].get_tensor(tensor)
+        except Exception as e:  # a file cut short after its header
+            raise ConfigError(f"{where[tensor]}: tensor {tensor} does not read ({_reason(e)})") from e
+        if hf_value.shape != hf_shape(w, inner):
+            implied = hf_shape(w, inner)
+            raise ConfigError(f"{where[tensor]}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
+        value[index] = to_ours(w, hf_value, inner)
+        if not np.isfinite(value[index]).all():
+            raise ConfigError(f"{where[tensor]}: tensor {tensor} holds NaN or infinite values")
+    return value
+
+
+def _bias_shape(w: Weight, model: ModelConfig) -> tuple[int, ...]:
+    """The shape of the routing biases ``w`` (``[layers, experts]`` stacked, else ``[experts]``)."""
+    return (w.count if w.count is not None else model.layers // w.every, model.moe.experts)[not w.layered :]
+
+
+def _put(tree: dict[str, Any], path: tuple[str | int, ...], value: np.ndarray) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 # -- jaxscale -> Hugging Face -----------------------------------------------------------------------------
@@ -496,13 +528,12 @@ def jaxscale_to_hf(
     weight_map: dict[str, int] = {}
     pending: dict[str, np.ndarray] = {}
     size = total = 0
-    read = functools.partial(read_param, source)
-    if model.fused_projections:  # a fused run's parameters, exported as the separate HF tensors
-        read = separate_reader(read, set(param_shapes(source)))
+    read = _reader(source, model, ckpt)
     for w in weights(model):
-        value = read(w.path)
+        value = read(w)
         for index, tensor in slices(w, model):
-            hf_value = np.ascontiguousarray(to_hf(w, value[index]).astype(NUMPY_DTYPES[dtype]))
+            kind = np.float32 if w.balance else NUMPY_DTYPES[dtype]
+            hf_value = np.ascontiguousarray(to_hf(w, value[index]).astype(kind))
             if pending and size + hf_value.nbytes > limit:
                 shards.append(_write_shard(out_dir, len(shards) + 1, pending))
                 pending, size = {}, 0
@@ -522,6 +553,26 @@ def jaxscale_to_hf(
         (out_dir / part).rename(out_dir / name)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return [out_dir / name for name in final]
+
+
+def _reader(source: ParamsSource, model: ModelConfig, ckpt: str | Path) -> Callable[[Weight], np.ndarray]:
+    """Our stacked array of a table's weight read from ``source``: a parameter (in the separate layout from a
+    fused run's), or the routing biases kept with it (zeros where it keeps none); non-zero biases of a model
+    whose HF architecture has no place for them (Mixtral, Qwen3-MoE) are a one-line ConfigError."""
+    read = functools.partial(read_param, source)
+    if model.fused_projections:  # a fused run's parameters, exported as the separate HF tensors
+        read = separate_reader(read, set(param_shapes(source)))
+    biases = balance_source(source)
+    if biases is not None and model.deepseek is None and any(np.any(b) for b in read_all(biases).values()):
+        raise ConfigError(f"{ckpt}: non-zero MoE routing biases (model.moe.balance), which choose the experts and "
+                          f"{ARCHITECTURES[architecture(model)]} has no place for: its routing would differ")
+
+    def one(w: Weight) -> np.ndarray:
+        if not w.balance:
+            return read(w.path)
+        return np.zeros(_bias_shape(w, model), np.float32) if biases is None else read_param(biases, w.path)
+
+    return one
 
 
 def _imported_config(ckpt: Path) -> dict[str, Any] | None:

@@ -23,6 +23,8 @@ class Weight:
     ``first``, ``count``, ``every``: our stacked slice ``i`` is HF layer ``first + i · every`` (default: all
     ``model.layers``, from 0; ``every`` > 1 for one block of each group of ``every``, MoE every n-th layer).
     ``columns``: ours' last dimension is HF's taken in this order (None: the same order).
+    ``balance``: not a parameter but routing state (``TrainState.balance``, :mod:`jaxscale.models.balance`),
+    float32 both ways.
     """
 
     path: tuple[str | int, ...]
@@ -32,6 +34,7 @@ class Weight:
     count: int | None = None
     columns: tuple[int, ...] | None = None
     every: int = 1
+    balance: bool = False
 
     @property
     def layered(self) -> bool:
