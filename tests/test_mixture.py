@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
+from jaxscale import report
 from jaxscale.config import ConfigError
 from jaxscale.data import make_loader
 from jaxscale.loop import fit
@@ -104,6 +105,24 @@ def test_a_resumed_mixture_equals_the_straight_run_bit_for_bit(runs):
     assert [r["step"] for r in evals] == [2, 4]
     for r in evals:
         assert all(2.0 < r[f"eval_loss/{n}"] < np.log(264) + 0.5 for n in WEIGHTS)
+
+
+def test_report_plots_the_eval_losses_and_each_sources_loss_and_share(runs):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    run_dir = runs[5]
+    records = read_records(run_dir / "metrics.jsonl")
+    fig = report.run_figure(run_dir)
+    try:
+        panels = {ax.get_ylabel(): {line.get_label(): line for line in ax.get_lines()} for ax in fig.axes}
+    finally:
+        plt.close(fig)
+    losses = ["loss", "eval_loss", *(f"eval_loss/{n}" for n in WEIGHTS)]
+    assert sorted(panels["loss"]) == sorted(losses)
+    assert sorted(panels["mixture share"]) == sorted(f"share/{n}" for n in WEIGHTS)
+    for key, line in {**panels["loss"], **panels["mixture share"]}.items():
+        want = [(r["step"], r[key]) for r in records if key in r]
+        assert want and list(zip(line.get_xdata(), line.get_ydata(), strict=True)) == want, key
+    assert report.run_png(run_dir).stat().st_size > 0
 
 
 def test_weights_changed_on_resume_go_on_with_the_new_weights(runs, sources):
