@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxscale import checkpoint, convert
 from jaxscale.config import load_config
+from jaxscale.loop import fit
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
@@ -244,3 +245,26 @@ def load_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
     return {k: v for file in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+def test_a_runs_trained_routing_biases_are_exported(converted, tmp_path):
+    """A run started from a converted DeepSeek-V3 moves the biases it started from (sign balancing); its
+    checkpoint's export holds the moved ones (float32)."""
+    hf = hf_model()
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(SIZES["n_routed_experts"]))
+    hf.save_pretrained(tmp_path / "hf")
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "ckpt")
+    overrides = [f"model={tmp_path / 'ckpt' / 'model.yaml'}", "model.moe.bias_rate=0.01", "rules=dp", "mesh.data=1",
+                 "train.global_batch=4", "train.seq_len=16", "train.steps=2", "checkpoint.every=2",
+                 f"checkpoint.init_from={tmp_path / 'ckpt'}", f"run_dir={tmp_path / 'run'}"]
+    state, _ = fit(Trainer.build(load_config(None, overrides), jax.devices()[:1]), progress=False)
+    trained = jax.device_get(state.balance["blocks"]["routed"]["bias"])
+    started = np.stack([layer.mlp.gate.e_score_correction_bias.numpy() for layer in hf.model.layers[1:]])
+    # Two sign steps of 0.01 from where it started (not from zero): each bias moved by 0, 0.01 or 0.02, not all stayed.
+    moved = np.abs(trained - started) * 100
+    assert np.allclose(moved, np.round(moved), atol=1e-3) and moved.max() < 2.001 and moved.max() > 0.5
+    convert.jaxscale_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "back")
+    back = load_tensors(tmp_path / "back")
+    exported = np.stack([back[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in (1, 2)])
+    assert exported.dtype == np.float32 and np.array_equal(exported, trained)
