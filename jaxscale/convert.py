@@ -46,8 +46,8 @@ way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
 one in both), its dense layers' width ``intermediate_size`` ``model.mlp``
 (``mlp_only_layers`` is refused). Their routers are a weight and nothing else (transformers' Mixtral and
 Qwen3-MoE hold no buffer or other state), so a checkpoint trained with ``model.moe.balance`` whose routing
-biases are not zero is refused on export (its routing would differ); DeepSeek-V3's biases are exported. The generated model uses dropless
-dispatch (capacity dispatch may drop tokens that HF keeps); HF's
+biases are not zero is refused on export (its routing would differ); DeepSeek-V3's biases are exported.
+The generated model uses dropless dispatch (capacity dispatch may drop tokens that HF keeps); HF's
 ``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
 jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default
 and Llama 3.1's ``llama3``, biases, a sliding window, another activation) is a :class:`ConfigError`.
@@ -105,7 +105,7 @@ from jaxscale.config import (
     validate_moe,
     validate_rope,
 )
-from jaxscale.hf_weights import Weight, hf_shape, slices, to_hf, to_ours
+from jaxscale.hf_weights import Weight, bias_shape, hf_shape, put, slices, to_hf, to_ours
 from jaxscale.hf_weights import hf_int as _hf_int
 from jaxscale.models.fusion import separate_reader
 from jaxscale.train import abstract_model
@@ -439,11 +439,11 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
         for w in table:
             if not w.balance:
                 value = _read_weight(handles, where, w, model, shapes[".".join(map(str, w.path))].shape)
-                _put(params, w.path, value)
+                put(params, w.path, value)
                 continue
-            value = _read_weight(handles, where, w, model, _bias_shape(w, model))
+            value = _read_weight(handles, where, w, model, bias_shape(w, model))
             if model.moe.balance != "off":
-                _put(biases, w.path, value)
+                put(biases, w.path, value)
             elif value.any():
                 raise ConfigError(f"{hf_dir}: non-zero {w.hf.format(i='*')} (routing biases, which choose the "
                                   "experts) and model.moe.balance is off: keep it on to import them")
@@ -472,17 +472,6 @@ def _read_weight(handles: dict[Path, Any], where: dict[str, Path], w: Weight, mo
         if not np.isfinite(value[index]).all():
             raise ConfigError(f"{where[tensor]}: tensor {tensor} holds NaN or infinite values")
     return value
-
-
-def _bias_shape(w: Weight, model: ModelConfig) -> tuple[int, ...]:
-    """The shape of the routing biases ``w`` (``[layers, experts]`` stacked, else ``[experts]``)."""
-    return (w.count if w.count is not None else model.layers // w.every, model.moe.experts)[not w.layered :]
-
-
-def _put(tree: dict[str, Any], path: tuple[str | int, ...], value: np.ndarray) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
 
 
 # -- jaxscale -> Hugging Face -----------------------------------------------------------------------------
@@ -570,7 +559,7 @@ def _reader(source: ParamsSource, model: ModelConfig, ckpt: str | Path) -> Calla
     def one(w: Weight) -> np.ndarray:
         if not w.balance:
             return read(w.path)
-        return np.zeros(_bias_shape(w, model), np.float32) if biases is None else read_param(biases, w.path)
+        return np.zeros(bias_shape(w, model), np.float32) if biases is None else read_param(biases, w.path)
 
     return one
 

@@ -75,6 +75,18 @@ def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str
             yield index, w.hf.format(i=None if i is None else w.first + i * w.every, e=e)
 
 
+def bias_shape(w: Weight, model: ModelConfig) -> tuple[int, ...]:
+    """Our shape of the routing biases ``w`` (``balance``): ``[layers, experts]`` stacked, else ``[experts]``."""
+    return (w.count if w.count is not None else model.layers // w.every, model.moe.experts)[not w.layered :]
+
+
+def put(tree: dict[str, Any], path: tuple[str | int, ...], value: np.ndarray) -> None:
+    """Set ``value`` at a table's ``path`` in the nested dict ``tree``, making the levels it lacks."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
 def hf_int(hf: dict[str, Any], key: str, default: int | None = None) -> int:
     """A positive integer field of an HF ``config.json`` (``default`` where it is missing or null)."""
     value = hf.get(key)

@@ -247,6 +247,7 @@ def load_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
     return {k: v for file in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
+@pytest.mark.slow
 def test_a_runs_trained_routing_biases_are_exported(converted, tmp_path):
     """A run started from a converted DeepSeek-V3 moves the biases it started from (sign balancing); its
     checkpoint's export holds the moved ones (float32)."""
