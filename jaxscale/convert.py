@@ -507,6 +507,7 @@ def jaxscale_to_hf(
     if dtype not in NUMPY_DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(NUMPY_DTYPES)}")
     config = hf_config(model, dtype, _imported_config(Path(ckpt)))
+    read = _reader(source, model, ckpt)
     out_dir = Path(out_dir)
     _check_target(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -517,7 +518,6 @@ def jaxscale_to_hf(
     weight_map: dict[str, int] = {}
     pending: dict[str, np.ndarray] = {}
     size = total = 0
-    read = _reader(source, model, ckpt)
     for w in weights(model):
         value = read(w)
         for index, tensor in slices(w, model):

@@ -330,3 +330,18 @@ def test_the_tiny_qwen3_moe_config_converts_and_trains_a_step(tmp_path):
                                                       torch.tensor(batch["targets"]).long().reshape(-1)))
     first = next(r for r in history if "loss" in r)
     assert int(state.step) == 1 and abs(first["loss"] - hf_loss) < 1e-5 * hf_loss
+
+
+def test_non_zero_routing_biases_of_a_mixtral_are_refused_on_export(tmp_path):
+    """transformers' Mixtral router is a weight alone: a checkpoint whose routing biases (model.moe.balance) are
+    not zero would export another routing, and is refused in one line, nothing written."""
+    model = load_config(None, ["model=moe-tiny", "model.moe.balance=sign"]).model
+    assert convert.architecture(model) == "mixtral"
+    bias = np.zeros((model.layers, model.moe.experts), np.float32)
+    bias[1, 3] = 0.01
+    balance = {"blocks": {"blocks": {0: {"mlp": {"bias": bias}}}}}
+    checkpoint.save_params(tmp_path / "ours", random_params(model, seed=0), dataclasses.asdict(model), balance)
+    with pytest.raises(ConfigError, match=r"ours: non-zero MoE routing biases \(model\.moe\.balance\), which choose "
+                       r"the experts and MixtralForCausalLM has no place for: its routing would differ$"):
+        convert.jaxscale_to_hf(tmp_path / "ours", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
