@@ -56,7 +56,7 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
 def model_from_hf(hf: dict[str, Any], model: ModelConfig) -> ModelConfig:
-    """``model`` (what :func:`jaxscale.convert.model_from_hf` read of every decoder) with DeepSeek-V3's MLA, MoE
+    """``model`` (what :func:`jaxscale.hf_models.model_from_hf` read of every decoder) with DeepSeek-V3's MLA, MoE
     and dense layers from the HF ``config.json`` ``hf``."""
     q_rank = hf.get("q_lora_rank")
     d = DeepSeekConfig(
