@@ -37,7 +37,8 @@ Parameters checkpoints (``checkpoint.init_from``): a directory holding
 they belong to), or a run's checkpoint directory (the parameters of its latest
 step's ``state``). A new run reads them straight into its own shardings, each
 device only its slices, after the saved shapes were checked against the
-config; the optimizer state is fresh and the step 0.
+config; the optimizer state is fresh and the step 0. The MoE routing biases (``TrainState.balance``, not
+parameters) come with them: ``balance/`` beside ``params/`` (a converted DeepSeek-V3's), or the run's state's.
 
 Failures, in one line each: a ``checkpoint.dir`` that cannot be written is a
 :class:`~jaxscale.config.ConfigError` before the run starts
@@ -87,6 +88,7 @@ from jaxscale.stage_layers import Storage, written_before
 
 ITEMS = ("state", "data", "loop", "config")
 PARAMS_DIR = "params"
+BALANCE_DIR = "balance"  # a parameters checkpoint's routing biases (TrainState.balance)
 MODEL_FILE = "model.yaml"
 # The model settings that decide the shapes and dtypes of the saved arrays.
 SHAPE_KEYS = ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp", "tie_embeddings", "param_dtype")
@@ -467,8 +469,9 @@ def params_source(path: str | Path) -> ParamsSource:
     return ParamsSource(root / str(step) / "state", (field,), saved["model"], saved_storage(items.loop, saved))
 
 
-def save_params(directory: str | Path, params: Any, model: dict[str, Any]) -> None:
-    """Write ``params`` (a pure dict of numpy arrays) and its model config as a parameters checkpoint.
+def save_params(directory: str | Path, params: Any, model: dict[str, Any], balance: Any = None) -> None:
+    """Write ``params`` (a pure dict of numpy arrays) and its model config as a parameters checkpoint, with
+    the routing biases ``balance`` (the same, as ``TrainState.balance`` holds them) in ``balance/`` if any.
 
     The arrays are written from where they lie: no defensive copy, no compression buffers (orbax's
     defaults hold about twice the model in host memory while writing; uncompressed, the files are larger).
@@ -484,6 +487,8 @@ def save_params(directory: str | Path, params: Any, model: dict[str, Any]) -> No
     handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
     with ocp.Checkpointer(handler) as checkpointer:
         checkpointer.save(root / PARAMS_DIR, args=ocp.args.PyTreeSave(params))
+        if balance:
+            checkpointer.save(root / BALANCE_DIR, args=ocp.args.PyTreeSave(balance))
     (root / MODEL_FILE).write_text(yaml.safe_dump(model, sort_keys=False))
 
 
@@ -502,6 +507,29 @@ def _unnest(prefix: tuple[str, ...], tree: Any) -> Any:
 def by_name(tree: Any) -> dict[str, Any]:
     """``{"blocks.attn.wq": leaf, ...}`` of a nested mapping."""
     return {param_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def balance_source(source: ParamsSource) -> ParamsSource | None:
+    """The routing biases kept with ``source``'s parameters (``balance/`` beside a parameters checkpoint's
+    ``params/``, a run's state's ``balance``) as a source of their own, or None where there are none."""
+    if not source.prefix:
+        item = source.item.parent / BALANCE_DIR
+        return dataclasses.replace(source, item=item) if item.is_dir() else None
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        saved = checkpointer.metadata(source.item).item_metadata.tree
+    return dataclasses.replace(source, prefix=("balance",)) if "balance" in saved else None
+
+
+def read_all(source: ParamsSource) -> dict[str, np.ndarray]:
+    """Every array of ``source`` read whole into host memory, by dotted name (small trees: the routing biases)."""
+    with ocp.PyTreeCheckpointer() as checkpointer:
+        tree = _unnest(source.prefix, checkpointer.metadata(source.item).item_metadata.tree)
+        args = ocp.args.PyTreeRestore(
+            item=_nest(source.prefix, jax.tree.map(lambda _: np.zeros(0), tree)),
+            restore_args=_nest(source.prefix, jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)),
+            partial_restore=True,
+        )
+        return by_name(_unnest(source.prefix, checkpointer.restore(source.item, args=args)))
 
 
 def param_shapes(source: ParamsSource) -> dict[str, tuple[int, ...]]:
@@ -561,8 +589,8 @@ def restore_params(source: ParamsSource, abstract_params: Any) -> Any:
 
 
 def init_state_from(trainer: Any, path: str | Path) -> Any:
-    """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``),
-    their layer stack moved into the trainer's storage."""
+    """A new run's state (step 0, fresh optimizer) from the parameters at ``path`` (``checkpoint.init_from``)
+    and the routing biases kept with them, their layer stack moved into the trainer's storage."""
     source = params_source(path)
     abstract = trainer.abstract_state()
     # Read into the copy the optimizer updates (the master when apart), in its dtype and layout.
@@ -573,8 +601,28 @@ def init_state_from(trainer: Any, path: str | Path) -> Any:
         saved = fusion.other_layout(target, fused)
         check_params(source, "checkpoint.init_from", trainer.config, fusion.other_layout(in_source, fused))
         read = placed(trainer.storage, lambda path: read_param(source, path))  # read_param: the model's order
-        return trainer.init_state(fusion.converted(read, saved, target, fused))
-    check_params(source, "checkpoint.init_from", trainer.config, in_source)
-    shardings = jax.tree.map(lambda a: a.sharding, target)
-    params = restore_params(source, in_source)
-    return trainer.init_state(convert_params(params, source.storage, trainer.storage, shardings))
+        state = trainer.init_state(fusion.converted(read, saved, target, fused))
+    else:
+        check_params(source, "checkpoint.init_from", trainer.config, in_source)
+        shardings = jax.tree.map(lambda a: a.sharding, target)
+        params = restore_params(source, in_source)
+        state = trainer.init_state(convert_params(params, source.storage, trainer.storage, shardings))
+    return _with_balance(trainer, source, state)
+
+
+def _with_balance(trainer: Any, source: ParamsSource, state: Any) -> Any:
+    """``state`` with the routing biases kept with ``source`` (its zeros where none are kept); a one-line
+    :class:`ConfigError` where non-zero ones would be dropped by a run without them (``model.moe.balance=off``)."""
+    biases = balance_source(source)
+    if biases is None:
+        return state
+    abstract = trainer.abstract_state().balance
+    if not abstract:
+        if any(np.any(b) for b in read_all(biases).values()):
+            raise ConfigError(f"checkpoint.init_from: {source.item.parent} holds non-zero MoE routing biases, which "
+                              "choose the experts, and model.moe.balance is off: set it to sign or quantile")
+        return state
+    in_source = read_as(abstract, biases.storage, trainer.mesh)
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    bias = convert_params(restore_params(biases, in_source), biases.storage, trainer.storage, shardings)
+    return state._replace(balance=bias)

@@ -379,7 +379,8 @@ def _parser() -> argparse.ArgumentParser:
     plan_.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
                        help="compile the top K (default 3) on simulated devices: predicted vs compiled")
 
-    report_ = _command(commands, "report", _report, "plot loss, tokens/s and memory of a run from its metrics.jsonl")
+    report_ = _command(commands, "report", _report,
+                       "plot losses, mixture shares, tokens/s and memory of a run from its metrics.jsonl")
     report_.add_argument("run_dir", help="the run directory")
     report_.add_argument("--out", metavar="FILE", help="the PNG to write (default RUN_DIR/report.png)")
     report_.add_argument("--tensorboard", action="store_true", help="also write the metrics as TensorBoard events")

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxscale import bounds, dtypes, stage_layers, strict
+from jaxscale import bounds, dtypes, interleave, stage_layers, strict
 from jaxscale.schema import (  # the schema, importable from here
     DEFAULT_SCHEDULE,
     INTERLEAVED,
@@ -362,6 +362,10 @@ def validate_mixture(d: DataConfig) -> None:
     for i, part in enumerate(d.mixture):
         if not (part.weight > 0 and math.isfinite(part.weight)):
             raise ConfigError(f"data.mixture[{i}].weight must be positive, got {part.weight}")
+    period = interleave.shares([part.weight for part in d.mixture])[1]
+    if period > interleave.MAX_PERIOD:
+        raise ConfigError(f"data.mixture: the weights' exact ratio repeats every {period} rows, over "
+                          f"{interleave.MAX_PERIOD}: write them with fewer digits")
     names = [part.name or Path(part.path).name for part in d.mixture]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

@@ -7,8 +7,9 @@ shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM``,
 ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or ``DeepseekV3ForCausalLM`` (its table:
 :mod:`jaxscale.convert_deepseek`) and writes a parameters checkpoint
 (:func:`jaxscale.checkpoint.save_params`): ``CKPT_DIR/params`` (orbax) and
-``CKPT_DIR/model.yaml``, the jaxscale model generated from ``config.json``
-(``--config`` layers a model YAML over it: compute dtype, remat, MoE dispatch).
+``CKPT_DIR/model.yaml``, the jaxscale model generated from ``config.json`` (:mod:`jaxscale.hf_models`;
+``--config`` layers a model YAML over it: compute dtype, remat, MoE dispatch), and ``CKPT_DIR/balance``
+for DeepSeek-V3's routing biases.
 ``checkpoint.init_from: CKPT_DIR`` starts a run from it.
 ``jaxscale convert jaxscale-to-hf --from CKPT_DIR --to HF_DIR`` goes back,
 from a converted checkpoint or a run's checkpoint directory (its latest step),
@@ -44,8 +45,10 @@ way. Mixtral's router (softmax over all experts, top-k, gates renormalised) is
 ``norm_topk_prob``, its q/k norms ``model.qk_norm``, its ``decoder_sparse_step`` ``every_n_layers``
 (HF layer ``g·n + j`` is block ``j`` of group ``g``: ``blocks.blocks.j``; the last of each group is the MoE
 one in both), its dense layers' width ``intermediate_size`` ``model.mlp``
-(``mlp_only_layers`` is refused). The generated model uses dropless
-dispatch (capacity dispatch may drop tokens that HF keeps); HF's
+(``mlp_only_layers`` is refused). Their routers are a weight and nothing else (transformers' Mixtral and
+Qwen3-MoE hold no buffer or other state), so a checkpoint trained with ``model.moe.balance`` whose routing
+biases are not zero is refused on export (its routing would differ); DeepSeek-V3's biases are exported.
+The generated model uses dropless dispatch (capacity dispatch may drop tokens that HF keeps); HF's
 ``router_aux_loss_coef`` counts a loss ``top_k`` times ours. What has no
 jaxscale equivalent (``rope_scaling``/``rope_parameters`` other than the default
 and Llama 3.1's ``llama3``, biases, a sliding window, another activation) is a :class:`ConfigError`.
@@ -69,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -76,14 +80,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxscale import bounds
 from jaxscale import convert_deepseek as deepseek
 from jaxscale.checkpoint import (
     PARAMS_DIR,
     ParamsSource,
+    balance_source,
     by_name,
     param_shapes,
     params_source,
+    read_all,
     read_param,
     save_params,
 )
@@ -91,36 +96,18 @@ from jaxscale.config import (
     Config,
     ConfigError,
     ModelConfig,
-    MoEConfig,
-    RopeScaling,
     _build,
     read_yaml,
     resolve_named,
-    validate_deepseek,
-    validate_moe,
-    validate_rope,
 )
-from jaxscale.hf_weights import Weight, hf_shape, slices, to_hf, to_ours
-from jaxscale.hf_weights import hf_int as _hf_int
+from jaxscale.hf_models import ARCHITECTURES, architecture, check_model, hf_config, layer_over, model_from_hf, read_json
+from jaxscale.hf_weights import Weight, bias_shape, hf_shape, put, slices, to_hf, to_ours
 from jaxscale.models.fusion import separate_reader
 from jaxscale.train import abstract_model
 
 INDEX = "model.safetensors.index.json"
 HF_CONFIG = "hf_config.json"  # the imported config.json, kept next to the checkpoint for the way back
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-    deepseek.MODEL_TYPE: deepseek.ARCHITECTURE,
-}
 NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-
-
-def architecture(model: ModelConfig) -> str:
-    """The HF ``model_type`` whose checkpoints hold ``model``: qk-norm and experts make Qwen3-MoE."""
-    if model.deepseek is not None:
-        return deepseek.MODEL_TYPE
-    if model.qk_norm and not model.moe:
-        raise ConfigError("model.qk_norm without model.moe: only Qwen3-MoE of the Qwen3 family converts")
-    return ("qwen3_moe" if model.qk_norm else "mixtral") if model.moe else "llama"
 
 
 def weights(model: ModelConfig) -> list[Weight]:
@@ -166,195 +153,6 @@ def _block(model: ModelConfig, block: tuple[str | int, ...], j: int, n: int) -> 
                     for ours, hf in (("w_gate", "gate"), ("w_up", "up"), ("w_down", "down"))]
 
 
-# -- config.json <-> model YAML -------------------------------------------------------------------------
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """``rope_theta`` and the scaling of an HF config (transformers 4's top-level ``rope_theta`` and
-    ``rope_scaling``, or 5's ``rope_parameters``): the default RoPE or Llama 3.1's ``llama3``."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    theta = float(hf.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    if kind == "default":
-        return theta, None
-    if kind != "llama3":
-        raise ConfigError(f"config.json: rope scaling '{kind}' is not supported (jaxscale implements the default "
-                          "RoPE and llama3)")
-    keys = ("factor", "low_freq_factor", "high_freq_factor")
-    missing = [k for k in keys if k not in rope]
-    if missing:
-        raise ConfigError(f"config.json: llama3 rope scaling without {', '.join(missing)}")
-    context = rope.get("original_max_position_embeddings", hf.get("max_position_embeddings"))
-    if context is None:
-        raise ConfigError("config.json: llama3 rope scaling without original_max_position_embeddings")
-    scaling = RopeScaling(**{k: float(rope[k]) for k in keys}, original_max_position_embeddings=int(context))
-    return theta, scaling
-
-
-def model_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """The jaxscale model of an HF ``config.json`` (a mapping); ConfigError for what it cannot express."""
-    kind = hf.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise ConfigError(f"config.json: model_type {kind!r} is not one of {', '.join(ARCHITECTURES)}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"config.json: hidden_act {hf['hidden_act']!r} (jaxscale's MLP is SwiGLU: silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise ConfigError(f"config.json: {key}=true (jaxscale's projections have no bias)")
-    if hf.get("sliding_window") is not None and hf.get("use_sliding_window", True):
-        raise ConfigError(f"config.json: sliding_window={hf['sliding_window']} (jaxscale attends to the whole prefix)")
-    heads, embed = _hf_int(hf, "num_attention_heads"), _hf_int(hf, "hidden_size")
-    theta, scaling = _rope(hf)
-    model = ModelConfig(
-        vocab_size=_hf_int(hf, "vocab_size"),
-        embed=embed,
-        layers=_hf_int(hf, "num_hidden_layers"),
-        heads=heads,
-        kv_heads=_hf_int(hf, "num_key_value_heads", heads),
-        head_dim=_hf_int(hf, "head_dim", embed // heads),
-        mlp=_hf_int(hf, "intermediate_size"),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=kind == "qwen3_moe",
-    )
-    if kind == deepseek.MODEL_TYPE:
-        model = deepseek.model_from_hf(hf, model)
-    if kind in ("mixtral", "qwen3_moe"):
-        model.moe = _moe_from_hf(hf, kind, model.layers)
-    problem = bounds.out_of_range(Config(model=model))
-    if problem:
-        raise ConfigError(f"config.json: {problem}")
-    return model
-
-
-def _moe_from_hf(hf: dict[str, Any], kind: str, layers: int) -> MoEConfig:
-    """``model.moe`` of a Mixtral or Qwen3-MoE ``config.json`` (with HF's defaults for what it omits)."""
-    mixtral = kind == "mixtral"
-    top_k = _hf_int(hf, "num_experts_per_tok", 2 if mixtral else 8)
-    experts = _hf_int(hf, "num_local_experts", 8) if mixtral else _hf_int(
-        hf, "num_experts", _hf_int(hf, "num_local_experts", 128))
-    every = 1 if mixtral else _hf_int(hf, "decoder_sparse_step", 1)
-    if hf.get("mlp_only_layers"):
-        raise ConfigError(f"config.json: mlp_only_layers={hf['mlp_only_layers']} (jaxscale places an MoE layer "
-                          "every decoder_sparse_step layers, none dense out of turn)")
-    if layers % every:
-        raise ConfigError(f"config.json: num_hidden_layers ({layers}) is not a multiple of decoder_sparse_step "
-                          f"({every})")
-    return MoEConfig(
-        experts=experts,
-        top_k=top_k,
-        mlp=_hf_int(hf, "intermediate_size" if mixtral else "moe_intermediate_size"),
-        every_n_layers=every,
-        normalize_gates=True if mixtral else bool(hf.get("norm_topk_prob", False)),
-        dispatch="dropless",
-        aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * top_k,
-        z_loss_weight=0.0,
-    )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A JSON object read from ``path``; a one-line :class:`ConfigError` naming the file otherwise."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: not a readable JSON file ({getattr(e, 'strerror', None) or e})") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def hf_config(model: ModelConfig, dtype: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The HF ``config.json`` of ``model`` (over ``base``, the config it was imported from, if any)."""
-    if model.deepseek is not None:
-        return deepseek.hf_config(model, dtype, base)
-    moe, kind = model.moe, architecture(model)
-    needs = {"shared_experts": 0, "router": "softmax", "groups": 1}
-    if kind == "mixtral":
-        needs.update(every_n_layers=1, normalize_gates=True)
-    for key, want in needs.items() if moe else ():
-        if getattr(moe, key) != want:
-            raise ConfigError(f"model.moe.{key}={getattr(moe, key)!r}: {ARCHITECTURES[kind]} needs {want!r}")
-    drop = ("rope_parameters", "rope_scaling", "torch_dtype", "num_local_experts" if kind == "qwen3_moe" else "")
-    out = {k: v for k, v in (base or {}).items() if k not in drop}
-    out.update({
-        "architectures": [ARCHITECTURES[kind]],
-        "model_type": kind,
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.embed,
-        "intermediate_size": moe.mlp or model.mlp if kind == "mixtral" else model.mlp,
-        "num_hidden_layers": model.layers,
-        "num_attention_heads": model.heads,
-        "num_key_value_heads": model.kv_heads,
-        "head_dim": model.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": model.norm_eps,
-        "rope_theta": model.rope_theta,
-        "rope_scaling": None if model.rope_scaling is None else dataclasses.asdict(model.rope_scaling),
-        "tie_word_embeddings": model.tie_embeddings,
-        "dtype": dtype,
-    })
-    if kind == "llama":
-        out.update({"attention_bias": False, "mlp_bias": False})
-        return out
-    out.update({
-        "num_local_experts" if kind == "mixtral" else "num_experts": moe.experts,
-        "num_experts_per_tok": moe.top_k,
-        "router_aux_loss_coef": moe.aux_loss_weight / moe.top_k,
-        "sliding_window": None,
-    })
-    if kind == "qwen3_moe":
-        out.update({"moe_intermediate_size": moe.mlp or model.mlp, "decoder_sparse_step": moe.every_n_layers,
-                    "norm_topk_prob": moe.normalize_gates, "mlp_only_layers": [], "use_sliding_window": False,
-                    "attention_bias": False})
-    return out
-
-
-def _layer_over(model: ModelConfig, override: str | None) -> ModelConfig:
-    """``model`` with the keys of the model YAML ``override`` (a path or a name in configs/models/) on top;
-    the keys that decide the parameters' shapes must agree."""
-    if override is None:
-        return model
-    raw = read_yaml(resolve_named(override, "models"))
-    generated = dataclasses.asdict(model)
-    merged = {**generated, **raw}
-    for section in ("moe", "deepseek"):
-        if isinstance(raw.get(section), dict) and generated[section] is not None:
-            merged[section] = {**generated[section], **raw[section]}
-    out = _build(ModelConfig, merged, "model")
-    for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "tie_embeddings", "qk_norm"):
-        if getattr(out, key) != getattr(model, key):
-            raise ConfigError(f"{override}: model.{key}={getattr(out, key)!r}, config.json has {getattr(model, key)!r}")
-    if (out.moe is None) != (model.moe is None):
-        raise ConfigError(f"{override}: model.moe does not match config.json's model_type")
-    if model.moe is not None:
-        for key in ("experts", "top_k", "mlp", "every_n_layers", "shared_experts"):
-            if getattr(out.moe, key) != getattr(model.moe, key):
-                raise ConfigError(f"{override}: model.moe.{key}={getattr(out.moe, key)!r}, config.json has "
-                                  f"{getattr(model.moe, key)!r}")
-    if (out.deepseek is None) != (model.deepseek is None):
-        raise ConfigError(f"{override}: model.deepseek does not match config.json's model_type")
-    if model.deepseek is not None:
-        for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                    "dense_layers"):
-            if getattr(out.deepseek, key) != getattr(model.deepseek, key):
-                raise ConfigError(f"{override}: model.deepseek.{key}={getattr(out.deepseek, key)!r}, config.json has "
-                                  f"{getattr(model.deepseek, key)!r}")
-    dense_width = model.moe is None or model.deepseek is not None or model.moe.every_n_layers > 1
-    if out.mlp != model.mlp and dense_width:  # the dense layers' width
-        raise ConfigError(f"{override}: model.mlp={out.mlp!r}, config.json has {model.mlp!r}")
-    return out
-
-
-def _check_model(model: ModelConfig) -> None:
-    if model.heads % model.kv_heads:
-        raise ConfigError(f"model.heads ({model.heads}) is not divisible by model.kv_heads ({model.kv_heads})")
-    validate_moe(model)
-    validate_deepseek(model)
-    validate_rope(model.rope_scaling)
-
-
 # -- Hugging Face -> jaxscale -----------------------------------------------------------------------------
 
 
@@ -362,7 +160,7 @@ def _tensor_files(hf_dir: Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor: from the index json, or from the one file's header."""
     index = hf_dir / INDEX
     if index.exists():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ConfigError(f"{index}: no 'weight_map' of tensor names to files")
         absent = sorted({f for f in weight_map.values() if not (hf_dir / f).is_file()})
@@ -411,14 +209,15 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
     _check_target(out_dir)
     if (out_dir / PARAMS_DIR).exists():
         raise ConfigError(f"{out_dir / PARAMS_DIR} already exists: choose another directory")
-    hf = _read_json(hf_dir / "config.json")
+    hf = read_json(hf_dir / "config.json")
     # The separate projections' layout whatever --config says: a fused run converts it at checkpoint.init_from.
-    model = dataclasses.replace(_layer_over(model_from_hf(hf), override), fused_projections=False)
-    _check_model(model)
+    model = dataclasses.replace(layer_over(model_from_hf(hf), override), fused_projections=False)
+    check_model(model)
     where = _tensor_files(hf_dir)
     table = weights(model)
     expected = {tensor for w in table for _, tensor in slices(w, model)}
-    missing = sorted(expected - set(where))
+    # A routing bias absent from the files is zero, as transformers initialises it.
+    missing = sorted(expected - set(where) - {t for w in table if w.balance for _, t in slices(w, model)})
     if missing:
         raise ConfigError(f"{hf_dir}: {len(missing)} tensors missing, e.g. {', '.join(missing[:3])}")
     left_out = {t for t in where if model.deepseek is not None and deepseek.left_out(model, t)}
@@ -427,30 +226,45 @@ def hf_to_jaxscale(hf_dir: str | Path, out_dir: str | Path, override: str | None
         raise ConfigError(f"{hf_dir}: tensors with no place in the jaxscale model: {', '.join(unused[:5])}")
     shapes = by_name(abstract_model(Config(model=model))[1])
     params: dict[str, Any] = {}
+    biases: dict[str, Any] = {}
     with ExitStack() as stack:
         handles = {file: _open_tensors(stack, file) for file in set(where.values())}
         for w in table:
-            full = shapes[".".join(map(str, w.path))].shape
-            value = np.empty(full, NUMPY_DTYPES[model.param_dtype])
-            inner = full[w.layered + w.expert :]
-            for index, tensor in slices(w, model):
-                try:
-                    hf_value = handles[where[tensor]].get_tensor(tensor)
-                except Exception as e:  # a file cut short after its header
-                    raise ConfigError(f"{where[tensor]}: tensor {tensor} does not read ({_reason(e)})") from e
-                if hf_value.shape != hf_shape(w, inner):
-                    implied = hf_shape(w, inner)
-                    raise ConfigError(f"{hf_dir}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
-                value[index] = to_ours(w, hf_value, inner)
-                if not np.isfinite(value[index]).all():
-                    raise ConfigError(f"{where[tensor]}: tensor {tensor} holds NaN or infinite values")
-            node = params
-            for key in w.path[:-1]:
-                node = node.setdefault(key, {})
-            node[w.path[-1]] = value
-    save_params(out_dir, params, dataclasses.asdict(model))
+            if not w.balance:
+                value = _read_weight(handles, where, w, model, shapes[".".join(map(str, w.path))].shape)
+                put(params, w.path, value)
+                continue
+            value = _read_weight(handles, where, w, model, bias_shape(w, model))
+            if model.moe.balance != "off":
+                put(biases, w.path, value)
+            elif value.any():
+                raise ConfigError(f"{hf_dir}: non-zero {w.hf.format(i='*')} (routing biases, which choose the "
+                                  "experts) and model.moe.balance is off: keep it on to import them")
+    save_params(out_dir, params, dataclasses.asdict(model), biases)
     (out_dir / HF_CONFIG).write_text(json.dumps(hf, indent=2))
     return model
+
+
+def _read_weight(handles: dict[Path, Any], where: dict[str, Path], w: Weight, model: ModelConfig,
+                 full: tuple[int, ...]) -> np.ndarray:
+    """Our stacked array of ``full`` shape for ``w``, read tensor by tensor from the open files ``handles``
+    (a routing bias float32, zero where the files have none; a parameter in ``model.param_dtype``)."""
+    value = np.zeros(full, np.float32 if w.balance else NUMPY_DTYPES[model.param_dtype])
+    inner = full[w.layered + w.expert :]
+    for index, tensor in slices(w, model):
+        if w.balance and tensor not in where:
+            continue
+        try:
+            hf_value = handles[where[tensor]].get_tensor(tensor)
+        except Exception as e:  # a file cut short after its header
+            raise ConfigError(f"{where[tensor]}: tensor {tensor} does not read ({_reason(e)})") from e
+        if hf_value.shape != hf_shape(w, inner):
+            implied = hf_shape(w, inner)
+            raise ConfigError(f"{where[tensor]}: tensor {tensor} is {hf_value.shape}, config.json implies {implied}")
+        value[index] = to_ours(w, hf_value, inner)
+        if not np.isfinite(value[index]).all():
+            raise ConfigError(f"{where[tensor]}: tensor {tensor} holds NaN or infinite values")
+    return value
 
 
 # -- jaxscale -> Hugging Face -----------------------------------------------------------------------------
@@ -466,7 +280,7 @@ def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, Model
     source = params_source(ckpt)
     raw = source.model if override is None else read_yaml(resolve_named(override, "models"))
     model = _build(ModelConfig, raw, "model")
-    _check_model(model)
+    check_model(model)
     return source, model
 
 
@@ -486,6 +300,7 @@ def jaxscale_to_hf(
     if dtype not in NUMPY_DTYPES:
         raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(NUMPY_DTYPES)}")
     config = hf_config(model, dtype, _imported_config(Path(ckpt)))
+    read = _reader(source, model, ckpt)
     out_dir = Path(out_dir)
     _check_target(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -496,13 +311,11 @@ def jaxscale_to_hf(
     weight_map: dict[str, int] = {}
     pending: dict[str, np.ndarray] = {}
     size = total = 0
-    read = functools.partial(read_param, source)
-    if model.fused_projections:  # a fused run's parameters, exported as the separate HF tensors
-        read = separate_reader(read, set(param_shapes(source)))
     for w in weights(model):
-        value = read(w.path)
+        value = read(w)
         for index, tensor in slices(w, model):
-            hf_value = np.ascontiguousarray(to_hf(w, value[index]).astype(NUMPY_DTYPES[dtype]))
+            kind = np.float32 if w.balance else NUMPY_DTYPES[dtype]
+            hf_value = np.ascontiguousarray(to_hf(w, value[index]).astype(kind))
             if pending and size + hf_value.nbytes > limit:
                 shards.append(_write_shard(out_dir, len(shards) + 1, pending))
                 pending, size = {}, 0
@@ -524,9 +337,29 @@ def jaxscale_to_hf(
     return [out_dir / name for name in final]
 
 
+def _reader(source: ParamsSource, model: ModelConfig, ckpt: str | Path) -> Callable[[Weight], np.ndarray]:
+    """Our stacked array of a table's weight read from ``source``: a parameter (in the separate layout from a
+    fused run's), or the routing biases kept with it (zeros where it keeps none); non-zero biases of a model
+    whose HF architecture has no place for them (Mixtral, Qwen3-MoE) are a one-line ConfigError."""
+    read = functools.partial(read_param, source)
+    if model.fused_projections:  # a fused run's parameters, exported as the separate HF tensors
+        read = separate_reader(read, set(param_shapes(source)))
+    biases = balance_source(source)
+    if biases is not None and model.deepseek is None and any(np.any(b) for b in read_all(biases).values()):
+        raise ConfigError(f"{ckpt}: non-zero MoE routing biases (model.moe.balance), which choose the experts and "
+                          f"{ARCHITECTURES[architecture(model)]} has no place for: its routing would differ")
+
+    def one(w: Weight) -> np.ndarray:
+        if not w.balance:
+            return read(w.path)
+        return np.zeros(bias_shape(w, model), np.float32) if biases is None else read_param(biases, w.path)
+
+    return one
+
+
 def _imported_config(ckpt: Path) -> dict[str, Any] | None:
     path = ckpt / HF_CONFIG
-    return _read_json(path) if path.exists() else None
+    return read_json(path) if path.exists() else None
 
 
 def main(direction: str, source: str, target: str, override: str | None, dtype: str | None, max_shard_mb: float) -> str:

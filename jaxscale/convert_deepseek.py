@@ -16,6 +16,7 @@ Hugging Face, layer ``i``, expert ``e``           jaxscale (a block's parameters
 ``self_attn.o_proj [D, H·v]``                     ``attn.wo [H, v, D]``
 ``mlp.gate/up/down_proj`` (dense layers)          ``mlp.w_gate/w_up/w_down``
 ``mlp.gate.weight [E, D]``                        ``routed.router [D, E]``
+``mlp.gate.e_score_correction_bias [E]``          ``routed.bias [E]`` (``TrainState.balance``, not a parameter)
 ``mlp.experts.e.gate/up/down_proj``               ``routed.w_gate/w_up/w_down [E, ...]``
 ``mlp.shared_experts.gate/up/down_proj``          ``mlp.w_gate/w_up/w_down``
 ``input_layernorm``, ``post_attention_layernorm``  ``attn_norm.scale``, ``mlp_norm.scale``
@@ -27,9 +28,12 @@ columns of ``q_b_proj``/``q_proj`` (each head's last ``r``) and of ``kv_a_proj_w
 both ways; transformers' rotation of the interleaved pairs returns them in that order, so the scores agree.
 **Routing**: sigmoid scores, group-limited (``n_group``, ``topk_group``), gates renormalised (``norm_topk_prob``)
 and scaled by ``routed_scaling_factor`` (``model.deepseek.routed_scale``); the generated model is dropless, with
-DeepSeek-V3's bias balancing. **The routing bias** (``mlp.gate.e_score_correction_bias``) is balancing state in
-jaxscale (the train state's, not a parameter): not imported (a run starts it at zero: what transformers makes for a
-model of its own) and not exported (transformers then initialises it to zero). **Multi-token prediction**:
+DeepSeek-V3's bias balancing. **The routing bias** (``mlp.gate.e_score_correction_bias [E]``, added to the scores
+for the choice of experts only) is ``routed.bias``: balancing state in jaxscale (``TrainState.balance``, not a
+parameter), written to the converted checkpoint's ``balance/`` and read by ``checkpoint.init_from`` into the state
+the run starts from; exported from that (or a run's state), float32 whatever ``--dtype`` (transformers keeps it
+float32), zeros where the model has none (``model.moe.balance: off``; importing non-zero biases into such a
+model is refused). **Multi-token prediction**:
 transformers' model has none and skips DeepSeek's MTP layers (layer ``num_hidden_layers + j`` for depth ``j``), so the
 generated model has ``mtp_depth: 0`` and the MTP layers are left out; with ``--config`` setting
 ``deepseek.mtp_depth`` they are read: ``enorm``, ``hnorm``, ``eh_proj [D, 2D]`` (the embedding's half first),
@@ -52,7 +56,7 @@ ARCHITECTURE = "DeepseekV3ForCausalLM"
 
 
 def model_from_hf(hf: dict[str, Any], model: ModelConfig) -> ModelConfig:
-    """``model`` (what :func:`jaxscale.convert.model_from_hf` read of every decoder) with DeepSeek-V3's MLA, MoE
+    """``model`` (what :func:`jaxscale.hf_models.model_from_hf` read of every decoder) with DeepSeek-V3's MLA, MoE
     and dense layers from the HF ``config.json`` ``hf``."""
     q_rank = hf.get("q_lora_rank")
     d = DeepSeekConfig(
@@ -147,6 +151,7 @@ def block(path: tuple[str | int, ...], hf: str, model: ModelConfig, moe: bool) -
         table += [Weight((*path, "mlp", f"w_{name}"), f"{dense}{name}_proj.weight") for name in ("gate", "up", "down")]
     if moe:
         table.append(Weight((*path, "routed", "router"), mlp + "gate.weight"))
+        table.append(Weight((*path, "routed", "bias"), mlp + "gate.e_score_correction_bias", None, balance=True))
         table += [Weight((*path, "routed", f"w_{name}"), mlp + "experts.{e}." + f"{name}_proj.weight")
                   for name in ("gate", "up", "down")]
     return table
@@ -176,10 +181,8 @@ def weights(model: ModelConfig) -> list[Weight]:
 
 
 def left_out(model: ModelConfig, name: str) -> bool:
-    """Whether the HF tensor ``name`` is knowingly not imported: the routing bias, the MTP layers past
-    ``mtp_depth``, and the MTP layers' copies of the shared embedding and head."""
-    if name.endswith(".mlp.gate.e_score_correction_bias"):
-        return True
+    """Whether the HF tensor ``name`` is knowingly not imported: the MTP layers past ``mtp_depth``, and the MTP
+    layers' copies of the shared embedding and head."""
     found = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
     if found is None or int(found[1]) < model.layers:
         return False

@@ -21,15 +21,16 @@ Three sources, chosen by ``data.source``:
   split in order.
 
 A weighted mixture of token sources (``data.mixture``, :class:`MixtureBatches`), in place of
-``data.path``, with grain's ``MapDataset.mix``: each source is a ``prepare-data`` directory or a raw
+``data.path``: each source is a ``prepare-data`` directory or a raw
 source (:mod:`jaxscale.tokencache`), cut into sequences and shuffled per epoch as a single source is
 (:class:`PackedBatches`, seed
-``(train.seed + i) mod 2^32`` for source ``i``), repeated without end. grain mixes them by a deterministic
-interleave: the weights are scaled to integers ``p_i`` (the smallest to 100, ``P = Σ p_i``), and row ``g``
-of the mixed stream is the next sequence of the source whose count falls behind ``g·p_i/P``. So the
-sources' shares are exact at every multiple of ``P`` rows and within a row or two of their weights in
-between, and the global batch of step ``s``, rows ``s·B .. s·B + B - 1``, is a function of ``(weights,
-seed, s)``: no state to replay, a resume is the straight run bit for bit.
+``(train.seed + i) mod 2^32`` for source ``i``), repeated without end, and mixed by an exact deterministic
+interleave (:mod:`jaxscale.interleave`): the weights, read as the decimals written, are exact fractions
+``p_i / P``, row ``g`` of the mixed stream is the next sequence of the source that one period of ``P`` rows
+(earliest deadline first) gives it, and after every ``n`` rows each source has given within one row of
+``n·w_i`` (``|count_i(n) - n·w_i| < 1``), exactly ``n·w_i`` at every multiple of ``P``. The global batch of
+step ``s``, rows ``s·B .. s·B + B - 1``, is a function of ``(weights, seed, s)``: no state to replay, a resume
+is the straight run bit for bit.
 
 **Weights changed on resume**: allowed (the checkpoint's loader state records them; the sources'
 fingerprints and the seed must match). From the resumed step on, the rows are those the new weights
@@ -64,6 +65,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxscale.config import Config, ConfigError
+from jaxscale.interleave import Interleave
 from jaxscale.packing import PackedBins, check_lengths
 from jaxscale.prepare import TokenDir
 from jaxscale.tokencache import token_dir
@@ -258,19 +260,16 @@ class MixtureBatches(Loader):
         first = next(iter(parts.values()))
         super().__init__(first.global_batch, first.seq_len, identity)
         self.parts, self.weights = parts, weights
-        self.dataset = grain.MapDataset.mix([p.dataset for p in parts.values()], weights)
-        # The same interleave over each source's index alone: which source gives a row, without reading it.
-        tags = [grain.MapDataset.source([i]).repeat() for i in range(len(parts))]
-        self.selection = grain.MapDataset.mix(tags, weights)
+        self.interleave = Interleave(weights)
 
     def windows(self, step: int, rows: range) -> np.ndarray:
-        first = step * self.global_batch
-        return np.stack([self.dataset[first + r] for r in rows])
+        datasets = [p.dataset for p in self.parts.values()]
+        sources, index = self.interleave.rows(step * self.global_batch + np.asarray(rows, np.int64))
+        return np.stack([datasets[i][k] for i, k in zip(sources.tolist(), index.tolist(), strict=True)])
 
     def sources(self, step: int) -> np.ndarray:
         """The index of the source of each row of the global batch of ``step``."""
-        first = step * self.global_batch
-        return np.array([self.selection[first + r] for r in range(self.global_batch)])
+        return self.interleave.rows(step * self.global_batch + np.arange(self.global_batch))[0]
 
     def metrics(self, first_step: int, stop_step: int) -> dict[str, float]:
         counts = np.bincount(np.concatenate([self.sources(s) for s in range(first_step, stop_step)]),

@@ -23,6 +23,8 @@ class Weight:
     ``first``, ``count``, ``every``: our stacked slice ``i`` is HF layer ``first + i · every`` (default: all
     ``model.layers``, from 0; ``every`` > 1 for one block of each group of ``every``, MoE every n-th layer).
     ``columns``: ours' last dimension is HF's taken in this order (None: the same order).
+    ``balance``: not a parameter but routing state (``TrainState.balance``, :mod:`jaxscale.models.balance`),
+    float32 both ways.
     """
 
     path: tuple[str | int, ...]
@@ -32,6 +34,7 @@ class Weight:
     count: int | None = None
     columns: tuple[int, ...] | None = None
     every: int = 1
+    balance: bool = False
 
     @property
     def layered(self) -> bool:
@@ -70,6 +73,18 @@ def slices(w: Weight, model: ModelConfig) -> Iterator[tuple[tuple[int, ...], str
         for e in experts:
             index = tuple(x for x in (i, e) if x is not None)
             yield index, w.hf.format(i=None if i is None else w.first + i * w.every, e=e)
+
+
+def bias_shape(w: Weight, model: ModelConfig) -> tuple[int, ...]:
+    """Our shape of the routing biases ``w`` (``balance``): ``[layers, experts]`` stacked, else ``[experts]``."""
+    return (w.count if w.count is not None else model.layers // w.every, model.moe.experts)[not w.layered :]
+
+
+def put(tree: dict[str, Any], path: tuple[str | int, ...], value: np.ndarray) -> None:
+    """Set ``value`` at a table's ``path`` in the nested dict ``tree``, making the levels it lacks."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
 
 
 def hf_int(hf: dict[str, Any], key: str, default: int | None = None) -> int:

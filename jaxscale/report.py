@@ -26,7 +26,8 @@ MEMORY_PARTS = {
     "peak transient": ("transient", "mask"),
     "batch": ("batch",),
 }
-RUN_CURVES = (("loss", "loss"), ("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory"))
+# A run's panels after its losses and a mixture's shares: (metric key, y label).
+RUN_CURVES = (("tokens_per_sec", "tokens/s"), ("memory_bytes", "memory"))
 # An MoE run's panel: each MoE layer's max/mean expert load (a list per record, one value per layer).
 LOAD_CURVE = ("moe_load_max", "max/mean expert load")
 
@@ -127,31 +128,56 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return read_records(path)
 
 
-def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
-    """Loss, tokens/s and memory over steps of a run (records without a curve's key are skipped); an MoE run's
-    max/mean expert load too, a line per MoE layer."""
+def _run_panels(records: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The panels of a run's picture, each ``(y label, the metric keys drawn on it)``: the losses (training,
+    evaluation, a mixture's per source), a mixture's shares, tokens/s, memory, and an MoE run's expert load."""
+    keys = list(dict.fromkeys(k for r in records for k in r))
+    named = [k for k in keys if k.startswith("eval_loss/")]
+    panels = [("loss", ["loss", *(["eval_loss"] if "eval_loss" in keys else []), *named])]
+    shares = [k for k in keys if k.startswith("share/")]
+    if shares:
+        panels.append(("mixture share", shares))
+    panels += [(label, [key]) for key, label in RUN_CURVES]
+    return panels + ([(LOAD_CURVE[1], [LOAD_CURVE[0]])] if LOAD_CURVE[0] in keys else [])
+
+
+def run_figure(run_dir: str | Path) -> Any:
+    """The matplotlib figure of :func:`run_png` (its caller closes it): a panel per :func:`_run_panels`, a line per
+    metric key, labelled by the key (records without it are skipped)."""
     plt = _pyplot()
     records = read_metrics(run_dir)
-    curves = RUN_CURVES + ((LOAD_CURVE,) if any(LOAD_CURVE[0] in r for r in records) else ())
-    fig, axes = plt.subplots(len(curves), 1, figsize=(8, 2.4 * len(curves)), sharex=True)
-    for ax, (key, label) in zip(axes, curves, strict=True):
-        if key == LOAD_CURVE[0]:
-            _layer_lines(ax, [r for r in records if key in r and "step" in r], key, label)
+    panels = _run_panels(records)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.4 * len(panels)), sharex=True)
+    for ax, (label, keys) in zip(axes, panels, strict=True):
+        if keys == [LOAD_CURVE[0]]:
+            _layer_lines(ax, [r for r in records if LOAD_CURVE[0] in r], LOAD_CURVE[0], label)
             continue
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None and "step" in r]
         scale = 1.0
-        if key == "memory_bytes":
-            scale, unit = (1e9, "GB") if max((v for _, v in points), default=0) >= 1e9 else (1e6, "MB")
+        if keys == ["memory_bytes"]:
+            largest = max((r["memory_bytes"] for r in records if r.get("memory_bytes") is not None), default=0)
+            scale, unit = (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
             label = f"{label} ({unit})"
-        ax.plot([s for s, _ in points], [v / scale for _, v in points], marker=".")
+            ax.set_ylim(0, 1.1 * largest / scale or None)  # from zero: a few bytes of jitter are not a curve
+        for key in keys:
+            points = [(r["step"], r[key] / scale) for r in records if r.get(key) is not None]
+            ax.plot([s for s, _ in points], [v for _, v in points], marker=".", label=key)
         ax.ticklabel_format(axis="y", style="plain", useOffset=False)  # values as they are, no "+1.2e-3" offset
-        if key == "memory_bytes" and points:  # from zero: a few bytes of jitter are not a curve
-            ax.set_ylim(0, 1.1 * max(v for _, v in points) / scale)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize="small")
     axes[-1].set_xlabel("step")
     axes[0].set_title(str(run_dir))
     fig.tight_layout()
+    return fig
+
+
+def run_png(run_dir: str | Path, path: str | Path | None = None) -> Path:
+    """Loss (training, evaluation, and a mixture's evaluation per source), a mixture's shares, tokens/s and
+    memory over steps of a run, written as a PNG (``<run_dir>/report.png`` by default); an MoE run's max/mean
+    expert load too, a line per MoE layer."""
+    plt = _pyplot()
+    fig = run_figure(run_dir)
     out = Path(path) if path is not None else Path(run_dir) / "report.png"
     try:
         fig.savefig(out, dpi=100)

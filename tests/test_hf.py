@@ -307,3 +307,41 @@ def test_fused_projections_restore_from_and_export_to_the_separate_layout(llama_
     again = checkpoint.params_source(tmp_path / "again")
     for w in convert.weights(model):
         assert np.array_equal(checkpoint.read_param(again, w.path), at(separate, w.path)), w.path
+
+
+def test_the_tiny_qwen3_moe_config_converts_and_trains_a_step(tmp_path):
+    """configs/models/qwen3-moe-tiny.yaml: random weights exported to HF load in transformers, and a run started
+    from them under ep_fsdp_tp (expert 2 x fsdp 2 x tensor 2) trains a step whose loss is transformers' loss."""
+    model = load_config(None, ["model=qwen3-moe-tiny"]).model
+    assert (model.qk_norm, model.head_dim * model.heads != model.embed, model.moe.every_n_layers) == (True, True, 1)
+    checkpoint.save_params(tmp_path / "ours", random_params(model, seed=2, scale=0.25), dataclasses.asdict(model))
+    convert.jaxscale_to_hf(tmp_path / "ours", tmp_path / "hf")
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert (hf.config.num_experts, hf.config.num_experts_per_tok, hf.config.norm_topk_prob) == (8, 2, True)
+    overrides = ["model=qwen3-moe-tiny", "model.moe.aux_loss_weight=0", "rules=ep_fsdp_tp", "mesh.data=1",
+                 "mesh.expert=2", "mesh.fsdp=2", "mesh.tensor=2", "train.global_batch=4", "train.seq_len=16",
+                 "train.steps=1", "train.log_every=1", f"checkpoint.init_from={tmp_path / 'ours'}",
+                 f"run_dir={tmp_path / 'run'}"]
+    trainer = Trainer.build(load_config(None, overrides))
+    state, history = fit(trainer, progress=False)
+    batch = jax.device_get(trainer.batch(0))
+    logits = torch.from_numpy(hf_logits(hf, np.array(batch["inputs"])))
+    hf_loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                      torch.tensor(batch["targets"]).long().reshape(-1)))
+    first = next(r for r in history if "loss" in r)
+    assert int(state.step) == 1 and abs(first["loss"] - hf_loss) < 1e-5 * hf_loss
+
+
+def test_non_zero_routing_biases_of_a_mixtral_are_refused_on_export(tmp_path):
+    """transformers' Mixtral router is a weight alone: a checkpoint whose routing biases (model.moe.balance) are
+    not zero would export another routing, and is refused in one line, nothing written."""
+    model = load_config(None, ["model=moe-tiny", "model.moe.balance=sign"]).model
+    assert convert.architecture(model) == "mixtral"
+    bias = np.zeros((model.layers, model.moe.experts), np.float32)
+    bias[1, 3] = 0.01
+    balance = {"blocks": {"blocks": {0: {"mlp": {"bias": bias}}}}}
+    checkpoint.save_params(tmp_path / "ours", random_params(model, seed=0), dataclasses.asdict(model), balance)
+    with pytest.raises(ConfigError, match=r"ours: non-zero MoE routing biases \(model\.moe\.balance\), which choose "
+                       r"the experts and MixtralForCausalLM has no place for: its routing would differ$"):
+        convert.jaxscale_to_hf(tmp_path / "ours", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxscale import checkpoint, convert
 from jaxscale.config import load_config
+from jaxscale.loop import fit
 from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
@@ -112,6 +113,9 @@ def test_deepseek_round_trip_with_mtp_is_bit_exact_and_transformers_loads_the_ex
     table = convert.weights(model)
     assert any(w.path[0] == "mtp" for w in table)
     for w in table:
+        if w.balance:  # the routing biases: none saved, so exported as zeros and read back as zeros
+            assert not checkpoint.read_param(checkpoint.balance_source(back), w.path).any()
+            continue
         saved, again = at(params, w.path), checkpoint.read_param(back, w.path)
         assert again.dtype == saved.dtype and np.array_equal(again, saved), w.path
     # transformers reads the main model and skips the MTP layer; its logits are ours.
@@ -183,3 +187,85 @@ def test_mtp_loss_is_deepseek_v3s(exported):
              "positions": np.broadcast_to(np.arange(x.shape[1], dtype=np.int32), x.shape)}
     _, metrics = jax.jit(trainer.loss_and_metrics)(params, batch)
     assert rel_err(metrics["mtp_loss"], mtp_reference(root / "hf", x)) < RTOL
+
+
+def test_routing_biases_are_imported_into_the_run_state_and_exported_bit_exact(converted, tmp_path):
+    """DeepSeek-V3's ``e_score_correction_bias`` (a buffer, not a parameter: transformers' ``drawn`` leaves it
+    zero) drawn non-zero: ``checkpoint.init_from``'s state holds it and gives transformers' logits; the export
+    gives back every tensor of the original, bit for bit."""
+    forward = converted[2]
+    hf = hf_model()
+    with torch.no_grad():
+        for layer in hf.model.layers[SIZES["first_k_dense_replace"]:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(SIZES["n_routed_experts"]))
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "ckpt")
+    state = checkpoint.init_state_from(forward.trainer, tmp_path / "ckpt")
+    biases = jax.device_get(state.balance["blocks"]["routed"]["bias"])
+    want = [layer.mlp.gate.e_score_correction_bias.numpy() for layer in hf.model.layers[1:]]
+    np.testing.assert_array_equal(biases, np.stack(want))
+
+    trainer = forward.trainer
+
+    @jax.jit
+    def logits(params, bias, x):
+        with use_rules(trainer.mesh, trainer.rules):
+            positions = jax.numpy.broadcast_to(jax.numpy.arange(x.shape[1]), x.shape)
+            return nnx.merge(trainer.graphdef, params, bias)(x, positions)
+
+    x = tokens()
+    ref = hf_logits(hf, x)
+    assert rel_err(jax.device_get(logits(state.params, state.balance, x)), ref) < RTOL
+    # The biases choose the experts: without them (a fresh run's zeros) the logits are another model's.
+    assert rel_err(jax.device_get(logits(state.params, trainer.fresh_balance(), x)), ref) > 100 * RTOL
+
+    convert.jaxscale_to_hf(tmp_path / "ckpt", tmp_path / "back", max_shard_mb=0.1)
+    original, back = (load_tensors(tmp_path / d) for d in ("hf", "back"))
+    # 3 (embedding, final norm, head) + 12 (the dense layer: 9 of attention and norms, 3 of the MLP)
+    # + 2 x 38 (each MoE layer: 9 of attention and norms, the router and its bias, 8 x 3 experts, 3 shared).
+    assert len(original) == 3 + 12 + 2 * 38 == 91
+    assert sorted(back) == sorted(original)
+    for name, value in original.items():
+        assert back[name].dtype == value.dtype and np.array_equal(back[name], value), name
+
+
+def test_non_zero_routing_biases_into_a_model_without_them_are_one_line(converted, tmp_path):
+    hf = hf_model()
+    with torch.no_grad():
+        hf.model.layers[2].mlp.gate.e_score_correction_bias[3] = 0.5
+    hf.save_pretrained(tmp_path / "hf")
+    (tmp_path / "off.yaml").write_text("moe:\n  balance: 'off'\n")
+    with pytest.raises(convert.ConfigError, match=r"hf: non-zero model\.layers\.\*\.mlp\.gate\.e_score_correction_bias "
+                       r"\(routing biases, which choose the experts\) and model\.moe\.balance is off"):
+        convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "ckpt", override=str(tmp_path / "off.yaml"))
+
+
+def load_tensors(hf_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of an HF directory's safetensors files, by name."""
+    from safetensors.numpy import load_file
+
+    return {k: v for file in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+@pytest.mark.slow
+def test_a_runs_trained_routing_biases_are_exported(converted, tmp_path):
+    """A run started from a converted DeepSeek-V3 moves the biases it started from (sign balancing); its
+    checkpoint's export holds the moved ones (float32)."""
+    hf = hf_model()
+    with torch.no_grad():
+        hf.model.layers[1].mlp.gate.e_score_correction_bias.copy_(0.3 * torch.randn(SIZES["n_routed_experts"]))
+    hf.save_pretrained(tmp_path / "hf")
+    convert.hf_to_jaxscale(tmp_path / "hf", tmp_path / "ckpt")
+    overrides = [f"model={tmp_path / 'ckpt' / 'model.yaml'}", "model.moe.bias_rate=0.01", "rules=dp", "mesh.data=1",
+                 "train.global_batch=4", "train.seq_len=16", "train.steps=2", "checkpoint.every=2",
+                 f"checkpoint.init_from={tmp_path / 'ckpt'}", f"run_dir={tmp_path / 'run'}"]
+    state, _ = fit(Trainer.build(load_config(None, overrides), jax.devices()[:1]), progress=False)
+    trained = jax.device_get(state.balance["blocks"]["routed"]["bias"])
+    started = np.stack([layer.mlp.gate.e_score_correction_bias.numpy() for layer in hf.model.layers[1:]])
+    # Two sign steps of 0.01 from where it started (not from zero): each bias moved by 0, 0.01 or 0.02, not all stayed.
+    moved = np.abs(trained - started) * 100
+    assert np.allclose(moved, np.round(moved), atol=1e-3) and moved.max() < 2.001 and moved.max() > 0.5
+    convert.jaxscale_to_hf(tmp_path / "run" / "checkpoints", tmp_path / "back")
+    back = load_tensors(tmp_path / "back")
+    exported = np.stack([back[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in (1, 2)])
+    assert exported.dtype == np.float32 and np.array_equal(exported, trained)
