@@ -12,14 +12,12 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxscale import checkpoint, convert, flops
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.loop import fit
 from jaxscale.models import fusion
-from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer, abstract_model
 
 torch = pytest.importorskip("torch")
@@ -83,18 +81,11 @@ class Converted:
         config = load_config(None, layout(case, self.ckpt, "train.global_batch=4", "train.seq_len=16"))
         self.trainer = Trainer.build(config)
 
-        def forward(params, tokens):
-            with use_rules(self.trainer.mesh, self.trainer.rules):
-                positions = jax.numpy.broadcast_to(jax.numpy.arange(tokens.shape[1]), tokens.shape)
-                return nnx.merge(self.trainer.graphdef, params)(tokens, positions)
-
-        self.forward = jax.jit(forward, in_shardings=(self.trainer.state_shardings.params, self.trainer.batch_sharding))
-
     def params(self, ckpt: Path):
         return checkpoint.restore_params(checkpoint.params_source(ckpt), self.trainer.abstract_state().params)
 
     def logits(self, ckpt: Path, tokens: np.ndarray) -> np.ndarray:
-        return np.asarray(jax.device_get(self.forward(self.params(ckpt), tokens)))
+        return np.asarray(self.trainer.logits(self.params(ckpt), tokens))
 
 
 @pytest.fixture(scope="module", params=list(CASES))

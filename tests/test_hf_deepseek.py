@@ -11,11 +11,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxscale import checkpoint, convert
 from jaxscale.config import load_config
-from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
 torch = pytest.importorskip("torch")
@@ -48,18 +46,11 @@ class Forward:
     def __init__(self, model_yaml: Path):
         overrides = [f"model={model_yaml}", "rules=ep_fsdp_tp", *(f"mesh.{k}={v}" for k, v in MESH.items()),
                      "train.global_batch=4", "train.seq_len=16"]
-        self.trainer = trainer = Trainer.build(load_config(None, overrides))
-
-        def forward(params, tokens):
-            with use_rules(trainer.mesh, trainer.rules):
-                positions = jax.numpy.broadcast_to(jax.numpy.arange(tokens.shape[1]), tokens.shape)
-                return nnx.merge(trainer.graphdef, params, trainer.fresh_balance())(tokens, positions)
-
-        self.forward = jax.jit(forward, in_shardings=(trainer.state_shardings.params, trainer.batch_sharding))
+        self.trainer = Trainer.build(load_config(None, overrides))
 
     def logits(self, ckpt: Path, x: np.ndarray) -> np.ndarray:
         params = checkpoint.restore_params(checkpoint.params_source(ckpt), self.trainer.abstract_state().params)
-        return np.asarray(jax.device_get(self.forward(params, x)))
+        return np.asarray(self.trainer.logits(params, x))
 
 
 @pytest.fixture(scope="module")
