@@ -44,11 +44,17 @@ def unpack(trainer: Any, state_or_params: Any) -> tuple[Any, Any, Any]:
     return state_or_params, trainer.fresh_fp8(), trainer.fresh_balance()
 
 
+def merged(trainer: Any, params: Any, fp8_state: Any, bias: Any) -> nnx.Module:
+    """The trainer's model holding ``params``, ``fp8_state`` and the routing biases ``bias``, its layer stack in
+    the model's own order (read from the pipeline's storage)."""
+    canonical = trainer.storage.canonical_params
+    return nnx.merge(trainer.graphdef, canonical(params), canonical(fp8_state), canonical(bias))
+
+
 def model_logits(trainer: Any, params: Any, tokens: jax.Array, positions: jax.Array, fp8_state: Any,
                  bias: Any) -> jax.Array:
     """The model's float32 logits of ``tokens`` at ``positions``; traced in the trainer's scope (its ``_jit``)."""
-    canonical = trainer.storage.canonical_params  # the pipeline's storage -> the model's own stack
-    model = nnx.merge(trainer.graphdef, canonical(params), canonical(fp8_state), canonical(bias))
+    model = merged(trainer, params, fp8_state, bias)
     out = model(tokens, positions)
     if out.shape[:2] != tokens.shape or out.ndim != 3:
         raise ConfigError(
