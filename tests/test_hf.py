@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint, convert, flops
+from jaxscale import checkpoint, convert, flops, generate, sampling
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.loop import fit
@@ -298,3 +298,17 @@ def test_fused_projections_restore_from_and_export_to_the_separate_layout(llama_
     again = checkpoint.params_source(tmp_path / "again")
     for w in convert.weights(model):
         assert np.array_equal(checkpoint.read_param(again, w.path), at(separate, w.path)), w.path
+
+
+def test_generate_on_a_converted_llama_is_transformers_greedy(llama_ckpt, capsys):
+    model, ckpt = llama_ckpt
+    prompt = np.frombuffer(b"Hello", np.uint8).astype(np.int32)[None]
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        hf = model.generate(torch.from_numpy(prompt).long(), generation_config=config).numpy()[0, prompt.shape[1]:]
+    settings, _, directory = generate.saved_settings(ckpt)
+    trainer = Trainer.build(generate.one_device_config(settings), jax.devices()[:1])
+    ours = sampling.generate(trainer, generate.restored(trainer, directory), prompt, 8).tokens[0]
+    np.testing.assert_array_equal(ours, hf)  # with the key/value cache (the model has GQA: kv_heads < heads)
+    assert main(["generate", str(ckpt), "--prompt", "Hello", "--max-new-tokens", "8", "--tokenizer", "byte"]) == 0
+    assert capsys.readouterr().out == "Hello" + bytes(hf.tolist()).decode("utf-8", errors="replace") + "\n"
