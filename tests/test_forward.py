@@ -1,5 +1,5 @@
 """``Trainer.logits``, the public forward: under ZeRO-3, FSDP x TP, expert parallelism (with routing biases),
-an interleaved pipeline and fp8 state, equal to one device's logits of the same state."""
+an interleaved pipeline, ring attention and fp8 state, equal to one device's logits of the same state."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from jaxscale.train import Trainer
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 16), dtype=np.int32)
 INTERLEAVED = ("model.layers=4", "pipeline.repeats=2", "pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=4")
+RING = ("model.attention=ring", "model.attention_block=2")  # 2 chunks of 2 tokens per device in the zig-zag
 # moe-tiny under ep with DeepSeek's sign balancing (so the state holds routing biases); capacity for every token.
 MOE = ["model=moe-tiny", "model.moe.balance=sign", "model.moe.capacity_factor=4", "train.global_batch=8",
        "train.seq_len=16", "data.max_bytes=100000"]
@@ -39,7 +40,7 @@ def drawn(tree, seed: int, scale: float):
 @pytest.mark.parametrize(
     "rules, mesh, extra",
     [("zero3", {"fsdp": 8}, ()), ("fsdp_tp", {"fsdp": 4, "tensor": 2}, ()),
-     ("pp", {"stage": 2, "data": 4}, INTERLEAVED)],
+     ("pp", {"stage": 2, "data": 4}, INTERLEAVED), ("cp", {"context": 4, "data": 2}, RING)],
 )
 def test_logits_under_a_layout_equal_one_devices(rules, mesh, extra):
     trainer = Trainer.build(tiny_config(*extra, rules=rules, mesh=mesh))
@@ -47,6 +48,8 @@ def test_logits_under_a_layout_equal_one_devices(rules, mesh, extra):
     close(trainer.logits(trainer.init_state(), TOKENS), one.logits(one.init_state().params, TOKENS))
     if trainer.pipelined:  # the stack in the interleaved pipeline's storage, read back in the model's order
         assert not trainer.storage.canonical_order
+    if rules == "cp":  # ring attention: the tokens in its zig-zag order, the logits back in theirs
+        assert trainer.config.model.attention == "ring"
 
 
 def test_logits_with_routing_biases_under_ep_equal_one_devices():
