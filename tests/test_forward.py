@@ -3,12 +3,15 @@ an interleaved pipeline, ring attention and fp8 state, equal to one device's log
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import numpy as np
 import pytest
-from helpers import RTOL, tiny_config
+from helpers import ROOT, RTOL, tiny_config
 
 from jaxscale.config import ConfigError, load_config
+from jaxscale.sampling import generate
 from jaxscale.train import Trainer
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 16), dtype=np.int32)
@@ -50,6 +53,22 @@ def test_logits_under_a_layout_equal_one_devices(rules, mesh, extra):
         assert not trainer.storage.canonical_order
     if rules == "cp":  # ring attention: the tokens in its zig-zag order, the logits back in theirs
         assert trainer.config.model.attention == "ring"
+
+
+def test_a_user_models_logits_under_a_pipeline_equal_one_devices_and_it_generates():
+    spec = importlib.util.spec_from_file_location("parallel_block", ROOT / "examples" / "parallel_block.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    extra = ("model.layers=4", "pipeline.microbatches=2")
+    trainer = Trainer.build(tiny_config(*extra, rules="pp", mesh={"stage": 2, "data": 4}), model=example.ParallelLM)
+    one = Trainer.build(tiny_config(*extra), jax.devices()[:1], model=example.ParallelLM)
+    params = one.init_state().params
+    ref = one.logits(params, TOKENS)
+    close(trainer.logits(trainer.init_state(), TOKENS), ref)
+    # Generation runs any model by its full forward: each greedy token is the argmax of the tokens so far.
+    new = generate(one, params, TOKENS[:2, :4], 3).tokens
+    rows = np.concatenate([TOKENS[:2, :4], new], axis=1)
+    np.testing.assert_array_equal(new, np.asarray(one.logits(params, rows))[:, 3:-1].argmax(-1))
 
 
 def test_logits_with_routing_biases_under_ep_equal_one_devices():
