@@ -1,6 +1,7 @@
 """Generation (jaxscale/sampling.py, jaxscale/models/decode.py, ``jaxscale generate``): the key/value cache's logits
 equal the full forward's at every generated position (dense GQA, and a mixture of experts in groups of
-blocks), sampling within the top k and seeded, and the command on a run trained for a few steps."""
+blocks), sampling within the top k and seeded, the command on a run trained for a few steps, and the tokenizer
+it reads (the run's, a converted checkpoint's, ``--tokenizer``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from helpers import tiny_config
 
 from jaxscale.cli import main
 from jaxscale.config import ConfigError
+from jaxscale.generate import text, tokenizer_of
+from jaxscale.prepare import ByteTokenizer, prepare_data
 from jaxscale.sampling import generate
 from jaxscale.train import Trainer
 
@@ -78,3 +81,28 @@ def test_generate_command_on_a_trained_run(tmp_path, capsys):
         assert main(["generate", *argv]) == 2
         err = capsys.readouterr().err
         assert line in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_tokenizer_is_the_runs_or_the_checkpoints(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2, "</s>": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "a.txt").write_text("hello world")
+    prepare_data([tmp_path / "a.txt"], tmp_path / "tokens", str(tmp_path / "tokenizer.json"), val_fraction=0.0)
+    prepared = {"source": "tokens", "path": str(tmp_path / "tokens")}
+    raw = {"source": "tokens", "path": str(tmp_path / "a.txt"), "tokenizer": str(tmp_path / "tokenizer.json")}
+    for data in (prepared, raw):
+        tok = tokenizer_of(None, data, tmp_path)
+        assert tok.eod_id == 3 and tok.encode_batch(["hello world"])[0].tolist() == [0, 1]
+        assert text(tok, [0, 1, 3, 0]) == "hello world"  # up to the end of document
+    assert isinstance(tokenizer_of(None, {"source": "builtin"}, tmp_path), ByteTokenizer)
+    assert isinstance(tokenizer_of("byte", prepared, tmp_path), ByteTokenizer)  # --tokenizer wins
+    assert text(ByteTokenizer(), [104, 105, 0xFF, 256, 120]) == "hi\ufffd"
+    converted = tmp_path / "ckpt"
+    converted.mkdir()
+    with pytest.raises(ConfigError, match=r"names no tokenizer: give --tokenizer byte or a tokenizer\.json$"):
+        tokenizer_of(None, None, converted)
+    (converted / "tokenizer.json").write_text((tmp_path / "tokenizer.json").read_text())
+    assert tokenizer_of(None, None, converted).eod_id == 3
