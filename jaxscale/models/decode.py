@@ -8,7 +8,9 @@ attention projects and rotates them as the full forward does (:meth:`~jaxscale.m
 writes their keys and values into slots ``index ..``, and attends over the cache's slots at or before each
 query's position, the query heads of a group sharing their key/value head (grouped-query attention), in
 float32; the rest (MLP or mixture of experts, norms, head) is the model's own code. The prefill is the
-step of the whole prompt at index 0, the decode steps those of one token.
+step of the whole prompt at index 0, the decode steps those of one token. (A mixture of experts with
+capacity dispatch sizes its capacity by a step's own tokens: the full forward of the whole sequence may drop
+tokens the decode keeps; dropless dispatch routes alike.)
 """
 
 from __future__ import annotations
