@@ -1,4 +1,4 @@
-"""jaxscale's command line: train, prepare-data, convert, inspect, plan, report and bench.
+"""jaxscale's command line: train, prepare-data, convert, generate, inspect, plan, report and bench.
 
 Each command reads and validates its config (or cluster file) before jax is
 imported, so that when no ``XLA_FLAGS`` is set it can ask the host platform
@@ -143,6 +143,22 @@ def _convert(args: argparse.Namespace) -> int:
     from jaxscale import convert
 
     print(convert.main(args.direction, args.source, args.target, args.config, args.dtype, args.max_shard_mb))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if not args.prompt:
+        raise ConfigError("generate: --prompt is empty: give the text to continue")
+    for name, low in (("max_new_tokens", 1), ("top_k", 0)):
+        if getattr(args, name) < low:
+            raise ConfigError(f"generate: --{name.replace('_', '-')} must be at least {low}, got {getattr(args, name)}")
+    if args.temperature < 0:
+        raise ConfigError(f"generate: --temperature must be 0 (greedy) or more, got {args.temperature}")
+    # Imports jax: one device of the default platform.
+    from jaxscale import generate
+
+    print(generate.main(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
+                        args.tokenizer))
     return 0
 
 
@@ -394,6 +410,17 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=_choices(DType),
                          help="jaxscale-to-hf: tensor dtype (default: the model's param_dtype)")
     convert.add_argument("--max-shard-mb", type=float, default=2000.0, help="jaxscale-to-hf: MiB per safetensors file")
+
+    gen = _command(commands, "generate", _generate, "continue a prompt with a run's or a converted checkpoint's model")
+    gen.add_argument("path", help="a run directory, a checkpoint directory, or a converted checkpoint (params/, "
+                     "model.yaml)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (fewer at end of document)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sample softmax(logits / T)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens only (0: all)")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    gen.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's, or the checkpoint's "
+                     "tokenizer.json)")
 
     bench = _command(commands, "bench", _bench, "benchmark the train step: time, throughput, MFU, compile, overhead")
     _experiment_args(bench, str(CONFIG_DIR / "experiments" / "bench.yaml"),

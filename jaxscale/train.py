@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import flops, fp8, loop, precision, stage_layers, xla_flags
+from jaxscale import flops, forward, fp8, loop, precision, stage_layers, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
@@ -508,6 +508,17 @@ class Trainer:
         """Jitted loss of a batch under this layout, the parameters not donated;
         ``(params, batch, fp8_state=None, bias=None)``."""
         return self._jit(self.loss)
+
+    @cached_property
+    def jit_logits(self) -> Any:
+        """Jitted forward: ``(params, tokens, positions, fp8_state, bias)`` -> float32 logits."""
+        return self._jit(functools.partial(forward.model_logits, self))
+
+    def logits(self, state_or_params: Any, tokens: Any, positions: Any = None) -> jax.Array:
+        """float32 logits ``[batch, length, vocab]`` of ``tokens`` ``[batch, length]`` at ``positions`` (default
+        0, 1, ...), under this layout: of a ``TrainState`` (its fp8 state and routing biases with it) or of bare
+        parameters (a fresh start's). Pipeline layouts run the plain forward (:mod:`jaxscale.forward`)."""
+        return forward.logits(self, state_or_params, tokens, positions)
 
     # -- data ------------------------------------------------------------------------
 

@@ -12,14 +12,12 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
-from jaxscale import checkpoint, convert, flops
+from jaxscale import checkpoint, convert, flops, generate, sampling
 from jaxscale.cli import main
 from jaxscale.config import Config, ConfigError, load_config
 from jaxscale.loop import fit
 from jaxscale.models import fusion
-from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer, abstract_model
 
 torch = pytest.importorskip("torch")
@@ -83,18 +81,11 @@ class Converted:
         config = load_config(None, layout(case, self.ckpt, "train.global_batch=4", "train.seq_len=16"))
         self.trainer = Trainer.build(config)
 
-        def forward(params, tokens):
-            with use_rules(self.trainer.mesh, self.trainer.rules):
-                positions = jax.numpy.broadcast_to(jax.numpy.arange(tokens.shape[1]), tokens.shape)
-                return nnx.merge(self.trainer.graphdef, params)(tokens, positions)
-
-        self.forward = jax.jit(forward, in_shardings=(self.trainer.state_shardings.params, self.trainer.batch_sharding))
-
     def params(self, ckpt: Path):
         return checkpoint.restore_params(checkpoint.params_source(ckpt), self.trainer.abstract_state().params)
 
     def logits(self, ckpt: Path, tokens: np.ndarray) -> np.ndarray:
-        return np.asarray(jax.device_get(self.forward(self.params(ckpt), tokens)))
+        return np.asarray(self.trainer.logits(self.params(ckpt), tokens))
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -345,3 +336,17 @@ def test_non_zero_routing_biases_of_a_mixtral_are_refused_on_export(tmp_path):
                        r"the experts and MixtralForCausalLM has no place for: its routing would differ$"):
         convert.jaxscale_to_hf(tmp_path / "ours", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+
+
+def test_generate_on_a_converted_llama_is_transformers_greedy(llama_ckpt, capsys):
+    model, ckpt = llama_ckpt
+    prompt = np.frombuffer(b"Hello", np.uint8).astype(np.int32)[None]
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        hf = model.generate(torch.from_numpy(prompt).long(), generation_config=config).numpy()[0, prompt.shape[1]:]
+    settings, _, directory = generate.saved_settings(ckpt)
+    trainer = Trainer.build(generate.one_device_config(settings), jax.devices()[:1])
+    ours = sampling.generate(trainer, generate.restored(trainer, directory), prompt, 8).tokens[0]
+    np.testing.assert_array_equal(ours, hf)  # with the key/value cache (the model has GQA: kv_heads < heads)
+    assert main(["generate", str(ckpt), "--prompt", "Hello", "--max-new-tokens", "8", "--tokenizer", "byte"]) == 0
+    assert capsys.readouterr().out == "Hello" + bytes(hf.tolist()).decode("utf-8", errors="replace") + "\n"

@@ -11,12 +11,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxscale import checkpoint, convert
 from jaxscale.config import load_config
 from jaxscale.loop import fit
-from jaxscale.sharding import use_rules
 from jaxscale.train import Trainer
 
 torch = pytest.importorskip("torch")
@@ -49,18 +47,11 @@ class Forward:
     def __init__(self, model_yaml: Path):
         overrides = [f"model={model_yaml}", "rules=ep_fsdp_tp", *(f"mesh.{k}={v}" for k, v in MESH.items()),
                      "train.global_batch=4", "train.seq_len=16"]
-        self.trainer = trainer = Trainer.build(load_config(None, overrides))
-
-        def forward(params, tokens):
-            with use_rules(trainer.mesh, trainer.rules):
-                positions = jax.numpy.broadcast_to(jax.numpy.arange(tokens.shape[1]), tokens.shape)
-                return nnx.merge(trainer.graphdef, params, trainer.fresh_balance())(tokens, positions)
-
-        self.forward = jax.jit(forward, in_shardings=(trainer.state_shardings.params, trainer.batch_sharding))
+        self.trainer = Trainer.build(load_config(None, overrides))
 
     def logits(self, ckpt: Path, x: np.ndarray) -> np.ndarray:
         params = checkpoint.restore_params(checkpoint.params_source(ckpt), self.trainer.abstract_state().params)
-        return np.asarray(jax.device_get(self.forward(params, x)))
+        return np.asarray(self.trainer.logits(params, x))
 
 
 @pytest.fixture(scope="module")
@@ -206,18 +197,11 @@ def test_routing_biases_are_imported_into_the_run_state_and_exported_bit_exact(c
     np.testing.assert_array_equal(biases, np.stack(want))
 
     trainer = forward.trainer
-
-    @jax.jit
-    def logits(params, bias, x):
-        with use_rules(trainer.mesh, trainer.rules):
-            positions = jax.numpy.broadcast_to(jax.numpy.arange(x.shape[1]), x.shape)
-            return nnx.merge(trainer.graphdef, params, bias)(x, positions)
-
     x = tokens()
     ref = hf_logits(hf, x)
-    assert rel_err(jax.device_get(logits(state.params, state.balance, x)), ref) < RTOL
-    # The biases choose the experts: without them (a fresh run's zeros) the logits are another model's.
-    assert rel_err(jax.device_get(logits(state.params, trainer.fresh_balance(), x)), ref) > 100 * RTOL
+    assert rel_err(jax.device_get(trainer.logits(state, x)), ref) < RTOL
+    # The biases choose the experts: without them (bare parameters: a fresh run's zeros) another model's logits.
+    assert rel_err(jax.device_get(trainer.logits(state.params, x)), ref) > 100 * RTOL
 
     convert.jaxscale_to_hf(tmp_path / "ckpt", tmp_path / "back", max_shard_mb=0.1)
     original, back = (load_tensors(tmp_path / d) for d in ("hf", "back"))

@@ -197,6 +197,14 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = HeadNorm(config), HeadNorm(config)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        q, k, v = self.project(x, positions)
+        core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=self.config)
+        if self.config.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
+            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+        return self.output(core(q, k, v, positions if self.documents else None))
+
+    def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k and v of ``x`` at ``positions``: the projections, the heads' norms (``model.qk_norm``), RoPE."""
         c = self.config
         weight = functools.partial(fp8_weight, self, dtype=jnp.dtype(c.dtype))
         q, k, v = self.fused_qkv(x) if c.fused_projections else sequence.column_parallel(
@@ -214,15 +222,15 @@ class Attention(nnx.Module):
             q, k = constrain(self.q_norm(q), Q_AXES), constrain(self.k_norm(k), KV_AXES)
         q = constrain(rope(q, positions, c.rope_theta, c.rope_scaling), Q_AXES)
         k = constrain(rope(k, positions, c.rope_theta, c.rope_scaling), KV_AXES)
-        q, k, v = checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
-        core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=c)
-        if c.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
-            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = core(q, k, v, positions if self.documents else None)
+        return checkpoint_name(q, "query"), checkpoint_name(k, "key"), checkpoint_name(v, "value")
+
+    def output(self, out: jax.Array) -> jax.Array:
+        """The output projection of the attention's ``out`` [batch, length, heads, head_dim]."""
+        c = self.config
         out = checkpoint_name(constrain(out, Q_AXES), "attention")
         y = sequence.row_parallel(
-            "bshd,hde->bse", fp8_input(self.fp8, "out", out), Q_AXES, weight("wo"), ("heads", "head_dim", "embed"),
-            RESIDUAL, overlap=c.tp_overlap, grads=self.grads,
+            "bshd,hde->bse", fp8_input(self.fp8, "out", out), Q_AXES, fp8_weight(self, "wo", jnp.dtype(c.dtype)),
+            ("heads", "head_dim", "embed"), RESIDUAL, overlap=c.tp_overlap, grads=self.grads,
         )
         return checkpoint_name(y, "attention_out")
 
