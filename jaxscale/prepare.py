@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -200,8 +201,9 @@ def prepare_data(
     and ``response_field``, records are prompt/response pairs trained on the response (:mod:`jaxscale.documents`).
 
     Written into a temporary directory beside ``out`` and renamed at the end: a run that fails (bad
-    input, a full disk, Ctrl-C) leaves ``out`` as it was. An ``out`` with contents is refused unless
-    ``overwrite``; then it is replaced only once the new directory is complete.
+    input, a full disk, Ctrl-C, SIGTERM) leaves ``out`` as it was and nothing it created; the temporary
+    directories of ``out`` that killed processes left are removed first. An ``out`` with contents is refused
+    unless ``overwrite``; then it is replaced only once the new directory is complete.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -261,7 +263,7 @@ def _running(pid: int) -> bool:
 def _remove_stale(out: Path) -> None:
     """Remove the temporary directories of ``out`` that processes of this host left (killed: SIGKILL, a lost
     node) and that no longer run; another host's, or a live process's, are left alone."""
-    for path in out.parent.glob(f"{PARTIAL % out.name}*"):
+    for path in out.parent.glob(f"{glob.escape(PARTIAL % out.name)}*"):
         host, _, pid = path.name.removeprefix(PARTIAL % out.name).rpartition("-")
         if not pid.isdigit() or host not in ("", socket.gethostname()) or _running(int(pid)):
             continue
