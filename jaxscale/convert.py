@@ -474,15 +474,10 @@ def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, Model
 def _write_shard(out_dir: Path, number: int, tensors: dict[str, np.ndarray]) -> str:
     name = f"model-{number:05d}.safetensors.part"
     _safetensors().numpy.save_file(tensors, out_dir / name, metadata={"format": "pt"})
-    os.chmod(out_dir / name, 0o666 & ~_umask())  # safetensors writes 0600, whatever the umask
-    return name
-
-
-def _umask() -> int:
-    """The process's umask (read by setting it, then setting it back)."""
-    mask = os.umask(0o022)
+    mask = os.umask(0o022)  # the umask, read by setting it (and back): safetensors writes 0600 whatever it is
     os.umask(mask)
-    return mask
+    os.chmod(out_dir / name, 0o666 & ~mask)
+    return name
 
 
 def jaxscale_to_hf(
