@@ -14,24 +14,21 @@ temporary directory, and is classified as:
 - ``ok``: a kind that must succeed did (one input file to prepare-data, say) with the expected result.
 
 The kinds are those of issue 24's list (config values out of range, misspelt keys, duplicate keys,
-malformed Hugging Face inputs, paths that are files or locked, torn metrics, ...); ``--only`` runs
-those whose name contains a string.
+malformed Hugging Face inputs, paths that are files or locked, torn metrics, ...) and issue 37's last ones
+(:func:`last_kinds`); ``--only`` runs those whose name contains a string. :class:`Kind` and the
+classification are ``benchmarks/bad_input_kind.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import hashlib
-import io
 import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,35 +36,11 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np
+from bad_input_kind import RUN, Kind, classify, train, write
 
 from jaxscale import cli
 from jaxscale.bounds import RANGES
 from jaxscale.config import CONFIG_DIR
-
-# A run small enough to compile in seconds should a bad value be accepted.
-RUN = ["train.steps=2", "train.log_every=1", "data.max_bytes=200000", "train.warmup_steps=1"]
-
-
-@dataclasses.dataclass
-class Kind:
-    """One bad input: ``argv(tmp)`` builds the command in a fresh directory (after ``setup(tmp)``)."""
-
-    name: str
-    argv: Callable[[Path], list[str]]
-    names: tuple[str, ...] = ()  # what its one line must name
-    setup: Callable[[Path], None] | None = None
-    keep: str | None = None  # a path under tmp whose files must be unchanged
-    succeeds: Callable[[Path], bool] | None = None  # a kind that must succeed, and this holds after it
-
-
-def train(*sets: str) -> Callable[[Path], list[str]]:
-    return lambda tmp: ["train", "--no-progress", "--set", f"run_dir={tmp / 'run'}", *RUN, *sets]
-
-
-def digest(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()} if root.exists() else {}
-
 
 # -- the kinds -----------------------------------------------------------------------------------------------
 
@@ -111,14 +84,6 @@ def range_kinds() -> list[Kind]:
     return kinds
 
 
-def _write(path: str, text: str | bytes) -> Callable[[Path], None]:
-    def setup(tmp: Path) -> None:
-        (tmp / path).parent.mkdir(parents=True, exist_ok=True)
-        data = text.encode() if isinstance(text, str) else text
-        (tmp / path).write_bytes(data)
-    return setup
-
-
 def config_kinds() -> list[Kind]:
     conf = lambda tmp: ["train", "--no-progress", "--config", str(tmp / "exp.yaml"), "--set", *RUN,  # noqa: E731
                         f"run_dir={tmp / 'run'}"]
@@ -132,12 +97,12 @@ def config_kinds() -> list[Kind]:
         Kind("moe switched on by accident", train("model.moe.experts=4"), ("model.moe",)),
         Kind("rules key typo", train("rules=" + "{tmp}/typo.yaml"), ("haeds",)),
         Kind("duplicate YAML section", conf, ("appears twice",),
-             _write("exp.yaml", "train:\n  steps: 2\ntrain:\n  steps: 3\n")),
-        Kind("duplicate YAML key", conf, ("appears twice",), _write("exp.yaml", "train:\n  steps: 2\n  steps: 3\n")),
+             write("exp.yaml", "train:\n  steps: 2\ntrain:\n  steps: 3\n")),
+        Kind("duplicate YAML key", conf, ("appears twice",), write("exp.yaml", "train:\n  steps: 2\n  steps: 3\n")),
         Kind("non-UTF-8 config", conf, ("not UTF-8",),
-             _write("exp.yaml", "train:\n  steps: 2 # caf\xe9\n".encode("latin-1"))),
-        Kind("invalid YAML", conf, ("not valid YAML",), _write("exp.yaml", "train: [1, 2\n")),
-        Kind("config not a mapping", conf, ("mapping",), _write("exp.yaml", "- 1\n")),
+             write("exp.yaml", "train:\n  steps: 2 # caf\xe9\n".encode("latin-1"))),
+        Kind("invalid YAML", conf, ("not valid YAML",), write("exp.yaml", "train: [1, 2\n")),
+        Kind("config not a mapping", conf, ("mapping",), write("exp.yaml", "- 1\n")),
         Kind("config missing", lambda tmp: ["train", "--config", str(tmp / "nope.yaml")], ("config file not found",)),
         Kind("unknown rules preset", train("rules=dpp"), ("dpp",)),
         Kind("unknown model preset", train("model=llama-9000"), ("llama-9000",)),
@@ -191,11 +156,11 @@ def run_kinds() -> list[Kind]:
     dp = ("rules=dp", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1")
     tokens = lambda tmp: [f"data.path={tmp / 'tokens'}"]  # noqa: E731
     return [
-        Kind("run_dir is a file", train(), ("run_dir",), _write("run", "")),
+        Kind("run_dir is a file", train(), ("run_dir",), write("run", "")),
         Kind("run_dir under a file", lambda tmp: [*train()(tmp)[:3], f"run_dir={tmp / 'f' / 'run'}", *RUN],
-             ("run_dir",), _write("f", "")),
+             ("run_dir",), write("f", "")),
         Kind("checkpoint.dir is a file", train("checkpoint.every=1", "checkpoint.dir={tmp}/f"), ("checkpoint.dir",),
-             _write("f", "")),
+             write("f", "")),
         Kind("run_dir in use", train("checkpoint.every=1"), ("in use", "process"), _locked),
         Kind("second run into a run_dir with checkpoints", train("checkpoint.every=1", *dp), ("--resume",),
              _checkpoints, keep="run/checkpoints"),
@@ -231,23 +196,23 @@ def prepare_kinds() -> list[Kind]:
              _prepare, keep="tokens"),
         Kind("prepare --overwrite that fails", prep("{tmp}/docs.jsonl", "{tmp}/bad.jsonl", "--out", "{tmp}/tokens",
                                                     "--overwrite"), ("bad.jsonl:2",),
-             lambda tmp: (_prepare(tmp), _write("bad.jsonl", '{"text": "a"}\n{"x": 1}\n')(tmp)), keep="tokens"),
-        Kind("prepare --out is a file", prep("{tmp}/a.txt", "--out", "{tmp}/a.txt"), ("--out",), _write("a.txt", "hi")),
+             lambda tmp: (_prepare(tmp), write("bad.jsonl", '{"text": "a"}\n{"x": 1}\n')(tmp)), keep="tokens"),
+        Kind("prepare --out is a file", prep("{tmp}/a.txt", "--out", "{tmp}/a.txt"), ("--out",), write("a.txt", "hi")),
         Kind("prepare --out under a file", prep("{tmp}/a.txt", "--out", "{tmp}/a.txt/x"), ("--out",),
-             _write("a.txt", "hi")),
+             write("a.txt", "hi")),
         Kind("prepare input missing", prep("{tmp}/none.txt", "--out", "{tmp}/out"), ("none.txt",)),
         Kind("prepare input not UTF-8", prep("{tmp}/a.txt", "--out", "{tmp}/out"), ("not UTF-8",),
-             _write("a.txt", b"caf\xe9")),
+             write("a.txt", b"caf\xe9")),
         Kind("prepare bad JSON line", prep("{tmp}/a.jsonl", "--out", "{tmp}/out"), ("a.jsonl:1",),
-             _write("a.jsonl", "{nope\n")),
+             write("a.jsonl", "{nope\n")),
         Kind("prepare val-fraction 1.5", prep("{tmp}/a.txt", "--out", "{tmp}/out", "--val-fraction", "1.5"),
-             ("--val-fraction",), _write("a.txt", "hi")),
+             ("--val-fraction",), write("a.txt", "hi")),
         Kind("prepare tokenizer missing", prep("{tmp}/a.txt", "--out", "{tmp}/out", "--tokenizer", "{tmp}/t.json"),
-             ("--tokenizer",), _write("a.txt", "hi")),
-        Kind("prepare one input file", prep("{tmp}/a.txt", "--out", "{tmp}/out"), (), _write("a.txt", "one doc"),
+             ("--tokenizer",), write("a.txt", "hi")),
+        Kind("prepare one input file", prep("{tmp}/a.txt", "--out", "{tmp}/out"), (), write("a.txt", "one doc"),
              succeeds=one_file_trains),
         Kind("prepare two files at 0.01", prep("{tmp}/a.txt", "{tmp}/b.txt", "--out", "{tmp}/out"), (),
-             lambda tmp: (_write("a.txt", "first " * 50)(tmp), _write("b.txt", "second " * 50)(tmp)),
+             lambda tmp: (write("a.txt", "first " * 50)(tmp), write("b.txt", "second " * 50)(tmp)),
              succeeds=no_half_split),
     ]
 
@@ -272,7 +237,7 @@ def data_kinds() -> list[Kind]:
                                                         str(tmp / "out")], ("docs.parquet", "'text'"), _parquet),
         Kind("response field missing", lambda tmp: ["prepare-data", str(tmp / "qa.jsonl"), "--out", str(tmp / "out"),
                                                     "--prompt-field", "q", "--response-field", "a"],
-             ("qa.jsonl:2", "'a'"), _write("qa.jsonl", '{"q": "a", "a": "b"}\n{"q": "no response"}\n')),
+             ("qa.jsonl:2", "'a'"), write("qa.jsonl", '{"q": "a", "a": "b"}\n{"q": "no response"}\n')),
         Kind("first_fit document longer than a sequence", train(*tokens, "data.documents=true",
                                                                 "data.packing=first_fit", "train.seq_len=32"),
              ("data.packing=first_fit", "train.seq_len"), _prepare),
@@ -350,7 +315,7 @@ def convert_kinds() -> list[Kind]:
     kinds = [Kind(f"convert {name}", to_ours, (names,), _hf_edit(edit)) for name, edit, names in cases]
     kinds += [
         Kind("convert --to an existing file", lambda tmp: [*to_ours(tmp)[:-1], str(tmp / "f")], ("--to",),
-             lambda tmp: (_hf(tmp), _write("f", "")(tmp))),
+             lambda tmp: (_hf(tmp), write("f", "")(tmp))),
         Kind("convert --from missing", lambda tmp: ["convert", "hf-to-jaxscale", "--from", str(tmp / "none"), "--to",
                                                     str(tmp / "out")], ("config.json",)),
         Kind("convert back from nothing", lambda tmp: ["convert", "jaxscale-to-hf", "--from", str(tmp), "--to",
@@ -364,12 +329,12 @@ def other_kinds() -> list[Kind]:
     good = "".join(json.dumps({"step": s, "loss": 5.0 - s}) + "\n" for s in range(3))
     return [
         Kind("report torn last line", lambda tmp: ["report", str(tmp), "--out", str(tmp / "r.png")], (),
-             _write("metrics.jsonl", good + '{"step": 3, "lo'), succeeds=lambda tmp: (tmp / "r.png").exists()),
+             write("metrics.jsonl", good + '{"step": 3, "lo'), succeeds=lambda tmp: (tmp / "r.png").exists()),
         Kind("report bad middle line", lambda tmp: ["report", str(tmp)], ("line 2",),
-             _write("metrics.jsonl", '{"step": 0}\n{"ste\n{"step": 1}\n')),
+             write("metrics.jsonl", '{"step": 0}\n{"ste\n{"step": 1}\n')),
         Kind("report no metrics", lambda tmp: ["report", str(tmp)], ("metrics.jsonl",)),
         Kind("report --out unwritable", lambda tmp: ["report", str(tmp), "--out", str(tmp / "f" / "r.png")],
-             ("r.png",), lambda tmp: (_write("metrics.jsonl", good)(tmp), _write("f", "")(tmp))),
+             ("r.png",), lambda tmp: (write("metrics.jsonl", good)(tmp), write("f", "")(tmp))),
         Kind("plan --seq-len -8192", lambda tmp: [*plan, "--seq-len", "-8192"], ("--seq-len",)),
         Kind("plan --global-batch-tokens 0", lambda tmp: [*plan[:-1], "0", "--seq-len", "512"],
              ("--global-batch-tokens",)),
@@ -384,52 +349,36 @@ def other_kinds() -> list[Kind]:
     ]
 
 
+def last_kinds() -> list[Kind]:
+    """Issue 37's: settings ignored as written, numbers out of range, a finished run resumed, empty records."""
+    plan = ["plan", "--model", "tiny", "--cluster", "h100", "--global-batch-tokens", "65536", "--seq-len", "512"]
+    back = lambda tmp, mb: ["convert", "jaxscale-to-hf", "--from", str(tmp / "ckpt"), "--to", str(tmp / "hf"),  # noqa: E731
+                            "--max-shard-mb", mb]
+    dp = ("rules=dp", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "checkpoint.every=1")
+    qa = ["--prompt-field", "q", "--response-field", "a"]
+    return [
+        Kind("remat_names bogus", train("model.remat=save_named", "model.remat_names=[bogus]"),
+             ("model.remat_names: 'bogus'", "query")),
+        Kind("remat_names without save_named", train("model.remat_names=[query]"), ("model.remat=save_named",)),
+        Kind("run_dir empty", lambda tmp: ["train", "--no-progress", "--set", "run_dir=", *RUN], ("run_dir is empty",)),
+        Kind("plan --verify -1", lambda tmp: [*plan, "--verify", "-1"], ("--verify",)),
+        Kind("convert --max-shard-mb 0", lambda tmp: back(tmp, "0"), ("--max-shard-mb",)),
+        Kind("convert --max-shard-mb -5", lambda tmp: back(tmp, "-5"), ("--max-shard-mb",)),
+        Kind("resume a finished run", lambda tmp: [*train(*dp)(tmp), "--resume"], (), _checkpoints,
+             keep="run/checkpoints", succeeds=lambda tmp: True, prints="the run is finished: resumed at step 2"),
+        Kind("prepare responses all empty", lambda tmp: ["prepare-data", str(tmp / "qa.jsonl"), "--out",
+                                                         str(tmp / "out"), *qa], ("empty response field 'a'",),
+             write("qa.jsonl", '{"q": "a", "a": ""}\n')),
+    ]
+
+
 def all_kinds() -> list[Kind]:
     kinds = [*range_kinds(), *config_kinds(), *run_kinds(), *prepare_kinds(), *data_kinds(), *convert_kinds(),
-             *other_kinds()]
+             *other_kinds(), *last_kinds()]
     for kind in kinds:
         if kind.name == "rules key typo":
             kind.setup = _typo_rules
     return kinds
-
-
-# -- running and classifying ---------------------------------------------------------------------------------
-
-
-def classify(kind: Kind, tmp: Path) -> dict[str, object]:
-    if kind.setup is not None:
-        kind.setup(tmp)
-    kept = digest(tmp / kind.keep) if kind.keep else None
-    argv = [a.replace("{tmp}", str(tmp)) for a in kind.argv(tmp)]
-    err, out = io.StringIO(), io.StringIO()
-    start = time.perf_counter()
-    escaped = None
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            code = cli.main(argv)
-        except SystemExit as e:  # argparse: its usage line and message
-            code = e.code if isinstance(e.code, int) else 2
-        except Exception as e:
-            escaped, code = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", None
-    seconds = time.perf_counter() - start
-    lines = [line for line in err.getvalue().splitlines() if line.strip() and not line.startswith("jaxscale: warning")]
-    errors = [line for line in lines if line.startswith(("jaxscale: ", "usage: ", "jaxscale ")) or ": error: " in line]
-    if kind.keep and digest(tmp / kind.keep) != kept:
-        outcome = "data_lost"
-    elif escaped is not None or "Traceback" in err.getvalue():
-        outcome = "traceback"
-    elif kind.succeeds is not None:
-        outcome = "ok" if code == 0 and kind.succeeds(tmp) else "failed"
-    elif code == 0:
-        outcome = "silent"
-    elif argv[0] != "bench" and len([line for line in lines if "error" in line]) > 1:
-        outcome = "traceback"
-    elif all(name in " ".join(errors) for name in kind.names):
-        outcome = "one_line"
-    else:
-        outcome = "misleading"
-    message = escaped or (errors[-1] if errors else (lines[-1] if lines else ""))
-    return {"kind": kind.name, "outcome": outcome, "exit": code, "seconds": round(seconds, 2), "line": message[:300]}
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ failure (out of memory, a backend that cannot compile it) an ``error`` row; neit
 XLA reads its flags once, when the backend starts, so a row whose ``xla.preset`` or ``xla.flags``
 this process started without (the ``xla_preset`` variant) is measured by a child process started
 with them. Each row is printed as it finishes. Before anything runs, a suite whose run the analytic
-model predicts larger than the machine's memory is refused in one line (:func:`check_memory`).
+model predicts larger than 0.9 of the machine's memory is refused in one line (:func:`check_memory`).
 
 How one run is measured, through the :class:`~jaxscale.train.Trainer` API:
 
@@ -82,7 +82,7 @@ import jax
 from jaxscale import flops, xla_flags
 from jaxscale.analysis.params import trainer_inputs
 from jaxscale.analysis.predict import predict
-from jaxscale.analysis.remat import resolved
+from jaxscale.analysis.remat import USABLE, resolved
 from jaxscale.analysis.xla import memory
 from jaxscale.config import CONFIG_DIR, ConfigError, load_config, read_yaml, requested_devices
 from jaxscale.train import Trainer
@@ -181,10 +181,11 @@ def available_memory(device: jax.Device) -> tuple[int | None, bool]:
 
 
 def check_memory(runs: list[Run], config: str | Path | None) -> None:
-    """Raise :class:`ConfigError` if the analytic model predicts a run of ``runs`` larger than the memory it
-    would run in (:func:`available_memory`; on a CPU all its devices together, and its activations in
-    float32, as XLA:CPU computes a bf16 model). Runs that compile only, and configs this build rejects
-    (their rows say so), are not checked."""
+    """Raise :class:`ConfigError` if the analytic model predicts a run of ``runs`` larger than the share of
+    the memory it would run in that a step may use (:func:`available_memory` times the planner's
+    :data:`~jaxscale.analysis.remat.USABLE`, 0.9: the rest is the compiler's, the runtime's and, on a CPU,
+    the host's; on a CPU all its devices together, and its activations in float32, as XLA:CPU computes a bf16
+    model). Runs that compile only, and configs this build rejects (their rows say so), are not checked."""
     for run in runs:
         if run.compile_only:
             continue
@@ -201,11 +202,12 @@ def check_memory(runs: list[Run], config: str | Path | None) -> None:
         model = replace(cfg.model, dtype="float32") if device.platform == "cpu" else cfg.model
         per_device = predict(model, *trainer_inputs(trainer)).memory["total"]
         need = per_device * (trainer.mesh.size if shared else 1)
-        if available is not None and need > available:
+        if available is not None and need > available * USABLE:
             devices = f"{per_device / 1e9:.2f} GB x {trainer.mesh.size} CPU devices" if shared else "per device"
             raise ConfigError(
                 f"bench: run '{run.name}' needs {need / 1e9:.1f} GB ({devices}, the analytic model's prediction) but "
-                f"{available / 1e9:.1f} GB is available: leave it out (--models, --variants) or shrink it (--set)"
+                f"a step may use {available * USABLE / 1e9:.1f} GB ({USABLE:g} of the {available / 1e9:.1f} GB "
+                "available): leave it out (--models, --variants) or shrink it (--set)"
             )
 
 

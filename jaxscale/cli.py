@@ -22,6 +22,7 @@ import os
 import sys
 import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from jaxscale import distributed, prepare, report, runlock, xla_flags
@@ -99,7 +100,7 @@ def _train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     try:
         trainer = Trainer.build(resolved(config))  # model.remat: auto -> by the predicted memory
         with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
-            _, history = fit(trainer, progress=not args.no_progress)
+            state, history = fit(trainer, progress=not args.no_progress)
             distributed.finish(config.distributed.init_timeout_s)
     except NonFiniteError as e:
         print(f"jaxscale: stopped: {e}", file=sys.stderr)
@@ -112,9 +113,12 @@ def _train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
         first, last = steps[0], steps[-1]
         print(
             f"step {first['step']} loss {first['loss']:.4f} -> step {last['step']} loss {last['loss']:.4f}; "
-            f"{last['tokens_per_sec']:.0f} tokens/s, metrics in {config.run_dir}/metrics.jsonl"
+            f"{last['tokens_per_sec']:.0f} tokens/s, metrics in {Path(config.run_dir) / 'metrics.jsonl'}"
             + (f"; {last['skipped_updates']} updates skipped (non-finite)" if last["skipped_updates"] else "")
         )
+    if not steps and int(state.step) >= config.train.steps and jax.process_index() == 0:
+        print(f"run_dir {config.run_dir}: the run is finished: resumed at step {int(state.step)}, and "
+              f"train.steps is {config.train.steps}; nothing to train")
     if history and history[-1].get("event") == "preempted":
         saved = "checkpoint saved" if history[-1]["saved"] else "checkpointing is off, nothing saved"
         if history[-1].get("signal") == "SIGINT":
@@ -230,8 +234,8 @@ def _plan(args: argparse.Namespace) -> int:
                if not getattr(args, k)]
     if missing:
         raise ConfigError(f"plan needs {', '.join(missing)} (or --calibrate FILE alone)")
-    for name in ("global_batch_tokens", "seq_len", "top"):
-        if getattr(args, name) < 1:
+    for name in ("global_batch_tokens", "seq_len", "top", "verify"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     cluster = load_cluster(args.cluster, args.cluster_overrides)
     model_dict = read_yaml(resolve_named(args.model, "models"))
@@ -392,7 +396,7 @@ def _parser() -> argparse.ArgumentParser:
     plan_.add_argument("--write", metavar="FILE", help="write the chosen layout as an experiment file (+ rules file)")
     plan_.add_argument("--pick", type=int, default=0,
                        help="which ranked layout --write writes (default: the best this installation can run)")
-    plan_.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
+    plan_.add_argument("--verify", type=int, nargs="?", const=3, metavar="K",
                        help="compile the top K (default 3) on simulated devices: predicted vs compiled")
 
     report_ = _command(commands, "report", _report,

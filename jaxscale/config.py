@@ -435,7 +435,7 @@ def validate(config: Config) -> None:
     for axis, size in (config.mesh.dcn.sizes() if config.mesh.dcn else {}).items():
         if size < 1:
             raise ConfigError(f"mesh.dcn.{axis}: size must be positive, got {size}")
-    outside = bounds.out_of_range(config)
+    outside = bounds.out_of_range(config) or strict.unread(config)
     if outside:
         raise ConfigError(outside)
 
@@ -566,15 +566,15 @@ def mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
             if device_count % known:
                 others = _describe({a: s for a, s in sizes.items() if s != -1}, mesh.dcn)
                 raise ConfigError(
-                    f"mesh.{axis}=-1: {device_count} devices are not divisible by the other axes "
-                    f"({others}: {known} devices)"
+                    f"mesh.{axis}=-1: {device_count} device{'s are' if device_count != 1 else ' is'} not divisible "
+                    f"by the other axes ({others}: {known} devices)"
                 )
             sizes[axis] = device_count // known
     total = math.prod(sizes.values()) * math.prod(dcn.values())
     if total != device_count:
         raise ConfigError(
             f"mesh: {_describe(sizes, mesh.dcn)} needs {total} device{'s' * (total != 1)}, "
-            f"but {device_count} are available"
+            f"but {device_count} {'is' if device_count == 1 else 'are'} available"
         )
     return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
 

@@ -72,6 +72,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -287,6 +288,9 @@ def _source(ckpt: str | Path, override: str | None) -> tuple[ParamsSource, Model
 def _write_shard(out_dir: Path, number: int, tensors: dict[str, np.ndarray]) -> str:
     name = f"model-{number:05d}.safetensors.part"
     _safetensors().numpy.save_file(tensors, out_dir / name, metadata={"format": "pt"})
+    mask = os.umask(0o022)  # the umask, read by setting it (and back): safetensors writes 0600 whatever it is
+    os.umask(mask)
+    os.chmod(out_dir / name, 0o666 & ~mask)
     return name
 
 
@@ -294,7 +298,10 @@ def jaxscale_to_hf(
     ckpt: str | Path, out_dir: str | Path, override: str | None = None, dtype: str | None = None,
     max_shard_mb: float = 2000.0,
 ) -> list[Path]:
-    """Export the parameters at ``ckpt`` (converted or a run's) as an HF directory; returns the shard files."""
+    """Export the parameters at ``ckpt`` (converted or a run's) as an HF directory; returns the shard files
+    (written with the user's umask, as the other files)."""
+    if not max_shard_mb > 0:
+        raise ConfigError(f"--max-shard-mb must be positive (MiB per safetensors file), got {max_shard_mb:g}")
     source, model = _source(ckpt, override)
     dtype = dtype or model.param_dtype
     if dtype not in NUMPY_DTYPES:

@@ -349,7 +349,7 @@ def check_data(config: Config) -> TokenDir | None:
 
 
 def open_tokens(config: Config, path: str, key: str) -> TokenDir:
-    """The token directory of ``path`` (the config key ``key``; a raw source is prepared next to it first),
+    """The token directory of ``path`` (the config key ``key``; a raw source is prepared into the cache first),
     checked against the model and sequence length."""
     tokens = TokenDir.open(token_dir(path, config.data, jax.process_count(), key))
     splits = ("train", "val") if config.train.eval_every else ("train",)

@@ -82,3 +82,13 @@ def encode(
         for record, prompt, response in zip(batch, prompts, responses, strict=True):
             ids = np.concatenate([prompt.astype(np.int64), response.astype(np.int64)])
             yield _key(record, fields), ids, np.arange(len(ids)) >= len(prompt)
+
+
+def none_kept(paths: Sequence[str | Path], fields: Fields) -> str:
+    """Why ``paths`` gave no document: no record at all, or every record's text (or response) field empty."""
+    count = sum(1 for _ in records(paths, fields.names))
+    if not count:
+        return "they hold no records"
+    kind = "text" if fields.prompt is None else "response"
+    return (f"{'all ' * (count > 1)}{count} record{'s' * (count != 1)} {'have' if count > 1 else 'has'} an "
+            f"empty {kind} field '{fields.names[-1]}' (a record with an empty {kind} is skipped)")

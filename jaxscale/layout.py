@@ -497,8 +497,9 @@ class Layout:
             )
         if len(listed) != self.stages * pipeline.repeats:
             raise ConfigError(
-                f"pipeline.layers_per_stage has {len(listed)} entries; it needs one per virtual stage, "
-                f"mesh.stage ({self.stages}) x pipeline.repeats ({pipeline.repeats}) = {self.stages * pipeline.repeats}"
+                f"pipeline.layers_per_stage has {len(listed)} entr{'y' if len(listed) == 1 else 'ies'}; it needs one "
+                f"per virtual stage, mesh.stage ({self.stages}) x pipeline.repeats ({pipeline.repeats}) = "
+                f"{self.stages * pipeline.repeats}"
             )
 
     def _check_stage_context(self, config: Config) -> None:

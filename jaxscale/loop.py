@@ -211,8 +211,9 @@ class _Run:
         self.logger = metrics_lib.MetricsLogger(
             c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard
         )
-        self.step_fn, self.compile_s = trainer.compiled_guarded_step
-        self.flops_per_step = trainer.flops_per_step
+        # Compiled only with a step to run: a finished run resumed says so without compiling.
+        self.step_fn, self.compile_s = trainer.compiled_guarded_step if first < last else (None, 0.0)
+        self.flops_per_step = trainer.flops_per_step if first < last else 0.0
         self.mark(first)
 
     def mark(self, step: int) -> None:

@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale.axes import HIDDEN
+from jaxscale.config import ConfigError
 from jaxscale.layout import TOKENS
 from jaxscale.parallel import pipeline
 from jaxscale.routing import joined
@@ -237,7 +238,20 @@ def head_cross_entropy(model: Any, x: jax.Array, targets: jax.Array, chunk: int)
     (``model.loss_chunk``), else from the logits."""
     if chunk:
         return chunked_cross_entropy(x, model.head_weight(), targets, chunk)
-    return cross_entropy(model.logits(x), targets)
+    return cross_entropy(checked_logits(model.logits(x), targets, model, "logits(states)"), targets)
+
+
+def checked_logits(logits: Any, targets: jax.Array, model: Any, call: str) -> jax.Array:
+    """``logits`` if they are ``[batch, length, vocab]`` for ``targets`` ``[batch, length]`` (read while the step
+    is traced, before anything compiles); else a one-line :class:`ConfigError` naming the model contract."""
+    shape = getattr(logits, "shape", None)
+    if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(targets.shape):
+        got = f"shape {tuple(shape)}" if shape is not None else f"a {type(logits).__name__}"
+        raise ConfigError(
+            f"model {type(model).__name__}: {call} returned {got}, not logits [batch, length, vocab] = "
+            f"[{', '.join(map(str, targets.shape))}, vocab] (the model contract, docs/models.md)"
+        )
+    return logits
 
 
 def stage_head_loss(
@@ -267,7 +281,8 @@ def model_objective(model: Any, batch: dict[str, jax.Array], chunk: int) -> tupl
         metrics = joined(metrics, model.ahead(y, batch))
         return head_cross_entropy(model, model.final_norm(y), targets, chunk) + model.aux_loss(metrics), metrics
     if not (hasattr(model, "hidden") and hasattr(model, "head_weight" if chunk else "logits")):
-        return cross_entropy(model(tokens, positions), targets), {}
+        return cross_entropy(checked_logits(model(tokens, positions), targets, model, "__call__(tokens, positions)"),
+                             targets), {}
     hidden, metrics = model.hidden(tokens, positions)
     aux = model.aux_loss(metrics) if hasattr(model, "aux_loss") else 0.0
     return head_cross_entropy(model, hidden, targets, chunk) + aux, metrics

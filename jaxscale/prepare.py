@@ -17,21 +17,29 @@ n - 1, so one input file works), those whose text hashes lowest, go to the ``val
     {train,val}.mask.bin   (prompt/response records: ``masked`` in meta.json) uint8 per token, 1 where the
                        token is trained as a target (the response and its eod), 0 for the prompt
 
-The directory is written under a temporary name beside ``--out`` and renamed when complete, so a
-preparation that fails or is interrupted leaves nothing half-written and no earlier directory
-damaged; an ``--out`` with contents is refused unless ``--overwrite``. ``meta.json`` also records
+The directory is written under a temporary name beside ``--out`` (``.NAME.partial-HOST-PID``) and renamed
+when complete, so a preparation that fails or is interrupted (an error, Ctrl-C, SIGTERM) leaves nothing
+half-written, no directory it created, and no earlier directory damaged; one that a killed process left
+(its process on this host no longer running) is removed by the next preparation of that ``--out``,
+with a warning line. An ``--out`` with contents is refused unless ``--overwrite``. ``meta.json`` also records
 the largest token id written (``max_token_id``), checked against ``model.vocab_size`` before a run
 compiles (:func:`jaxscale.data.check_data`). This module does not import jax.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import glob
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -193,25 +201,75 @@ def prepare_data(
     and ``response_field``, records are prompt/response pairs trained on the response (:mod:`jaxscale.documents`).
 
     Written into a temporary directory beside ``out`` and renamed at the end: a run that fails (bad
-    input, a full disk, Ctrl-C) leaves ``out`` as it was. An ``out`` with contents is refused unless
-    ``overwrite``; then it is replaced only once the new directory is complete.
+    input, a full disk, Ctrl-C, SIGTERM) leaves ``out`` as it was and nothing it created; the temporary
+    directories of ``out`` that killed processes left are removed first. An ``out`` with contents is refused
+    unless ``overwrite``; then it is replaced only once the new directory is complete.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ConfigError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     tok = make_tokenizer(tokenizer, eod_token)
     out = Path(out).absolute()
     _check_out(out, overwrite)
-    work = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    _remove_stale(out)
+    work = out.with_name(f"{PARTIAL % out.name}{socket.gethostname()}-{os.getpid()}")
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # removed again unless filled
     try:
-        work.mkdir(parents=True)
-        fields = documents.Fields(text_field, prompt_field, response_field)
-        meta = _write(inputs, work, tok, tokenizer, fields, val_fraction)
-        _install(work, out)
+        with _terminate_as_exit():
+            work.mkdir(parents=True)
+            fields = documents.Fields(text_field, prompt_field, response_field)
+            meta = _write(inputs, work, tok, tokenizer, fields, val_fraction)
+            _install(work, out)
     except OSError as e:
         raise ConfigError(f"--out {out}: cannot write ({e.strerror or e}); {out} is as it was") from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for parent in made:  # deepest first; one that now holds ``out`` stays
+            with contextlib.suppress(OSError):
+                parent.rmdir()
     return meta
+
+
+PARTIAL = ".%s.partial-"  # + HOST-PID: the directory being written
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """Inside the block SIGTERM raises ``SystemExit(143)``, so that the cleanup around it runs (its default
+    action ends the process at once); in the main thread only, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before if before is not None else signal.SIG_DFL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove the temporary directories of ``out`` that processes of this host left (killed: SIGKILL, a lost
+    node) and that no longer run; another host's, or a live process's, are left alone."""
+    for path in out.parent.glob(f"{glob.escape(PARTIAL % out.name)}*"):
+        host, _, pid = path.name.removeprefix(PARTIAL % out.name).rpartition("-")
+        if not pid.isdigit() or host not in ("", socket.gethostname()) or _running(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"jaxscale: warning: removed {path}, left by process {pid}, which is no longer running",
+              file=sys.stderr, flush=True)
 
 
 def _write(
@@ -222,16 +280,15 @@ def _write(
     dtype = np.dtype(np.uint16 if tok.vocab_size <= 2**16 else np.uint32)
     masked = fields.prompt is not None
     writers = {split: _SplitWriter(out, split, dtype, tok.eod_id, masked) for split in SPLITS}
-    count = 0
 
     # A first pass reads the documents for their hashes only: the held-out ones are chosen among all.
     cutoff = held_out_below([document_hash(t) for t in documents.keys(inputs, fields)], val_fraction)
     for key, ids, trained in documents.encode(tok, inputs, fields):
         writers["val" if document_hash(key) < cutoff else "train"].add(ids, trained)
-        count += 1
     counts = {split: w.close(out, split) for split, w in writers.items()}
     if counts["train"]["documents"] == 0:
-        raise ConfigError(f"no training documents in {len(inputs)} input file(s) (documents: {count})")
+        files = f"{len(inputs)} input file{'s' * (len(inputs) != 1)}"
+        raise ConfigError(f"no training documents in {files}: {documents.none_kept(inputs, fields)}")
     described: dict[str, Any] = {"kind": tok.name}
     if isinstance(tok, HuggingFaceTokenizer):
         shutil.copyfile(tokenizer, out / "tokenizer.json")

@@ -198,7 +198,8 @@ class DataConfig:
     ``jaxscale prepare-data``, or a raw source it prepares once, named by ``path``)."""
 
     source: DataSource = "builtin"
-    path: str | None = None  # a prepare-data directory, or a raw source prepared once next to it (tokencache.py)
+    path: str | None = None  # a prepare-data directory, or a raw source prepared once into the cache (tokencache.py)
+    cache_dir: str | None = None  # where raw sources are prepared (None: $XDG_CACHE_HOME/jaxscale/tokens)
     tokenizer: str = "byte"  # a raw data.path: 'byte' or a tokenizer.json
     text_field: str = "text"
     prompt_field: str | None = None  # with response_field: prompt/response records, trained on the response

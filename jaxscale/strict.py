@@ -1,4 +1,5 @@
-"""Strict reading of what users write: YAML without duplicate keys, overrides that switch nothing on.
+"""Strict reading of what users write: YAML without duplicate keys, overrides that switch nothing on,
+settings that would be silently ignored.
 
 - :func:`load_yaml`: ``yaml.safe_load`` (nothing read runs code) with a loader that refuses a key
   given twice in one mapping (plain YAML keeps the last one, silently), naming the key and its line;
@@ -6,6 +7,9 @@
 - :func:`check_switched_on`: a dotted override such as ``model.moe.experts=4`` that reaches into a
   section switched off (``model.moe: null``, a dense model) is refused; the section must be switched
   on by name first (``model.moe={}`` or ``model.moe={experts: 4}``).
+- :func:`unread`: a setting nothing would read as written: ``model.remat_names`` without
+  ``model.remat: save_named`` (the only policy that reads them), an empty ``run_dir`` (which would
+  write into the working directory under a name that says nothing).
 
 This module does not import jax; :mod:`jaxscale.config` calls it.
 """
@@ -65,4 +69,17 @@ def check_switched_on(raw: dict[str, Any], keys: list[str]) -> str | None:
                 f"{'.'.join(keys)}: {feature} is off (null) in this config; switch it on by name first: "
                 f"{feature}={{}} (its defaults) or {feature}={{{rest}: ...}}"
             )
+    return None
+
+
+def unread(config: Any) -> str | None:
+    """Why a setting of ``config`` (a :class:`jaxscale.config.Config`) would be ignored or misread, as one
+    line; None if none is. Which names ``model.remat_names`` may hold is known only once the model is
+    traced (:mod:`jaxscale.remat_names`)."""
+    m = config.model
+    if m.remat_names and m.remat != "save_named":
+        return (f"model.remat_names: read only by model.remat=save_named, not {m.remat} "
+                f"(set model.remat=save_named, or leave model.remat_names out)")
+    if not str(config.run_dir).strip():
+        return "run_dir is empty: name a directory (run_dir=. for the working directory)"
     return None

@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import flops, forward, fp8, loop, precision, stage_layers, xla_flags
+from jaxscale import flops, forward, fp8, loop, precision, remat_names, stage_layers, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
@@ -173,7 +173,8 @@ class Trainer:
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
         layout_of(self.mesh, self.rules).validate(self.config)
-        jax.eval_shape(self.jit_step, self.abstract_state(), self.abstract_batch())
+        traced = jax.make_jaxpr(self.jit_step)(self.abstract_state(), self.abstract_batch())
+        remat_names.check(traced, self.config.model)  # names the traced step marks
 
     def _check_contract(self) -> None:
         """What the config asks of the model that its form lacks: one line, before anything compiles."""

@@ -1,5 +1,5 @@
 """Sources: Parquet, Arrow and saved ``datasets`` directories read by prepare-data and as ``data.path`` (tokenized
-once into a cache next to the data), and their errors."""
+once into the cache, ``data.cache_dir``, nothing written beside the data), and their errors."""
 
 from __future__ import annotations
 
@@ -61,11 +61,13 @@ def test_every_form_prepares_to_the_same_tokens(corpus, tmp_path):
     assert decoded == [d for d in texts() if document_hash(d) >= cutoff]  # the bytes, in order
 
 
-def test_a_parquet_file_and_a_saved_dataset_train_from_a_cache_next_to_the_data(corpus, tmp_path):
-    base = ["data.source=tokens", "data.text_field=body", "model.vocab_size=264", f"run_dir={tmp_path}"]
+def test_a_parquet_file_and_a_saved_dataset_train_from_the_cache(corpus, tmp_path):
+    before = sorted(p.name for p in corpus["parquet"].parent.iterdir())
+    base = ["data.source=tokens", "data.text_field=body", "model.vocab_size=264", f"run_dir={tmp_path}",
+            f"data.cache_dir={tmp_path / 'cache'}"]
     trainer = Trainer.build(tiny_config(*base, f"data.path={corpus['parquet']}", mesh={"data": 8}))
-    cache = list((corpus["parquet"].parent / "docs.parquet.tokens").iterdir())
-    assert len(cache) == 1 and (cache[0] / "meta.json").is_file()
+    cache = list((tmp_path / "cache").iterdir())
+    assert len(cache) == 1 and cache[0].name.startswith("docs.parquet-") and (cache[0] / "meta.json").is_file()
     written = (cache[0] / "meta.json").stat().st_mtime_ns
     state, history = fit(trainer, progress=False)
     losses = [r["loss"] for r in history if "loss" in r]
@@ -75,7 +77,8 @@ def test_a_parquet_file_and_a_saved_dataset_train_from_a_cache_next_to_the_data(
     assert (cache[0] / "meta.json").stat().st_mtime_ns == written
 
     saved = Trainer.build(tiny_config(*base, f"data.path={corpus['datasets']}", mesh={"data": 8}))
-    assert (corpus["datasets"].parent / "saved.tokens").is_dir()
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir()) == ["docs.parquet", "saved"]
+    assert sorted(p.name for p in corpus["parquet"].parent.iterdir()) == before  # nothing beside the data
     batch, same = saved.batches.rows(0), trainer.batches.rows(0)
     for key in batch:
         np.testing.assert_array_equal(batch[key], same[key])

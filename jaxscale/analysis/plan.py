@@ -179,19 +179,23 @@ def does_not_fit(layout: Strategy, mem: dict[str, float], budget: float, loss_pe
     terms = {"model state": state_bytes(mem), "activations": mem["activations"], peak: mem["transient"],
              "the scores mask": mem.get("mask", 0.0)}
     largest = max(terms, key=lambda k: terms[k])
+    alone = layout.devices == 1  # no layout shards anything: the fix is more devices, or less work
     if largest == "model state":
-        fix = "shard it: ZeRO-3 (fsdp)" if layout.zero_stage < 3 else "more tensor or pipeline ways"
+        fix = ("more devices to shard it over (ZeRO-3), or a smaller model" if alone
+               else "shard it: ZeRO-3 (fsdp)" if layout.zero_stage < 3 else "more tensor or pipeline ways")
     elif largest == "activations":
-        fix = "more recompute (remat full)" if layout.remat != "full" else "more stages or context parallelism"
+        fix = ("more recompute (remat full)" if layout.remat != "full"
+               else "a shorter sequence, or more devices" if alone else "more stages or context parallelism")
     elif largest == "the loss":
         fix = (f"a smaller loss chunk than {layout.loss_chunk}" if layout.loss_chunk
-               else "chunked loss (model.loss_chunk)") + ", or more tensor ways (the vocabulary splits)"
+               else "chunked loss (model.loss_chunk)")
+        fix += "" if alone else ", or more tensor ways (the vocabulary splits)"
     elif layout.stage > 1 and largest == peak:
         fix = "flash attention, a loss chunk, or more tensor ways"
     elif largest == "the scores mask":
         fix = "flash attention (--attention cudnn or blockwise)"
     else:
-        fix = "more tensor ways or recompute"
+        fix = "more recompute, or more devices" if alone else "more tensor ways or recompute"
     return (f"needs {mem['total'] / 1e9:.1f} GB > {budget / 1e9:.1f} GB at micro-batch 1 ({layout.describe()}, "
             f"remat {layout.remat}); largest: {largest} {terms[largest] / 1e9:.1f} GB; would fit with: {fix}")
 
@@ -413,7 +417,8 @@ def table(plan: Plan) -> str:
     c = plan.cluster
     unit, scale = unit_for(max((x.time["total"] for x in plan.candidates), default=1.0))
     lines = [
-        f"{c.nodes} x {c.devices_per_node} {c.device} ({c.devices} devices, {_gb(c.budget)} GB usable each); "
+        f"{c.nodes} x {c.devices_per_node} {c.device} ({c.devices} device{'s' * (c.devices != 1)}, "
+        f"{_gb(c.budget)} GB usable each); "
         f"global batch {plan.global_batch} x {plan.seq_len} tokens; {plan.searched} layouts searched",
         "",
         f"{'#':>2}  {'layout':<52} {'zero':>4} {'remat':<9} {'b':>3} {'acc':>4}  "
