@@ -335,8 +335,10 @@ def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: 
     return flows
 
 
-def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> list[Flow]:
-    """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted)."""
+def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step,
+                  imbalance: float = EP_IMBALANCE) -> list[Flow]:
+    """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted);
+    ``imbalance``: the dropless exchange's routing imbalance (a cluster file's ``ep_imbalance``)."""
     cbytes = dtype_bytes(m.dtype)
     rows = step.global_batch / layout.ways(("batch",)) / step.microbatches
     s_local = step.seq_len / layout.ways(("length",))
@@ -409,17 +411,23 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
 
     if m.moe is not None and layout.mesh_axes(("expert",)):
         moe_runs = layers * (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)
-        flows += _expert_flows(m.moe, layout, bsh, micro * moe_runs)
+        # what the backward recomputes of a layer's forward runs its exchange again (full and save_dots keep no
+        # routed rows; a pipeline's backward slot recomputes its chunk)
+        again = stage_remat or m.remat not in ("none", "selective")
+        flows += _expert_flows(m.moe, layout, bsh, micro * moe_runs, again, imbalance)
     return flows
 
 
 
-def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float) -> list[Flow]:
+def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float, recomputed: bool = False,
+                  imbalance: float = EP_IMBALANCE) -> list[Flow]:
     """Expert parallelism's traffic, ``runs`` MoE layers a step (:mod:`jaxscale.parallel.expert`), each way:
     capacity dispatch, an all-to-all there and back of the buffers, ``k·b·s·h`` at the capacity factor; the
     dropless rows exchange (:mod:`jaxscale.parallel.exchange`), the routed rows, ``k·b·s·h`` times the routing
-    imbalance, assumed :data:`EP_IMBALANCE` (the compiled step's trips are the routing's at run time); the
-    dropless all-gather path, the EP group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each."""
+    ``imbalance`` (the compiled step's trips are the routing's at run time); the dropless all-gather path, the EP
+    group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each. ``recomputed``: the backward
+    runs the forward's exchange again, there and back (the all-gather path: its gather), as the lowered step
+    does under full and save_dots remat (6 exchanges a layer, not 4)."""
     experts = layout.mesh_axes(("expert",))
     if moe.dispatch == "dropless" and moe.dropless_exchange != "rows":
         ep = layout.size(experts)
@@ -427,11 +435,14 @@ def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float) -> li
         for phase in ("forward", "backward"):
             flows += flow("EP: tokens gathered", "all-gather", experts, ep * bsh, runs, layout, phase, False)
             flows += flow("EP: outputs scattered", "reduce-scatter", experts, ep * bsh, runs, layout, phase, False)
-        return flows
-    factor = moe.capacity_factor if moe.dispatch == "capacity" else EP_IMBALANCE
+        return flows + flow("EP: tokens gathered again (recomputed)", "all-gather", experts, ep * bsh,
+                            runs * recomputed, layout, "backward", False)
+    factor = moe.capacity_factor if moe.dispatch == "capacity" else imbalance
     routed = moe.top_k * bsh * factor
-    return [f for phase in ("forward", "backward") for f in
-            flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * runs, layout, phase, False)]
+    flows = [f for phase in ("forward", "backward") for f in
+             flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * runs, layout, phase, False)]
+    return flows + flow("EP: dispatch and combine (recomputed)", "all-to-all", experts, routed, 2 * runs * recomputed,
+                        layout, "backward", False)
 
 
 def summarize_flows(flows: Sequence[Flow]) -> dict[str, Any]:
