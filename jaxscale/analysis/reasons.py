@@ -3,7 +3,7 @@
 One line each for the winner and the runner-up (what dominates the step, why it beats the next); for the best
 pipeline and, for an MoE model, the best layout on the other side of expert parallelism, what it pays against the
 winner (the parts of the step that differ most); the assumptions the figures rest on where they decide the ranking:
-the dropless exchange's routing imbalance and the attention kernel a context-parallel winner switches to.
+the dropless exchange's routing imbalance and, for a model with ``dot`` attention, what its scores cost.
 :mod:`jaxscale.analysis.plan` ranks the :class:`Candidate`\\ s these lines read.
 """
 
@@ -129,16 +129,24 @@ def expert_lines(ranked: Sequence[Candidate], m: ModelConfig, imbalance: float, 
 
 
 def kernel_line(ranked: Sequence[Candidate], m: ModelConfig) -> list[str]:
-    """Where #1 splits the sequence (its attention becomes ring attention, a fused kernel) and the model's own
-    attention is ``dot``: what the best layout without CP spends on dot's scores, and how to compare like with like."""
-    if not ranked or ranked[0].layout.context == 1 or m.attention != "dot":
+    """Where the model's attention is ``dot`` (its s x s scores go through memory): if #1 splits the sequence (its
+    attention becomes ring attention, a fused kernel), what the best layout without CP spends on them; else, if
+    memory-bound work is over a tenth of #1's step, that share; and how to plan on a fused kernel instead."""
+    if not ranked or m.attention != "dot":
         return []
-    flat = next((c for c in ranked if c.layout.context == 1), None)
-    spent = (f": the best without CP ({flat.layout.describe()}) spends {fmt_time(flat.time['memory_bound'])} on "
-             "memory-bound ops, most of it dot's s x s scores" if flat else "")
-    return [f"#1 splits the sequence (context={ranked[0].layout.context}) and so runs ring attention, a fused kernel, "
-            f"where layouts without CP run the model's dot attention{spent}; --attention cudnn (or auto) plans "
-            "every layout on a fused kernel"]
+    best, hint = ranked[0], "--attention cudnn (or auto) plans every layout on a fused kernel"
+    if best.layout.context > 1:
+        flat = next((c for c in ranked if c.layout.context == 1), None)
+        spent = (f": the best without CP ({flat.layout.describe()}) spends {fmt_time(flat.time['memory_bound'])} "
+                 "on memory-bound ops, most of it dot's s x s scores" if flat else "")
+        return [f"#1 splits the sequence (context={best.layout.context}) and so runs ring attention, a fused "
+                f"kernel, where layouts without CP run the model's dot attention{spent}; {hint}"]
+    share = best.time["memory_bound"] / best.time["total"]
+    if share <= 0.1:
+        return []
+    spent = fmt_time(best.time["memory_bound"])
+    return [f"#1 runs the model's dot attention: its s x s scores are most of the {spent} of memory-bound ops "
+            f"({100 * share:.0f}% of the step); {hint}"]
 
 
 # The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.
