@@ -110,7 +110,6 @@ def flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, la
     return [Flow(what, kind, axes, size, runs, n, phase, overlap)]
 
 
-
 def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, layout: Layout) -> list[Flow]:
     """A gradient summed over ``axes``: XLA reduces over the context axes first, then over the rest.
 
@@ -121,7 +120,6 @@ def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: floa
     rest = [a for a in axes if a not in context]
     flows = flow(what, "all-reduce", context, size, runs, layout, "backward", True)
     return flows + flow(what, "all-reduce", rest, size, runs, layout, "backward", True)
-
 
 
 def gradient_bytes(m: ModelConfig, step: Step) -> int:
@@ -187,7 +185,6 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
         out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward", True)
     shard = grad / layout.size(sp.scattered)
     return out + _gradient_all_reduce("embedding gradient", sp.reduced, shard, micro, layout)
-
 
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float,
@@ -262,7 +259,6 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
         out += flow(p.path + " gradient", "all-gather", updated, accumulator, step.microbatches, layout, "update",
                      False)
     return out + flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, layout, "update", False)
-
 
 
 def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int, manual: bool,
@@ -418,16 +414,14 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     return flows
 
 
-
 def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float, recomputed: bool = False,
                   imbalance: float = EP_IMBALANCE) -> list[Flow]:
     """Expert parallelism's traffic, ``runs`` MoE layers a step (:mod:`jaxscale.parallel.expert`), each way:
     capacity dispatch, an all-to-all there and back of the buffers, ``k·b·s·h`` at the capacity factor; the
     dropless rows exchange (:mod:`jaxscale.parallel.exchange`), the routed rows, ``k·b·s·h`` times the routing
     ``imbalance`` (the compiled step's trips are the routing's at run time); the dropless all-gather path, the EP
-    group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each. ``recomputed``: the backward
-    runs the forward's exchange again, there and back (the all-gather path: its gather), as the lowered step
-    does under full and save_dots remat (6 exchanges a layer, not 4)."""
+    group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each. ``recomputed``: the backward runs
+    the forward's exchange again (all-gather path: its gather), as lowered under full and save_dots remat."""
     experts = layout.mesh_axes(("expert",))
     if moe.dispatch == "dropless" and moe.dropless_exchange != "rows":
         ep = layout.size(experts)

@@ -131,7 +131,7 @@ def expert_lines(ranked: Sequence[Candidate], m: ModelConfig, imbalance: float, 
 def kernel_line(ranked: Sequence[Candidate], m: ModelConfig) -> list[str]:
     """Where the model's attention is ``dot`` (its s x s scores go through memory): if #1 splits the sequence (its
     attention becomes ring attention, a fused kernel), what the best layout without CP spends on them; else, if
-    memory-bound work is over a tenth of #1's step, that share; and how to plan on a fused kernel instead."""
+    attention and memory-bound work are over a twentieth of #1's step, that share; and how to plan on a fused kernel."""
     if not ranked or m.attention != "dot":
         return []
     best, hint = ranked[0], "--attention cudnn (or auto) plans every layout on a fused kernel"
@@ -141,12 +141,12 @@ def kernel_line(ranked: Sequence[Candidate], m: ModelConfig) -> list[str]:
                  "on memory-bound ops, most of it dot's s x s scores" if flat else "")
         return [f"#1 splits the sequence (context={best.layout.context}) and so runs ring attention, a fused "
                 f"kernel, where layouts without CP run the model's dot attention{spent}; {hint}"]
-    share = best.time["memory_bound"] / best.time["total"]
-    if share <= 0.1:
+    spent = best.time["attention"] + best.time["memory_bound"]
+    if spent <= 0.05 * best.time["total"]:
         return []
-    spent = fmt_time(best.time["memory_bound"])
-    return [f"#1 runs the model's dot attention: its s x s scores are most of the {spent} of memory-bound ops "
-            f"({100 * share:.0f}% of the step); {hint}"]
+    return [f"#1 runs the model's dot attention: its s x s scores (the whole square's matmuls and its traffic through "
+            f"memory) are most of the {fmt_time(spent)} of attention and memory-bound ops "
+            f"({100 * spent / best.time['total']:.0f}% of the step); {hint}"]
 
 
 # The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.
