@@ -10,7 +10,9 @@ shard one and not the other); ``heads``, ``kv_heads``, ``head_dim``, ``mlp``,
 ``vocab``; for the experts ``expert`` and ``expert_batch`` (the batch of
 dispatched buffers). Parameters: ``vocab, embed, heads, kv_heads, head_dim,
 mlp, expert, expert_mlp, layers``; multi-head latent attention's latent widths ``q_lora`` and
-``kv_lora`` (parameters and the activations of the latents).
+``kv_lora`` (the latents' activations, the down projections' outputs and the latent norms) and
+``q_lora_up``, ``kv_lora_up`` (the up projections' latent input: parameters only, so FSDP can
+shard them where the down projections' ``embed`` already holds its axes).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from __future__ import annotations
 # Every logical axis name a rules table may map (a key outside these is a typo, refused: jaxscale/layout.py).
 LOGICAL_AXES = (
     "batch", "length", "norm_length", "act_embed", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-    "expert", "expert_mlp", "expert_batch", "layers", "qkv", "gate_up", "q_lora", "kv_lora",
+    "expert", "expert_mlp", "expert_batch", "layers", "qkv", "gate_up", "q_lora", "kv_lora", "q_lora_up",
+    "kv_lora_up",
 )
 RESIDUAL = ("batch", "norm_length", "act_embed")  # the residual stream, between the blocks
 HIDDEN = ("batch", "length", "act_embed")  # the final hidden states, whole sequences (the chunked loss)
@@ -27,8 +30,9 @@ KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 MLP_AXES = ("batch", "length", "mlp")
 LOGITS = ("batch", "length", "vocab")
 # Fused projections (model.fused_projections, jaxscale/models/fusion.py): ``qkv`` and ``gate_up`` index the
-# fused parts; a rules table need not map them (unmapped: whole on every device).
-WHOLE_AXES = ("qkv", "gate_up")
+# fused parts; MLA's up projections' latent inputs came after rules files were written: a rules table need not
+# map these (unmapped: whole on every device).
+WHOLE_AXES = ("qkv", "gate_up", "q_lora_up", "kv_lora_up")
 W_QKV = ("embed", "kv_heads", "qkv", "head_dim")
 QKV_AXES = ("batch", "length", "kv_heads", "qkv", "head_dim")
 W_GATE_UP = ("embed", "gate_up", "mlp")

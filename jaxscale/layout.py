@@ -47,7 +47,7 @@ KINDS = ("params", "optimizer", "gradients")
 TOKENS = ("batch", "length")  # the logical axes of a batch of token ids
 STAGE = "stage"  # the mesh axis a pipeline runs over
 BLOCK_AXES = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp")  # a dense block's parameters' axes
-MOE_BLOCK = (*BLOCK_AXES, "expert", "expert_mlp", "q_lora", "kv_lora")  # ... and an MoE block's (MLA's too)
+MOE_BLOCK = (*BLOCK_AXES, "expert", "expert_mlp", "q_lora", "kv_lora", "q_lora_up", "kv_lora_up")  # (MLA's too)
 
 
 def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:

@@ -110,7 +110,6 @@ def flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, la
     return [Flow(what, kind, axes, size, runs, n, phase, overlap)]
 
 
-
 def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, layout: Layout) -> list[Flow]:
     """A gradient summed over ``axes``: XLA reduces over the context axes first, then over the rest.
 
@@ -121,7 +120,6 @@ def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: floa
     rest = [a for a in axes if a not in context]
     flows = flow(what, "all-reduce", context, size, runs, layout, "backward", True)
     return flows + flow(what, "all-reduce", rest, size, runs, layout, "backward", True)
-
 
 
 def gradient_bytes(m: ModelConfig, step: Step) -> int:
@@ -187,7 +185,6 @@ def _embedding_flows(sp: Split, layout: Layout, step: Step, bsh: float, ids: flo
         out += flow(lookup + " (for the gradient)", "all-to-all", sp.scattered, bsh, micro, layout, "backward", True)
     shard = grad / layout.size(sp.scattered)
     return out + _gradient_all_reduce("embedding gradient", sp.reduced, shard, micro, layout)
-
 
 
 def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float,
@@ -264,7 +261,6 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
     return out + flow(p.path + " (updated)", "all-gather", updated, shard_all, 1, layout, "update", False)
 
 
-
 def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbytes: int, manual: bool,
                           tensor: tuple[str, ...] = ()) -> list[Flow]:
     """The embedding, final norm and head of a pipelined model (:mod:`jaxscale.parallel.pipeline`).
@@ -335,8 +331,10 @@ def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: 
     return flows
 
 
-def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) -> list[Flow]:
-    """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted)."""
+def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step,
+                  imbalance: float = EP_IMBALANCE) -> list[Flow]:
+    """Every collective of the step, as :class:`Flow`s (see the module docstring for what is counted);
+    ``imbalance``: the dropless exchange's routing imbalance (a cluster file's ``ep_imbalance``)."""
     cbytes = dtype_bytes(m.dtype)
     rows = step.global_batch / layout.ways(("batch",)) / step.microbatches
     s_local = step.seq_len / layout.ways(("length",))
@@ -409,17 +407,21 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
 
     if m.moe is not None and layout.mesh_axes(("expert",)):
         moe_runs = layers * (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)
-        flows += _expert_flows(m.moe, layout, bsh, micro * moe_runs)
+        # what the backward recomputes of a layer's forward runs its exchange again (full and save_dots keep no
+        # routed rows; a pipeline's backward slot recomputes its chunk)
+        again = stage_remat or m.remat not in ("none", "selective")
+        flows += _expert_flows(m.moe, layout, bsh, micro * moe_runs, again, imbalance)
     return flows
 
 
-
-def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float) -> list[Flow]:
+def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float, recomputed: bool = False,
+                  imbalance: float = EP_IMBALANCE) -> list[Flow]:
     """Expert parallelism's traffic, ``runs`` MoE layers a step (:mod:`jaxscale.parallel.expert`), each way:
     capacity dispatch, an all-to-all there and back of the buffers, ``k·b·s·h`` at the capacity factor; the
     dropless rows exchange (:mod:`jaxscale.parallel.exchange`), the routed rows, ``k·b·s·h`` times the routing
-    imbalance, assumed :data:`EP_IMBALANCE` (the compiled step's trips are the routing's at run time); the
-    dropless all-gather path, the EP group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each."""
+    ``imbalance`` (the compiled step's trips are the routing's at run time); the dropless all-gather path, the EP
+    group's tokens gathered and the outputs reduce-scattered, ``ep·b·s·h`` each. ``recomputed``: the backward runs
+    the forward's exchange again (all-gather path: its gather), as lowered under full and save_dots remat."""
     experts = layout.mesh_axes(("expert",))
     if moe.dispatch == "dropless" and moe.dropless_exchange != "rows":
         ep = layout.size(experts)
@@ -427,11 +429,14 @@ def _expert_flows(moe: MoEConfig, layout: Layout, bsh: float, runs: float) -> li
         for phase in ("forward", "backward"):
             flows += flow("EP: tokens gathered", "all-gather", experts, ep * bsh, runs, layout, phase, False)
             flows += flow("EP: outputs scattered", "reduce-scatter", experts, ep * bsh, runs, layout, phase, False)
-        return flows
-    factor = moe.capacity_factor if moe.dispatch == "capacity" else EP_IMBALANCE
+        return flows + flow("EP: tokens gathered again (recomputed)", "all-gather", experts, ep * bsh,
+                            runs * recomputed, layout, "backward", False)
+    factor = moe.capacity_factor if moe.dispatch == "capacity" else imbalance
     routed = moe.top_k * bsh * factor
-    return [f for phase in ("forward", "backward") for f in
-            flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * runs, layout, phase, False)]
+    flows = [f for phase in ("forward", "backward") for f in
+             flow("EP: dispatch and combine", "all-to-all", experts, routed, 2 * runs, layout, phase, False)]
+    return flows + flow("EP: dispatch and combine (recomputed)", "all-to-all", experts, routed, 2 * runs * recomputed,
+                        layout, "backward", False)
 
 
 def summarize_flows(flows: Sequence[Flow]) -> dict[str, Any]:

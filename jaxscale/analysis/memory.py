@@ -372,14 +372,15 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": saved_dots_backward(m, step.seq_len)}
         if m.remat in mlp:
             everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
-    # the exchange's buffers: kept by every MoE layer (and prediction depth) unless recomputed, and in the backward
+    # the exchange's buffers: in the backward, and kept by every MoE layer where it keeps its routed rows (none,
+    # selective; save_dots saves no grouped matmul, so autodiff recomputes the exchange) and by prediction depths
     exchange = _exchange_buffers(m, layout, step, rows)
-    moe_here = layers * moe_layers(m) / m.layers + depths
+    moe_here = layers * moe_layers(m) / m.layers * (m.remat in ("none", "selective")) + depths
     layer_backward = everything + kept_weights * cbytes + exchange
     layer_backward += layer_elems(params, layout, reduced=False) * pbytes
     loss, head, table = _loss(m, params, layout, step, micro_rows, pbytes)
     activations = layers * per_layer + _prediction_depths(m, params, layout, step, rows)
-    activations += exchange * (moe_here if m.remat != "full" else depths)
+    activations += exchange * moe_here
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,

@@ -30,14 +30,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxscale.analysis.blocks import attention
-from jaxscale.analysis.communication import EP_IMBALANCE, communication, summarize_flows
+from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
+from jaxscale.analysis.reasons import BLOCK_AXES, Candidate, expert_lines, fmt_time, kernel_line, reasons, unit_for
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
 from jaxscale.analysis.timing import Cluster, step_time
 from jaxscale.config import DEFAULT_SCHEDULE, ConfigError, ModelConfig
 from jaxscale.layout import Layout, stage_moe
-from jaxscale.parallel.schedules import formula_bubble
 from jaxscale.stage_layers import lighter_ends, unit
 
 REMATS = ("none", "save_dots", "full")
@@ -55,17 +55,6 @@ def shape_problem(params: Sequence[Param], place: Layout, m: ModelConfig, seq_le
         if seq_len % place.ways((name,)):
             return f"sequence length {seq_len} not divisible by {place.ways((name,))}"
     return None
-
-
-@dataclasses.dataclass
-class Candidate:
-    """A layout that fits, with its prediction; ``same`` names the layouts it stands for (identical figures)."""
-
-    layout: Strategy
-    memory: dict[str, float]
-    comm: dict[str, Any]
-    time: dict[str, float]
-    same: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -228,7 +217,7 @@ def evaluate(m: ModelConfig, params: Sequence[Param], layout: Strategy, seq_len:
     model, step = model_for(m, layout), step_for(layout, seq_len)
     params = stacked(params, model, step)
     mem = mem or memory(model, params, place, step)
-    flows = communication(model, params, place, step)
+    flows = communication(model, params, place, step, cluster.ep_imbalance)
     return Candidate(layout, mem, summarize_flows(flows), step_time(model, flows, place, step, cluster, params))
 
 
@@ -297,10 +286,7 @@ def search(
     ranked = found[:top] if top else found
     piped = next((c for c in found if c.layout.stage > 1), None)
     why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "", stage_moe(m))
-    if m.moe is not None and m.moe.dispatch == "dropless" and m.moe.dropless_exchange == "rows":
-        why.append(f"EP's dropless exchange: 2·k·b·s·h·bytes·(ep−1)/ep per MoE layer each way times a routing "
-                   f"imbalance (max/mean rows to a shard) assumed {EP_IMBALANCE}; its buffers sized for every row "
-                   "to one shard (ep x)")
+    why += kernel_line(found, m) + expert_lines(found, m, cluster.ep_imbalance, cluster.devices_per_node)
     return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
 
 
@@ -318,94 +304,11 @@ def gather_note(m: ModelConfig, params: Sequence[Param], c: Candidate, seq_len: 
         fits = "" if alt.memory["total"] <= cluster.budget else ", does not fit"
         parts.append(f"{mode}{' (runs)' if alt is c else ''} {_gb(alt.memory['total'])} GB{fits}, "
                      f"{alt.comm['by_axes'].get('fsdp', 0.0) / 1e12:.2f} TB over fsdp, idle slots {slots}, "
-                     f"{_time(alt.time['total'])}")
+                     f"{fmt_time(alt.time['total'])}")
     return "FSDP in a stage (pipeline.fsdp): " + "; ".join(parts)
 
 
 # -- output --------------------------------------------------------------------------------
-
-
-PARTS = {"matmul": "matmuls", "attention": "attention", "memory_bound": "memory-bound ops", "recompute": "recompute",
-         "optimizer": "optimizer update", "bubble": "pipeline bubble",
-         "contention": "compute slowed by overlapped comm"}
-
-
-def _parts(t: dict[str, float]) -> dict[str, float]:
-    """The step's seconds by what they are spent on: compute parts, bubble, exposed communication by kind."""
-    out = {name: t.get(key, 0.0) for key, name in PARTS.items()}
-    out.update({f"exposed {k.split('.', 1)[1]} comm": v for k, v in t.items() if k.startswith("exposed.")})
-    return out
-
-
-def unit_for(seconds: float) -> tuple[str, float]:
-    """The unit a time column prints in (s, ms or us) and its scale."""
-    if seconds >= 1:
-        return "s", 1.0
-    return ("ms", 1e3) if seconds >= 1e-3 else ("us", 1e6)
-
-
-def _time(x: float) -> str:
-    unit, scale = unit_for(x)
-    return f"{x * scale:.3g} {unit}"
-
-
-def reasons(ranked: Sequence[Candidate], note: str = "", moe: dict[str, bool] | None = None) -> list[str]:
-    """One line each for the winner and the runner-up: what dominates its step, and why it beats the next; for
-    the best pipeline outside the two, what it pays against the winner (the parts of the step that differ most,
-    signed, each over a tenth of the gap); ``note`` on the best pipeline (:func:`gather_note`); ``moe``: the
-    model's experts inside a stage (:func:`jaxscale.layout.stage_moe`), for whether its idle slots are skipped."""
-    lines = []
-    for i, c in enumerate(ranked[:2]):
-        total = c.time["total"]
-        parts = sorted(_parts(c.time).items(), key=lambda kv: -kv[1])
-        top = ", ".join(f"{name} {100 * v / total:.0f}%" for name, v in parts[:3] if v > 0)
-        line = f"#{i + 1} {c.layout.describe()} ({c.layout.remat}): {_time(total)}: {top}"
-        if i + 1 < len(ranked):
-            nxt = ranked[i + 1]
-            gap = nxt.time["total"] - total
-            mine, theirs = _parts(c.time), _parts(nxt.time)
-            diffs = {k: theirs.get(k, 0.0) - mine.get(k, 0.0) for k in set(mine) | set(theirs)}
-            why = max(diffs, key=lambda k: diffs[k])
-            if gap > 1e-3 * total and diffs[why] > 0:
-                line += f"; beats #{i + 2} by {100 * gap / total:.1f}% ({_time(gap)}): {_time(diffs[why])} less {why}"
-            elif c.memory["total"] < nxt.memory["total"] - 1e6:
-                line += (f"; ties #{i + 2} on time (within 0.1%), needs less memory "
-                         f"({c.memory['total'] / 1e9:.2f} vs {nxt.memory['total'] / 1e9:.2f} GB)")
-            else:
-                line += f"; ties #{i + 2} on time and memory, the simpler layout"
-        lines.append(line + _bubble_note(c, moe))
-    piped = next(((i, c) for i, c in enumerate(ranked) if c.layout.stage > 1), None)
-    if piped and piped[0] >= 2:  # why the best pipeline lost to the winner
-        i, c = piped
-        best = ranked[0]
-        gap = c.time["total"] - best.time["total"]
-        mine = _parts(best.time)
-        diffs = sorted(((v - mine.get(k, 0.0), k) for k, v in _parts(c.time).items()), key=lambda d: -abs(d[0]))
-        paid = ", ".join(f"{'+' if d > 0 else '-'}{_time(abs(d))} {k}" for d, k in diffs[:4] if abs(d) > 0.1 * gap)
-        lines.append(f"best pipeline #{i + 1} {c.layout.describe()}: {_time(c.time['total'])}, "
-                     f"{100 * gap / best.time['total']:.0f}% ({_time(gap)}) slower than #1: {paid}"
-                     + _bubble_note(c, moe) + (f"; {note}" if note else ""))
-    elif piped and note:
-        lines.append(f"#{piped[0] + 1} {note}")
-    return lines
-
-
-# The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.
-BLOCK_AXES = (("layers", "embed", "heads", "head_dim"), ("layers", "embed", "mlp"))
-
-
-def _bubble_note(c: Candidate, moe: dict[str, bool] | None = None) -> str:
-    """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula;
-    ``moe``: the model's experts inside a stage (:func:`jaxscale.layout.stage_moe`; none: a dense model)."""
-    lay, t = c.layout, c.time
-    if lay.stage == 1 or t["bubble"] < max(t["exposed"], t["contention"]):
-        return ""
-    p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
-    place = placement(lay)
-    free = place.stage_free_axes(BLOCK_AXES, **(moe or {"moe": False}))
-    slots = f"idle slots computed masked: {', '.join(free)} inside a stage" if free else "idle slots skipped"
-    return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
-            f"({100 * formula_bubble(p, m, v, lay.schedule):.0f}% by the schedule's formula, {slots})")
 
 
 def _gb(x: float) -> str:

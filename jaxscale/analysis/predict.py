@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxscale.analysis.communication import Flow, communication, summarize_flows
+from jaxscale.analysis.communication import EP_IMBALANCE, Flow, communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
 from jaxscale.analysis.timing import Cluster, step_time
@@ -38,7 +38,8 @@ class Prediction:
 def predict(
     m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, cluster: Cluster | None = None
 ) -> Prediction:
-    flows = communication(m, params, layout, step)
+    imbalance = cluster.ep_imbalance if cluster is not None else EP_IMBALANCE
+    flows = communication(m, params, layout, step, imbalance)
     time = step_time(m, flows, layout, step, cluster, params) if cluster is not None else None
     return Prediction(memory(m, params, layout, step), flows, time)
 

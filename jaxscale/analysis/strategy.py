@@ -33,6 +33,7 @@ from jaxscale.config import (
 from jaxscale.layout import Layout, Rules
 
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
+FSDP_NAMES = ("embed", "q_lora_up", "kv_lora_up")  # the parameters' dimensions ZeRO shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +116,8 @@ def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str,
     rules = dict(base_rules() if base is None else base)
     batch = ["data", "fsdp"] + (["expert"] if layout.expert > 1 else [])
     rules["batch"] = batch
-    if layout.fsdp > 1:
-        rules["embed"] = "fsdp"
+    if layout.fsdp > 1:  # the parameters' FSDP dimension: embed, MLA's up projections' latent input
+        rules.update(dict.fromkeys(FSDP_NAMES, "fsdp"))
     if layout.tensor > 1:
         for name in TP_NAMES:
             if name in rules:
@@ -131,9 +132,9 @@ def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str,
         rules["expert"] = "expert"
     out: dict[str, Any] = {"rules": rules}
     if layout.zero >= 1 and layout.data > 1:
-        out["optimizer"] = {"embed": ["data", "fsdp"]}
+        out["optimizer"] = {name: ["data", "fsdp"] for name in FSDP_NAMES}
     if layout.zero >= 2 and layout.data > 1:
-        out["gradients"] = {"embed": ["data", "fsdp"]}
+        out["gradients"] = {name: ["data", "fsdp"] for name in FSDP_NAMES}
     return out
 
 

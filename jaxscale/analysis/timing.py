@@ -60,7 +60,7 @@ import numpy as np
 import yaml
 
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
-from jaxscale.analysis.communication import Flow
+from jaxscale.analysis.communication import EP_IMBALANCE, Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
@@ -93,6 +93,9 @@ class Cluster:
     matmul_efficiency: Table | None = None  # [[side of a cube (M·N·K)^(1/3), fraction of peak], ...]
     attention_efficiency: Table | None = None  # [[sequence block, fraction of peak], ...]
     collectives: dict[str, dict[str, list[float]]] | None = None  # level -> kind -> [latency/step, bytes/s]
+    # max/mean rows a device sends an expert shard in EP's dropless exchange (the routing's; moe_load_max measures
+    # it at run time): the planner's assumption, not the devices'
+    ep_imbalance: float = EP_IMBALANCE
     source: str = ""  # how the figures were obtained
 
     @property
@@ -189,6 +192,9 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
         setattr(cluster, key, int(getattr(cluster, key)))
     if cluster.usable_memory > 1 or cluster.compute_efficiency > 1:
         raise ConfigError(f"cluster {name}: usable_memory and compute_efficiency are fractions (<= 1)")
+    if cluster.ep_imbalance < 1:
+        raise ConfigError(f"cluster {name}: 'ep_imbalance' is the busiest shard's rows over the mean (>= 1), "
+                          f"got {cluster.ep_imbalance}")
     return cluster
 
 
@@ -239,19 +245,31 @@ def _matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float,
     moe = m.moe
     if moe is None:
         return [*out, (2 * r, tokens / r, m.mlp / t_f, h), (r, tokens / r, h, m.mlp / t_f)]
-    # Routed experts: the device's E/ep experts see ep·M·k/E tokens each; averaged over the layers.
-    ep = layout.ways(("expert",))
-    f = moe.mlp or m.mlp
-    t_e = layout.ways(("expert_mlp",)) if layout.axes_of("expert_mlp") else t_f
-    frac = (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)  # DeepSeek's prediction depths: MoE blocks
-    routed = tokens * routed_per_token(m) / f * ep / moe.experts
-    local = moe.experts / ep
-    out += [(2 * local * frac, routed, f / t_e, h), (local * frac, routed, h, f / t_e)]
+    out += _routed_matmuls(m, layout, tokens)
+    f, frac = moe.mlp or m.mlp, _moe_share(m)
     if moe.shared_experts:
         shared = moe.shared_experts * f
         out += [(2 * frac, tokens, shared / t_f, h), (frac, tokens, h, shared / t_f)]
     dense = 1 - frac
     return [*out, (2 * dense, tokens, m.mlp / t_f, h), (dense, tokens, h, m.mlp / t_f)]
+
+
+def _moe_share(m: ModelConfig) -> float:
+    """The share of the layers run that are MoE blocks (DeepSeek's prediction depths count as MoE blocks)."""
+    return (moe_layers(m) + layers_run(m) - m.layers) / layers_run(m)
+
+
+def _routed_matmuls(m: ModelConfig, layout: Layout, tokens: float) -> list[tuple[float, float, float, float]]:
+    """(count, M, N, K) of one layer's routed experts (gate and up, down) on one device, averaged over the layers:
+    the device's E/ep experts see ep·M·k/E tokens each; none for a dense model."""
+    moe = m.moe
+    if moe is None:
+        return []
+    ep, f, frac = layout.ways(("expert",)), moe.mlp or m.mlp, _moe_share(m)
+    t_e = layout.ways(("expert_mlp",)) if layout.axes_of("expert_mlp") else layout.ways(("mlp",))
+    routed = tokens * routed_per_token(m) / f * ep / moe.experts
+    local = moe.experts / ep
+    return [(2 * local * frac, routed, f / t_e, m.embed), (local * frac, routed, m.embed, f / t_e)]
 
 
 def matmul_seconds(cluster: Cluster, count: float, mm: float, n: float, k: float) -> float:
@@ -332,7 +350,10 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     bw = cluster.memory_bandwidth
     forward = fwd_mm + head + fwd_attn + (fwd_mem + fwd_cm + logits / 4 + weights) / bw
     backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + fwd_cm + 3 * logits / 4 + weights) / bw
-    recompute = {"none": 0.0, "save_dots": fwd_mem / bw, "save_named": fwd_mem / bw,
+    # save_dots and save_named keep no routed expert's matmul (a grouped or batched one): the backward runs the
+    # experts' forward again (their hidden for the down projection's gradient, their outputs for the gates')
+    routed_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _routed_matmuls(m, layout, micro))
+    recompute = {"none": 0.0, "save_dots": fwd_mem / bw + routed_mm, "save_named": fwd_mem / bw + routed_mm,
                  "full": fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw}[m.remat]
     if layout.pipelined:  # the backward slot recomputes its chunk once; no layer remat inside a stage
         recompute = fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw

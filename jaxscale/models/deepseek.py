@@ -36,8 +36,11 @@ Recomputation (``model.remat``) as the built-in models': the layer policies of :
 ``selective`` recomputing the attention core, ``save_named`` keeping the named ``query``, ``key``, ``value``,
 ``attention``, ``attention_out``, ``mlp_hidden`` (and the MoE layer's ``mlp_out``).
 
-Logical axes: the latents are ``q_lora`` and ``kv_lora`` (parameters and activations); a head's widths are
-``head_dim``; MLA has no grouped keys, so keys and values are laid out as queries (``Q_AXES``).
+Logical axes: the latents are ``q_lora`` and ``kv_lora`` (the activations, the down projections' outputs and the
+latent norms); the up projections' (``wq_b``, ``wkv_b``) latent input is ``q_lora_up`` and ``kv_lora_up``, a
+parameter's own name, so that FSDP shards those weights there (the down projections' ``embed`` holds its mesh
+axes already); a head's widths are ``head_dim``; MLA has no grouped keys, so keys and values are laid out as
+queries (``Q_AXES``).
 """
 
 from __future__ import annotations
@@ -80,13 +83,13 @@ class MLA(nnx.Module):
         if d.q_lora_rank:
             self.wq_a = param(rngs, c, (c.embed, d.q_lora_rank), ("embed", "q_lora"))
             self.q_norm = norm(c, d.q_lora_rank, "q_lora")
-            self.wq_b = param(rngs, c, (d.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"))
+            self.wq_b = param(rngs, c, (d.q_lora_rank, h, qk), ("q_lora_up", "heads", "head_dim"))
         else:
             self.wq = param(rngs, c, (c.embed, h, qk), ("embed", "heads", "head_dim"))
         self.wkv_a = param(rngs, c, (c.embed, d.kv_lora_rank + d.qk_rope_head_dim), ("embed", "kv_lora"))
         self.kv_norm = norm(c, d.kv_lora_rank, "kv_lora")
         self.wkv_b = param(rngs, c, (d.kv_lora_rank, h, d.qk_nope_head_dim + d.v_head_dim),
-                           ("kv_lora", "heads", "head_dim"))
+                           ("kv_lora_up", "heads", "head_dim"))
         self.wo = param(rngs, c, (h, d.v_head_dim, c.embed), ("heads", "head_dim", "embed"))
 
     def _w(self, p: nnx.Param) -> jax.Array:
