@@ -2,8 +2,8 @@
 here, whose stacked unit has a learned per-layer residual scale ``alpha`` (a scalar per layer,
 ``nnx.Param(..., out_sharding=())``) and returns its own metrics, weighed into the loss by ``aux_loss``. Under
 1F1B, interleaved 1F1B and ZB-H1 its loss, metrics and every gradient equal one device's (fp32, 1e-5), whether it
-reduces its units' metrics by its own ``stack_metrics`` (a sum over the layers) or by the default (each key's mean
-over the layers) and reads them with ``metrics.get``."""
+reduces its units' metrics by its own ``stack_metrics`` (a sum over the layers), its ``prefix`` returning a
+metric of its own too, or by the default (each key's mean over the layers) and reads them with ``metrics.get``."""
 
 from __future__ import annotations
 
@@ -75,8 +75,11 @@ class ScaledLM(nnx.Module):
         def run(x: jax.Array, block: ScaledBlock) -> tuple[jax.Array, dict[str, jax.Array]]:
             return block(x, positions)
 
-        x, stacked = run(self.embed(tokens), self.blocks)
-        return self.final_norm(x), self.reduced(stacked)
+        x, metrics = self.embed(tokens), {}
+        if hasattr(self, "prefix"):
+            x, metrics = self.prefix(x, positions)
+        x, stacked = run(x, self.blocks)
+        return self.final_norm(x), {**metrics, **self.reduced(stacked)}
 
     def head_weight(self) -> jax.Array:
         return self.lm_head[...]
@@ -92,8 +95,15 @@ class ScaledLM(nnx.Module):
 
 
 class SummedLM(ScaledLM):
-    """The same model with its own reduction, a sum over the layers (``stack_metrics``), and an ``aux_loss`` that
-    reads its keys as they are."""
+    """The same model with its own reduction, a sum over the layers (``stack_metrics``), a learned gain on the
+    embedding in its ``prefix`` with its own metric, and an ``aux_loss`` that reads its keys as they are."""
+
+    def __init__(self, config: jaxscale.Config, rngs: nnx.Rngs):
+        super().__init__(config, rngs)
+        self.beta = nnx.Param(jnp.asarray(1.2), out_sharding=())
+
+    def prefix(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return self.beta[...] * x, {"beta_sq": self.beta[...] ** 2}
 
     def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return {k: jnp.sum(a, axis=0) for k, a in stacked.items()}
@@ -102,10 +112,10 @@ class SummedLM(ScaledLM):
         return self.stack_metrics(stacked)
 
     def aux_loss(self, metrics: dict[str, jax.Array]) -> jax.Array:
-        return 0.1 * metrics["alpha_sq"] + 0.5 * metrics["update_sq"]
+        return 0.1 * metrics["alpha_sq"] + 0.5 * metrics["update_sq"] + 0.3 * metrics["beta_sq"]
 
 
-MODELS = {"summed": SummedLM, "mean-get": ScaledLM}
+MODELS = {"summed-prefix": SummedLM, "mean-get": ScaledLM}
 SMALL = ("model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=4", "model.layers=8",
          "train.global_batch=16")
 PIPELINES = {  # mesh, schedule, microbatches, repeats
@@ -115,11 +125,15 @@ PIPELINES = {  # mesh, schedule, microbatches, repeats
 }
 
 
+def placed(trainer: Trainer, params, batch) -> tuple:
+    """Host parameters (the model's layer order) and a host batch in ``trainer``'s storage and layout."""
+    stored = jax.device_put(trainer.storage.place_params(params), trainer.param_shardings())
+    return stored, jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
+
+
 def measured(trainer: Trainer, params, batch) -> tuple:
     """Loss, gradients (the model's layer order) and metrics of one batch under ``trainer``'s layout."""
-    placed = jax.device_put(batch, dict.fromkeys(batch, trainer.batch_sharding))
-    stored = jax.device_put(trainer.storage.place_params(params), trainer.param_shardings())
-    loss, grads, metrics = trainer._jit(lambda p, b: trainer._grads(p, b)[:3])(stored, placed)
+    loss, grads, metrics = trainer._jit(lambda p, b: trainer._grads(p, b)[:3])(*placed(trainer, params, batch))
     return float(loss), trainer.storage.canonical_params(jax.device_get(grads)), jax.device_get(metrics)
 
 
@@ -144,13 +158,15 @@ def test_one_device_reduces_and_weighs_the_units_metrics_as_the_model_says(model
     params, batch, loss, _, metrics = reference(model)
     alpha = np.asarray(params["blocks"]["alpha"], np.float64)
     assert alpha.shape == (8,) and np.ptp(alpha) > 0.05  # a scalar per layer, each its own
-    reduce = np.sum if model == "summed" else np.mean
+    reduce = np.sum if model == "summed-prefix" else np.mean
     assert rel_err(metrics["alpha_sq"], reduce(alpha**2)) <= 1e-6
+    beta_sq = 1.44 if model == "summed-prefix" else 0.0
+    assert rel_err(metrics.get("beta_sq", 0.0), beta_sq) <= 1e-6
     trainer = Trainer.build(tiny_config(*SMALL), jax.devices()[:1], model=MODELS[model])
     plain = jax.jit(lambda p, b: nnx.merge(trainer.graphdef, p).hidden(b["inputs"], b["positions"]))
     _, own = plain(params, batch)
     assert rel_err(metrics["update_sq"], own["update_sq"]) <= 1e-6
-    ce = loss - 0.1 * float(metrics["alpha_sq"]) - 0.5 * float(metrics["update_sq"])
+    ce = loss - 0.1 * float(metrics["alpha_sq"]) - 0.5 * float(metrics["update_sq"]) - 0.3 * beta_sq
     assert 5.0 < ce < 6.0  # ln 256 = 5.55: the loss is the cross-entropy plus the weighed metrics
 
 
@@ -163,12 +179,14 @@ def test_a_models_own_metrics_pipeline_as_one_device(model, name, reference):
     trainer = Trainer.build(tiny_config(*SMALL, *pipe, rules="pp", mesh=mesh), model=MODELS[model])
     assert trainer.rules.spec(trainer.axes["blocks"]["alpha"]) == jax.sharding.PartitionSpec("stage")
     loss, grads, metrics = measured(trainer, params, batch)
-    assert set(metrics) == set(ref_metrics) == {"alpha_sq", "update_sq"}
+    assert set(metrics) == set(ref_metrics) >= {"alpha_sq", "update_sq"}
     for k in ref_metrics:
         assert rel_err(metrics[k], ref_metrics[k]) <= 1e-5, k
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_trees_close(grads, ref_grads)
     assert float(np.abs(grads["blocks"]["alpha"]).min()) > 0  # every layer's alpha trained, the penalty included
+    if name == "1f1b-p4":  # evaluation: the forward table, the prefix's and units' shares in its forward slots
+        assert rel_err(trainer.jit_eval_loss(*placed(trainer, params, batch)), ref_loss) <= 1e-5
 
 
 class Unstacked(ScaledLM):

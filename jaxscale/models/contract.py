@@ -67,7 +67,8 @@ class Extended(Staged, Protocol):
     ``stack_metrics``: how :meth:`hidden` reduces its units' metrics; a pipeline, which never runs ``hidden``,
     reduces them the same way (absent: each key's mean over the layers, :mod:`jaxscale.parallel.stage_metrics`).
     ``prefix``: what runs between :meth:`embed` and the stack (DeepSeek's dense blocks); a pipeline runs
-    it on its first stage, after the lookup, its parameters with the embedding's. ``ahead``: predictions
+    it on its first stage, after the lookup, its parameters with the embedding's; its metrics, where it returns
+    some, go before the stack's. ``ahead``: predictions
     beyond the next token (DeepSeek's multi-token prediction) from the stack's output before
     :meth:`final_norm`; the objective adds their weighted terms by :meth:`aux_loss`, and a pipeline runs it
     on its last stage with the head. A model with ``ahead`` gives the plain objective that output by
@@ -78,8 +79,9 @@ class Extended(Staged, Protocol):
         returns for them."""
         ...
 
-    def prefix(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """The residual stream after the embedding -> the stack's input, the same shape (no metrics)."""
+    def prefix(self, x: jax.Array, positions: jax.Array) -> jax.Array | tuple[jax.Array, Metrics]:
+        """The residual stream after the embedding -> the stack's input, the same shape (and, optionally, its
+        metrics)."""
         ...
 
     def trunk(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:

@@ -97,10 +97,9 @@ from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage, stage_moe
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
-from jaxscale.parallel.stage_metrics import Channel, reduction, stack_of
+from jaxscale.parallel.stage_metrics import Channel, reduction, whole
 from jaxscale.parallel.stage_program import AXIS, StageProgram
 from jaxscale.parallel.stage_state import vary
-from jaxscale.routing import joined
 from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
 
 __all__ = ["AXIS", "objective", "settings", "table", "vary"]
@@ -272,7 +271,7 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         block_specs, history_specs = tree.unflatten(specs), jax.tree.map(lambda _: stacked, histories)
         grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) and not program.visit else ()), *spec)
                                      for d, spec in zip(program.gathers, specs, strict=True)])
-        # The loss, each unit slot's metrics (stored as the stack), the head's metrics.
+        # The loss, each unit slot's metrics (stored as the stack), the prefix's and head's metrics.
         outs = (PartitionSpec(), stacked, PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
@@ -293,8 +292,8 @@ def objective(
     Mean cross-entropy plus the model's ``aux_loss`` of its metrics (as the trainer's objective).
     ``head_loss(model, y, micro)`` is the mean loss of the stack's output ``y`` on one microbatch ``micro``
     (final norm, head, cross-entropy) and the metrics of the model's predictions ahead, run on the last stage.
-    Differentiable in the model's parameters. The metrics are the stack's, reduced as the model's ``hidden``
-    does (:func:`~jaxscale.parallel.stage_metrics.stack_of`), joined by the head's: MoE's per-layer
+    Differentiable in the model's parameters. The metrics are the prefix's, the stack's reduced as the model's
+    ``hidden`` does, then the head's (:func:`~jaxscale.parallel.stage_metrics.whole`): MoE's per-layer
     statistics (``moe_layers``) the stack's as stored, then the head's.
     """
     mesh, place = active()
@@ -308,8 +307,8 @@ def objective(
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
     storage = stage_layers.Storage(train.counts, train.stages)
 
-    def metrics_of(layers: Any, head: Any) -> dict[str, Any]:
-        return joined(stack_of(train.channel.fold, layers, storage), head)
+    def metrics_of(layers: Any, outer: tuple[Any, Any]) -> dict[str, Any]:
+        return whole(train.channel.fold, outer[0], layers, outer[1], storage)
 
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:

@@ -1,20 +1,20 @@
-"""The metrics channel inside a pipeline: every metric the model's stacked units and its ``ahead`` return,
-weighed into the objective by the model's ``aux_loss`` and logged as on one device (docs/models.md).
+"""The metrics channel inside a pipeline: every metric the model's ``prefix``, stacked units and ``ahead``
+return, weighed into the objective by the model's ``aux_loss`` and logged as on one device (docs/models.md).
 
 On one device the model's ``hidden`` (or ``trunk``) reduces its units' metrics, stacked over the layers
-``[layers, ...]``, by its ``stack_metrics`` (each key's mean over the layers when it has none), joins the
-metrics of ``ahead``, and ``aux_loss`` weighs the result. A pipeline never runs the whole stack at once:
-each unit slot keeps its unit's metrics (their microbatches' mean), and after the loop the stack's metrics,
-in the model's layer order, go through the same ``stack_metrics``
-(:func:`stack_of`). Which keys there are is known at trace time, from a first trace of one unit
+``[layers, ...]``, by its ``stack_metrics`` (each key's mean over the layers when it has none), after its
+prefix's; the metrics of ``ahead`` join them, and ``aux_loss`` weighs the result. A pipeline never runs the
+whole stack at once: each unit slot keeps its unit's metrics (their microbatches' mean), and after the loop
+the stack's metrics, in the model's layer order, go through the same ``stack_metrics`` (:func:`stack_of`).
+Which keys there are is known at trace time, from a first trace of one unit and of the prefix
 (:meth:`~jaxscale.parallel.stage_program.StageProgram.run`).
 
-**Gradients**: ``aux_loss`` of ``stack_metrics`` must be affine in the metrics and the same for every layer
-(sums, means and weighted sums of them, as the built-in models' are), so that the objective splits into one
-share per unit and one per microbatch's head, each added where that unit or head runs, its gradient flowing
-through the same backward slot (:meth:`Channel.unit_share`, :meth:`Channel.head_share`): a part's share is
-``aux_loss`` of the whole metrics with that part's in place and zeros elsewhere, less ``aux_loss`` of zeros
-(:meth:`Channel.constant`, added once).
+**Gradients**: ``aux_loss`` of the metrics must be affine in them, with the same weight for every layer
+(sums, means and weighted sums, as the built-in models' are), so that the objective splits into one share
+per microbatch's prefix, per unit and per microbatch's head, each added where that part runs, its gradient
+flowing through the same backward slot (:meth:`Channel.share`): a part's share is ``aux_loss`` of the whole
+metrics with that part's in place and zeros elsewhere, less ``aux_loss`` of zeros (:meth:`Channel.constant`,
+added once).
 """
 
 from __future__ import annotations
@@ -31,12 +31,22 @@ from jaxscale.stage_layers import Storage
 
 F32 = jnp.float32
 Metrics = dict[str, Any]
+PREFIX, UNIT, HEAD = range(3)  # the parts of the model whose metrics the channel joins, in their order
 PER_LAYER = "moe_layers"  # per-layer statistics a reduction keeps, stored as the stack (the routing biases' order)
 
 
 def layer_mean(stacked: Metrics) -> Metrics:
     """The default reduction of the stacked units' metrics: each key's mean over the layers."""
     return jax.tree.map(lambda a: jnp.mean(a, axis=0), stacked)
+
+
+def prefixed(model: Any, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
+    """The model's ``prefix`` on the embedded tokens ``x``: its output and metrics (none when it returns ``x``
+    alone); ``x`` itself without a prefix."""
+    if not hasattr(model, "prefix"):
+        return x, {}
+    out = model.prefix(x, positions)
+    return out if isinstance(out, tuple) else (out, {})
 
 
 def reduction(model: Any) -> Callable[[Metrics], Metrics]:
@@ -53,35 +63,34 @@ class Channel:
     fold: Callable[[Metrics], Metrics]  # :func:`reduction`
     units: int  # the stacked units (layers, or MoE groups) of the model
 
-    def objective(self, first: Metrics, head: Metrics) -> jax.Array:
-        """``aux_loss`` of the whole metrics: ``first`` the first unit's, the other units' zeros, ``head`` the
-        head's."""
+    def objective(self, prefix: Metrics, first: Metrics, head: Metrics) -> jax.Array:
+        """``aux_loss`` of the whole metrics: the prefix's, ``first`` the first unit's (the other units' zeros),
+        the head's."""
 
         def stacked(a: jax.Array) -> jax.Array:
             return jnp.concatenate([a[None], jnp.zeros((self.units - 1, *a.shape), a.dtype)])
 
-        return jnp.asarray(self.aux_loss(joined(self.fold(jax.tree.map(stacked, first)), head)), F32)
+        whole = joined(joined(prefix, self.fold(jax.tree.map(stacked, first))), head)
+        return jnp.asarray(self.aux_loss(whole), F32)
 
-    def unit_share(self, metrics: Metrics, head_zeros: Metrics) -> jax.Array:
-        """One unit's share of the objective (on one microbatch's rows)."""
-        zeros = jax.tree.map(jnp.zeros_like, metrics)
-        return self.objective(metrics, head_zeros) - self.objective(zeros, head_zeros)
+    def share(self, zeros: tuple[Metrics, Metrics, Metrics], part: int, metrics: Metrics) -> jax.Array:
+        """One part's share of the objective (``PREFIX``, ``UNIT``, ``HEAD``) on one microbatch, ``zeros`` the
+        three parts' metrics as zeros."""
+        return self.objective(*(metrics if i == part else z for i, z in enumerate(zeros))) - self.objective(*zeros)
 
-    def head_share(self, unit_zeros: Metrics, head: Metrics) -> jax.Array:
-        """The head's share of the objective: its metrics (the model's ``ahead``) on one microbatch."""
-        return self.objective(unit_zeros, head) - self.objective(unit_zeros, jax.tree.map(jnp.zeros_like, head))
-
-    def constant(self, unit_shapes: Any, head_shapes: Any) -> jax.Array:
-        """``aux_loss`` of zero metrics: the part of the objective no share holds (0 for a linear one)."""
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (unit_shapes, head_shapes))
-        return self.objective(*zeros)
+    def constant(self, shapes: tuple[Any, Any, Any]) -> jax.Array:
+        """``aux_loss`` of zero metrics (the three parts' ``shapes``): the part of the objective no share holds
+        (0 for a linear one)."""
+        return self.objective(*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
 
-def stack_of(fold: Callable[[Metrics], Metrics], stored: Metrics, storage: Storage) -> Metrics:
-    """The metrics of the whole stack from each unit slot's, ``stored`` [slots, ...] as the stack is stored:
-    ``fold`` of them in the model's layer order (unused slots left out); its per-layer statistics
-    (``moe_layers``) back in the stored order, as the routing biases they update are stored."""
-    out = fold(storage.canonical(stored))
-    if PER_LAYER in out:
-        out = {**out, PER_LAYER: storage.place(out[PER_LAYER])}
-    return out
+def whole(fold: Callable[[Metrics], Metrics], prefix: Metrics, stored: Metrics, head: Metrics,
+          storage: Storage) -> Metrics:
+    """The model's metrics from the prefix's, each unit slot's (``stored`` [slots, ...] as the stack is stored)
+    and the head's: ``fold`` of the units' in the model's layer order (unused slots left out), its per-layer
+    statistics (``moe_layers``) back in the stored order, as the routing biases they update are stored; the
+    prefix's before them, the head's after."""
+    stack = fold(storage.canonical(stored))
+    if PER_LAYER in stack:
+        stack = {**stack, PER_LAYER: storage.place(stack[PER_LAYER])}
+    return joined(joined(prefix, stack), head)

@@ -45,7 +45,7 @@ from jaxscale import fp8, precision
 from jaxscale.config import ModelConfig
 from jaxscale.parallel import weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
-from jaxscale.parallel.stage_metrics import Channel
+from jaxscale.parallel.stage_metrics import HEAD, PREFIX, UNIT, Channel, prefixed
 from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take, vary, varying
 from jaxscale.sharding import Layout, constrain, use_layout
 
@@ -81,7 +81,7 @@ class StageProgram:
     head_loss: Callable[[Any, jax.Array, dict[str, jax.Array]], tuple[jax.Array, Any]]  # (model, y, micro) -> loss, ...
     head_metrics: Any  # the shapes of the head's metrics (jax.ShapeDtypeStruct)
     channel: Channel  # the model's aux_loss of its metrics, in shares (:mod:`jaxscale.parallel.stage_metrics`)
-    unit_metrics: Any = None  # the shapes of one unit's metrics: set by :meth:`run` from a first trace of a unit
+    metric_shapes: Any = None  # of the prefix's, one unit's and the head's metrics: set by :meth:`run`
 
     @property
     def rows(self) -> tuple[str, ...]:
@@ -119,8 +119,20 @@ class StageProgram:
         y, metrics = self.unit(lp, h, pos)
         # Each device of the stage's rows holds its rows' metrics (or, MoE's, the microbatch's, summed over them
         # by routing.route): a share of the microbatch's objective each, as the loss is summed over those devices.
-        share = self.channel.unit_share(metrics, self.zero_head()) / (self.microbatches * self.inner.size(self.summed))
-        return vary((y, share, metrics), self.rows)
+        return vary((y, self.share(UNIT, metrics) / self.spread, metrics), self.rows)
+
+    @property
+    def spread(self) -> int:
+        """Over how many a part's share of one microbatch's aux objective is spread where it runs on one
+        microbatch, not weighed as the loss: the microbatches, and the devices of the stage's rows (each holds
+        its rows' metrics, or MoE's the microbatch's, summed over them by routing.route), as the loss is summed
+        over them."""
+        return self.microbatches * self.inner.size(self.summed)
+
+    def share(self, part: int, metrics: dict[str, Any]) -> jax.Array:
+        """A part's share of the model's aux objective on one microbatch (:meth:`Channel.share`)."""
+        zeros = vary(jax.tree.map(lambda s: jnp.zeros(s.shape, F32), self.metric_shapes), self.rows)
+        return self.channel.share(zeros, part, metrics)
 
     def gathered(self, params: Any) -> Any:
         """A unit's parameters gathered over FSDP's axes as a slot runs it (``pipeline.fsdp=visit``): in a
@@ -137,16 +149,17 @@ class StageProgram:
 
     def zero_metrics(self, lead: tuple[int, ...] = ()) -> dict[str, Any]:
         """A unit's metrics as zeros; with ``lead`` (v, slots) a slot's or the loop's, one per unit slot."""
-        return vary(jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), F32), self.unit_metrics), self.rows)
+        return vary(jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), F32), self.metric_shapes[UNIT]), self.rows)
 
     def tally(self, met: dict[str, Any], chunk: jax.Array) -> dict[str, Any]:
         """A chunk's units' metrics [slots, ...] at chunk ``chunk``'s slots of the stage's [v, slots, ...]."""
         return jax.tree.map(lambda a: lax.dynamic_update_slice_in_dim(
             jnp.zeros((self.repeats, *a.shape), F32), a[None], chunk, 0), met)
 
-    def zero_head(self) -> Any:
-        """The head's metrics as zeros (none without the model's ``ahead``)."""
-        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.head_metrics), self.rows)
+    def zero_head(self, part: int = HEAD) -> Any:
+        """The head's metrics as zeros (none without the model's ``ahead``), or the prefix's."""
+        shapes = self.head_metrics if part == HEAD else self.metric_shapes[part]
+        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, F32), shapes), self.rows)
 
     def loss_of(self, outer: Any, y: jax.Array, micro: dict[str, jax.Array], total: jax.Array) -> tuple:
         """The loss of the stack's output ``y`` on one microbatch ``micro`` with the head's share of the model's
@@ -154,7 +167,7 @@ class StageProgram:
         over the batch's ``total`` (:mod:`jaxscale.loss`); and the head's metrics."""
         loss, metrics = self.head_loss(self.head_model(outer), y, micro)
         metrics = jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
-        loss = loss + self.channel.head_share(self.zero_metrics(), metrics)
+        loss = loss + self.share(HEAD, metrics)
         share = jnp.sum(micro["targets"] >= 0, dtype=F32) / total
         return loss * share, metrics
 
@@ -223,29 +236,32 @@ class StageProgram:
         return y, inputs, jnp.sum(obj), met
 
     def forward_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array) -> tuple:
-        """The chunk's output (sent on), its units' inputs (kept), its objective share and metrics; evaluating,
-        the loss on the last virtual stage is in the objective share, and the head's metrics."""
+        """The chunk's output (sent on), its units' inputs (kept), its objective share and metrics, the prefix's
+        and head's metrics; evaluating, the loss on the last virtual stage and the prefix's share of the aux
+        objective on the first are in the objective share."""
         pos = w.xs["positions"][slot.micro]
 
-        def embedded() -> jax.Array:
-            """The embedding, then the model's prefix where it has one (the first virtual stage's input)."""
-            model = self.head_model({**w.outer, "embedding": w.lookup})
-            h = model.embed(w.xs["inputs"][slot.micro])
-            return model.prefix(h, pos) if hasattr(model, "prefix") else h
-
         def run() -> tuple:
-            h = self.when(slot.kind == FIRST, embedded, acts[slot.src, 0])
+            first = (acts[slot.src, 0], self.zero_head(PREFIX))
+            h, pre = self.when(slot.kind == FIRST, lambda: self.embedded(w, w.outer, slot.micro), first)
             y, inputs, obj, met = self.chunk_forward(take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
             head = self.zero_head()
             if not self.table.train:
                 loss = functools.partial(self.loss_of, w.outer, y, self.micro(w, slot.micro), w.total)
                 f_loss, head = self.at_end(slot.kind == LAST, slot.any_last, loss, (jnp.zeros((), F32), head))
-                obj = obj + f_loss
-            return y, inputs, obj, self.tally(met, slot.chunk), head
+                obj = obj + f_loss + self.share(PREFIX, pre) / self.spread
+            return y, inputs, obj, self.tally(met, slot.chunk), (pre, head)
 
         zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32),
-                 self.zero_metrics((self.repeats, self.slots)), self.zero_head())
+                 self.zero_metrics((self.repeats, self.slots)), (self.zero_head(PREFIX), self.zero_head()))
         return self.when(slot.kind > IDLE, run, vary(zeros, self.rows))
+
+    def embedded(self, w: Weights, outer: Any, i: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        """Microbatch ``i``'s embedding, then the model's prefix where it has one (the first virtual stage's
+        input), with ``outer`` as the prefix's parameters; and the prefix's metrics, in fp32."""
+        model = self.head_model({**outer, "embedding": w.lookup})
+        h, metrics = prefixed(model, model.embed(w.xs["inputs"][i]), w.xs["positions"][i])
+        return h, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
 
     # -- the backward slot -----------------------------------------------------------------
 
@@ -266,29 +282,31 @@ class StageProgram:
 
         return self.at_end(here, anywhere, run, (jnp.zeros((), F32), jnp.zeros_like(y), acc_outer, self.zero_head()))
 
-    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, acc_outer: Any) -> Any:
+    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, acc_outer: Any) -> tuple[Any, jax.Array]:
         """``acc_outer`` plus, from the first virtual stage's input gradient ``dh``, the gradients of the model's
-        prefix (where it has one: recomputed from the lookup under ``jax.vjp``) and of the embedding,
-        one-hot(tokens)ᵀ · (the lookup's output gradient), there.
+        prefix (where it has one: recomputed from the lookup under ``jax.vjp``, its share of the aux objective
+        with it) and of the embedding, one-hot(tokens)ᵀ · (the lookup's output gradient), there; and that share.
 
         A matmul, not the scatter-add that autodiff of the lookup gives: XLA's partitioner cannot split a
         scatter into a sharded operand inside a partly manual ``shard_map``."""
 
-        def run() -> Any:
-            tokens, acc, de = w.xs["inputs"][slot.micro], acc_outer, dh
+        def run() -> tuple[Any, jax.Array]:
+            tokens, acc, de, share = w.xs["inputs"][slot.micro], acc_outer, dh, jnp.zeros((), F32)
             model = self.head_model({**w.outer, "embedding": w.lookup})
             if hasattr(model, "prefix"):
 
-                def prefix(outer: Any, h: jax.Array) -> jax.Array:
-                    return self.head_model(outer).prefix(h, w.xs["positions"][slot.micro])
+                def prefix(outer: Any, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    x, metrics = prefixed(self.head_model(outer), h, w.xs["positions"][slot.micro])
+                    return x, self.share(PREFIX, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)) / self.spread
 
-                d_outer, de = jax.vjp(prefix, w.outer, model.embed(tokens))[1](dh)
+                (_, share), pull = jax.vjp(prefix, w.outer, model.embed(tokens))
+                d_outer, de = pull(vary((dh, jnp.ones((), F32)), self.rows))
                 acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, d_outer)
             hot = jax.nn.one_hot(tokens, self.model.vocab_size, dtype=de.dtype)
             table = acc["embedding"] + jnp.einsum("bsv,bse->ve", hot, de, preferred_element_type=F32)
-            return {**acc, "embedding": table}
+            return {**acc, "embedding": table}, share
 
-        return self.at_end(slot.kind == FIRST, slot.any_first, run, acc_outer)
+        return self.at_end(slot.kind == FIRST, slot.any_first, run, (acc_outer, jnp.zeros((), F32)))
 
     def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
         """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
@@ -414,19 +432,19 @@ class StageProgram:
     def tick(self, w: Weights, stage: jax.Array, state: Loop, col: dict[str, jax.Array]) -> tuple[Loop, None]:
         """One row of the table: the forward slot, the backward slot (training), then the two messages."""
         fwd = read_slot(col, stage, "f_")
-        y, inputs, f_loss, f_met, f_head = self.forward_slot(w, fwd, stage, state.acts)
+        y, inputs, f_loss, f_met, (f_pre, f_head) = self.forward_slot(w, fwd, stage, state.acts)
         if not self.table.train:
             acts = self.send_forward(state.acts, y, col["recv_f"][stage])
             return state._replace(acts=acts, loss=state.loss + f_loss,
                                   metrics=jax.tree.map(jnp.add, state.metrics, f_met),
-                                  head=jax.tree.map(jnp.add, state.head, f_head)), None
+                                  head=jax.tree.map(jnp.add, state.head, (f_pre, f_head))), None
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = read_slot(col, stage, "b_")
         acc, amax, acc_outer, dh, b_loss, b_met, b_head, kept = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
-        acc_outer = self.embedding_grad(w, bwd, dh, acc_outer)
+        acc_outer, p_loss = self.embedding_grad(w, bwd, dh, acc_outer)
         cots = state.cots
         if self.table.split:  # the weight slot, after the B slot has kept its matmuls' inputs and output gradients
             cots = jax.tree.map(lambda c, k: put(c, col["b_cot"][stage], k), cots, kept)
@@ -436,8 +454,9 @@ class StageProgram:
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
             grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
-            acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss,
-            metrics=jax.tree.map(jnp.add, state.metrics, b_met), head=jax.tree.map(jnp.add, state.head, b_head),
+            acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss + p_loss,
+            metrics=jax.tree.map(jnp.add, state.metrics, b_met),
+            head=jax.tree.map(jnp.add, state.head, (f_pre, b_head)),
         )
         return state, None
 
@@ -454,7 +473,8 @@ class StageProgram:
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
             cots=weight_split.zeros(self.split_types(w)[::-1], (self.table.cot_slots, self.slots)) if split else (),
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
-            loss=jnp.zeros((), F32), metrics=self.zero_metrics((self.repeats, self.slots)), head=self.zero_head(),
+            loss=jnp.zeros((), F32), metrics=self.zero_metrics((self.repeats, self.slots)),
+            head=(self.zero_head(PREFIX), self.zero_head()),
         )
         return vary(state, self.rows)
 
@@ -488,9 +508,10 @@ class StageProgram:
             # The head's fp8 histories vary over ``stage`` alone, as the blocks': its amaxes span the stage's rows.
             outer = jax.tree.map(lambda x, h: x if h else vary(x, self.rows), outer, self.outer_histories)
             w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
-            first = take(take(w.blocks, 0), 0)  # which metrics a unit returns: a first trace of one, nothing runs
-            shapes = jax.eval_shape(lambda: self.unit(first, self.unit_input(w), w.xs["positions"][0])[1])
-            program = dataclasses.replace(self, unit_metrics=shapes)
+            first = take(take(w.blocks, 0), 0)  # which metrics there are: a first trace of the prefix and a unit
+            shapes = jax.eval_shape(lambda: (self.embedded(w, w.outer, 0)[1],
+                                             self.unit(first, self.unit_input(w), w.xs["positions"][0])[1]))
+            program = dataclasses.replace(self, metric_shapes=(*shapes, self.head_metrics))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
             tick = functools.partial(program.tick, w, lax.axis_index(AXIS))
             state, _ = lax.scan(tick, program.start(w), cols)
@@ -549,7 +570,7 @@ class StageProgram:
         if self.summed:  # a loop manual over data axes: each device's rows' means, averaged (MoE's: the same)
             head, layers = lax.pmean((head, layers), self.summed)
         loss, head = lax.psum((loss, head), AXIS)
-        loss = loss + self.channel.constant(self.unit_metrics, self.head_metrics)
+        loss = loss + self.channel.constant(self.metric_shapes)
         if not self.table.train:
             return loss, layers, head
         return loss, layers, head, acc, amax, jax.tree.map(lambda a: a[None], acc_outer)

@@ -84,7 +84,7 @@ class Loop(NamedTuple):
     amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
     loss: jax.Array  # the objective's share of this device
     metrics: dict[str, Any]  # each unit slot's metrics, summed over its microbatches, [v, slots, ...]
-    head: Any  # the head's metrics (the model's predictions ahead), summed
+    head: Any  # the prefix's and the head's metrics (the model's prefix and predictions ahead), summed
 
 
 def read_slot(col: dict[str, jax.Array], stage: jax.Array, prefix: str) -> Slot:
