@@ -83,8 +83,8 @@ def variable_axes(path: str, variable: nnx.Variable) -> Axes:
     if not is_axes(tuple(names)) or len(names) != len(shape):
         raise ConfigError(
             f"param {path} {shape}: logical axis names {names!r} are not one name or None per dimension "
-            f"(give out_sharding {len(shape)} names; a stacked unit's parameter names its own dimensions, "
-            "nnx.vmap's transform_metadata={nnx.PARTITION_NAME: 'layers'} adds 'layers')"
+            f"(give out_sharding {len(shape)} entries; in a unit stacked by nnx.vmap name the unit's own dimensions: "
+            "transform_metadata={nnx.PARTITION_NAME: 'layers'} adds 'layers')"
         )
     return tuple(names)
 

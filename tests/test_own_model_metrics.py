@@ -200,6 +200,10 @@ class Unstacked(ScaledLM):
 def test_a_scalar_per_layer_is_laid_out_on_layers_and_a_loose_one_refused():
     trainer = Trainer.build(tiny_config(*SMALL), jax.devices()[:1], model=ScaledLM)
     assert trainer.axes["blocks"]["alpha"] == ("layers",)
+    model, batch = nnx.merge(trainer.graphdef, trainer.init_state().params), trainer.batch(0)
+    for _ in range(2):  # nnx.scan over the stack takes the axis off and gives it back, each time
+        model.hidden(batch["inputs"][:2], batch["positions"][:2])
+        assert model.blocks.alpha.get_metadata()["out_sharding"] == ("layers",)
     with fails_early(r"^param gains \(8,\): logical axis names \(\) are not one name or None per dimension "
-                     r"\(give out_sharding 1 names"):
+                     r"\(give out_sharding 1 entries"):
         Trainer.build(tiny_config(*SMALL), jax.devices()[:1], model=Unstacked)
