@@ -5,7 +5,7 @@ On one device the model's ``hidden`` (or ``trunk``) reduces its units' metrics, 
 ``[layers, ...]``, by its ``stack_metrics`` (each key's mean over the layers when it has none), after its
 prefix's; the metrics of ``ahead`` join them, and ``aux_loss`` weighs the result. A pipeline never runs the
 whole stack at once: each unit slot keeps its unit's metrics (their microbatches' mean), and after the loop
-the stack's metrics, in the model's layer order, go through the same ``stack_metrics`` (:func:`stack_of`).
+the stack's metrics, in the model's layer order, go through the same ``stack_metrics`` (:func:`whole`).
 Which keys there are is known at trace time, from a first trace of one unit and of the prefix
 (:meth:`~jaxscale.parallel.stage_program.StageProgram.run`).
 
@@ -25,7 +25,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from jaxscale.layout import Layout
+from jaxscale.parallel.stage_state import vary
 from jaxscale.routing import joined
 from jaxscale.stage_layers import Storage
 
@@ -82,6 +85,46 @@ class Channel:
         """``aux_loss`` of zero metrics (the three parts' ``shapes``): the part of the objective no share holds
         (0 for a linear one)."""
         return self.objective(*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
+
+
+class SlotMetrics:
+    """The metrics side of a stage's program (:class:`~jaxscale.parallel.stage_program.StageProgram`, which
+    holds what these read): zeros shaped as each part's metrics, a chunk's units' metrics in the loop's state,
+    and a part's share of the aux objective."""
+
+    channel: Channel
+    metric_shapes: tuple[Any, Any, Any]  # of the prefix's, one unit's and the head's metrics
+    repeats: int
+    microbatches: int
+    inner: Layout
+    rows: tuple[str, ...]  # the manual axes over which activations differ
+    summed: tuple[str, ...]  # ... besides ``stage``
+
+    def zero_metrics(self, lead: tuple[int, ...] = ()) -> Metrics:
+        """A unit's metrics as zeros; with ``lead`` (v, slots) a slot's or the loop's, one per unit slot."""
+        return vary(jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), F32), self.metric_shapes[UNIT]), self.rows)
+
+    def tally(self, met: Metrics, chunk: jax.Array) -> Metrics:
+        """A chunk's units' metrics [slots, ...] at chunk ``chunk``'s slots of the stage's [v, slots, ...]."""
+        return jax.tree.map(lambda a: lax.dynamic_update_slice_in_dim(
+            jnp.zeros((self.repeats, *a.shape), F32), a[None], chunk, 0), met)
+
+    def zero_head(self, part: int = HEAD) -> Any:
+        """The head's metrics as zeros (none without the model's ``ahead``), or the prefix's."""
+        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, F32), self.metric_shapes[part]), self.rows)
+
+    @property
+    def spread(self) -> int:
+        """Over how many devices and microbatches the share of a part that runs on one microbatch's rows is
+        spread (the prefix's and the units', not weighed as the loss): the microbatches, and the devices of the
+        stage's rows (each holds its rows' metrics, or MoE's the microbatch's, summed over them by
+        routing.route), as the loss is summed over them."""
+        return self.microbatches * self.inner.size(self.summed)
+
+    def share(self, part: int, metrics: Metrics) -> jax.Array:
+        """A part's share of the model's aux objective on one microbatch (:meth:`Channel.share`)."""
+        zeros = vary(jax.tree.map(lambda s: jnp.zeros(s.shape, F32), self.metric_shapes), self.rows)
+        return self.channel.share(zeros, part, metrics)
 
 
 def whole(fold: Callable[[Metrics], Metrics], prefix: Metrics, stored: Metrics, head: Metrics,

@@ -45,7 +45,7 @@ from jaxscale import fp8, precision
 from jaxscale.config import ModelConfig
 from jaxscale.parallel import weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
-from jaxscale.parallel.stage_metrics import HEAD, PREFIX, UNIT, Channel, prefixed
+from jaxscale.parallel.stage_metrics import HEAD, PREFIX, UNIT, Channel, SlotMetrics, prefixed
 from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take, vary, varying
 from jaxscale.sharding import Layout, constrain, use_layout
 
@@ -54,8 +54,9 @@ F32 = jnp.float32
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StageProgram:
-    """A stage's program for one step: what ``objective`` fixed up front, and the loop's slots."""
+class StageProgram(SlotMetrics):
+    """A stage's program for one step: what ``objective`` fixed up front, and the loop's slots (their metrics:
+    :class:`~jaxscale.parallel.stage_metrics.SlotMetrics`)."""
 
     table: Table  # the schedule (training: forwards and backwards; evaluation: forwards)
     stages: int  # p
@@ -121,19 +122,6 @@ class StageProgram:
         # by routing.route): a share of the microbatch's objective each, as the loss is summed over those devices.
         return vary((y, self.share(UNIT, metrics) / self.spread, metrics), self.rows)
 
-    @property
-    def spread(self) -> int:
-        """Over how many a part's share of one microbatch's aux objective is spread where it runs on one
-        microbatch, not weighed as the loss: the microbatches, and the devices of the stage's rows (each holds
-        its rows' metrics, or MoE's the microbatch's, summed over them by routing.route), as the loss is summed
-        over them."""
-        return self.microbatches * self.inner.size(self.summed)
-
-    def share(self, part: int, metrics: dict[str, Any]) -> jax.Array:
-        """A part's share of the model's aux objective on one microbatch (:meth:`Channel.share`)."""
-        zeros = vary(jax.tree.map(lambda s: jnp.zeros(s.shape, F32), self.metric_shapes), self.rows)
-        return self.channel.share(zeros, part, metrics)
-
     def gathered(self, params: Any) -> Any:
         """A unit's parameters gathered over FSDP's axes as a slot runs it (``pipeline.fsdp=visit``): in a
         backward slot's ``vjp`` the gather's transpose reduce-scatters the unit's gradient onto the shards,
@@ -146,20 +134,6 @@ class StageProgram:
 
         leaves, tree = jax.tree.flatten(params)
         return tree.unflatten([one(w, dims) for w, dims in zip(leaves, self.gathers, strict=True)])
-
-    def zero_metrics(self, lead: tuple[int, ...] = ()) -> dict[str, Any]:
-        """A unit's metrics as zeros; with ``lead`` (v, slots) a slot's or the loop's, one per unit slot."""
-        return vary(jax.tree.map(lambda s: jnp.zeros((*lead, *s.shape), F32), self.metric_shapes[UNIT]), self.rows)
-
-    def tally(self, met: dict[str, Any], chunk: jax.Array) -> dict[str, Any]:
-        """A chunk's units' metrics [slots, ...] at chunk ``chunk``'s slots of the stage's [v, slots, ...]."""
-        return jax.tree.map(lambda a: lax.dynamic_update_slice_in_dim(
-            jnp.zeros((self.repeats, *a.shape), F32), a[None], chunk, 0), met)
-
-    def zero_head(self, part: int = HEAD) -> Any:
-        """The head's metrics as zeros (none without the model's ``ahead``), or the prefix's."""
-        shapes = self.head_metrics if part == HEAD else self.metric_shapes[part]
-        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, F32), shapes), self.rows)
 
     def loss_of(self, outer: Any, y: jax.Array, micro: dict[str, jax.Array], total: jax.Array) -> tuple:
         """The loss of the stack's output ``y`` on one microbatch ``micro`` with the head's share of the model's
