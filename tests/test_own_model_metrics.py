@@ -118,10 +118,11 @@ class SummedLM(ScaledLM):
 MODELS = {"summed-prefix": SummedLM, "mean-get": ScaledLM}
 SMALL = ("model.embed=32", "model.mlp=64", "model.heads=4", "model.kv_heads=4", "model.layers=8",
          "train.global_batch=16")
-PIPELINES = {  # mesh, schedule, microbatches, repeats
-    "1f1b-p4": ({"stage": 4, "data": 2}, "1f1b", 4, 1),
-    "interleaved-p2": ({"stage": 2, "data": 4}, "interleaved_1f1b", 4, 2),
-    "zb_h1-p2": ({"stage": 2, "data": 4}, "zb_h1", 4, 1),
+PIPELINES = {  # mesh, schedule, microbatches, repeats, more settings
+    "1f1b-p4": ({"stage": 4, "data": 2}, "1f1b", 4, 1, ()),
+    "interleaved-p2": ({"stage": 2, "data": 4}, "interleaved_1f1b", 4, 2, ()),
+    "zb_h1-p2": ({"stage": 2, "data": 4}, "zb_h1", 4, 1, ()),
+    "1f1b-uneven": ({"stage": 2, "data": 4}, "1f1b", 4, 1, ("pipeline.layers_per_stage=[3, 5]",)),  # unused slots
 }
 
 
@@ -174,8 +175,8 @@ def test_one_device_reduces_and_weighs_the_units_metrics_as_the_model_says(model
 @pytest.mark.parametrize("model", MODELS)
 def test_a_models_own_metrics_pipeline_as_one_device(model, name, reference):
     params, batch, ref_loss, ref_grads, ref_metrics = reference(model)
-    mesh, schedule, m, v = PIPELINES[name]
-    pipe = [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}", f"pipeline.repeats={v}"]
+    mesh, schedule, m, v, more = PIPELINES[name]
+    pipe = [f"pipeline.schedule={schedule}", f"pipeline.microbatches={m}", f"pipeline.repeats={v}", *more]
     trainer = Trainer.build(tiny_config(*SMALL, *pipe, rules="pp", mesh=mesh), model=MODELS[model])
     assert trainer.rules.spec(trainer.axes["blocks"]["alpha"]) == jax.sharding.PartitionSpec("stage")
     loss, grads, metrics = measured(trainer, params, batch)
