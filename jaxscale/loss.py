@@ -258,13 +258,10 @@ def stage_head_loss(
     model: Any, y: jax.Array, batch: dict[str, jax.Array], chunk: int
 ) -> tuple[jax.Array, dict[str, Any]]:
     """A pipeline's last stage on one microbatch: final norm, head and mean cross-entropy of the stack's output
-    ``y``; with the model's ``ahead`` (the contract's predictions ahead), plus their weighted terms, and
-    their metrics."""
+    ``y``, and the metrics of the model's ``ahead`` (the contract's predictions ahead; the pipeline weighs
+    them by the model's ``aux_loss``, :mod:`jaxscale.parallel.stage_metrics`)."""
     loss = head_cross_entropy(model, model.final_norm(y), batch["targets"], chunk)
-    if not hasattr(model, "ahead"):
-        return loss, {}
-    metrics = model.ahead(y, batch)
-    return loss + model.aux_loss(metrics), metrics
+    return loss, model.ahead(y, batch) if hasattr(model, "ahead") else {}
 
 
 def model_objective(model: Any, batch: dict[str, jax.Array], chunk: int) -> tuple[jax.Array, dict[str, jax.Array]]:

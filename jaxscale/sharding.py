@@ -81,8 +81,39 @@ def variable_axes(path: str, variable: nnx.Variable) -> Axes:
             "(nnx.with_partitioning, kernel_metadata={'out_sharding': (...)}, nnx.Param(..., out_sharding=...))"
         )
     if not is_axes(tuple(names)) or len(names) != len(shape):
-        raise ConfigError(f"param {path} {shape}: logical axis names {names!r} are not one name or None per dimension")
+        raise ConfigError(
+            f"param {path} {shape}: logical axis names {names!r} are not one name or None per dimension "
+            f"(give out_sharding {len(shape)} entries; in a unit stacked by nnx.vmap name the unit's own dimensions: "
+            "transform_metadata={nnx.PARTITION_NAME: 'layers'} adds 'layers')"
+        )
     return tuple(names)
+
+
+def _keep_stacked(variable: nnx.Variable, index: int, name: str | None) -> None:
+    """``on_add_axis`` hook of a stacked scalar: Flax's transforms give back the axis they took off
+    (``nnx.scan`` over the stack) only to a non-empty ``out_sharding``, so it is given back here."""
+    if name is not None and not variable.get_metadata().get("out_sharding"):
+        variable.set_metadata(out_sharding=(name,))
+
+
+def name_stacked_scalars(model: nnx.Module) -> None:
+    """A scalar per stacked layer (``nnx.Param(..., out_sharding=())`` in a unit stacked by ``nnx.vmap``, which
+    adds ``layers`` only to a non-empty tuple) named ``('layers',)``: a parameter of one dimension whose
+    ``out_sharding`` is empty, in a module below the model whose other parameters lead with ``layers`` of that
+    length (the rest stay as written, refused by :func:`variable_axes`)."""
+    params = [(path, v) for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)]
+
+    def stacked(where: tuple, length: int) -> bool:
+        return any(path[: len(where)] == where and tuple(v.get_metadata().get("out_sharding") or ())[:1] == ("layers",)
+                   and jnp.shape(v.get_value())[:1] == (length,) for path, v in params)
+
+    for path, variable in params:
+        names, shape = variable.get_metadata().get("out_sharding"), jnp.shape(variable.get_value())
+        if names is None or tuple(names) or len(shape) != 1 or len(path) < 2 or not stacked(path[:-1], shape[0]):
+            continue
+        hooks = variable.get_metadata().get("on_add_axis", ())
+        hooks = (*(hooks if isinstance(hooks, tuple) else (hooks,)), _keep_stacked)
+        variable.set_metadata(out_sharding=("layers",), on_add_axis=hooks)
 
 
 def logical_axes(state: nnx.State) -> dict[str, Any]:

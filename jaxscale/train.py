@@ -52,6 +52,7 @@ from jaxscale.sharding import (
     is_axes,
     layout_of,
     logical_axes,
+    name_stacked_scalars,
     named_params,
     use_rules,
 )
@@ -83,6 +84,7 @@ def make_model(config: Config, factory: ModelFactory = builtin.build) -> nnx.Mod
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"model factory {name} raised {type(e).__name__}: {first}") from e
     contract.check_module(model, name)
+    name_stacked_scalars(model)
     return model
 
 

@@ -22,9 +22,10 @@ Metrics = dict[str, jax.Array]
 
 
 class Staged(Protocol):
-    """The richer form. ``metrics`` is the one channel for auxiliary losses (MoE load balance, z-loss):
-    a dict of fp32 scalars returned by :meth:`hidden` and by each stacked unit, turned into the
-    weighted term the objective adds by :meth:`aux_loss`."""
+    """The richer form. ``metrics`` is the one channel for auxiliary losses (MoE load balance, z-loss, a
+    model's own): a dict of fp32 arrays returned by each stacked unit, reduced over the layers by
+    ``stack_metrics`` (:class:`Extended`) into those :meth:`hidden` returns, and turned into the weighted
+    term the objective adds by :meth:`aux_loss`."""
 
     config: ModelConfig  # the shapes the pipeline's buffers take (embed, dtype, vocab_size, moe)
     # Optional, False when absent: every projection of the stacked unit goes through
@@ -63,15 +64,24 @@ class Staged(Protocol):
 class Extended(Staged, Protocol):
     """Optional parts of the richer form, each read where present.
 
+    ``stack_metrics``: how :meth:`hidden` reduces its units' metrics; a pipeline, which never runs ``hidden``,
+    reduces them the same way (absent: each key's mean over the layers, :mod:`jaxscale.parallel.stage_metrics`).
     ``prefix``: what runs between :meth:`embed` and the stack (DeepSeek's dense blocks); a pipeline runs
-    it on its first stage, after the lookup, its parameters with the embedding's. ``ahead``: predictions
+    it on its first stage, after the lookup, its parameters with the embedding's; its metrics, where it returns
+    some, go before the stack's. ``ahead``: predictions
     beyond the next token (DeepSeek's multi-token prediction) from the stack's output before
     :meth:`final_norm`; the objective adds their weighted terms by :meth:`aux_loss`, and a pipeline runs it
     on its last stage with the head. A model with ``ahead`` gives the plain objective that output by
     ``trunk``."""
 
-    def prefix(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """The residual stream after the embedding -> the stack's input, the same shape (no metrics)."""
+    def stack_metrics(self, stacked: Metrics) -> Metrics:
+        """The stacked units' metrics, each [layers, ...] in the model's layer order -> the metrics :meth:`hidden`
+        returns for them."""
+        ...
+
+    def prefix(self, x: jax.Array, positions: jax.Array) -> jax.Array | tuple[jax.Array, Metrics]:
+        """The residual stream after the embedding -> the stack's input, the same shape (and, optionally, its
+        metrics)."""
         ...
 
     def trunk(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
@@ -94,7 +104,7 @@ NEEDS: dict[str, tuple[str, ...]] = {
     AHEAD: ("trunk", "final_norm", "logits", "head_weight", "aux_loss"),
 }
 OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token", "explicit_tp", "prefix",
-            "ahead")  # read when present
+            "ahead", "stack_metrics")  # read when present
 
 
 def parts(model: Any) -> frozenset[str]:

@@ -259,7 +259,11 @@ class DeepSeek(nnx.Module):
     def trunk(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
         """The MoE stack's output (before the final norm) and its metrics (:func:`jaxscale.nn.moe_metrics`)."""
         x, stats = self.run(self.blocks, self.prefix(self.embed(tokens), positions), positions, "layers")
-        return x, nn.moe_metrics(stats)
+        return x, self.stack_metrics(stats)
+
+    def stack_metrics(self, stacked: Metrics) -> Metrics:
+        """The MoE blocks' metrics [layers, ...] as :meth:`trunk` returns them (:func:`jaxscale.nn.moe_metrics`)."""
+        return nn.moe_metrics(stacked)
 
     def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
         """The final-normed hidden states and the MoE metrics (MTP is :meth:`ahead`, which needs the targets)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -418,4 +419,9 @@ class Llama(nnx.Module):
         if self.fp8_on:
             fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
         x, aux = scan(x, self.blocks)
-        return self.final_norm(x), moe.over_layers(aux) if c.moe else {}
+        return self.final_norm(x), self.stack_metrics(aux)
+
+    def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, Any]:
+        """The blocks' metrics [layers, ...] as :meth:`hidden` returns them (:func:`jaxscale.models.moe.over_layers`;
+        none when dense)."""
+        return moe.over_layers(stacked) if self.config.moe else {}

@@ -71,11 +71,13 @@ reduce-scattered.
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp`` whose forward runs the
 training table (every forward and backward, loss and gradients at once) and whose backward only
 scales the gradients computed there by the loss's cotangent; evaluation (no gradient) runs a
-forward-only table, the loss in the last stage's forward slot. The MoE auxiliary losses enter each
-chunk's objective with their weight, so their gradients flow through the same backward slots; the
-metrics returned are not differentiable. Each unit slot's MoE statistics (``moe_layers``: loads and the
-rest, their microbatches' mean) leave the loop with their stage, in the stack's storage order, and the
-head's after them: the routing biases (stored in the same order) are updated from them.
+forward-only table, the loss in the last stage's forward slot. **Metrics** (:mod:`jaxscale.parallel.stage_metrics`):
+whatever the model's unit returns, each unit slot keeps, their microbatches' mean; they leave the loop with
+their stage and are reduced as the model's ``hidden`` reduces them, in the model's layer order, then joined
+by the head's (the model's ``ahead``). The model's ``aux_loss`` of them enters each unit's and each head's
+objective as its share, so their gradients flow through the same backward slots; the metrics returned
+are not differentiable. MoE's per-layer statistics (``moe_layers``) come back in the stack's storage order,
+the head's after them: the routing biases (stored in the same order) are updated from them.
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ from jaxscale.config import ConfigError, PipelineConfig
 from jaxscale.layout import TOKENS, Stage, stage_moe
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
+from jaxscale.parallel.stage_metrics import Channel, reduction, whole
 from jaxscale.parallel.stage_program import AXIS, StageProgram
 from jaxscale.parallel.stage_state import vary
-from jaxscale.routing import joined
 from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
 
 __all__ = ["AXIS", "objective", "settings", "table", "vary"]
@@ -201,7 +203,7 @@ def build(
         dtype=jnp.dtype(c.dtype), model=c, graph=parts.graph, block_shapes=parts.block_shapes,
         rest=parts.rest, block_graph=parts.block_graph, outer_axes=parts.outer_axes,
         outer_histories=parts.outer_histories, head_loss=head_loss, head_metrics=head_metrics,
-        aux_loss=model.aux_loss,
+        channel=Channel(model.aux_loss, reduction(model), sum(stage_layers.counts(config, c, p))),
     )
 
 
@@ -254,9 +256,9 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         out = program.run(outer, chunks, hist, xs)
         if not program.table.train:
             return out
-        leaves, tree = jax.tree.flatten(out[4])
+        leaves, tree = jax.tree.flatten(out[3])
         grads = tree.unflatten([stored(d, dims) for d, dims in zip(leaves, program.gathers, strict=True)])
-        return (*out[:4], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[5]), out[6])
+        return (*out[:3], grads, jax.tree.map(lambda h: h.reshape(-1, *h.shape[2:]), out[4]), out[5])
 
     def run(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         per_stage = jax.tree.map(lambda w: jnp.broadcast_to(w[None], (program.stages, *w.shape)), outer)
@@ -269,15 +271,15 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
         block_specs, history_specs = tree.unflatten(specs), jax.tree.map(lambda _: stacked, histories)
         grad_specs = tree.unflatten([PartitionSpec(*((_flat(d),) if _flat(d) and not program.visit else ()), *spec)
                                      for d, spec in zip(program.gathers, specs, strict=True)])
-        # Loss and metrics, each unit slot's MoE statistics (stored as the stack), the head's metrics.
-        outs = (PartitionSpec(), PartitionSpec(), stacked, PartitionSpec(), grad_specs, history_specs, stacked)
+        # The loss, each unit slot's metrics (stored as the stack), the prefix's and head's metrics.
+        outs = (PartitionSpec(), stacked, PartitionSpec(), grad_specs, history_specs, stacked)
         out = jax.shard_map(
             local, mesh=mesh, in_specs=(stacked, block_specs, history_specs, dict.fromkeys(xs, batch)),
-            out_specs=outs if program.table.train else outs[:4], axis_names=set(program.manual),
+            out_specs=outs if program.table.train else outs[:3], axis_names=set(program.manual),
         )(per_stage, blocks, histories, xs)
         if not program.table.train:
             return out
-        return (*out[:4], sum_shards(program, out[4], mesh, rules), out[5], program.sum_stage_copies(out[6]))
+        return (*out[:3], sum_shards(program, out[3], mesh, rules), out[4], program.sum_stage_copies(out[5]))
 
     return run
 
@@ -285,13 +287,14 @@ def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..
 def objective(
     model: Any, batch: dict[str, jax.Array], head_loss: HeadLoss
 ) -> tuple[jax.Array, dict[str, Any]]:
-    """The training objective of a pipelined :class:`~jaxscale.models.llama.Llama` on ``batch`` and its metrics.
+    """The training objective of a pipelined richer-form model on ``batch`` and its metrics.
 
-    Mean cross-entropy plus the weighted MoE auxiliary losses (as the trainer's objective).
+    Mean cross-entropy plus the model's ``aux_loss`` of its metrics (as the trainer's objective).
     ``head_loss(model, y, micro)`` is the mean loss of the stack's output ``y`` on one microbatch ``micro``
-    (final norm, head, cross-entropy, and the model's predictions ahead) and the metrics of the latter, run
-    on the last stage. Differentiable in the model's parameters. The MoE layers' per-layer statistics
-    (``moe_layers``) are the stack's as stored, then the head's.
+    (final norm, head, cross-entropy) and the metrics of the model's predictions ahead, run on the last stage.
+    Differentiable in the model's parameters. The metrics are the prefix's, the stack's reduced as the model's
+    ``hidden`` does, then the head's (:func:`~jaxscale.parallel.stage_metrics.whole`): MoE's per-layer
+    statistics (``moe_layers``) the stack's as stored, then the head's.
     """
     mesh, place = active()
     parts = split_model(model)
@@ -302,9 +305,10 @@ def objective(
     blocks, histories = parts.blocks, parts.histories  # stored with each stage's chunks together: no reshuffle
     xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
     dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
+    storage = stage_layers.Storage(train.counts, train.stages)
 
-    def metrics_of(metrics: dict[str, Any], layers: Any, head: Any) -> dict[str, Any]:
-        return joined({**metrics, **({"moe_layers": layers} if layers else {})}, head)
+    def metrics_of(layers: Any, outer: tuple[Any, Any]) -> dict[str, Any]:
+        return whole(train.channel.fold, outer[0], layers, outer[1], storage)
 
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
@@ -312,10 +316,10 @@ def objective(
         return loss, metrics_of(*metrics)
 
     def pipelined_fwd(outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        loss, metrics, layers, head, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
+        loss, layers, head, d_blocks, new_histories, d_outer = shard_mapped(train, mesh, place.rules)(
             outer, blocks, histories, xs
         )
-        return (loss, metrics_of(metrics, layers, head)), ((d_outer, d_blocks), new_histories)
+        return (loss, metrics_of(layers, head)), ((d_outer, d_blocks), new_histories)
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);

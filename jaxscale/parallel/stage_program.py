@@ -11,19 +11,19 @@ A tick (:meth:`StageProgram.tick`) is one row of the table: each stage runs its 
 slot* (:meth:`~StageProgram.backward_slot`: each layer recomputed from its kept input under ``jax.vjp``,
 last layer first, the last virtual stage's output gradient from the head and loss, the model's ``ahead``
 included, :meth:`~StageProgram.head_grad`; the first virtual stage's input gradient into the prefix's and
-the embedding's, :meth:`~StageProgram.embedding_grad`). Each unit's MoE statistics are kept per unit slot,
-the head's metrics apart (:attr:`Loop.metrics`, :attr:`Loop.head`). A slot is IDLE, FIRST, MIDDLE or LAST
-by the table. A schedule that splits the backward (``Table.split``: ZB-H1) runs there every gradient but the
-weight matmuls', keeping their inputs and output gradients (:mod:`~jaxscale.parallel.weight_split`), and a
-third, *weight slot* (:meth:`~StageProgram.weight_slot`) runs those matmuls' weight gradients alone.
-An idle slot is skipped by a ``lax.cond`` when the stage leaves no mesh
-axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
+the embedding's, :meth:`~StageProgram.embedding_grad`). Each unit's metrics, whichever the model's unit
+returns, are kept per unit slot, the head's metrics apart (:attr:`Loop.metrics`, :attr:`Loop.head`). A slot
+is IDLE, FIRST, MIDDLE or LAST by the table. A schedule that splits the backward (``Table.split``: ZB-H1)
+runs there every gradient but the weight matmuls', keeping their inputs and output gradients
+(:mod:`~jaxscale.parallel.weight_split`), and a third, *weight slot* (:meth:`~StageProgram.weight_slot`)
+runs those matmuls' weight gradients alone. An idle slot is skipped by a ``lax.cond`` when the stage leaves
+no mesh axis to the partitioner (``skip``), else computed on zeros and masked (:meth:`~StageProgram.when`).
 
 **What crosses stages** is in one place, the last methods of the class: per tick the forward's
 output and the backward's input gradient, each a ``ppermute`` round the ring
 (:meth:`~StageProgram.send_forward`, :meth:`~StageProgram.send_backward`); once per step the sums
 of :meth:`~StageProgram.count_targets` (the batch's trained targets) and :meth:`~StageProgram.reduce`
-(gradients and loss over the manual data and context axes, loss and MoE metrics over ``stage``)
+(gradients and loss over the manual data and context axes, loss and the head's metrics over ``stage``)
 and, outside the ``shard_map``, the embedding's and head's per-stage gradients over ``stage``
 (:meth:`~StageProgram.sum_stage_copies`).
 """
@@ -45,18 +45,18 @@ from jaxscale import fp8, precision
 from jaxscale.config import ModelConfig
 from jaxscale.parallel import weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
+from jaxscale.parallel.stage_metrics import HEAD, PREFIX, UNIT, Channel, SlotMetrics, prefixed
 from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take, vary, varying
-from jaxscale.routing import METRICS, layer_stat_shapes
 from jaxscale.sharding import Layout, constrain, use_layout
 
 AXIS = "stage"
 F32 = jnp.float32
-LAYER = "layer"  # in a unit's metrics: its MoE layer's per-layer statistics (routing.LAYER_STATS)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StageProgram:
-    """A stage's program for one step: what ``objective`` fixed up front, and the loop's slots."""
+class StageProgram(SlotMetrics):
+    """A stage's program for one step: what ``objective`` fixed up front, and the loop's slots (their metrics:
+    :class:`~jaxscale.parallel.stage_metrics.SlotMetrics`)."""
 
     table: Table  # the schedule (training: forwards and backwards; evaluation: forwards)
     stages: int  # p
@@ -81,7 +81,8 @@ class StageProgram:
     outer_histories: Any  # shaped like them: True at the head's fp8 amax histories (precision.fp8_head)
     head_loss: Callable[[Any, jax.Array, dict[str, jax.Array]], tuple[jax.Array, Any]]  # (model, y, micro) -> loss, ...
     head_metrics: Any  # the shapes of the head's metrics (jax.ShapeDtypeStruct)
-    aux_loss: Callable[[dict[str, jax.Array]], jax.Array]  # the model's weighted MoE auxiliary terms
+    channel: Channel  # the model's aux_loss of its metrics, in shares (:mod:`jaxscale.parallel.stage_metrics`)
+    metric_shapes: Any = None  # of the prefix's, one unit's and the head's metrics: set by :meth:`run`
 
     @property
     def rows(self) -> tuple[str, ...]:
@@ -107,18 +108,19 @@ class StageProgram:
         nnx.replace_by_pure_dict(state, outer)
         return nnx.merge(self.graph, self.block_shapes, state)
 
-    def layer(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-        """One stacked unit on ``h``: its output, its share of the MoE aux objective, its MoE metrics."""
+    def unit(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        """One stacked unit on ``h``: its output and its metrics, every one of them, in fp32."""
         unit = nnx.merge(self.block_graph, self.gathered(lp.params) if self.visit else lp.params, lp.histories)
         fp8.attach(unit, lp.copies)
-        y, aux = unit(h, pos)
-        metrics = {k: a.astype(F32) for k, a in aux.items() if k in METRICS}
-        # Each device of the stage's rows holds the microbatch's aux terms (summed over them, routing.route): a
-        # share of them each, as the loss is summed over those devices.
-        share = self.aux_loss(metrics) / (sum(self.counts) * self.microbatches * self.inner.size(self.summed))
-        if self.model.moe:
-            metrics[LAYER] = {k: aux[k].astype(F32) for k in layer_stat_shapes(self.model.moe)}
-        return vary((y, jnp.asarray(share, F32), metrics), self.rows)
+        y, metrics = unit(h, pos)
+        return y, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
+
+    def layer(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
+        """One stacked unit on ``h``: its output, its share of the model's aux objective, its metrics."""
+        y, metrics = self.unit(lp, h, pos)
+        # Each device of the stage's rows holds its rows' metrics (or, MoE's, the microbatch's, summed over them
+        # by routing.route): a share of the microbatch's objective each, as the loss is summed over those devices.
+        return vary((y, self.share(UNIT, metrics) / self.spread, metrics), self.rows)
 
     def gathered(self, params: Any) -> Any:
         """A unit's parameters gathered over FSDP's axes as a slot runs it (``pipeline.fsdp=visit``): in a
@@ -133,31 +135,15 @@ class StageProgram:
         leaves, tree = jax.tree.flatten(params)
         return tree.unflatten([one(w, dims) for w, dims in zip(leaves, self.gathers, strict=True)])
 
-    def zero_metrics(self, lead: tuple[int, ...] = ()) -> dict[str, Any]:
-        """A unit's metrics as zeros; with ``lead`` (v, slots) a slot's or the loop's, statistics per unit slot."""
-        if not self.model.moe:
-            return {}
-        stats = {k: jnp.zeros((*lead, *shape), F32) for k, shape in layer_stat_shapes(self.model.moe).items()}
-        return vary({**{k: jnp.zeros((), F32) for k in METRICS}, LAYER: stats}, self.rows)
-
-    def tally(self, met: dict[str, Any], chunk: jax.Array) -> dict[str, Any]:
-        """A chunk's units' metrics [slots, ...]: the scalars summed, the statistics at chunk ``chunk``'s slots."""
-        out = {k: jnp.sum(a) for k, a in met.items() if k != LAYER}
-        if LAYER in met:
-            out[LAYER] = jax.tree.map(lambda a: lax.dynamic_update_slice_in_dim(
-                jnp.zeros((self.repeats, *a.shape), F32), a[None], chunk, 0), met[LAYER])
-        return out
-
-    def zero_head(self) -> Any:
-        """The head's metrics as zeros (none without the model's ``ahead``)."""
-        return vary(jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), self.head_metrics), self.rows)
-
     def loss_of(self, outer: Any, y: jax.Array, micro: dict[str, jax.Array], total: jax.Array) -> tuple:
-        """The loss of the stack's output ``y`` on one microbatch ``micro``, as its share of the batch's mean:
-        weighed by its trained targets over the batch's ``total`` (:mod:`jaxscale.loss`); and the head's metrics."""
+        """The loss of the stack's output ``y`` on one microbatch ``micro`` with the head's share of the model's
+        aux objective (its ``ahead``'s metrics), as its share of the batch's mean: weighed by its trained targets
+        over the batch's ``total`` (:mod:`jaxscale.loss`); and the head's metrics."""
         loss, metrics = self.head_loss(self.head_model(outer), y, micro)
+        metrics = jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
+        loss = loss + self.share(HEAD, metrics)
         share = jnp.sum(micro["targets"] >= 0, dtype=F32) / total
-        return loss * share, jax.tree.map(lambda a: a.astype(F32), metrics)
+        return loss * share, metrics
 
     def micro(self, w: Weights, i: jax.Array) -> dict[str, jax.Array]:
         """Microbatch ``i`` of the batch: inputs, positions, targets."""
@@ -224,29 +210,32 @@ class StageProgram:
         return y, inputs, jnp.sum(obj), met
 
     def forward_slot(self, w: Weights, slot: Slot, stage: jax.Array, acts: jax.Array) -> tuple:
-        """The chunk's output (sent on), its units' inputs (kept), its objective share and metrics; evaluating,
-        the loss on the last virtual stage is in the objective share, and the head's metrics."""
+        """The chunk's output (sent on), its units' inputs (kept), its objective share and metrics, the prefix's
+        and head's metrics; evaluating, the loss on the last virtual stage and the prefix's share of the aux
+        objective on the first are in the objective share."""
         pos = w.xs["positions"][slot.micro]
 
-        def embedded() -> jax.Array:
-            """The embedding, then the model's prefix where it has one (the first virtual stage's input)."""
-            model = self.head_model({**w.outer, "embedding": w.lookup})
-            h = model.embed(w.xs["inputs"][slot.micro])
-            return model.prefix(h, pos) if hasattr(model, "prefix") else h
-
         def run() -> tuple:
-            h = self.when(slot.kind == FIRST, embedded, acts[slot.src, 0])
+            first = (acts[slot.src, 0], self.zero_head(PREFIX))
+            h, pre = self.when(slot.kind == FIRST, lambda: self.embedded(w, w.outer, slot.micro), first)
             y, inputs, obj, met = self.chunk_forward(take(w.blocks, slot.chunk), h, pos, self.units(slot.chunk, stage))
             head = self.zero_head()
             if not self.table.train:
                 loss = functools.partial(self.loss_of, w.outer, y, self.micro(w, slot.micro), w.total)
                 f_loss, head = self.at_end(slot.kind == LAST, slot.any_last, loss, (jnp.zeros((), F32), head))
-                obj = obj + f_loss
-            return y, inputs, obj, self.tally(met, slot.chunk), head
+                obj = obj + f_loss + self.share(PREFIX, pre) / self.spread
+            return y, inputs, obj, self.tally(met, slot.chunk), (pre, head)
 
         zeros = (jnp.zeros(acts.shape[2:], acts.dtype), acts[0], jnp.zeros((), F32),
-                 self.zero_metrics((self.repeats, self.slots)), self.zero_head())
+                 self.zero_metrics((self.repeats, self.slots)), (self.zero_head(PREFIX), self.zero_head()))
         return self.when(slot.kind > IDLE, run, vary(zeros, self.rows))
+
+    def embedded(self, w: Weights, outer: Any, i: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
+        """Microbatch ``i``'s embedding, then the model's prefix where it has one (the first virtual stage's
+        input), with ``outer`` as the prefix's parameters; and the prefix's metrics, in fp32."""
+        model = self.head_model({**outer, "embedding": w.lookup})
+        h, metrics = prefixed(model, model.embed(w.xs["inputs"][i]), w.xs["positions"][i])
+        return h, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
 
     # -- the backward slot -----------------------------------------------------------------
 
@@ -267,29 +256,31 @@ class StageProgram:
 
         return self.at_end(here, anywhere, run, (jnp.zeros((), F32), jnp.zeros_like(y), acc_outer, self.zero_head()))
 
-    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, acc_outer: Any) -> Any:
+    def embedding_grad(self, w: Weights, slot: Slot, dh: jax.Array, acc_outer: Any) -> tuple[Any, jax.Array]:
         """``acc_outer`` plus, from the first virtual stage's input gradient ``dh``, the gradients of the model's
-        prefix (where it has one: recomputed from the lookup under ``jax.vjp``) and of the embedding,
-        one-hot(tokens)ᵀ · (the lookup's output gradient), there.
+        prefix (where it has one: recomputed from the lookup under ``jax.vjp``, its share of the aux objective
+        with it) and of the embedding, one-hot(tokens)ᵀ · (the lookup's output gradient), there; and that share.
 
         A matmul, not the scatter-add that autodiff of the lookup gives: XLA's partitioner cannot split a
         scatter into a sharded operand inside a partly manual ``shard_map``."""
 
-        def run() -> Any:
-            tokens, acc, de = w.xs["inputs"][slot.micro], acc_outer, dh
+        def run() -> tuple[Any, jax.Array]:
+            tokens, acc, de, share = w.xs["inputs"][slot.micro], acc_outer, dh, jnp.zeros((), F32)
             model = self.head_model({**w.outer, "embedding": w.lookup})
             if hasattr(model, "prefix"):
 
-                def prefix(outer: Any, h: jax.Array) -> jax.Array:
-                    return self.head_model(outer).prefix(h, w.xs["positions"][slot.micro])
+                def prefix(outer: Any, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+                    x, metrics = prefixed(self.head_model(outer), h, w.xs["positions"][slot.micro])
+                    return x, self.share(PREFIX, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)) / self.spread
 
-                d_outer, de = jax.vjp(prefix, w.outer, model.embed(tokens))[1](dh)
+                (_, share), pull = jax.vjp(prefix, w.outer, model.embed(tokens))
+                d_outer, de = pull(vary((dh, jnp.ones((), F32)), self.rows))
                 acc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, d_outer)
             hot = jax.nn.one_hot(tokens, self.model.vocab_size, dtype=de.dtype)
             table = acc["embedding"] + jnp.einsum("bsv,bse->ve", hot, de, preferred_element_type=F32)
-            return {**acc, "embedding": table}
+            return {**acc, "embedding": table}, share
 
-        return self.at_end(slot.kind == FIRST, slot.any_first, run, acc_outer)
+        return self.at_end(slot.kind == FIRST, slot.any_first, run, (acc_outer, jnp.zeros((), F32)))
 
     def backward_slot(self, w: Weights, slot: Slot, stage: jax.Array, dy_in: jax.Array, state: Loop) -> tuple:
         """Each unit of the chunk recomputed from its kept input and differentiated, last first (the top
@@ -415,19 +406,19 @@ class StageProgram:
     def tick(self, w: Weights, stage: jax.Array, state: Loop, col: dict[str, jax.Array]) -> tuple[Loop, None]:
         """One row of the table: the forward slot, the backward slot (training), then the two messages."""
         fwd = read_slot(col, stage, "f_")
-        y, inputs, f_loss, f_met, f_head = self.forward_slot(w, fwd, stage, state.acts)
+        y, inputs, f_loss, f_met, (f_pre, f_head) = self.forward_slot(w, fwd, stage, state.acts)
         if not self.table.train:
             acts = self.send_forward(state.acts, y, col["recv_f"][stage])
             return state._replace(acts=acts, loss=state.loss + f_loss,
                                   metrics=jax.tree.map(jnp.add, state.metrics, f_met),
-                                  head=jax.tree.map(jnp.add, state.head, f_head)), None
+                                  head=jax.tree.map(jnp.add, state.head, (f_pre, f_head))), None
         # The units' inputs kept for the backward, in the slot where the chunk's input arrived.
         state = state._replace(acts=put(state.acts, jnp.where(fwd.kind > IDLE, fwd.src, -1), inputs))
         bwd = read_slot(col, stage, "b_")
         acc, amax, acc_outer, dh, b_loss, b_met, b_head, kept = self.backward_slot(
             w, bwd, stage, state.grads[col["b_grad"][stage]], state
         )
-        acc_outer = self.embedding_grad(w, bwd, dh, acc_outer)
+        acc_outer, p_loss = self.embedding_grad(w, bwd, dh, acc_outer)
         cots = state.cots
         if self.table.split:  # the weight slot, after the B slot has kept its matmuls' inputs and output gradients
             cots = jax.tree.map(lambda c, k: put(c, col["b_cot"][stage], k), cots, kept)
@@ -437,8 +428,9 @@ class StageProgram:
         state = Loop(
             acts=self.send_forward(state.acts, y, col["recv_f"][stage]),
             grads=self.send_backward(state.grads, dh, col["recv_b"][stage]), cots=cots,
-            acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss,
-            metrics=jax.tree.map(jnp.add, state.metrics, b_met), head=jax.tree.map(jnp.add, state.head, b_head),
+            acc=acc, acc_outer=acc_outer, amax=amax, loss=state.loss + b_loss + p_loss,
+            metrics=jax.tree.map(jnp.add, state.metrics, b_met),
+            head=jax.tree.map(jnp.add, state.head, (f_pre, b_head)),
         )
         return state, None
 
@@ -455,7 +447,8 @@ class StageProgram:
             grads=jnp.zeros((self.table.grad_slots if train else 1, *h), self.dtype),
             cots=weight_split.zeros(self.split_types(w)[::-1], (self.table.cot_slots, self.slots)) if split else (),
             acc=zeros(w.blocks.params), acc_outer=zeros(w.outer), amax=zeros(w.blocks.histories),
-            loss=jnp.zeros((), F32), metrics=self.zero_metrics((self.repeats, self.slots)), head=self.zero_head(),
+            loss=jnp.zeros((), F32), metrics=self.zero_metrics((self.repeats, self.slots)),
+            head=(self.zero_head(PREFIX), self.zero_head()),
         )
         return vary(state, self.rows)
 
@@ -473,9 +466,9 @@ class StageProgram:
 
         ``histories``: the blocks' fp8 amax histories, each stage its own layers' (varying over ``stage``
         alone: an amax inside the stage is the maximum over the devices of that stage,
-        :func:`jaxscale.fp8.global_amax`). Returns loss and metrics and, training, the blocks' gradients,
-        their updated histories and the per-stage gradients of the embedding, final norm and head (a leading
-        ``stage`` dimension of 1)."""
+        :func:`jaxscale.fp8.global_amax`). Returns the loss, each unit slot's metrics, the head's and, training,
+        the blocks' gradients, their updated histories and the per-stage gradients of the embedding, final norm
+        and head (a leading ``stage`` dimension of 1)."""
         with use_layout(jax.sharding.get_abstract_mesh(), self.inner):
             # The embedding and head gathered over the stage's FSDP axes once, before the loop: XLA cannot
             # partition their lookup or scatter against FSDP shards inside the partly manual region.
@@ -489,10 +482,14 @@ class StageProgram:
             # The head's fp8 histories vary over ``stage`` alone, as the blocks': its amaxes span the stage's rows.
             outer = jax.tree.map(lambda x, h: x if h else vary(x, self.rows), outer, self.outer_histories)
             w = Weights(outer, lookup, Unit(blocks, histories, copies), xs, self.count_targets(xs["targets"]))
+            first = take(take(w.blocks, 0), 0)  # which metrics there are: a first trace of the prefix and a unit
+            shapes = jax.eval_shape(lambda: (self.embedded(w, w.outer, 0)[1],
+                                             self.unit(first, self.unit_input(w), w.xs["positions"][0])[1]))
+            program = dataclasses.replace(self, metric_shapes=(*shapes, self.head_metrics))
             cols = {k: jnp.asarray(a) for k, a in self.table.arrays().items()}
-            tick = functools.partial(self.tick, w, lax.axis_index(AXIS))
-            state, _ = lax.scan(tick, self.start(w), cols)
-            return self.reduce(state)
+            tick = functools.partial(program.tick, w, lax.axis_index(AXIS))
+            state, _ = lax.scan(tick, program.start(w), cols)
+            return program.reduce(state)
 
     def own_tokens(self, xs: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """With SP's axes manual, the device's own part of the sequence of the token ids and targets: it
@@ -529,14 +526,12 @@ class StageProgram:
 
     def reduce(self, state: Loop) -> tuple:
         """Once per step: gradients and loss summed over the manual data and context axes (each device's
-        own rows), then loss and metrics over ``stage`` (each stage's own layers and microbatches; the
-        head's metrics are the last stage's). The MoE metrics need no sum over data axes: each microbatch's
-        statistics are the same on every device of a stage (the loop manual over ``stage`` alone, or routing
-        summing them over the row axes). Each unit slot's statistics, their microbatches' mean, stay
-        with their stage, [v·slots, ...], as the stack is stored."""
+        own rows), then loss and the head's metrics over ``stage`` (the head's are the last stage's), the
+        model's aux objective's constant part added (:meth:`Channel.constant`). Each unit slot's metrics,
+        their microbatches' mean (averaged over the devices of the stage's rows, each holding its own rows'),
+        stay with their stage, [v·slots, ...], as the stack is stored."""
         m = self.microbatches
-        metrics = {k: a / (sum(self.counts) * m) for k, a in state.metrics.items() if k != LAYER}
-        layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) / m, state.metrics.get(LAYER, {}))
+        layers = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]) / m, state.metrics)
         acc, acc_outer, loss = self.scatter(state.acc) if self.table.train else state.acc, state.acc_outer, state.loss
         amax = state.amax
         if self.summed:
@@ -547,11 +542,12 @@ class StageProgram:
             amax = lax.pmax(amax, self.summed)  # the same on every device of a stage (global amaxes)
         head = jax.tree.map(lambda a: a / m, state.head)
         if self.summed:  # a loop manual over data axes: each device's rows' means, averaged (MoE's: the same)
-            head, metrics, layers = lax.pmean((head, metrics, layers), self.summed)
-        loss, metrics, head = lax.psum((loss, metrics, head), AXIS)
+            head, layers = lax.pmean((head, layers), self.summed)
+        loss, head = lax.psum((loss, head), AXIS)
+        loss = loss + self.channel.constant(self.metric_shapes)
         if not self.table.train:
-            return loss, metrics, layers, head
-        return loss, metrics, layers, head, acc, amax, jax.tree.map(lambda a: a[None], acc_outer)
+            return loss, layers, head
+        return loss, layers, head, acc, amax, jax.tree.map(lambda a: a[None], acc_outer)
 
     def scatter(self, acc: Any) -> Any:
         """Once per step: the blocks' gradients summed over the manual data and context axes that split no

@@ -83,8 +83,8 @@ class Loop(NamedTuple):
     acc_outer: Any  # the embedding's, final norm's and head's gradients, fp32
     amax: Any  # the blocks' fp8 histories with each microbatch's amaxes pushed in, the largest kept
     loss: jax.Array  # the objective's share of this device
-    metrics: dict[str, Any]  # MoE metrics, summed; under LAYER each unit slot's statistics, [v, slots, ...]
-    head: Any  # the head's metrics (the model's predictions ahead), summed
+    metrics: dict[str, Any]  # each unit slot's metrics, summed over its microbatches, [v, slots, ...]
+    head: Any  # the prefix's and the head's metrics (the model's prefix and predictions ahead), summed
 
 
 def read_slot(col: dict[str, jax.Array], stage: jax.Array, prefix: str) -> Slot:
