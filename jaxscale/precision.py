@@ -246,6 +246,16 @@ def updated(params: Any, master: Any) -> Any:
     return master if master else params
 
 
+def lay_out(tree: Any, shardings: Any) -> Any:
+    """``tree`` laid out as ``shardings`` (a matching tree, or one for every leaf), inside a trace: a
+    ``with_sharding_constraint`` on an Auto mesh, a ``jax.sharding.reshard`` where the context mesh's axes are
+    all Explicit (``mesh.axis_types: explicit``: a constraint may not change a layout there). The step's
+    gradients are its first user, :func:`jaxscale.sharding.constrain` the other."""
+    if jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return jax.sharding.reshard(tree, shardings)
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
 def update(
     p: Policy,
     optimizer: optax.GradientTransformation,
@@ -261,8 +271,8 @@ def update(
     The new compute copy is returned cast on the master's shard and is laid out by the caller's
     output shardings (the parameter rules): the all-gather, where there is one, moves the compute dtype.
     """
-    grads = jax.lax.with_sharding_constraint(cast(grads, p.master), opt_layout)
-    weights = jax.lax.with_sharding_constraint(updated(params, master), opt_layout)
+    grads = lay_out(cast(grads, p.master), opt_layout)
+    weights = lay_out(updated(params, master), opt_layout)
     updates, opt_state = optimizer.update(grads, opt_state, weights)
     weights = optax.apply_updates(weights, updates)
     if not p.two_copies:

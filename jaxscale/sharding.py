@@ -178,7 +178,7 @@ def constrain(x: jax.Array, axes: Axes) -> jax.Array:
         raise ValueError(f"constrain: array of rank {x.ndim} given {len(axes)} axis names {axes}")
     part = spec(place, axes)
     check_divisible(f"activation {axes}", x.shape, axes, part, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, part))
+    return precision.lay_out(x, NamedSharding(mesh, part))
 
 
 def lookup(
@@ -227,7 +227,7 @@ def lookup(
 
     def layout(x: jax.Array) -> jax.Array:
         spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return precision.lay_out(x, NamedSharding(mesh, spec))
 
     x = layout(precision.take(table, layout(tokens), grads).astype(dtype))
     for axis, dest in moves.items():
