@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from jaxscale import dtypes, fp8, fp8_blockwise, layout
 from jaxscale.config import Config, ConfigError
@@ -134,10 +135,31 @@ def _projection(
     if isinstance(w, fp8.Operand):
         y = (fp8.einsum if w.quantized is not None else fp8_blockwise.einsum)(equation, x, w)
     elif grads is None:
-        return jnp.einsum(equation, x, w)
+        return jnp.einsum(equation, x, w, out_sharding=out_sharding(equation, x, w))
     else:
-        y = _weight_einsum(equation, jnp.dtype(grads), x, w)
+        y = _weight_einsum(equation, jnp.dtype(grads), out_sharding(equation, x, w), x, w)
     return y if set(lhs) & set(rhs) & set(out) - {"."} else checkpoint_name(y, WEIGHT_DOT)
+
+
+def out_sharding(equation: str, x: jax.Array, w: jax.Array) -> PartitionSpec | None:
+    """On explicit mesh axes (``mesh.axis_types: explicit``), the layout of ``einsum(equation, x, w)`` that jax's
+    sharding rules leave to the caller when both operands are split: the output keeps the activation ``x``'s
+    mesh axes on its dimensions and takes the weight's (its rules table layout) on those only ``w`` has, less
+    the axes ``x`` already uses (ZeRO-3's ``embed`` shards of a weight are gathered, not kept). None on auto
+    axes, or for an equation with an ellipsis: jax's own rules."""
+    if "." in equation or not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return None
+    lhs, rhs, out = _letters(equation)
+
+    def axes(letters: str, a: jax.Array) -> dict[str, tuple[str, ...]]:
+        spec = tuple(jax.typeof(a).sharding.spec)
+        spec += (None,) * (len(letters) - len(spec))  # a spec may leave its last dimensions out
+        return {c: layout.part_axes(p) for c, p in zip(letters, spec, strict=True)}
+
+    mine = axes(lhs, x)
+    used = {a for parts in mine.values() for a in parts}
+    theirs = {c: tuple(a for a in parts if a not in used) for c, parts in axes(rhs, w).items()}
+    return PartitionSpec(*(mine.get(c, theirs.get(c)) or None for c in out))
 
 
 def _letters(equation: str) -> tuple[str, str, str]:
@@ -146,20 +168,28 @@ def _letters(equation: str) -> tuple[str, str, str]:
     return lhs, rhs, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _weight_einsum(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, x, w.astype(x.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _weight_einsum(
+    equation: str, grads: jnp.dtype, spec: PartitionSpec | None, x: jax.Array, w: jax.Array
+) -> jax.Array:
+    return jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec)
 
 
-def _weight_einsum_forward(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
-    return jnp.einsum(equation, x, w.astype(x.dtype)), (x, w)
+def _weight_einsum_forward(
+    equation: str, grads: jnp.dtype, spec: PartitionSpec | None, x: jax.Array, w: jax.Array
+) -> tuple[jax.Array, tuple]:
+    return jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec), (x, w)
 
 
-def _weight_einsum_backward(equation: str, grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, ...]:
+def _weight_einsum_backward(
+    equation: str, grads: jnp.dtype, spec: PartitionSpec | None, saved: tuple, g: jax.Array
+) -> tuple[jax.Array, ...]:
     x, w = saved
     lhs, rhs, out = _letters(equation)
-    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w.astype(x.dtype)), x)
-    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads)
+    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec), x)
+    # On explicit axes the weight's gradient is stated in the weight's layout (its contraction splits both sides).
+    w_layout = None if spec is None else jax.typeof(w).sharding.spec
+    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads, out_sharding=w_layout)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w).mat.varying))
     if summed:
         dw = jax.lax.psum(dw, summed)

@@ -15,6 +15,7 @@ from helpers import assert_trees_close, rel_err, tiny_config
 from jax.sharding import PartitionSpec as P
 
 import jaxscale
+from jaxscale import nn
 from jaxscale.config import ConfigError
 from jaxscale.train import Trainer
 
@@ -30,7 +31,8 @@ def pin(x: jax.Array, spec: P) -> jax.Array:
 
 class Idiomatic(nnx.Module):
     """A two-layer transformer whose activations are pinned by bare PartitionSpecs of mesh axis names: the batch
-    over ``data`` x ``fsdp``, heads and the MLP over ``tensor`` (whatever their sizes, 1 included)."""
+    over ``data`` x ``fsdp``, heads and the MLP over ``tensor`` (whatever their sizes, 1 included); the MLP's
+    projections through ``jaxscale.nn.einsum``, the embedding and the logits laid out by ``jaxscale.nn.constrain``."""
 
     def __init__(self, config: jaxscale.Config, rngs: nnx.Rngs):
         c = config.model
@@ -60,7 +62,7 @@ class Idiomatic(nnx.Module):
             return {"out_sharding": spec} if explicit else {}
 
         table = self.table[...]
-        x = pin(table.at[tokens].get(out_sharding=res) if explicit else table[tokens], res)
+        x = nn.constrain(table.at[tokens].get(out_sharding=res) if explicit else table[tokens], nn.RESIDUAL)
         SEEN.append((mesh.axis_names, explicit, jax.typeof(x).sharding.spec if explicit else None))
         for layer in self.layers:
             scale = jax.sharding.reshard(layer["scale"][...], P()) if explicit else layer["scale"][...]
@@ -71,9 +73,10 @@ class Idiomatic(nnx.Module):
             att = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
             o = jnp.einsum("bhlm,bmhd->blhd", att, q, **out(heads))
             x = pin(x + jnp.einsum("blhd,hde->ble", o, layer["wo"][...], **out(res)), res)
-            h = pin(jax.nn.gelu(jnp.einsum("ble,em->blm", x, layer["up"][...], **out(hidden))), hidden)
-            x = pin(x + jnp.einsum("blm,me->ble", h, layer["down"][...], **out(res)), res)
-        return jnp.einsum("ble,ev->blv", x, self.head[...], **out(hidden))
+            # jaxscale's own contraction: its output layout, on explicit axes, from the operands' (the rules').
+            h = pin(jax.nn.gelu(nn.einsum("ble,em->blm", x, layer["up"][...])), hidden)
+            x = pin(x + nn.einsum("blm,me->ble", h, layer["down"][...]), res)
+        return nn.constrain(jnp.einsum("ble,ev->blv", x, self.head[...], **out(hidden)), nn.LOGITS)
 
 
 def factory(config: jaxscale.Config, rngs: nnx.Rngs) -> nnx.Module:
