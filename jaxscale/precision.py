@@ -199,24 +199,31 @@ def _weight_einsum_backward(
 _weight_einsum.defvjp(_weight_einsum_forward, _weight_einsum_backward)
 
 
-def take(table: jax.Array, ids: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+def take(table: jax.Array, ids: jax.Array, grads: jnp.dtype | None = None, out: Any = None) -> jax.Array:
     """Rows ``table[ids]`` (an embedding lookup), the table's gradient (a scatter-add) summed in ``grads``
-    (None: autodiff's, the table's dtype)."""
-    return jnp.take(table, ids, axis=0) if grads is None else _take(jnp.dtype(grads), table, ids)
+    (None: autodiff's, the table's dtype); ``out``: the rows' sharding, stated on explicit mesh axes (jax's
+    rules cannot decide a gather from a split table)."""
+    if grads is None:
+        return jnp.take(table, ids, axis=0) if out is None else table.at[ids].get(out_sharding=out)
+    return _take(jnp.dtype(grads), out, table, ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _take(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> jax.Array:
-    return jnp.take(table, ids, axis=0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _take(grads: jnp.dtype, out: Any, table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0) if out is None else table.at[ids].get(out_sharding=out)
 
 
-def _take_forward(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> tuple[jax.Array, tuple]:
-    return jnp.take(table, ids, axis=0), (table, ids)
+def _take_forward(grads: jnp.dtype, out: Any, table: jax.Array, ids: jax.Array) -> tuple[jax.Array, tuple]:
+    return _take(grads, out, table, ids), (table, ids)
 
 
-def _take_backward(grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+def _take_backward(grads: jnp.dtype, out: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, None]:
     table, ids = saved
-    d_table = jnp.zeros(table.shape, grads).at[ids].add(g.astype(grads))
+    if out is None:
+        d_table = jnp.zeros(table.shape, grads).at[ids].add(g.astype(grads))
+    else:  # explicit axes: the stated gather's own transpose (a scatter-add into the table's layout), in grads
+        zeros = jnp.zeros(table.shape, grads, out_sharding=jax.typeof(table).sharding)
+        d_table = jax.vjp(lambda t: t.at[ids].get(out_sharding=out), zeros)[1](g.astype(grads))[0]
     return d_table.astype(table.dtype), None
 
 

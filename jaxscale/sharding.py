@@ -168,6 +168,16 @@ def stage() -> Stage | None:
     return current[1].stage if current is not None else None
 
 
+def stated(axes: Axes) -> NamedSharding | None:
+    """The layout of an activation with these logical names where it must be stated: on explicit mesh axes (a
+    contraction's ``out_sharding`` when both operands are split over the axes it sums); None on auto axes or
+    outside :func:`use_rules` (the partitioner decides)."""
+    current = _ACTIVE.get()
+    if current is None or not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return None
+    return NamedSharding(current[0], spec(current[1], axes))
+
+
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:
     """Constrain an activation's sharding by the logical names of its dimensions."""
     current = _ACTIVE.get()
@@ -208,6 +218,10 @@ def lookup(
     sums a table-sized gradient over ``fsdp`` in place of the all-to-all: that case is routed here.
     """
     current = active()
+    if current is not None and jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        # Explicit axes: the rows gathered straight into the residual stream's layout, stated.
+        out = NamedSharding(current[0], spec(current[1], RESIDUAL))
+        return precision.take(table, tokens, grads, out).astype(dtype)
     hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
     target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
     vocab = current[1].mesh_axes(("vocab",)) if current is not None else ()

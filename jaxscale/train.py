@@ -144,7 +144,7 @@ class Trainer:
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         factory = model or builtin.build
         layout = layout_of(mesh, rules)
-        explicit.check(config, layout, factory is builtin.build)  # what mesh.axis_types=explicit does not serve yet
+        explicit.check(config, layout)  # what mesh.axis_types=explicit does not serve yet
         layout.check_stage_layers(config)  # before the stack's storage is laid out from the list
         storage = stage_layers.storage(config, layout.stages)
         # No context mesh here: nnx.eval_shape would read the logical names as mesh axes (Trainer.scope sets it).

@@ -3,7 +3,8 @@
 ``mesh.axis_types: explicit`` the model's ``out_sharding=`` and ``jax.sharding.reshard`` work. The model is
 written here as a user writes it from JAX's and Flax's docs: its mesh axis names read from the context mesh.
 Auto axes equal one device (fp32, 1e-5); explicit axes equal auto axes (1e-6), size-1 mesh axes named in
-its specs; what explicit axes do not serve yet is refused in one line naming both settings."""
+its specs, and so does the built-in model; what explicit axes do not serve yet is refused in one line naming
+both settings."""
 
 from __future__ import annotations
 
@@ -131,23 +132,39 @@ def test_explicit_axes_equal_auto_axes(rules):
     assert state.params["table"].sharding.spec == trainer.rules.spec(("vocab", "embed"))
 
 
+@pytest.mark.parametrize("rules, mesh, overrides", [
+    ("zero3", {"fsdp": 8}, ("model.loss_chunk=8",)),
+    ("fsdp_tp_sp", {"fsdp": 4, "tensor": 2}, ()),
+])
+def test_the_built_in_model_on_explicit_axes_equals_auto_axes(rules, mesh, overrides):
+    """jaxscale's own layers state the layouts jax's rules leave open: the projections, the embedding lookup, the
+    norms' scales, the chunked loss; sequence parallelism's shard_maps run as they are."""
+    runs = []
+    for axis_types in ("auto", "explicit"):
+        trainer = Trainer.build(tiny_config(f"mesh.axis_types={axis_types}", *overrides, rules=rules, mesh=mesh))
+        assert trainer.mesh.axis_types == (jax.sharding.AxisType.Explicit if axis_types == "explicit" else
+                                           jax.sharding.AxisType.Auto,) * 6
+        runs.append(trainer.loss_and_grads(trainer.init_state().params, trainer.batch(0)))
+    (auto_loss, auto_grads), (loss, grads) = runs
+    assert rel_err(loss, auto_loss) <= 1e-6
+    assert_trees_close(grads, auto_grads, 1e-6)
+
+
 REFUSED = {
-    "the built-in model": ((), "dp", {"data": 8}, None),
-    "pipeline stages": ((), "pp", {"stage": 2, "data": 4}, factory),
-    "sequence parallelism": ((), "tp_sp", {"tensor": 2, "data": 4}, factory),
-    "context parallelism": ((), "cp", {"context": 2, "data": 4}, factory),
-    "experts": (("model.moe={}",), "dp", {"data": 8}, factory),
-    "fp8": (("precision.fp8=delayed",), "dp", {"data": 8}, factory),
+    "pipeline stages": ((), "pp", {"stage": 2, "data": 4}),
+    "context parallelism": ((), "cp", {"context": 2, "data": 4}),
+    "experts": (("model.moe={}",), "dp", {"data": 8}),
+    "fp8": (("precision.fp8=delayed",), "dp", {"data": 8}),
 }
 
 
 @pytest.mark.parametrize("case", REFUSED)
 def test_what_explicit_axes_do_not_serve_is_refused_in_one_line_naming_both_settings(case):
-    overrides, rules, mesh, model = REFUSED[case]
+    overrides, rules, mesh = REFUSED[case]
     config = tiny_config("mesh.axis_types=explicit", *overrides, rules=rules, mesh=mesh)
     with pytest.raises(ConfigError) as e:
-        Trainer.build(config, model=model)
+        Trainer.build(config)
     line = str(e.value)
     assert "\n" not in line and line.startswith("mesh.axis_types=explicit with ") and "mesh.axis_types=auto" in line
-    other = {"the built-in model": "built-in model", "experts": "model.moe", "fp8": "precision.fp8=delayed"}
+    other = {"experts": "model.moe", "fp8": "precision.fp8=delayed"}
     assert other.get(case, f"rules '{rules}'") in line
