@@ -35,18 +35,27 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return _rms_norm_forward(x, scale, eps)[0]
 
 
+def _explicit(x: jax.Array, like: jax.Array, dims: slice) -> jax.Array:
+    """On explicit mesh axes, ``x`` resharded to the layout of ``like``'s dimensions ``dims``; else ``x``."""
+    if not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return x
+    spec = tuple(jax.typeof(like).sharding.spec)
+    spec += (None,) * (like.ndim - len(spec))
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec[dims]))
+
+
 def _rms_norm_forward(x: jax.Array, scale: jax.Array, eps: float) -> tuple[jax.Array, tuple]:
     r = _inverse_rms(x, eps)
     normed = x.astype(jnp.float32) * r
-    return (normed * scale.astype(jnp.float32)).astype(x.dtype), (x, r, scale)
+    return (normed * _explicit(scale, x, slice(-1, None)).astype(jnp.float32)).astype(x.dtype), (x, r, scale)
 
 
 def _rms_norm_backward(eps: float, saved: tuple, g: jax.Array) -> tuple[jax.Array, jax.Array]:
     x, r, scale = saved
     normed = x.astype(jnp.float32) * r
     g32 = g.astype(jnp.float32)
-    d_scale = jnp.sum(g32 * normed, axis=tuple(range(g.ndim - 1)))
-    d_normed = g32 * scale.astype(jnp.float32)
+    d_scale = _explicit(jnp.sum(g32 * normed, axis=tuple(range(g.ndim - 1))), scale, slice(None))
+    d_normed = g32 * _explicit(scale, x, slice(-1, None)).astype(jnp.float32)
     d_x = r * (d_normed - normed * jnp.mean(d_normed * normed, axis=-1, keepdims=True))
     return d_x.astype(x.dtype), d_scale.astype(scale.dtype)
 

@@ -64,7 +64,7 @@ from jaxscale.config import ConfigError
 from jaxscale.layout import TOKENS
 from jaxscale.parallel import pipeline
 from jaxscale.routing import joined
-from jaxscale.sharding import active, constrain
+from jaxscale.sharding import active, constrain, stated
 
 WEIGHT = ("embed", "vocab")  # the head weight [embed, vocab] as its parameter is laid out
 HEAD = (None, "vocab")  # ... gathered on embed for the loop
@@ -104,7 +104,8 @@ def _unsliced(dw: jax.Array) -> jax.Array:
 
 def _block(h: jax.Array, w: jax.Array) -> jax.Array:
     """One slice's logits [b, s, shards, width] in fp32 (the matmul accumulated in fp32)."""
-    return constrain(jnp.einsum("bse,etc->bstc", h, w, preferred_element_type=jnp.float32), BLOCK)
+    return constrain(jnp.einsum("bse,etc->bstc", h, w, preferred_element_type=jnp.float32, out_sharding=stated(BLOCK)),
+                     BLOCK)
 
 
 def _is_target_in(block: jax.Array, j: jax.Array, vocab: int, targets: jax.Array) -> jax.Array:
@@ -186,10 +187,12 @@ def _cross_entropy_bwd(n: int, residuals: Any, g: jax.Array) -> tuple[jax.Array,
         dlogits = constrain(dlogits.astype(w.dtype), BLOCK)
         # The slice's head gradient, summed over the tokens (and their shards) once: a loop output, not a carry.
         with jax.named_scope(HEAD_GRADIENT):
-            dw = jnp.einsum("bse,bstc->etc", hidden, dlogits, preferred_element_type=jnp.float32)
+            dw = jnp.einsum("bse,bstc->etc", hidden, dlogits, preferred_element_type=jnp.float32,
+                            out_sharding=stated(SLICE_GRAD))
             dw = constrain(dw, SLICE_GRAD).astype(w.dtype)
         # The hidden states' gradient, one part per vocabulary shard, summed over the shards once after the loop.
-        dh = dh + jnp.einsum("bstc,etc->bste", dlogits, w, preferred_element_type=jnp.float32)
+        dh = dh + jnp.einsum("bstc,etc->bste", dlogits, w, preferred_element_type=jnp.float32,
+                             out_sharding=stated(HIDDEN_PARTS))
         return constrain(dh, HIDDEN_PARTS), dw
 
     b, s, e = hidden.shape

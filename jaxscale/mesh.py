@@ -7,9 +7,14 @@ table may name any axis whatever the experiment's parallelism. With a ``dcn``
 section the mesh is hybrid: each axis is ``ici size x dcn size`` with the dcn
 factor across slices/hosts (``mesh_utils.create_hybrid_device_mesh``).
 
-Axes are ``AxisType.Auto``: the model states shardings through the rules table
-and XLA's partitioner propagates the rest (GSPMD style), which is what lets a
-layout change without a code change.
+Axes are ``AxisType.Auto`` by default (``mesh.axis_types: auto``): the model
+states shardings through the rules table and XLA's partitioner propagates the
+rest (GSPMD style), which is what lets a layout change without a code change.
+With ``mesh.axis_types: explicit`` every axis is ``AxisType.Explicit``: an
+array's sharding is part of its type, jax's sharding rules give each operation's
+output layout, and a model states the layouts they cannot decide
+(``out_sharding=``, ``jax.sharding.reshard``); :func:`lay_out` is the one way
+jaxscale's own code pins a layout in either mode.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -
     """Build the mesh the config asks for over ``devices`` (default: all devices)."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(config, len(devices))
-    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    kind = AxisType.Explicit if config.axis_types == "explicit" else AxisType.Auto
+    axis_types = (kind,) * len(MESH_AXES)
     if config.dcn is not None:
         dcn = [getattr(config.dcn, a) for a in MESH_AXES]
         ici = [shape[a] // d for a, d in zip(MESH_AXES, dcn, strict=True)]
@@ -56,3 +62,4 @@ def _hybrid_grid(ici: list[int], dcn: list[int], devices: list[jax.Device]) -> n
     grid = np.array(devices).reshape(*dcn, *ici)
     interleaved = [axis for i in range(n) for axis in (i, n + i)]
     return grid.transpose(interleaved).reshape([d * i for d, i in zip(dcn, ici, strict=True)])
+

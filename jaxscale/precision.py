@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from jaxscale import dtypes, fp8, fp8_blockwise, layout
 from jaxscale.config import Config, ConfigError
@@ -134,10 +135,31 @@ def _projection(
     if isinstance(w, fp8.Operand):
         y = (fp8.einsum if w.quantized is not None else fp8_blockwise.einsum)(equation, x, w)
     elif grads is None:
-        return jnp.einsum(equation, x, w)
+        return jnp.einsum(equation, x, w, out_sharding=out_sharding(equation, x, w))
     else:
-        y = _weight_einsum(equation, jnp.dtype(grads), x, w)
+        y = _weight_einsum(equation, jnp.dtype(grads), out_sharding(equation, x, w), x, w)
     return y if set(lhs) & set(rhs) & set(out) - {"."} else checkpoint_name(y, WEIGHT_DOT)
+
+
+def out_sharding(equation: str, x: jax.Array, w: jax.Array) -> PartitionSpec | None:
+    """On explicit mesh axes (``mesh.axis_types: explicit``), the layout of ``einsum(equation, x, w)`` that jax's
+    sharding rules leave to the caller when both operands are split: the output keeps the activation ``x``'s
+    mesh axes on its dimensions and takes the weight's (its rules table layout) on those only ``w`` has, less
+    the axes ``x`` already uses (ZeRO-3's ``embed`` shards of a weight are gathered, not kept). None on auto
+    axes, or for an equation with an ellipsis: jax's own rules."""
+    if "." in equation or not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return None
+    lhs, rhs, out = _letters(equation)
+
+    def axes(letters: str, a: jax.Array) -> dict[str, tuple[str, ...]]:
+        spec = tuple(jax.typeof(a).sharding.spec)
+        spec += (None,) * (len(letters) - len(spec))  # a spec may leave its last dimensions out
+        return {c: layout.part_axes(p) for c, p in zip(letters, spec, strict=True)}
+
+    mine = axes(lhs, x)
+    used = {a for parts in mine.values() for a in parts}
+    theirs = {c: tuple(a for a in parts if a not in used) for c, parts in axes(rhs, w).items()}
+    return PartitionSpec(*(mine.get(c, theirs.get(c)) or None for c in out))
 
 
 def _letters(equation: str) -> tuple[str, str, str]:
@@ -146,20 +168,28 @@ def _letters(equation: str) -> tuple[str, str, str]:
     return lhs, rhs, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _weight_einsum(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(equation, x, w.astype(x.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _weight_einsum(
+    equation: str, grads: jnp.dtype, spec: PartitionSpec | None, x: jax.Array, w: jax.Array
+) -> jax.Array:
+    return jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec)
 
 
-def _weight_einsum_forward(equation: str, grads: jnp.dtype, x: jax.Array, w: jax.Array) -> tuple[jax.Array, tuple]:
-    return jnp.einsum(equation, x, w.astype(x.dtype)), (x, w)
+def _weight_einsum_forward(
+    equation: str, grads: jnp.dtype, spec: PartitionSpec | None, x: jax.Array, w: jax.Array
+) -> tuple[jax.Array, tuple]:
+    return jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec), (x, w)
 
 
-def _weight_einsum_backward(equation: str, grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, ...]:
+def _weight_einsum_backward(
+    equation: str, grads: jnp.dtype, spec: PartitionSpec | None, saved: tuple, g: jax.Array
+) -> tuple[jax.Array, ...]:
     x, w = saved
     lhs, rhs, out = _letters(equation)
-    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w.astype(x.dtype)), x)
-    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads)
+    _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec), x)
+    # On explicit axes the weight's gradient is stated in the weight's layout (its contraction splits both sides).
+    w_layout = None if spec is None else jax.typeof(w).sharding.spec
+    dw = jnp.einsum(f"{lhs},{out}->{rhs}", x, g, preferred_element_type=grads, out_sharding=w_layout)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w).mat.varying))
     if summed:
         dw = jax.lax.psum(dw, summed)
@@ -169,24 +199,31 @@ def _weight_einsum_backward(equation: str, grads: jnp.dtype, saved: tuple, g: ja
 _weight_einsum.defvjp(_weight_einsum_forward, _weight_einsum_backward)
 
 
-def take(table: jax.Array, ids: jax.Array, grads: jnp.dtype | None = None) -> jax.Array:
+def take(table: jax.Array, ids: jax.Array, grads: jnp.dtype | None = None, out: Any = None) -> jax.Array:
     """Rows ``table[ids]`` (an embedding lookup), the table's gradient (a scatter-add) summed in ``grads``
-    (None: autodiff's, the table's dtype)."""
-    return jnp.take(table, ids, axis=0) if grads is None else _take(jnp.dtype(grads), table, ids)
+    (None: autodiff's, the table's dtype); ``out``: the rows' sharding, stated on explicit mesh axes (jax's
+    rules cannot decide a gather from a split table)."""
+    if grads is None:
+        return jnp.take(table, ids, axis=0) if out is None else table.at[ids].get(out_sharding=out)
+    return _take(jnp.dtype(grads), out, table, ids)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _take(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> jax.Array:
-    return jnp.take(table, ids, axis=0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _take(grads: jnp.dtype, out: Any, table: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table, ids, axis=0) if out is None else table.at[ids].get(out_sharding=out)
 
 
-def _take_forward(grads: jnp.dtype, table: jax.Array, ids: jax.Array) -> tuple[jax.Array, tuple]:
-    return jnp.take(table, ids, axis=0), (table, ids)
+def _take_forward(grads: jnp.dtype, out: Any, table: jax.Array, ids: jax.Array) -> tuple[jax.Array, tuple]:
+    return _take(grads, out, table, ids), (table, ids)
 
 
-def _take_backward(grads: jnp.dtype, saved: tuple, g: jax.Array) -> tuple[jax.Array, None]:
+def _take_backward(grads: jnp.dtype, out: Any, saved: tuple, g: jax.Array) -> tuple[jax.Array, None]:
     table, ids = saved
-    d_table = jnp.zeros(table.shape, grads).at[ids].add(g.astype(grads))
+    if out is None:
+        d_table = jnp.zeros(table.shape, grads).at[ids].add(g.astype(grads))
+    else:  # explicit axes: the stated gather's own transpose (a scatter-add into the table's layout), in grads
+        zeros = jnp.zeros(table.shape, grads, out_sharding=jax.typeof(table).sharding)
+        d_table = jax.vjp(lambda t: t.at[ids].get(out_sharding=out), zeros)[1](g.astype(grads))[0]
     return d_table.astype(table.dtype), None
 
 
@@ -246,6 +283,16 @@ def updated(params: Any, master: Any) -> Any:
     return master if master else params
 
 
+def lay_out(tree: Any, shardings: Any) -> Any:
+    """``tree`` laid out as ``shardings`` (a matching tree, or one for every leaf), inside a trace: a
+    ``with_sharding_constraint`` on an Auto mesh, a ``jax.sharding.reshard`` where the context mesh's axes are
+    all Explicit (``mesh.axis_types: explicit``: a constraint may not change a layout there). The step's
+    gradients are its first user, :func:`jaxscale.sharding.constrain` the other."""
+    if jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return jax.sharding.reshard(tree, shardings)
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
 def update(
     p: Policy,
     optimizer: optax.GradientTransformation,
@@ -261,8 +308,8 @@ def update(
     The new compute copy is returned cast on the master's shard and is laid out by the caller's
     output shardings (the parameter rules): the all-gather, where there is one, moves the compute dtype.
     """
-    grads = jax.lax.with_sharding_constraint(cast(grads, p.master), opt_layout)
-    weights = jax.lax.with_sharding_constraint(updated(params, master), opt_layout)
+    grads = lay_out(cast(grads, p.master), opt_layout)
+    weights = lay_out(updated(params, master), opt_layout)
     updates, opt_state = optimizer.update(grads, opt_state, weights)
     weights = optax.apply_updates(weights, updates)
     if not p.two_copies:

@@ -152,6 +152,9 @@ class MeshConfig(AxisSizes):
 
     data: int = -1
     dcn: DcnConfig | None = None
+    # auto: XLA propagates shardings from the rules' constraints; explicit: shardings are part of every array's
+    # type (jax's AxisType.Explicit), a user model's out_sharding= and reshard work (jaxscale/mesh.py)
+    axis_types: Literal["auto", "explicit"] = "auto"
 
 
 @dataclasses.dataclass

@@ -199,6 +199,16 @@ def stage() -> Stage | None:
     return current[1].stage if current is not None else None
 
 
+def stated(axes: Axes) -> NamedSharding | None:
+    """The layout of an activation with these logical names where it must be stated: on explicit mesh axes (a
+    contraction's ``out_sharding`` when both operands are split over the axes it sums); None on auto axes or
+    outside :func:`use_rules` (the partitioner decides)."""
+    current = _ACTIVE.get()
+    if current is None or not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        return None
+    return NamedSharding(current[0], spec(current[1], axes))
+
+
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:
     """Constrain an activation's sharding by the logical names of its dimensions."""
     current = _ACTIVE.get()
@@ -209,7 +219,7 @@ def constrain(x: jax.Array, axes: Axes) -> jax.Array:
         raise ValueError(f"constrain: array of rank {x.ndim} given {len(axes)} axis names {axes}")
     part = spec(place, axes)
     check_divisible(f"activation {axes}", x.shape, axes, part, mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, part))
+    return precision.lay_out(x, NamedSharding(mesh, part))
 
 
 def lookup(
@@ -239,6 +249,10 @@ def lookup(
     sums a table-sized gradient over ``fsdp`` in place of the all-to-all: that case is routed here.
     """
     current = active()
+    if current is not None and jax.sharding.get_abstract_mesh().are_all_axes_explicit:
+        # Explicit axes: the rows gathered straight into the residual stream's layout, stated.
+        out = NamedSharding(current[0], spec(current[1], RESIDUAL))
+        return precision.take(table, tokens, grads, out).astype(dtype)
     hidden = current[1].mesh_axes(("embed",)) if current is not None else ()
     target = [current[1].mesh_axes((name,)) for name in RESIDUAL] if current is not None else []
     vocab = current[1].mesh_axes(("vocab",)) if current is not None else ()
@@ -258,7 +272,7 @@ def lookup(
 
     def layout(x: jax.Array) -> jax.Array:
         spec = PartitionSpec(*(tuple(d) or None for d in dims[: x.ndim]))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return precision.lay_out(x, NamedSharding(mesh, spec))
 
     x = layout(precision.take(table, layout(tokens), grads).astype(dtype))
     for axis, dest in moves.items():

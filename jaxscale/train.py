@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 
-from jaxscale import flops, forward, fp8, loop, precision, remat_names, stage_layers, xla_flags
+from jaxscale import explicit, flops, forward, fp8, loop, precision, remat_names, stage_layers, xla_flags
 from jaxscale.config import Config, ConfigError
 from jaxscale.data import Loader, check_data, make_loader
 from jaxscale.loss import microbatch_weights, model_objective, stage_head_loss
@@ -146,8 +146,10 @@ class Trainer:
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         factory = model or builtin.build
         layout = layout_of(mesh, rules)
+        explicit.check(config, layout)  # what mesh.axis_types=explicit does not serve yet
         layout.check_stage_layers(config)  # before the stack's storage is laid out from the list
         storage = stage_layers.storage(config, layout.stages)
+        # No context mesh here: nnx.eval_shape would read the logical names as mesh axes (Trainer.scope sets it).
         graphdef, canonical, axes, parts = abstract_model(config, factory)
         abstract_params = jax.eval_shape(storage.place_params, canonical)
         trainer = cls(
@@ -294,8 +296,9 @@ class Trainer:
 
     @contextlib.contextmanager
     def scope(self) -> Iterator[None]:
-        """The rules table on this mesh and the pipeline settings, in effect for the model's code traced here."""
-        with use_rules(self.mesh, self.rules, self.config.pipeline):
+        """The rules table on this mesh and the pipeline settings, in effect for the model's code traced here; the
+        mesh is JAX's context mesh (``get_abstract_mesh()``, bare ``PartitionSpec``s, ``reshard``)."""
+        with use_rules(self.mesh, self.rules, self.config.pipeline), use_abstract_mesh(self.mesh.abstract_mesh):
             yield
 
     def _jit(self, fn: Callable[..., Any], step: bool = False, **jit_kwargs: Any) -> Any:
@@ -340,7 +343,8 @@ class Trainer:
     @cached_property
     def _shapes(self) -> TrainState:
         """The state's shapes and dtypes, without shardings."""
-        return jax.eval_shape(self._init)
+        with self.scope():
+            return jax.eval_shape(self._init)
 
     @cached_property
     def jit_init(self) -> Any:
@@ -421,11 +425,11 @@ class Trainer:
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
             aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)
-            return (loss_sum + loss, jax.lax.with_sharding_constraint(grad_sum, grad_shardings), aux_sum, fp8_max), None
+            return (loss_sum + loss, precision.lay_out(grad_sum, grad_shardings), aux_sum, fp8_max), None
 
         # The accumulator: precision.grads_reduce, in the gradients' layout (a shard per device under ZeRO-2/3;
         # the loop's carry compiles in the optimizer's layout, a shard under ZeRO-1 too: analysis/memory.py).
-        zeros = jax.lax.with_sharding_constraint(
+        zeros = precision.lay_out(
             jax.tree.map(lambda p: jnp.zeros(p.shape, self.policy.reduce), params), grad_shardings
         )
         micro = jax.tree.map(split, batch)
@@ -445,6 +449,8 @@ class Trainer:
             self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
             self.param_shardings("optimizer"),
         )
+        if self.config.mesh.axis_types == "explicit":  # the new compute copy in its layout (auto: by out_shardings)
+            params = precision.lay_out(params, self.param_shardings("params"))
         layers = aux.pop("moe_layers", {})
         bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
         load = moe.load_metrics(layers) if layers else {}
