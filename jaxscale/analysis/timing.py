@@ -62,6 +62,7 @@ import yaml
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.communication import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
+from jaxscale.analysis.target import checked_target
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
 from jaxscale.layout import Layout, stage_moe
@@ -94,6 +95,7 @@ class Cluster:
     attention_efficiency: Table | None = None  # [[sequence block, fraction of peak], ...]
     collectives: dict[str, dict[str, list[float]]] | None = None  # level -> kind -> [latency/step, bytes/s]
     source: str = ""  # how the figures were obtained
+    compile_target: str = ""  # what plan --verify compiles for (jaxscale.analysis.target): h100, v5e, ...
 
     @property
     def devices(self) -> int:
@@ -167,6 +169,8 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
             raise ConfigError(f"cluster {name}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
         if key in ("device", "source"):
             data[key] = str(value)
+        elif key == "compile_target":
+            data[key] = checked_target(name, value)
         elif key in TABLES:
             data[key] = _check_table(name, key, value)
         elif key == "collectives":
