@@ -24,9 +24,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-# XLA:GPU 0.12's Triton one-shot all-reduce kernel fails LLVM ("size mismatch when packing elements") for the
-# scalar all-reduces of a step over 64 GPUs on 8 hosts; NCCL's all-reduce compiles.
-NO_ONE_SHOT = "xla.flags=[--xla_gpu_experimental_use_collective_kernels=-ALL_REDUCE]"
 BF16 = ("model.dtype=bfloat16",)
 
 
@@ -42,10 +39,8 @@ CASES: dict[str, tuple[str, int, int, list[str] | None, tuple[str, ...]]] = {
     "llama3-8b/h100": ("h100", 8, 1, _plan("llama3-8b", "h100", 1048576, 8192, "cudnn"), ()),
     "llama3-8b/v5e": ("v5e:4x4", 16, 1, _plan("llama3-8b", "tpu-v5e", 1048576, 8192, "auto", "devices_per_node=16"),
                       ()),
-    "llama3-70b/h100": ("h100", 64, 8, _plan("llama3-70b", "h100", 4194304, 8192, "cudnn", "nodes=8"),
-                        ("--set", NO_ONE_SHOT)),
-    "mixtral-8x7b/h100": ("h100", 32, 4, _plan("mixtral-8x7b", "h100", 1048576, 4096, "cudnn", "nodes=4"),
-                          ("--set", NO_ONE_SHOT)),
+    "llama3-70b/h100": ("h100", 64, 8, _plan("llama3-70b", "h100", 4194304, 8192, "cudnn", "nodes=8"), ()),
+    "mixtral-8x7b/h100": ("h100", 32, 4, _plan("mixtral-8x7b", "h100", 1048576, 4096, "cudnn", "nodes=4"), ()),
     "deepseek-v3-tiny/h100": ("h100", 8, 1, None, ("--config", "moe-tiny", "--set", "model=deepseek-v3-tiny", *BF16)),
 }
 

@@ -261,10 +261,13 @@ def _verify_target(cluster: Any) -> tuple[str, int, int] | None:
     if not cluster.compile_target:
         return None
     platform = target.platform_of(cluster.compile_target)
-    if (why := target.available(platform)) is not None:
-        print(f"jaxscale: plan --verify compiles on simulated CPU devices: {why}", file=sys.stderr)
+    try:
+        if (why := target.available(platform)) is not None:
+            raise ConfigError(why)
+        compile_for = target.for_cluster(cluster.compile_target, cluster.devices, cluster.nodes)
+    except ConfigError as e:  # no compiler here, or a TPU cluster of several slices
+        print(f"jaxscale: plan --verify compiles on simulated CPU devices: {e}", file=sys.stderr)
         return None
-    compile_for = target.for_cluster(cluster.compile_target, cluster.devices, cluster.nodes)
     target.prepare(platform)
     xla_flags.apply(XlaConfig(preset=platform))
     return compile_for
