@@ -409,11 +409,12 @@ def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, m
     The logits and their gradient in the compute dtype (of one chunk with ``model.loss_chunk``): the plain loss's
     forward and backward, compiled alone for compile-only devices (:mod:`jaxscale.analysis.target`), hold 2 x the
     compute dtype per logit on XLA:GPU (H100, 8192 tokens; 1 x at 4096 and below) and 1 x on libtpu (v5e); XLA:CPU
-    1.6 fp32 buffers (``benchmarks/loss_memory.py``). The fp32 upcast, the exponentials and the softmax are fused, never whole. Each prediction depth's loss holds its
-    logits' two fp32 residuals beside. One whole vocab x embed table: the output
-    head gathered over the token axes (ZeRO-3), or under SP the embedding table gathered whole to look rows up. Its
-    whole gradient is held through the layers' backward (its reduction overlaps them), the gathered copy at the
-    loss only (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient)."""
+    1.6 fp32 buffers (``benchmarks/loss_memory.py``). The fp32 upcast, the exponentials and the softmax are fused,
+    never whole. Each prediction depth's loss holds its logits' two fp32 residuals beside. One whole vocab x embed
+    table: the output head gathered over the token axes (ZeRO-3), or under SP the embedding table gathered whole
+    to look rows up. Its whole gradient is held through the layers' backward (its reduction overlaps them), the
+    gathered copy at the loss only (as compiled at the layer backward's peak: one vocab x embed buffer, the
+    gradient)."""
     stack = stack_layers(m, step)
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = 2 * _per_device(vocab, micro_rows, step, m, layout)
