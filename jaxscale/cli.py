@@ -34,6 +34,7 @@ from jaxscale.config import (
     Attention,
     ConfigError,
     DType,
+    XlaConfig,
     check_writable,
     checkpoint_dir,
     load_config,
@@ -240,7 +241,8 @@ def _plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, args.cluster_overrides)
     model_dict = read_yaml(resolve_named(args.model, "models"))
     config = load_config(None, [f"model={args.model}"])
-    if args.verify:
+    compile_for = _verify_target(cluster) if args.verify else None
+    if args.verify and compile_for is None:
         _simulate_cpu_devices(min(cluster.devices, MAX_SIMULATED))
     if args.attention:
         config.model.attention = args.attention  # what the analytic model assumes
@@ -253,7 +255,8 @@ def _plan(args: argparse.Namespace) -> int:
         config.model.attention = resolve_attention(config.model, platform, args.seq_len)
     params = param_table(config)
     result = plan.search(config.model, params, cluster, args.global_batch_tokens, args.seq_len, top=args.top)
-    print(json.dumps(plan.plan_json(result), indent=1) if args.json else plan.table(result))
+    if not args.json:
+        print(plan.table(result))
     if args.png and result.candidates:
         bars = [(f"{i}. {c.layout.describe()}", report.analytic_parts(c.memory))
                 for i, c in enumerate(result.candidates, 1)]
@@ -266,16 +269,39 @@ def _plan(args: argparse.Namespace) -> int:
         layout = result.candidates[pick - 1].layout
         path, rules = strategy.write_experiment(layout, model_dict, args.seq_len, args.write)
         print(f"wrote layout {pick} to {path} and {rules}: jaxscale train --config {path}", file=sys.stderr)
-    if args.verify:
-        # Imports jax: after the simulated device count is in the environment.
-        import jax
-
-        from jaxscale.analysis.verify import format_verify, verify
-
-        rows = verify(result.candidates[: args.verify], model_dict, args.seq_len)
-        print()
-        print(format_verify(rows, jax.device_count(), jax.default_backend()))
+    verified = _verify(args, result, model_dict, compile_for) if args.verify else None
+    if args.json:
+        print(json.dumps({**plan.plan_json(result), **({"verify": verified} if verified else {})}, indent=1))
     return 0
+
+
+def _verify_target(cluster: Any) -> tuple[str, int, int] | None:
+    """What ``plan --verify`` compiles for: the cluster file's ``compile_target`` (name, devices, hosts) where its
+    compiler is installed, set up before jax starts; None (simulated CPU devices) otherwise, saying why."""
+    if not cluster.compile_target:
+        return None
+    platform = target.platform_of(cluster.compile_target)
+    try:
+        if (why := target.available(platform)) is not None:
+            raise ConfigError(why)
+        compile_for = target.for_cluster(cluster.compile_target, cluster.devices, cluster.nodes)
+    except ConfigError as e:  # no compiler here, or a TPU cluster of several slices
+        print(f"jaxscale: plan --verify compiles on simulated CPU devices: {e}", file=sys.stderr)
+        return None
+    target.prepare(platform)
+    xla_flags.apply(XlaConfig(preset=platform))
+    return compile_for
+
+
+def _verify(args: argparse.Namespace, result: Any, model_dict: dict, compile_for: tuple | None) -> list[dict]:
+    """Compile the top ``--verify`` layouts (for the cluster's compile target, else simulated CPU devices)."""
+    # Imports jax: after the device count, JAX_PLATFORMS and the XLA flags are in the environment.
+    from jaxscale.analysis.verify import compile_top
+
+    rows, text = compile_top(result.candidates[: args.verify], model_dict, args.seq_len, compile_for)
+    if not args.json:
+        print(f"\n{text}")
+    return rows
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -397,7 +423,8 @@ def _parser() -> argparse.ArgumentParser:
     plan_.add_argument("--pick", type=int, default=0,
                        help="which ranked layout --write writes (default: the best this installation can run)")
     plan_.add_argument("--verify", type=int, nargs="?", const=3, metavar="K",
-                       help="compile the top K (default 3) on simulated devices: predicted vs compiled")
+                       help="compile the top K (default 3) for the cluster's compile_target where its compiler is "
+                       "installed, else on simulated CPU devices: predicted vs compiled memory")
 
     report_ = _command(commands, "report", _report,
                        "plot losses, mixture shares, tokens/s and memory of a run from its metrics.jsonl")

@@ -10,10 +10,11 @@ gives the loss and gradients of the whole batch at once. A batch with no trained
 
 The plain loss (:func:`cross_entropy`) takes logits
 ``[batch, length, vocab]``: the head matmul's output in the compute dtype,
-its fp32 copy, the softmax and the gradient of the logits, up to
-``b·s·V·(dtype + 12)`` bytes at the loss's peak (XLA fuses some of them: 1.6
-fp32 buffers measured on CPU, ``benchmarks/loss_memory.py``); for a 128k
-vocabulary and 8k tokens per device, 4 GiB per fp32 buffer.
+its fp32 copy, the softmax and the gradient of the logits, of which XLA fuses
+all but the logits and their gradient in the compute dtype (compiled alone:
+``2·b·s·V·dtype`` bytes for XLA:GPU, half that for libtpu; 1.6 fp32 buffers
+for XLA:CPU, ``benchmarks/loss_memory.py``); for a 128k vocabulary and 8k
+tokens per device, 2 GiB per bf16 buffer.
 
 :func:`chunked_cross_entropy` never builds them: it takes the hidden states
 ``[b, s, e]`` and the head weight ``[e, V]`` and runs a ``lax.scan`` over

@@ -37,6 +37,10 @@ them for H100):
   both MaxText H100 recipes): recomputation is ``model.remat``'s choice, which
   the planner sizes against the device's memory (:mod:`jaxscale.analysis.plan`);
   XLA's pass would recompute behind it when its own estimate runs short;
+* all-reduces by NCCL, not XLA:GPU 0.12's Triton one-shot kernel
+  (``--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false``): compiling a step for 64 H100 on 8 hosts,
+  that kernel fails in LLVM ("size mismatch when packing elements for LLVM struct") on the step's scalar
+  all-reduces and aborts the process (the tiny model and Llama 3 70B alike);
 
 The whole preset compiles for 8 H100, H200 and B200 (``jaxscale inspect --target h100``,
 ``tests/test_compile_gpu.py``); ``benchmarks/gpu_flags.py`` compiles a step without each flag in turn and
@@ -102,6 +106,7 @@ GPU_FLAGS = (
     "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
     "--xla_gpu_enable_triton_gemm=false",
     "--xla_disable_hlo_passes=rematerialization",
+    "--xla_gpu_unsupported_use_all_reduce_one_shot_kernel=false",
 )
 TPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",

@@ -28,9 +28,9 @@ optimizer state, gradients and parameters in turn):
   :func:`recomputed_backward`; both with the norms' recomputed pieces and SwiGLU's gradient buffers,
   :func:`_mlp_backward_buffers`) and its attention's (its residuals' cotangents, with blockwise or
   ring attention the kernel's score tiles, :func:`tile_buffers`, with ``dot`` the masked scores).
-  The loss: logits in the compute dtype and fp32, their exponentials and gradient (of
-  ``model.loss_chunk`` tokens per sequence when chunked), and the gathered head or SP's gathered
-  embedding table (below);
+  The loss: the logits and their gradient in the compute dtype (of ``model.loss_chunk`` tokens per
+  sequence when chunked; XLA fuses the fp32 upcast, exponentials and softmax into the reductions and the
+  gradient), and the gathered head or SP's gathered embedding table (below);
 * the output head gathered over the token axes (ZeRO-3) and its whole gradient; under SP the
   embedding table gathered whole (its shard_map looks rows up in the whole table) and its gradient,
   reduced whole (:mod:`jaxscale.analysis.communication`). The gradient is held through the layers'
@@ -407,14 +407,18 @@ def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, m
           ) -> tuple[float, float, float]:
     """Bytes per device at the loss (with the gathered tables below), the gathered head, the gathered table.
 
-    The logits in the compute dtype and three fp32 buffers (of one chunk with ``model.loss_chunk``); each
-    prediction depth's loss holds its logits' two fp32 residuals beside. One whole vocab x embed table: the output
-    head gathered over the token axes (ZeRO-3), or under SP the embedding table gathered whole to look rows up. Its
-    whole gradient is held through the layers' backward (its reduction overlaps them), the gathered copy at the
-    loss only (as compiled at the layer backward's peak: one vocab x embed buffer, the gradient)."""
-    cbytes, stack = dtype_bytes(m.dtype), stack_layers(m, step)
+    The logits and their gradient in the compute dtype (of one chunk with ``model.loss_chunk``): the plain loss's
+    forward and backward, compiled alone for compile-only devices (:mod:`jaxscale.analysis.target`), hold 2 x the
+    compute dtype per logit on XLA:GPU (H100, 8192 tokens; 1 x at 4096 and below) and 1 x on libtpu (v5e); XLA:CPU
+    1.6 fp32 buffers (``benchmarks/loss_memory.py``). The fp32 upcast, the exponentials and the softmax are fused,
+    never whole. Each prediction depth's loss holds its logits' two fp32 residuals beside. One whole vocab x embed
+    table: the output head gathered over the token axes (ZeRO-3), or under SP the embedding table gathered whole
+    to look rows up. Its whole gradient is held through the layers' backward (its reduction overlaps them), the
+    gathered copy at the loss only (as compiled at the layer backward's peak: one vocab x embed buffer, the
+    gradient)."""
+    stack = stack_layers(m, step)
     vocab = Activation("logits", m.vocab_size, LOGITS)
-    loss = _per_device(vocab, micro_rows, step, m, layout) * (cbytes + 12) / cbytes
+    loss = 2 * _per_device(vocab, micro_rows, step, m, layout)
     if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
     depths = m.deepseek.mtp_depth if m.deepseek else 0

@@ -40,6 +40,8 @@ GPUS = {
 }
 # TPU generations -> HBM per chip (the compile-only devices report none): Cloud TPU's published figures.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+# TPU generations -> the dimensions of their torus (a topology names a side per dimension).
+TPU_DIMS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
 EXTRAS = {"gpu": "gpu-compile", "tpu": "tpu-compile"}
 
 
@@ -88,6 +90,8 @@ def prepare(platform: str) -> None:
     if (why := available(platform)) is not None:
         raise ConfigError(why)
     os.environ["JAX_PLATFORMS"] = "cpu"
+    if platform == "tpu":  # compile-only: no chip to guard, so other compiling processes may load libtpu too
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def embedded_spec(device_name: str) -> str:
@@ -151,3 +155,36 @@ def compile_only(name: str, devices: int = 8, hosts: int = 1, spec_file: str | N
     if devices < 1 or hosts < 1:
         raise ConfigError(f"--devices and --hosts must be at least 1, got {devices} and {hosts}")
     return _gpu(name, devices, hosts, spec_file) if platform == "gpu" else _tpu(name)
+
+
+def tpu_topology(generation: str, chips: int) -> str:
+    """The topology of ``chips`` chips of a TPU generation (one slice), its sides as equal as powers of two
+    allow, ascending, unit sides last: ``v5e:2x4`` for 8, ``v5e:4x4`` for 16, ``v5p:4x4x4`` for 64."""
+    if generation not in TPU_DIMS:
+        raise ConfigError(f"unknown TPU generation {generation!r}: one of {', '.join(TPU_DIMS)}")
+    if chips < 1 or chips & (chips - 1):
+        raise ConfigError(f"a {generation} slice has a power of two of chips, not {chips}")
+    sides = [1] * TPU_DIMS[generation]
+    for doubling in range(chips.bit_length() - 1):
+        sides[doubling % len(sides)] *= 2
+    ordered = sorted(s for s in sides if s > 1) + [1] * sides.count(1)
+    return f"{generation}:{'x'.join(map(str, ordered))}"
+
+
+def checked_target(cluster: str, value: Any) -> str:
+    """A cluster file's ``compile_target``: a GPU of :data:`GPUS` or a TPU generation (its topology follows from
+    the cluster's devices: :func:`for_cluster`)."""
+    if isinstance(value, str) and (value in GPUS or value in TPU_DIMS):
+        return value
+    raise ConfigError(f"cluster {cluster}: 'compile_target' must be one of {', '.join([*GPUS, *TPU_DIMS])}, "
+                      f"got {value!r}")
+
+
+def for_cluster(compile_target: str, devices: int, nodes: int) -> tuple[str, int, int]:
+    """A cluster file's ``compile_target`` for its devices, as :func:`compile_only` takes it (name, devices,
+    hosts): a GPU over the cluster's nodes as hosts, a TPU generation as the topology of its chips."""
+    if compile_target not in TPU_DIMS:
+        return compile_target, devices, nodes
+    if nodes > 1:
+        raise ConfigError(f"compile target {compile_target}: one slice only; the cluster has {nodes}")
+    return tpu_topology(compile_target, devices), devices, 1

@@ -62,6 +62,7 @@ import yaml
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.communication import EP_IMBALANCE, Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
+from jaxscale.analysis.target import checked_target
 from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
 from jaxscale.flops import flops_per_token
 from jaxscale.layout import Layout, stage_moe
@@ -97,6 +98,7 @@ class Cluster:
     # it at run time): the planner's assumption, not the devices'
     ep_imbalance: float = EP_IMBALANCE
     source: str = ""  # how the figures were obtained
+    compile_target: str = ""  # what plan --verify compiles for (jaxscale.analysis.target): h100, v5e, ...
 
     @property
     def devices(self) -> int:
@@ -170,6 +172,8 @@ def load_cluster(name_or_path: str, overrides: Sequence[str] = ()) -> Cluster:
             raise ConfigError(f"cluster {name}: unknown key '{key}' (known: {', '.join(sorted(fields))})")
         if key in ("device", "source"):
             data[key] = str(value)
+        elif key == "compile_target":
+            data[key] = checked_target(name, value)
         elif key in TABLES:
             data[key] = _check_table(name, key, value)
         elif key == "collectives":

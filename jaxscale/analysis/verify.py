@@ -1,5 +1,9 @@
-"""``jaxscale plan --verify``: compile planned layouts on simulated devices, next to their prediction.
+"""``jaxscale plan --verify``: compile planned layouts, next to their prediction.
 
+Where the cluster file names a ``compile_target`` and its compiler is installed, :func:`verify_target`
+compiles each layout as planned (its dtype, every device of the cluster, the target's XLA preset) for the
+cluster's compile-only GPUs or TPU chips (:mod:`jaxscale.analysis.target`) and puts XLA's memory per device
+next to the planner's and the device's HBM. Otherwise, on simulated CPU devices (:func:`verify`):
 Compute is float32 (XLA:CPU runs bf16 matmuls in f32, so only fp32 compares like with like); a
 layout wider than the devices is scaled down on its data-parallel axes (:func:`scaled`). Each row
 holds the predicted and compiled memory per device and wire bytes per device per step, the latter
@@ -15,11 +19,13 @@ from typing import Any
 
 import jax
 
+from jaxscale.analysis.accelerator import target_report
 from jaxscale.analysis.hlo import summarize
 from jaxscale.analysis.inspect import step_collectives
 from jaxscale.analysis.plan import Candidate
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import Strategy, config_for
+from jaxscale.analysis.target import Target, compile_only
 from jaxscale.analysis.xla import compile_step, memory
 from jaxscale.config import ConfigError
 from jaxscale.train import Trainer
@@ -81,3 +87,45 @@ def format_verify(rows: list[dict[str, Any]], devices: int, backend: str) -> str
             f"{r['comm_compiled'] / 1e9:>9.3f} {comm:>+6.1f}%"
         )
     return "\n".join(lines)
+
+
+def verify_target(candidates: list[Candidate], model: dict[str, Any], seq_len: int, target: Target) -> list[dict]:
+    """Compile each candidate as planned for ``target``'s devices: XLA's memory per device, the planner's, HBM."""
+    rows = []
+    for cand in candidates:
+        config = config_for(cand.layout, model, seq_len, [f"xla.preset={target.preset}"])
+        trainer = Trainer.build(config, list(target.devices[: cand.layout.devices]))
+        report = target_report(trainer, target)
+        rows.append({"layout": cand.layout.describe(), "remat": cand.layout.remat,
+                     "memory_predicted": report["planner_memory"], "memory_compiled": report["memory"]["total"],
+                     "hbm_bytes": report["hbm_bytes"], "fits": report["fits"],
+                     "compile_seconds": report["compile_seconds"]})
+    return rows
+
+
+def format_verify_target(rows: list[dict[str, Any]], target: Target) -> str:
+    lines = [
+        f"verify: compiled for {len(target.devices)} x {target.device_kind} ({target.name}, compile-only, xla.preset "
+        f"{target.preset}); GB per device",
+        f"  {'layout':<48} {'remat':<9} {'planner':>9} {'compiled':>9} {'err':>7} {'HBM':>7}  compiled",
+    ]
+    for r in rows:
+        err = 100 * (r["memory_predicted"] / r["memory_compiled"] - 1)
+        hbm = r["hbm_bytes"]
+        verdict = "fits" if r["fits"] else f"does not fit ({(r['memory_compiled'] - hbm) / 1e9:.2f} GB over)"
+        lines.append(f"  {r['layout']:<48} {r['remat']:<9} {r['memory_predicted'] / 1e9:>9.3f} "
+                     f"{r['memory_compiled'] / 1e9:>9.3f} {err:>+6.1f}% {hbm / 1e9:>7.1f}  {verdict} "
+                     f"(compiled in {r['compile_seconds']} s)")
+    return "\n".join(lines)
+
+
+def compile_top(candidates: list[Candidate], model: dict[str, Any], seq_len: int,
+                compile_for: tuple[str, int, int] | None) -> tuple[list[dict[str, Any]], str]:
+    """``plan --verify``'s rows and text: for ``compile_for`` (:func:`jaxscale.analysis.target.compile_only`'s
+    name, devices, hosts) where given, else on the simulated devices jax has."""
+    if compile_for is None:
+        rows = verify(candidates, model, seq_len)
+        return rows, format_verify(rows, jax.device_count(), jax.default_backend())
+    target = compile_only(*compile_for)
+    rows = verify_target(candidates, model, seq_len, target)
+    return rows, format_verify_target(rows, target)
