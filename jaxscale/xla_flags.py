@@ -69,7 +69,10 @@ several steps, overlap of compute and collectives on the TensorCore,
 asynchronous all-gather, all-reduce and collective-permute, the data-parallel
 all-reduce optimisation, and the decomposed all-gather-einsum and
 einsum-reduce-scatter (TPU's collective matmul). Multi-slice (megascale / DCN)
-flags depend on the slice count and are left to ``xla.flags``.
+flags depend on the slice count and are left to ``xla.flags``. The preset compiles for v5e and v5p
+(``tests/test_compile_tpu.py``); MaxText's ``--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true``
+left it: libtpu 0.0.50 refuses it on every chip but v5e ("not supported/recommended on platforms other than
+TPU v5e ... incorrect results, hang, SDC"), so a v5e run that wants it adds it in ``xla.flags``.
 
 ``xla.flags`` adds flags of one's own, in the preset's variable (``XLA_FLAGS``
 for ``gpu`` and ``none``, ``LIBTPU_INIT_ARGS`` for ``tpu``); XLA, not jaxscale,
@@ -110,7 +113,6 @@ GPU_FLAGS = (
 )
 TPU_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",
-    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",

@@ -26,3 +26,9 @@ def test_a_pipeline_with_fsdp_and_tp_inside_a_stage_compiles_for_v5e():
                    "pipeline.schedule=1f1b", "train.microbatches=4")
     assert "collective-permute" in out["collectives"]  # the stages' activations and gradients
     assert out["fits"]
+
+
+def test_the_tpu_preset_compiles_for_v5p():
+    """libtpu refuses the v5e-only all-gather continuation fusion on v5p: the preset leaves it out."""
+    out = compiled("v5p:2x2x2", "rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")
+    assert out["device"] == "TPU v5" and out["devices"] == 8 and out["fits"]
