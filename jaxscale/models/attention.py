@@ -82,11 +82,13 @@ def attention(
 
 
 def _platform() -> str:
-    """The platform of the active mesh's devices (of jax's default devices outside one, or under an abstract mesh)."""
+    """The platform of the active mesh's devices (an abstract mesh's abstract device; else jax's devices')."""
     current = active()
     if current is not None and isinstance(current[0], Mesh):
         return current[0].devices.flat[0].platform
-    return jax.devices()[0].platform
+    # An abstract mesh (a pipeline stage's) names its devices' platform: compile-only GPUs are not jax.devices()
+    device = getattr(current[0], "abstract_device", None) if current is not None else None
+    return device.platform if device is not None else jax.devices()[0].platform
 
 
 CUDNN_DOCUMENTS = ("data.documents: model.attention 'cudnn' does not mask across documents (jax's public "
