@@ -2,9 +2,9 @@
 
 from jaxscale.analysis import program
 
-# A peeled iteration (a while of one trip) holding an all-gather with nothing scheduled between its start and
-# done, then a loop of 4 trips whose conditional's branch holds a synchronous all-reduce and whose body holds
-# an asynchronous collective-permute with a GEMM between start and done.
+# A loop of one trip holding an all-gather with nothing scheduled between its start and done, then a loop of 4
+# trips whose conditional's branch holds a synchronous all-reduce (a pipeline tick's TP all-reduce) and whose
+# body holds an asynchronous collective-permute with a GEMM between start and done.
 HLO = """HloModule m
 
 %peel (p: (s32[], f32[8])) -> (s32[], f32[8]) {
@@ -58,10 +58,10 @@ ENTRY %main (e: f32[8]) -> (s32[], f32[8]) {
 """
 
 
-def test_a_peeled_iteration_is_no_loop_and_a_loops_conditional_is_in_it():
+def test_what_a_loops_body_calls_runs_in_the_loop():
     found = {c.kind: c for c in program.read(HLO).collectives}
     gather, reduce, permute = found["all-gather"], found["all-reduce"], found["collective-permute"]
-    assert (gather.runs, gather.asynchronous, gather.compute_between, gather.in_loop) == (1, True, 0, False)
+    assert (gather.runs, gather.asynchronous, gather.compute_between, gather.in_loop) == (1, True, 0, True)
     assert (reduce.runs, reduce.asynchronous, reduce.in_loop) == (4, False, True)
     assert (permute.runs, permute.asynchronous, permute.compute_between, permute.in_loop) == (4, True, 1, True)
 
@@ -69,5 +69,6 @@ def test_a_peeled_iteration_is_no_loop_and_a_loops_conditional_is_in_it():
 def test_the_loops_gemm_counts_once_per_trip():
     out = program.read(HLO).as_dict()
     assert out["gemms"] == {"cublasLt f32": 4}
-    assert out["collectives_in_loops"] == {"all-reduce": {"overlapped": 0, "async_idle": 0, "sync": 4},
+    assert out["collectives_in_loops"] == {"all-gather": {"overlapped": 0, "async_idle": 1, "sync": 0},
+                                           "all-reduce": {"overlapped": 0, "async_idle": 0, "sync": 4},
                                            "collective-permute": {"overlapped": 4, "async_idle": 0, "sync": 0}}

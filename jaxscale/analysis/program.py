@@ -176,11 +176,10 @@ def _collectives(comp: Computation, comps: dict[str, Computation], runs: int, ne
 
 
 def _looped(comps: dict[str, Computation]) -> set[str]:
-    """The computations that run inside a loop: the body of a ``while`` of more than one trip (or an unknown
-    count) and everything it calls (a pipeline tick's conditionals, a stage's layer loop). A ``while`` of one
-    trip is an iteration XLA peeled off a loop, not a loop."""
-    stack = [c for comp in comps.values() for i in comp.instrs.values()
-             if i.opcode == "while" and trip_count(i, comps) != 1 for role, c in callees(i) if role == "body"]
+    """The computations that run inside a loop: a ``while``'s body and everything it calls (a pipeline tick's
+    conditionals, a stage's layer loop)."""
+    stack = [c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "while"
+             for role, c in callees(i) if role == "body"]
     found: set[str] = set()
     while stack:
         name = stack.pop()
