@@ -147,3 +147,16 @@ def test_tp_collective_matmul_overlaps_its_permutes_with_the_partial_matmuls():
     loops = out["collectives_in_loops"]["collective-permute"]
     assert loops["overlapped"] > loops["sync"] and loops["async_idle"] == 0, loops
     assert out["fits"]
+
+
+@pytest.mark.slow
+def test_fp8_collective_matmul_runs_the_projections_in_f8_and_overlaps_its_permutes():
+    """The fp8 rings (jaxscale.parallel.fp8_collective, backward written out) under tp_sp over 4 GPUs: only
+    attention's GEMMs and the head's (itself gathered by a ring: TENSOR forward and weight-gradient chunks, one
+    input gradient) stay bf16; every forward ring step's partial matmul is f8; in the loops 56 permutes overlap
+    and 16 do not (30 and 42 with the next partial matmul waiting for the sum's transfer)."""
+    out = compiled("h100", *TP_OVERLAP, "precision.fp8=delayed")
+    assert out["gemms"]["cublasLt bf16"] == LAYERS * ATTENTION_GEMMS + 2 * TENSOR + 1
+    assert out["gemms"]["cublasLt f8"] >= LAYERS * 4 * TENSOR
+    loops = out["collectives_in_loops"]["collective-permute"]
+    assert loops["overlapped"] > 3 * loops["sync"] and loops["async_idle"] == 0, loops
