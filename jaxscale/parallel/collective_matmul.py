@@ -71,7 +71,9 @@ def after(done: Any, then: T) -> T:
     reads it, so the ``t`` partial matmuls run one after another, each overlapping a transfer. Without it
     XLA:GPU's dot merger joins them (they share the weight and none reads another) into one GEMM on the
     whole gathered input that waits for every transfer; the collective-permutes, left nothing to overlap,
-    then run synchronously (``tests/test_compile_gpu_audit.py``). Autodiff chains the cotangents alike."""
+    then run synchronously (``tests/test_compile_gpu_audit.py``). Autodiff transposes it into a barrier on
+    the cotangents, yet XLA:GPU 0.12 still merges the backward's partial matmuls here (the fp8 rings'
+    backward, written out in :mod:`jaxscale.parallel.fp8_collective`, keeps them apart)."""
     return lax.optimization_barrier((done, then))[1]
 
 
