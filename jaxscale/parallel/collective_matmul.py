@@ -73,7 +73,7 @@ def after(done: Any, then: T) -> T:
     whole gathered input that waits for every transfer; the collective-permutes, left nothing to overlap,
     then run synchronously (``tests/test_compile_gpu_audit.py``). Autodiff transposes it into a barrier on
     the cotangents, yet XLA:GPU 0.12 still merges the backward's partial matmuls here (the fp8 rings'
-    backward, written out in :mod:`jaxscale.parallel.fp8_collective`, keeps them apart)."""
+    backward, written out in :mod:`jaxscale.parallel.fp8_collective`, keeps most of them apart)."""
     return lax.optimization_barrier((done, then))[1]
 
 
