@@ -102,8 +102,13 @@ def test_current_and_blockwise_fp8_run_every_projection_as_an_f8_cublaslt_gemm(m
 
 
 @pytest.mark.slow
-def test_fp8_runs_the_routed_experts_as_f8_cublaslt_gemms():
-    out = compiled("h100", *DROPLESS_EP, "precision.fp8=delayed")
+@pytest.mark.parametrize("mode", [("precision.fp8=delayed",),
+                                  ("precision.fp8=blockwise", "model.head_dim=32", "model.moe.mlp=256")])
+def test_fp8_runs_the_routed_experts_as_f8_cublaslt_gemms(mode):
+    """Dropless, one expert per GPU. Blockwise: each grouped matmul an f8 GEMM batched over its K/128 slices
+    ([K/B, rows, N] fp32 partials), each weight gradient one batched over the rows' 128-row tiles (before,
+    group sizes [G] with a batch dimension aborted XLA:GPU: fp8_blockwise_grouped passes [K/B, G])."""
+    out = compiled("h100", *DROPLESS_EP, *mode)
     assert out["gemms"] == {
         "cublasLt f8": LAYERS * (ATTENTION_PROJECTION_GEMMS + EXPERT_GEMMS),
         "cublasLt bf16": LAYERS * ATTENTION_GEMMS + HEAD_GEMMS,
@@ -113,14 +118,18 @@ def test_fp8_runs_the_routed_experts_as_f8_cublaslt_gemms():
 
 
 @pytest.mark.slow
-def test_fp8_runs_a_pipeline_stages_projections_as_f8_cublaslt_gemms():
+@pytest.mark.parametrize("mode", [("precision.fp8=delayed",),
+                                  ("precision.fp8=blockwise", "model.head_dim=64", "model.mlp=512")])
+def test_fp8_runs_a_pipeline_stages_projections_as_f8_cublaslt_gemms(mode):
     """The same program as bf16's with every projection GEMM f8: 19 per layer run (its forward twice, the
-    stage's backward recomputing it), the attention and head GEMMs the bf16 program's others."""
+    stage's backward recomputing it), the attention and head GEMMs the bf16 program's others. Blockwise needs
+    each device's tensor-parallel share in whole 128 x 128 blocks (head_dim 64, mlp 512: else a ConfigError)."""
     plain = compiled("h100", *PIPELINE, "pipeline.schedule=1f1b")
-    out = compiled("h100", *PIPELINE, "pipeline.schedule=1f1b", "precision.fp8=delayed")
+    out = compiled("h100", *PIPELINE, "pipeline.schedule=1f1b", *mode)
     f8, bf16 = out["gemms"]["cublasLt f8"], out["gemms"]["cublasLt bf16"]
     assert f8 % STAGE_PROJECTION_GEMMS == 0 and f8 + bf16 == plain["gemms"]["cublasLt bf16"]
     _permutes_overlap(out, exposed=2)
+    assert out["fits"]
 
 
 @pytest.mark.slow
