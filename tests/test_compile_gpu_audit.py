@@ -47,8 +47,8 @@ ATTENTION_GEMMS = 2 + 4  # q·kᵀ and p·v forward and their four gradients, pe
 ROUTER_GEMMS = 3  # the router's forward, input and weight gradient, in fp32, per MoE layer
 FSDP_TP = ("rules=fsdp_tp", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2")
 PIPELINE = ("rules=pp_fsdp_tp", "mesh.data=1", "mesh.stage=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4")
-DROPLESS_EP = ("rules=ep", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=8", "model.moe.dispatch=dropless",
-               "--config", "moe-tiny")
+DROPLESS_EP = ("--config", "moe-tiny", "--set",  # the experiment, then more KEY=VALUEs (the tests' own follow)
+               "rules=ep", "mesh.data=1", "mesh.fsdp=1", "mesh.expert=8", "model.moe.dispatch=dropless")
 TP_OVERLAP = ("rules=tp_sp", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "model.tp_overlap=true")
 TENSOR = 4
 EXPERT_GEMMS = 2 + 3 + 2  # forward (gate_up, down), input gradients (3), weight gradients (gate_up, down)
