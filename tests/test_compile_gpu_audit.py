@@ -25,6 +25,9 @@ What the compiles showed and what changed (before -> after, each test's docstrin
   so 1f1b's and gpipe's last permute of a tick ran synchronously; the gpu preset now allows two;
 * cuDNN attention in a stage compiled for compile-only GPUs failed ("needs GPU devices, these are cpu"):
   the stage's abstract mesh now names the platform;
+* blockwise fp8: the dropless experts' grouped matmul (a ragged dot batched over K/128 slices) aborted XLA:GPU
+  with group sizes [G] (it wants [K/B, G]); inside a pipeline stage a device's tensor-parallel share of a
+  weight short of whole blocks was a reshape error deep in the trace, now one ConfigError;
 * XLA's ragged-dot expander makes each grouped GEMM dense over the whole receive buffer (``ep·n`` rows, the
   worst case) with the groups folded into the contraction (``[rows, G·K] x [G·K, N]``, the rows masked):
   ``E`` times the routed rows' FLOPs (E experts in all); with Triton GEMMs on, the same shapes as Triton
