@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxscale.config import ConfigError
 from jaxscale.fp8 import E4M3, E5M2, Operand, Quantized, Recipe, cast, letters, pushed, scale_of
 
 
@@ -136,6 +137,13 @@ def _sizes(shape: _Shape) -> dict[str, int]:
 def einsum(equation: str, x: Operand, w: Operand) -> jax.Array:
     """``einsum(equation, x, w)`` in blockwise fp8, in ``x``'s dtype."""
     dtypes = jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)
+    sizes = dict(zip(letters(equation)[1], w.value.shape, strict=True))
+    _, _, contract, free_w = split(equation)
+    k, n = math.prod(sizes[c] for c in contract), math.prod(sizes[c] for c in free_w)
+    if k % x.recipe.block or n % x.recipe.block:  # a device's share: config validation checks the whole sizes
+        raise ConfigError(f"precision.fp8=blockwise: the projection {equation} holds a {k} x {n} weight on each "
+                          f"device (the tensor-parallel share inside a pipeline stage), not whole "
+                          f"{x.recipe.block} x {x.recipe.block} blocks (precision.fp8_block)")
     return _einsum(_Shape(equation, x.recipe, *dtypes, tuple(x.value.shape), tuple(w.value.shape)), x, w)
 
 

@@ -57,7 +57,7 @@ def grouped_block_dot(
     partial = lax.ragged_dot_general(
         qa.reshape(m, k // block, block).transpose(1, 0, 2),
         qb.reshape(g, k // block, block, n).transpose(1, 0, 2, 3),
-        sizes,
+        jnp.broadcast_to(sizes, (k // block, g)),  # per slice: XLA:GPU's ragged dot aborts on [G] with a batch
         _SLICED,
         preferred_element_type=jnp.float32,
     )  # [K/B, m, N]

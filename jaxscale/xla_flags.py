@@ -32,6 +32,13 @@ them for H100):
   the layers produce them); within one layer-scan iteration, what this
   project's steps hold per layer is below 128 MiB up to 8B, so the threshold
   combines a layer's collectives and no more;
+* two asynchronous collectives in flight at once, not XLA's one
+  (``--xla_gpu_experimental_parallel_collective_overlap_limit=2``): a pipeline tick's conditionals
+  hold the stage's TP all-reduces, and with one collective at a time XLA:GPU's scheduler cannot run a
+  stage's collective-permute across them, so the tick's last permute ran synchronously (1f1b on
+  ``pp_fsdp_tp``, 8 x H100: 20 of 36 in the tick loop synchronous; with two, 34 overlapped and the 2 of
+  the peeled last tick synchronous, ``tests/test_compile_gpu_audit.py``); a permute between stages and an
+  all-reduce within one run on different devices' links;
 * cuBLAS rather than Triton for GEMMs (all of them);
 * XLA's own rematerialization pass off (``--xla_disable_hlo_passes=rematerialization``,
   both MaxText H100 recipes): recomputation is ``model.remat``'s choice, which
@@ -102,6 +109,7 @@ GPU_FLAGS = (
     "--xla_gpu_enable_pipelined_reduce_scatter=true",
     "--xla_gpu_enable_pipelined_all_reduce=true",
     "--xla_gpu_enable_while_loop_double_buffering=true",
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=2",
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
     "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",

@@ -5,12 +5,15 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
+from helpers import tiny_config
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_fp8 import equations
 
 from jaxscale import fp8, fp8_blockwise, fp8_blockwise_grouped
+from jaxscale.config import ConfigError
 from jaxscale.parallel import fp8_blockwise_collective
 
 B = 4  # the tile and block size of these tests (128 in DeepSeek-V3)
@@ -217,3 +220,15 @@ def test_collective_matmuls_quantize_as_the_plain_collectives():
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()))
     assert all(float(h[0]) > 0 for h in grads[3])
+
+
+def test_a_stage_share_of_a_weight_short_of_whole_blocks_is_one_config_error():
+    """Inside a pipeline stage the projections see each device's tensor-parallel share: wk's 4 key/value heads of
+    8 over 2 devices are 16 columns, no whole 32 x 32 block (the config's sizes are; compiled for 8 x H100 this
+    was a reshape error deep in the trace)."""
+    from jaxscale.train import Trainer
+
+    config = tiny_config("precision.fp8=blockwise", "precision.fp8_block=32", "train.microbatches=4",
+                         rules="pp_fsdp_tp", mesh={"stage": 2, "fsdp": 2, "tensor": 2})
+    with pytest.raises(ConfigError, match=r"holds a 64 x 16 weight on each device .* not whole 32 x 32 blocks"):
+        Trainer.build(config)  # the build traces the stage

@@ -81,7 +81,8 @@ def test_after_the_backend_started_apply_refuses_and_build_warns(monkeypatch):
     messages = sorted(str(w.message) for w in record if str(w.message).startswith("xla."))
     assert messages == [
         "xla.preset=gpu on the cpu backend: its flags have no effect there",
-        "xla.preset=gpu: 14 flag(s) not in XLA_FLAGS (e.g. xla_gpu_enable_latency_hiding_scheduler): call "
+        f"xla.preset=gpu: {len(xla_flags.GPU_FLAGS)} flag(s) not in XLA_FLAGS "
+        "(e.g. xla_gpu_enable_latency_hiding_scheduler): call "
         "jaxscale.xla_flags.apply(config.xla) before jax starts, or use the jaxscale command",
     ]
 

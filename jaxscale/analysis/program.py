@@ -43,7 +43,7 @@ class CollectiveOp:
     asynchronous: bool
     compute_between: int  # compute operations scheduled between start and done (0 for a synchronous one)
     bytes: int  # the result's bytes
-    in_loop: bool  # in a while loop's body (a layer scan's per-layer collectives; the peeled iterations are not)
+    in_loop: bool  # run inside a loop (:func:`_looped`: a layer scan's per-layer collectives, a pipeline tick's)
 
     @property
     def overlapped(self) -> bool:
@@ -175,6 +175,20 @@ def _collectives(comp: Computation, comps: dict[str, Computation], runs: int, ne
     return out
 
 
+def _looped(comps: dict[str, Computation]) -> set[str]:
+    """The computations that run inside a loop: a ``while``'s body and everything it calls (a pipeline tick's
+    conditionals, a stage's layer loop)."""
+    stack = [c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "while"
+             for role, c in callees(i) if role == "body"]
+    found: set[str] = set()
+    while stack:
+        name = stack.pop()
+        if name in comps and name not in found:
+            found.add(name)
+            stack += [c for i in comps[name].instrs.values() for _, c in callees(i)]
+    return found
+
+
 def read(hlo_text: str) -> Program:
     """The program's GEMMs, fused attention and collectives, each counted by the times it runs."""
     comps, entry = parse(hlo_text)
@@ -183,8 +197,7 @@ def read(hlo_text: str) -> Program:
               for _, c in callees(i)}
     fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
              for _, c in callees(i)}
-    bodies = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "while"
-              for role, c in callees(i) if role == "body"}
+    looped = _looped(comps)
     gemms: Counter[str] = Counter()
     attention: Counter[str] = Counter()
     found: list[CollectiveOp] = []
@@ -198,5 +211,5 @@ def read(hlo_text: str) -> Program:
                 gemms[kind] += runs[name]
             if (part := _attention(instr)) is not None:
                 attention[part] += runs[name]
-        found += _collectives(comp, comps, runs[name], nested, name in bodies)
+        found += _collectives(comp, comps, runs[name], nested, name in looped)
     return Program(dict(gemms), dict(attention), tuple(found))

@@ -49,6 +49,7 @@ matmul. Per-tensor fp8 operands take :mod:`jaxscale.parallel.fp8_collective` (it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +58,23 @@ from jax import lax
 from jaxscale import precision
 
 AxisName = str | tuple[str, ...]
+T = TypeVar("T")
 
 
 def _from_neighbour(x: jax.Array, axis: AxisName, n: int, offset: int) -> jax.Array:
     """Device ``i`` receives ``x`` of device ``i + offset`` (mod ``n``)."""
     return lax.ppermute(x, axis, [(j, (j - offset) % n) for j in range(n)])
+
+
+def after(done: Any, then: T) -> T:
+    """``then`` unchanged, as a value XLA has only once ``done`` is computed: the ring's next partial matmul
+    reads it, so the ``t`` partial matmuls run one after another, each overlapping a transfer. Without it
+    XLA:GPU's dot merger joins them (they share the weight and none reads another) into one GEMM on the
+    whole gathered input that waits for every transfer; the collective-permutes, left nothing to overlap,
+    then run synchronously (``tests/test_compile_gpu_audit.py``). Autodiff transposes it into a barrier on
+    the cotangents, yet XLA:GPU 0.12 still merges the backward's partial matmuls here (the fp8 rings'
+    backward, written out in :mod:`jaxscale.parallel.fp8_collective`, keeps most of them apart)."""
+    return lax.optimization_barrier((done, then))[1]
 
 
 def _varying_like(w: jax.Array, x: jax.Array, grads: jnp.dtype | None) -> jax.Array:
@@ -107,14 +120,14 @@ def all_gather_matmul(
         # Send on what this device holds before multiplying it, so the transfer can overlap the matmul.
         following = _from_neighbour(held, axis, n, 1) if step < n - 1 else None
         start = ((me + step) % n) * chunk  # device i holds chunk (i + step) mod n
-        for k, ((eq, w), d) in enumerate(zip(weights, out_dims, strict=True)):
-            part = precision.einsum(eq, held, w, grads)
+        parts = [precision.einsum(eq, held, w, grads) for eq, w in weights]
+        for k, (part, d) in enumerate(zip(parts, out_dims, strict=True)):
             if outs[k] is None:
                 shape = list(part.shape)
                 shape[d] *= n
                 outs[k] = jnp.zeros(shape, part.dtype)
             outs[k] = lax.dynamic_update_slice_in_dim(outs[k], part, start, d)
-        held = following
+        held = None if following is None else after(parts, following)
     return outs
 
 
@@ -141,4 +154,5 @@ def matmul_reduce_scatter(
         acc = part if acc is None else acc + part
         if step < n - 1:
             acc = _from_neighbour(acc, axis, n, -1)
+            h = after(part, h)  # the next partial matmul after this one, while its sum travels
     return acc

@@ -118,14 +118,18 @@ def _weight_grad(xt: Quantized, gt: Quantized, w: Quantized, eq: _Letters, block
     return tensor(dw, eq.sizes, eq.contract + eq.cols, eq.rhs).astype(dtype)
 
 
-def _pass_around(chunk: tuple, axis: AxisName, dim: int, use: Callable[..., None]) -> list[jax.Array]:
+def _pass_around(chunk: tuple, axis: AxisName, dim: int, use: Callable[..., Any]) -> list[jax.Array]:
     """Pass this device's ``chunk`` (row tiles, their scales, token tiles, their scales) around the ring: ``use``
-    each chunk's row tiles as they arrive (its index, tiles, scales); returns the token tiles and their scales
-    gathered along ``dim``."""
+    each chunk's row tiles as they arrive (its index, tiles, scales; what it returns is computed before the next
+    chunk is used); returns the token tiles and their scales gathered along ``dim``."""
     n, gathered = lax.axis_size(axis), [None, None]
-    for index, (q, s, qt, st) in _ring(chunk, axis):
-        use(index, q, s)
-        gathered = [_place(g, a, index, dim, n) for g, a in zip(gathered, (qt, st), strict=True)]
+
+    def one(index: jax.Array, held: tuple) -> Any:
+        q, s, qt, st = held
+        gathered[:] = [_place(g, a, index, dim, n) for g, a in zip(gathered, (qt, st), strict=True)]
+        return use(index, q, s)
+
+    _ring(chunk, axis, one)
     return gathered
 
 
@@ -153,10 +157,12 @@ def _gather_forward(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tup
            for e, w in zip(eqs, ws, strict=True)]
     outs: list[jax.Array | None] = [None] * len(ws)
 
-    def use(index: jax.Array, q: jax.Array, s: jax.Array) -> None:
-        for k, (eq, qw) in enumerate(zip(eqs, qws, strict=True)):
-            part = tensor(_dot(q, s, qw, b), eq.sizes, eq.rows + eq.cols, eq.out).astype(static.x_dtype)
+    def use(index: jax.Array, q: jax.Array, s: jax.Array) -> list[jax.Array]:
+        parts = [tensor(_dot(q, s, qw, b), eq.sizes, eq.rows + eq.cols, eq.out).astype(static.x_dtype)
+                 for eq, qw in zip(eqs, qws, strict=True)]
+        for k, (eq, part) in enumerate(zip(eqs, parts, strict=True)):
             outs[k] = _place(outs[k], part, index, eq.out.index(seq), n)
+        return parts
 
     gathered = _pass_around((qx.q, qx.scale, qxt.q, qxt.scale), static.axis, len(dims), use)
     xt = qxt._replace(q=gathered[0], scale=gathered[1])
@@ -228,9 +234,10 @@ def _scatter_backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Oper
     qg, qgt = _tiled(matrix(g, eq.out, "", eq.rows, eq.cols), dims, b, E5M2, margin)
     dh: list[jax.Array | None] = [None]
 
-    def use(index: jax.Array, q: jax.Array, s: jax.Array) -> None:
+    def use(index: jax.Array, q: jax.Array, s: jax.Array) -> jax.Array:
         part = tensor(_dot(q, s, qw, b, transpose=True), eq.chunk(dims[-1]), eq.rows + eq.contract, eq.lhs)
         dh[0] = _place(dh[0], part.astype(static.x_dtype), index, eq.lhs.index(eq.rows[-1]), n)
+        return part
 
     gathered = _pass_around((qg.q, qg.scale, qgt.q, qgt.scale), static.axis, len(dims), use)
     qht = tiles(transposed(h2), b, E4M3, margin)  # B x 1 along the tokens: [K, M]

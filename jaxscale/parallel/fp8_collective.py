@@ -23,7 +23,7 @@ The histories get one push per step each, as :func:`jaxscale.fp8.einsum`'s backw
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale import fp8
-from jaxscale.parallel.collective_matmul import AxisName, _from_neighbour
+from jaxscale.parallel.collective_matmul import AxisName, _from_neighbour, after
 
 _NONE = fp8.Quantized(None, None, None)
 
@@ -45,22 +45,26 @@ class _Static(NamedTuple):
     w_dtypes: tuple[Any, ...]
 
 
-def _ring(x: jax.Array, axis: AxisName) -> Iterator[tuple[jax.Array, jax.Array]]:
-    """(chunk index, chunk) of the ``t`` chunks of ``x`` held around the ring, each sent on before it is used."""
+def _ring(x: Any, axis: AxisName, use: Callable[[jax.Array, Any], Any]) -> None:
+    """``use(index, chunk)`` for each of the ``t`` chunks of ``x`` (a pytree) held around the ring, each sent on
+    before it is used, and used once the previous chunk's ``use`` result is computed
+    (:func:`~jaxscale.parallel.collective_matmul.after`: each transfer overlaps a partial matmul)."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     held = x
     for step in range(n):
         following = _from_neighbour(held, axis, n, 1) if step < n - 1 else None
-        yield (me + step) % n, held
-        held = following
+        done = use((me + step) % n, held)
+        held = None if following is None else after(done, following)
 
 
 def _reduce_scattered(part: Callable[[jax.Array], jax.Array], axis: AxisName) -> jax.Array:
-    """``sum over devices of part(i)`` for this device's chunk ``i``, accumulated around the ring."""
+    """``sum over devices of part(i)`` for this device's chunk ``i``, accumulated around the ring, each
+    ``part`` after the previous one (:func:`~jaxscale.parallel.collective_matmul.after`)."""
     n, me = lax.axis_size(axis), lax.axis_index(axis)
-    acc = None
+    acc = p = None
     for step in range(n):
-        p = part((me - step - 1) % n)
+        index = (me - step - 1) % n
+        p = part(index if p is None else after(p, index))  # after the previous part, not its sum's transfer
         acc = p if acc is None else acc + p
         if step < n - 1:
             acc = _from_neighbour(acc, axis, n, -1)
@@ -119,13 +123,17 @@ def _gather(static: _Static, x: fp8.Operand, ws: tuple[fp8.Operand, ...]) -> tup
 def _gather_forward(static: _Static, x: fp8.Operand, ws: tuple[fp8.Operand, ...]) -> tuple[tuple, tuple]:
     n, qx = lax.axis_size(static.axis), x.quantized
     out_dims = [fp8.letters(eq)[2].index(fp8.letters(eq)[0][static.dim]) for eq in static.equations]
-    outs: list[jax.Array | None] = [None] * len(ws)
-    gathered = None
-    for index, held in _ring(qx.q, static.axis):
-        gathered = _place(gathered, held, index, static.dim, n)
-        for k, (eq, w) in enumerate(zip(static.equations, ws, strict=True)):
-            part = _scaled_dot(eq, held, qx.scale, w.quantized, static.x_dtype)
-            outs[k] = _place(outs[k], part, index, out_dims[k], n)
+    outs: list[jax.Array | None] = [None] * (len(ws) + 1)  # the outputs, then the gathered input
+
+    def use(index: jax.Array, held: jax.Array) -> list[jax.Array]:
+        parts = [_scaled_dot(eq, held, qx.scale, w.quantized, static.x_dtype)
+                 for eq, w in zip(static.equations, ws, strict=True)]
+        for k, (part, d) in enumerate(zip([*parts, held], [*out_dims, static.dim], strict=True)):
+            outs[k] = _place(outs[k], part, index, d, n)
+        return parts
+
+    _ring(qx.q, static.axis, use)
+    *outs, gathered = outs
     saved = (qx._replace(q=gathered), x.history, tuple((w.quantized, w.history, w.grad_history) for w in ws))
     return tuple(outs), saved
 
@@ -183,11 +191,16 @@ def _scatter_backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[fp8.
     qh, h_history, qw, w_history, g_history = saved
     n, (eq,) = lax.axis_size(static.axis), static.equations
     qg = fp8.quantize(g, g_history, fp8.E5M2, static.recipe)
-    dh, gathered = None, None
-    for index, held in _ring(qg.q, static.axis):
-        gathered = _place(gathered, held, index, static.dim, n)
+    dh, gathered = [None], [None]
+
+    def use(index: jax.Array, held: jax.Array) -> jax.Array:
         part = _scaled_dot(_input_grad_equation(eq), held, qg.scale, qw, static.x_dtype)
-        dh = _place(dh, part, index, _h_dim(static), n)
+        dh[0] = _place(dh[0], part, index, _h_dim(static), n)
+        gathered[0] = _place(gathered[0], held, index, static.dim, n)
+        return part
+
+    _ring(qg.q, static.axis, use)
+    dh, gathered = dh[0], gathered[0]
     dw = _weight_grad(eq, qh, qg._replace(q=gathered), qw, static.w_dtypes[0])
     dh_op = fp8.Operand(dh, _NONE, fp8.pushed(h_history, qh.amax), None, static.recipe)
     dw_op = fp8.Operand(dw, _NONE, fp8.pushed(w_history, qw.amax), fp8.pushed(g_history, qg.amax), static.recipe)
