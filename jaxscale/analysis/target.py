@@ -68,7 +68,7 @@ def platform_of(name: str) -> str:
         return "gpu"
     raise ConfigError(f"unknown compile target {name!r}: one of {', '.join(GPUS)}, a device name XLA embeds "
                       f"(e.g. {GPUS['h100']!r}), a GpuTargetConfigProto file (.txtpb), or a TPU topology "
-                      f"({', '.join(f'{k}:2x4' for k in TPU_HBM)})")
+                      f"of {', '.join(TPU_HBM)} (e.g. v5e:2x4, v5p:2x2x2)")
 
 
 def available(platform: str) -> str | None:
