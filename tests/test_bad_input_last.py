@@ -194,13 +194,13 @@ def test_the_default_cache_is_the_users(monkeypatch, tmp_path):
 
 
 def test_a_bench_suite_larger_than_a_24_gib_host_is_refused_before_running(tmp_path, capsys, monkeypatch):
-    """The README's example: on an idle 24 GiB host (MemAvailable 24.5 GB) llama-150m's predicted 23.6 GB is
-    more than the 0.9 a step may use."""
+    """The README's example: on an idle 24 GiB host (MemAvailable 24.5 GB) llama-150m's predicted 21.5 GB is
+    more than the 0.8 of a CPU host a step may use."""
     monkeypatch.setattr(bench, "available_memory", lambda device: (24_465_530_880, True))
     monkeypatch.setattr(bench, "run_one", lambda *a, **k: pytest.fail("a run started"))
     code = timed_main(["bench", "--suite", "full", "--models", "tiny,llama-150m", "--out", str(tmp_path / "b.json")])
-    one_line(capsys, code, "bench: run 'llama-150m' needs 23.6 GB (2.95 GB x 8 CPU devices, the analytic model's "
-             "prediction) but a step may use 22.0 GB (0.9 of the 24.5 GB available)")
+    one_line(capsys, code, "bench: run 'llama-150m' needs 21.5 GB (2.69 GB x 8 CPU devices, the analytic model's "
+             "prediction) but a step may use 19.6 GB (0.8 of the 24.5 GB available)")
     assert not (tmp_path / "b.json").exists()
 
 
