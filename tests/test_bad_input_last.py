@@ -111,7 +111,9 @@ def test_an_interrupted_prepare_overwrite_leaves_nothing(tmp_path, sig):
     docs, out = big_corpus(tmp_path)
     before = (out / "train.bin").read_bytes()
     args = [sys.executable, "-m", "jaxscale", "prepare-data", str(docs), "--out", str(out), "--overwrite"]
-    child = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default disposition in the child: an xdist worker ignores SIGINT, and a child would inherit that.
+    child = subprocess.Popen(args, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         end = time.monotonic() + 60
         while not list(tmp_path.glob(".tok.partial-*")):  # preparing (a corpus that takes seconds)
