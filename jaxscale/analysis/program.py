@@ -157,14 +157,15 @@ def _done(order: list[Instr], k: int) -> int:
     return len(order)
 
 
-def _collectives(comp: Computation, comps: dict[str, Computation], runs: int, nested: set[str],
+def _collectives(comp: Computation, started: dict[str, str], runs: int, nested: set[str],
                  in_loop: bool) -> list[CollectiveOp]:
-    """The collectives of one computation in schedule order; those inside asynchronous wrappers are
-    skipped here (``nested``: counted at the wrapper)."""
+    """The collectives of one computation in schedule order (``started``: the collective each of its
+    asynchronous starts starts, by name); those inside asynchronous wrappers are skipped here (``nested``:
+    counted at the wrapper)."""
     order = list(comp.instrs.values())
     out = []
     for k, instr in enumerate(order):
-        if (kind := _start(instr, comps)) is not None:
+        if (kind := started.get(instr.name)) is not None:
             done = _done(order, k)
             between = sum(o.opcode in _COMPUTE for o in order[k + 1:done])
             sync = '"is_sync":true' in instr.attrs
@@ -193,7 +194,9 @@ def read(hlo_text: str) -> Program:
     """The program's GEMMs, fused attention and collectives, each counted by the times it runs."""
     comps, entry = parse(hlo_text)
     runs = executions(comps, entry)
-    nested = {c for comp in comps.values() for i in comp.instrs.values() if _wrapped(i, comps)
+    started = {name: {i.name: kind for i in comp.instrs.values() if (kind := _start(i, comps)) is not None}
+               for name, comp in comps.items()}
+    nested = {c for name, comp in comps.items() for i in comp.instrs.values() if i.name in started[name]
               for _, c in callees(i)}
     fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
              for _, c in callees(i)}
@@ -211,5 +214,5 @@ def read(hlo_text: str) -> Program:
                 gemms[kind] += runs[name]
             if (part := _attention(instr)) is not None:
                 attention[part] += runs[name]
-        found += _collectives(comp, comps, runs[name], nested, name in looped)
+        found += _collectives(comp, started[name], runs[name], nested, name in looped)
     return Program(dict(gemms), dict(attention), tuple(found))

@@ -43,6 +43,7 @@ TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2
 # TPU generations -> the dimensions of their torus (a topology names a side per dimension).
 TPU_DIMS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
 EXTRAS = {"gpu": "gpu-compile", "tpu": "tpu-compile"}
+SPEC_SUFFIXES = (".txtpb", ".pbtxt", ".textproto")  # a GpuTargetConfigProto file's names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ def platform_of(name: str) -> str:
     """``gpu`` or ``tpu`` for a target name (``h100``, ``v5e:2x4``) or a spec file; one line otherwise."""
     if name.split(":")[0] in TPU_HBM:
         return "tpu"
-    if name in GPUS or name in GPUS.values() or Path(name).suffix in (".txtpb", ".pbtxt", ".textproto"):
+    if name in GPUS or name in GPUS.values() or Path(name).suffix in SPEC_SUFFIXES:
         return "gpu"
     raise ConfigError(f"unknown compile target {name!r}: one of {', '.join(GPUS)}, a device name XLA embeds "
                       f"(e.g. {GPUS['h100']!r}), a GpuTargetConfigProto file (.txtpb), or a TPU topology "
@@ -120,7 +121,7 @@ def _spec_memory(spec: str) -> int:
 def _gpu(name: str, devices: int, hosts: int, spec_file: str | None) -> Target:
     from jax.experimental import topologies
 
-    if spec_file is not None or Path(name).suffix in (".txtpb", ".pbtxt", ".textproto"):
+    if spec_file is not None or Path(name).suffix in SPEC_SUFFIXES:
         path = Path(spec_file or name)
         if not path.is_file():
             raise ConfigError(f"target spec {path}: no such file")
