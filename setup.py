@@ -1,5 +1,5 @@
 """The packages, beside pyproject.toml: the top-level configs/ (the project's source of truth) installs as
-jaxscale/configs, where :func:`jaxscale.config.config_dir` finds it without a source checkout."""
+jaxscale/configs, where :func:`jaxscale.config.read.config_dir` finds it without a source checkout."""
 
 from setuptools import find_namespace_packages, setup
 

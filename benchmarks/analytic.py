@@ -27,7 +27,7 @@ def main() -> None:
     from jaxscale.analysis import hlo, xla
     from jaxscale.analysis.inspect import step_collectives
     from jaxscale.analysis.predict import predict_trainer
-    from jaxscale.train import Trainer
+    from jaxscale.training.trainer import Trainer
 
     for rules, mesh, *overrides in LAYOUTS:
         trainer = Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))

@@ -39,8 +39,8 @@ import numpy as np
 from bad_input_kind import RUN, Kind, classify, train, write
 
 from jaxscale import cli
-from jaxscale.bounds import RANGES
-from jaxscale.config import CONFIG_DIR
+from jaxscale.config.bounds import RANGES
+from jaxscale.config.read import CONFIG_DIR
 
 # -- the kinds -----------------------------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ def _big_ids(tmp: Path) -> None:
 
 
 def _locked(tmp: Path) -> None:
-    code = ("import sys, time; from jaxscale import runlock; runlock.acquire(sys.argv[1]); "
+    code = ("import sys, time; from jaxscale.runtime import runlock; runlock.acquire(sys.argv[1]); "
             "print('held', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp / "run")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
@@ -250,9 +250,10 @@ def _hf(tmp: Path) -> None:
     """A tiny Llama in Hugging Face's layout under ``tmp/hf``, in several shards with an index."""
     import jax
 
-    from jaxscale import checkpoint, convert
-    from jaxscale.config import load_config
-    from jaxscale.train import abstract_model
+    from jaxscale.checkpoint import store as checkpoint
+    from jaxscale.config.read import load_config
+    from jaxscale.hf import convert
+    from jaxscale.training.trainer import abstract_model
 
     config = load_config(None, ["model.embed=64", "model.layers=2", "model.heads=8", "model.kv_heads=4",
                                 "model.head_dim=8", "model.mlp=128"])

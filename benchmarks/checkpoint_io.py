@@ -26,10 +26,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 
-from jaxscale.checkpoint import Checkpointer
-from jaxscale.config import load_config
-from jaxscale.flops import param_count
-from jaxscale.train import Trainer
+from jaxscale.checkpoint.store import Checkpointer
+from jaxscale.config.flops import param_count
+from jaxscale.config.read import load_config
+from jaxscale.training.trainer import Trainer
 
 MODELS = {
     "tiny": ["model=tiny"],

@@ -28,8 +28,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.config import load_config
-from jaxscale.train import Trainer
+from jaxscale.config.read import load_config
+from jaxscale.training.trainer import Trainer
 
 MODEL = [
     "model.vocab_size=256",

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax
 import numpy as np
 
-from jaxscale.config import CONFIG_DIR, load_config
+from jaxscale.config.read import CONFIG_DIR, load_config
 from jaxscale.parallel.ring_attention import DIAGONAL, FULL, tile_counts
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 CP = 8
 LAYOUTS = {

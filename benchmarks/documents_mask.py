@@ -38,8 +38,8 @@ def build(tokens: Path, kernel: str, documents: bool, args: argparse.Namespace) 
     """The trainer of one run, its compiled step and its state after one warm-up step."""
     import jax
 
-    from jaxscale.config import CONFIG_DIR, load_config
-    from jaxscale.train import Trainer
+    from jaxscale.config.read import CONFIG_DIR, load_config
+    from jaxscale.training.trainer import Trainer
 
     devices = args.context if kernel == "ring" else 1
     layout = ["rules=cp", f"mesh.context={devices}"] if kernel == "ring" else ["rules=dp", "mesh.context=1"]
@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     kernels = args.kernels.split(",")
     simulate_devices(args.context if "ring" in kernels else 1)
-    from jaxscale.prepare import prepare_data
+    from jaxscale.data.prepare import prepare_data
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:60]
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,8 +4,9 @@
     python benchmarks/fp8_device_check.py --small                  # CPU-sized (tests/test_fp8_device_check.py)
 
 ``projection``: one projection ``y = x · w`` with its backward (``dx``, ``dw`` for a fixed output gradient),
-``M x K x N`` = 16384 x 4096 x 4096 (``--small``: 256 x 128 x 128), in bf16 (:func:`jaxscale.precision.einsum`)
-and in each ``precision.fp8`` mode (:func:`jaxscale.fp8.einsum`, :func:`jaxscale.fp8_blockwise.einsum`).
+``M x K x N`` = 16384 x 4096 x 4096 (``--small``: 256 x 128 x 128), in bf16 (:func:`jaxscale.precision.policy.einsum`)
+and in each ``precision.fp8`` mode (:func:`jaxscale.precision.fp8.einsum`,
+:func:`jaxscale.precision.fp8_blockwise.einsum`).
 ``step``: the train step of llama-1b (batch 8 x 2048 tokens; ``--small``: the tiny model) with fp8 off and on.
 
 Each row counts, in the compiled program: ``cublas_f8`` (``__cublas$lt$matmul$f8`` custom calls: the GEMMs
@@ -31,9 +32,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax
 import jax.numpy as jnp
 
-from jaxscale import fp8, precision
-from jaxscale.config import MESH_AXES, load_config
-from jaxscale.train import Trainer
+from jaxscale.config.read import MESH_AXES, load_config
+from jaxscale.precision import fp8
+from jaxscale.precision import policy as precision
+from jaxscale.training.trainer import Trainer
 
 MODES = ("off", "delayed", "current", "blockwise")
 SHAPES = {False: (16384, 4096, 4096), True: (256, 128, 128)}

@@ -27,14 +27,14 @@ LAYOUTS = {
 def compile_once(rules: str, without: str | None) -> dict:
     """In this process: the step compiled with the preset's flags but ``without`` (None: all of them)."""
     os.environ["JAX_PLATFORMS"] = "cpu"
-    from jaxscale import xla_flags
+    from jaxscale.runtime import xla_flags
 
     os.environ["XLA_FLAGS"] = " ".join(f for f in xla_flags.GPU_FLAGS if xla_flags.flag_name(f) != without)
     from jaxscale.analysis import program
     from jaxscale.analysis.target import compile_only
     from jaxscale.analysis.xla import compile_step, memory
-    from jaxscale.config import load_config
-    from jaxscale.train import Trainer
+    from jaxscale.config.read import load_config
+    from jaxscale.training.trainer import Trainer
 
     config = load_config("tiny", [*LAYOUTS[rules], "model.dtype=bfloat16", "run_dir=/tmp/jaxscale-gpu-flags"])
     trainer = Trainer.build(config, list(compile_only("h100", 8).devices))
@@ -60,7 +60,7 @@ def _diff(base: dict, other: dict) -> dict:
 
 
 def main() -> None:
-    from jaxscale import xla_flags
+    from jaxscale.runtime import xla_flags
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rules", choices=sorted(LAYOUTS), default="fsdp_tp")

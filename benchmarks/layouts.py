@@ -36,8 +36,8 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxscale.analysis.inspect import step_report
-    from jaxscale.config import CONFIG_DIR, MESH_AXES, load_config
-    from jaxscale.train import Trainer
+    from jaxscale.config.read import CONFIG_DIR, MESH_AXES, load_config
+    from jaxscale.training.trainer import Trainer
 
     path = args.config or CONFIG_DIR / "experiments" / "tiny.yaml"
     for rules, sizes in LAYOUTS.items():

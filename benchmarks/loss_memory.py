@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax
 
 from jaxscale.analysis.hlo import scoped_bytes
-from jaxscale.config import CONFIG_DIR, load_config
-from jaxscale.loss import HEAD_GRADIENT
-from jaxscale.train import Trainer
+from jaxscale.config.read import CONFIG_DIR, load_config
+from jaxscale.ops.loss import HEAD_GRADIENT
+from jaxscale.training.trainer import Trainer
 
 LAYOUTS = {  # name: (rules, mesh sizes)
     "1 device": ("dp", {}),

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax
 import numpy as np
 
-from jaxscale.config import CONFIG_DIR, load_config
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.config.read import CONFIG_DIR, load_config
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 EXPERIMENT = CONFIG_DIR / "experiments" / "moe-tiny.yaml"
 RUNS = {

@@ -46,15 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale import routing as kernels
 from jaxscale.analysis import hlo, xla
-from jaxscale.config import CONFIG_DIR, load_config
-from jaxscale.loop import fit
-from jaxscale.mesh import make_mesh
+from jaxscale.config.read import CONFIG_DIR, load_config
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models import moe
+from jaxscale.ops import routing as kernels
 from jaxscale.parallel import exchange
-from jaxscale.sharding import Rules, use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 EXPERIMENT = CONFIG_DIR / "experiments" / "moe-tiny.yaml"
 

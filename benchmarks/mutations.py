@@ -39,7 +39,7 @@ MUTATIONS = {
         ("tests/test_pipeline.py::test_the_pipeline_backward_scales_with_its_cotangent",)),
     # ZeRO-1/2 silently plain data parallelism.
     "Rules.table ignores the optimizer and gradients overrides": Mutation(
-        "jaxscale/layout.py", "return {**self.params, **getattr(self, kind)}", "return self.params",
+        "jaxscale/layout/rules.py", "return {**self.params, **getattr(self, kind)}", "return self.params",
         ("tests/test_gold_equivalence.py::test_layout_matches_single_device[zero1]",
          "tests/test_gold_equivalence.py::test_layout_matches_single_device[zero2]")),
     # The bubble without the chunks per stage.
@@ -48,7 +48,7 @@ MUTATIONS = {
         ("tests/test_pipeline.py::test_counted_bubble_is_the_formula",)),
     # The optimizer stepping the bf16 compute copy instead of the fp32 master (the master then its upcast).
     "optimizer steps the compute copy": Mutation(
-        "jaxscale/precision.py", "weights = optax.apply_updates(weights, updates)",
+        "jaxscale/precision/policy.py", "weights = optax.apply_updates(weights, updates)",
         "weights = cast(optax.apply_updates(params, updates), p.master)",
         ("tests/test_precision.py::test_an_update_below_bf16_resolution_moves_the_master_only",)),
 }

@@ -71,11 +71,11 @@ from flax import nnx
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.memory import split_kept
-from jaxscale.config import INTERLEAVED, MESH_AXES, load_config
-from jaxscale.layout import Rules, Stage
+from jaxscale.config.read import INTERLEAVED, MESH_AXES, load_config
+from jaxscale.layout.rules import Rules, Stage
+from jaxscale.layout.sharding import layout_of, use_layout
 from jaxscale.parallel import schedules, weight_split
-from jaxscale.sharding import layout_of, use_layout
-from jaxscale.train import Trainer, make_model
+from jaxscale.training.trainer import Trainer, make_model
 
 MODEL = [
     "model.vocab_size=256",

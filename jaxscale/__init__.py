@@ -11,7 +11,7 @@ The public API (README "Python API"; the model contract in docs/models.md)::
     state, history = trainer.fit(progress=False)
 
 Top-level names: ``simulate_devices``, ``load_config``, ``Config``, ``ConfigError``, ``Trainer``,
-``TrainState``, ``Rules``; building blocks for models in :mod:`jaxscale.nn`. Importing
+``TrainState``, ``Rules``, ``Checkpointer``; building blocks for models in :mod:`jaxscale.nn`. Importing
 ``jaxscale`` imports no jax: the other names load on first use, after ``simulate_devices``.
 """
 
@@ -20,15 +20,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from jaxscale.simulate import simulate_devices
+from jaxscale.runtime.simulate import simulate_devices
 
 _LAZY = {
-    "load_config": "jaxscale.config",
-    "Config": "jaxscale.config",
-    "ConfigError": "jaxscale.config",
-    "Trainer": "jaxscale.train",
-    "TrainState": "jaxscale.train",
-    "Rules": "jaxscale.sharding",
+    "load_config": "jaxscale.config.read",
+    "Config": "jaxscale.config.read",
+    "ConfigError": "jaxscale.config.read",
+    "Trainer": "jaxscale.training.trainer",
+    "TrainState": "jaxscale.training.trainer",
+    "Rules": "jaxscale.layout.sharding",
+    "Checkpointer": "jaxscale.checkpoint.store",
 }
 
 __all__ = ["simulate_devices", *_LAZY]

@@ -5,7 +5,7 @@ imported, so that when no ``XLA_FLAGS`` is set it can ask the host platform
 for as many simulated CPU devices as it needs (``train``, ``inspect``,
 ``bench``: the experiment's mesh; ``plan --verify``: the cluster's devices, at
 most :data:`MAX_SIMULATED`), and put the ``xla.preset`` flags into
-``XLA_FLAGS`` or ``LIBTPU_INIT_ARGS`` (:mod:`jaxscale.xla_flags`; flags
+``XLA_FLAGS`` or ``LIBTPU_INIT_ARGS`` (:mod:`jaxscale.runtime.xla_flags`; flags
 already set win; the device-count flag only affects the CPU backend). The
 modules that import jax are therefore imported inside the commands, after
 that point. A bad input prints one line naming the key, axis or file and
@@ -25,11 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxscale import distributed, prepare, report, runlock, xla_flags
 from jaxscale.analysis import plan, strategy, target
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import load_cluster
-from jaxscale.config import (
+from jaxscale.config.read import (
     CONFIG_DIR,
     Attention,
     ConfigError,
@@ -42,6 +41,9 @@ from jaxscale.config import (
     requested_devices,
     resolve_named,
 )
+from jaxscale.data import prepare
+from jaxscale.runtime import distributed, runlock, xla_flags
+from jaxscale.training import report
 
 DEFAULT_CPU_DEVICES = 8
 MAX_SIMULATED = 64
@@ -94,9 +96,9 @@ def _train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     import jax
 
     from jaxscale.analysis.remat import resolved
-    from jaxscale.checkpoint import CheckpointError
-    from jaxscale.loop import NonFiniteError, fit
-    from jaxscale.train import Trainer
+    from jaxscale.checkpoint.store import CheckpointError
+    from jaxscale.training.loop import NonFiniteError, fit
+    from jaxscale.training.trainer import Trainer
 
     try:
         trainer = Trainer.build(resolved(config))  # model.remat: auto -> by the predicted memory
@@ -145,7 +147,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # host arrays only: no accelerator memory
     # Imports jax: after JAX_PLATFORMS is set.
-    from jaxscale import convert
+    from jaxscale.hf import convert
 
     print(convert.main(args.direction, args.source, args.target, args.config, args.dtype, args.max_shard_mb))
     return 0
@@ -160,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.temperature < 0:
         raise ConfigError(f"generate: --temperature must be 0 (greedy) or more, got {args.temperature}")
     # Imports jax: one device of the default platform.
-    from jaxscale import generate
+    from jaxscale.inference import generate
 
     print(generate.main(args.path, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed,
                         args.tokenizer))
@@ -181,7 +183,7 @@ def _inspect(args: argparse.Namespace) -> int:
     # Imports jax: after the device count and XLA flags are in the environment.
     from jaxscale.analysis.inspect import format_inspect, inspect_report
     from jaxscale.analysis.remat import resolved
-    from jaxscale.train import Trainer
+    from jaxscale.training.trainer import Trainer
 
     trainer = Trainer.build(resolved(config))
     out = inspect_report(trainer)
@@ -208,7 +210,7 @@ def _inspect_target(args: argparse.Namespace, config: Any) -> int:
     xla_flags.apply(config.xla)
     # Imports jax: after JAX_PLATFORMS and the XLA flags are in the environment.
     from jaxscale.analysis.accelerator import format_target, target_report
-    from jaxscale.train import Trainer
+    from jaxscale.training.trainer import Trainer
 
     devices = args.devices or requested_devices(config.mesh) or DEFAULT_CPU_DEVICES
     compile_only = target.compile_only(name, devices, args.hosts, args.target_spec)
@@ -326,7 +328,7 @@ def _bench(args: argparse.Namespace) -> int:
         load_cluster(args.predict)  # a bad cluster file fails before anything compiles
     _simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
     # Imports jax: after the device count is in the environment.
-    from jaxscale import bench
+    from jaxscale.analysis import bench
 
     result = bench.run_suite(
         args.suite, args.config, args.overrides, models=names(args.models), variants=names(args.variants),
@@ -343,7 +345,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _choices(literal: Any) -> tuple[str, ...]:
-    """The values of a ``Literal`` type of :mod:`jaxscale.config`."""
+    """The values of a ``Literal`` type of :mod:`jaxscale.config.read`."""
     return typing.get_args(literal)
 
 

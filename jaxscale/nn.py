@@ -8,7 +8,7 @@ parallelism when the rules split ``length``), its activations are laid out by lo
 * :func:`attention`: causal attention, the kernel chosen by the config and the active rules;
   :func:`document_ids`: packed documents' ids from positions that restart at each document (natural order).
 * :func:`rope`: rotary position embeddings (rotate-half layout; Llama 3.1's scaling optional).
-* :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.lean`.
+* :class:`RMSNorm`, :func:`rms_norm`, :func:`swiglu`: with the lean backward of :mod:`jaxscale.ops.lean`.
 * :class:`MoE`: the mixture-of-experts layer, expert parallelism by the rules' ``expert``;
   :func:`moe_metrics`: a stack of MoE layers' metrics as the trainer reads them (losses averaged, the loads
   per layer for the metrics and the routing bias); :func:`moe_objective`: their weighted auxiliary losses.
@@ -26,19 +26,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
-from jaxscale.config import Config, ModelConfig
-from jaxscale.layout import Axes
-from jaxscale.lean import rms_norm, swiglu
-from jaxscale.loss import chunked_cross_entropy, cross_entropy
+from jaxscale.config.read import Config, ModelConfig
+from jaxscale.layout.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.layout.rules import Axes
+from jaxscale.layout.sharding import constrain
 from jaxscale.models import attention as _attention
 from jaxscale.models.attention import document_ids
 from jaxscale.models.llama import remat_policy, rope
 from jaxscale.models.moe import MoE
 from jaxscale.models.moe import aux_objective as _aux_objective
 from jaxscale.models.moe import over_layers as moe_metrics
-from jaxscale.precision import einsum, weight_grads
-from jaxscale.sharding import constrain
+from jaxscale.ops.lean import rms_norm, swiglu
+from jaxscale.ops.loss import chunked_cross_entropy, cross_entropy
+from jaxscale.precision.policy import einsum, weight_grads
 
 __all__ = [
     "HIDDEN", "KV_AXES", "LOGITS", "MLP_AXES", "Q_AXES", "RESIDUAL", "MoE", "RMSNorm", "attention",

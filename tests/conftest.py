@@ -34,7 +34,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # After the devices are set up:
 from helpers import CURVE, CURVE_SEEDS, CURVE_STEPS, Curve, Run, Trainers, loss_curves, run_steps, tiny_config  # noqa: E402
 
-from jaxscale.train import Trainer  # noqa: E402
+from jaxscale.training.trainer import Trainer  # noqa: E402
 
 
 @pytest.fixture

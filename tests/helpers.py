@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
-from jaxscale.config import Config, ConfigError, load_config
-from jaxscale.train import Trainer
+from jaxscale.config.read import Config, ConfigError, load_config
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-5  # fp32 agreement of a layout with one device

@@ -6,8 +6,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxscale.config import Config, ModelConfig
-from jaxscale.train import abstract_model
+from jaxscale.config.read import Config, ModelConfig
+from jaxscale.training.trainer import abstract_model
 
 
 def drawn(model):
@@ -41,7 +41,7 @@ def random_params(model: ModelConfig, seed: int, scale: float = 0.08) -> dict:
 
 
 def at(params: dict, path: tuple) -> np.ndarray:
-    """The parameter at a conversion table's ``path`` (:class:`jaxscale.hf_weights.Weight`)."""
+    """The parameter at a conversion table's ``path`` (:class:`jaxscale.hf.weights.Weight`)."""
     for key in path:
         params = params[key]
     return params

@@ -37,10 +37,10 @@ from jaxscale.analysis.memory import layer_residuals
 from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.timing import crosses_nodes, load_cluster
-from jaxscale.config import CONFIG_DIR, ConfigError
-from jaxscale.layout import Layout, Rules
-from jaxscale.sharding import use_rules
-from jaxscale.train import Trainer
+from jaxscale.config.read import CONFIG_DIR, ConfigError
+from jaxscale.layout.rules import Layout, Rules
+from jaxscale.layout.sharding import use_rules
+from jaxscale.training.trainer import Trainer
 
 MEMORY_RTOL = 0.10
 COMM_RTOL = 0.05

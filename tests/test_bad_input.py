@@ -23,13 +23,15 @@ import numpy as np
 import pytest
 from helpers import MAX_SECONDS, TINY, fails_early, subprocess_env, tiny_config
 
-from jaxscale import checkpoint, cli, runlock
-from jaxscale.checkpoint import Checkpointer, Preemption
-from jaxscale.config import CONFIG_DIR, ConfigError, load_config
-from jaxscale.layout import Rules
-from jaxscale.loop import NonFiniteError
-from jaxscale.prepare import TokenDir, prepare_data
-from jaxscale.train import Trainer, abstract_model
+from jaxscale import cli
+from jaxscale.checkpoint import store as checkpoint
+from jaxscale.checkpoint.store import Checkpointer, Preemption
+from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
+from jaxscale.data.prepare import TokenDir, prepare_data
+from jaxscale.layout.rules import Rules
+from jaxscale.runtime import runlock
+from jaxscale.training.loop import NonFiniteError
+from jaxscale.training.trainer import Trainer, abstract_model
 
 ONE_DEVICE = [*TINY, "rules=dp", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "train.log_every=1"]
 
@@ -74,7 +76,7 @@ def trainer() -> Trainer:
 
 def hold_in_another_process(directory: Path) -> subprocess.Popen:
     """A process (no jax) that holds ``directory``'s run lock until killed."""
-    code = ("import sys, time; from jaxscale import runlock; runlock.acquire(sys.argv[1]); "
+    code = ("import sys, time; from jaxscale.runtime import runlock; runlock.acquire(sys.argv[1]); "
             "print('held', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(directory)], env=subprocess_env(),
                               stdout=subprocess.PIPE, text=True)
@@ -283,7 +285,7 @@ def test_too_few_bytes_for_a_sequence_name_the_byte_key():
 
 
 def test_every_float_range_refuses_nan():
-    from jaxscale.bounds import RANGES
+    from jaxscale.config.bounds import RANGES
 
     assert all(float("nan") not in allowed for allowed in RANGES.values())
     assert tiny_config("model.moe={experts: 4}", "model.moe.top_k=1").model.moe.experts == 4  # switched on by name
@@ -356,7 +358,7 @@ def test_a_nan_first_loss_names_the_likely_keys(trainer, tmp_path, policy):
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
     """A tiny Llama in Hugging Face's layout, exported from random parameters."""
-    from jaxscale import convert
+    from jaxscale.hf import convert
 
     root = tmp_path_factory.mktemp("hf")
     model = load_config(None, TINY).model
@@ -431,8 +433,8 @@ def test_convert_to_an_existing_file_and_nan_weights_are_one_line(hf_dir, tmp_pa
 
 
 def test_report_reads_past_a_torn_last_line_and_names_a_bad_one(tmp_path, capsys):
-    from jaxscale.metrics import MetricsLogger
-    from jaxscale.report import read_metrics
+    from jaxscale.training.metrics import MetricsLogger
+    from jaxscale.training.report import read_metrics
 
     good = [{"step": 0, "loss": 5.0}, {"step": 1, "loss": 4.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good) + '{"step": 2, "lo')

@@ -26,12 +26,15 @@ from flax import nnx
 from helpers import ROOT, TINY, compilations, fails_early, subprocess_env, tiny_config
 from test_bad_input import one_line, sets, timed_main
 
-from jaxscale import bench, checkpoint, cli, convert
-from jaxscale.config import ConfigError, MeshConfig, load_config, mesh_shape
-from jaxscale.prepare import prepare_data
-from jaxscale.schema import DataConfig
-from jaxscale.tokencache import cache_root
-from jaxscale.train import Trainer, abstract_model
+from jaxscale import cli
+from jaxscale.analysis import bench
+from jaxscale.checkpoint import store as checkpoint
+from jaxscale.config.read import ConfigError, MeshConfig, load_config, mesh_shape
+from jaxscale.config.schema import DataConfig
+from jaxscale.data.prepare import prepare_data
+from jaxscale.data.tokencache import cache_root
+from jaxscale.hf import convert
+from jaxscale.training.trainer import Trainer, abstract_model
 
 # In this process: the 8 simulated devices of conftest.py.
 EIGHT = [*TINY, "rules=dp", "mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1", "train.log_every=1"]

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 from helpers import TINY
 
-from jaxscale import bench, flops
+from jaxscale.analysis import bench
 from jaxscale.cli import main
-from jaxscale.config import ConfigError, load_config
-from jaxscale.train import Trainer
+from jaxscale.config import flops
+from jaxscale.config.read import ConfigError, load_config
+from jaxscale.training.trainer import Trainer
 
 NUM = (int, float)
 OPT_NUM = (int, float, type(None))
@@ -53,7 +54,7 @@ def check(obj: dict, schema: dict, where: str) -> None:
 
 def check_report(report: dict) -> None:
     check(report, TOP, "report")
-    assert report["schema"] == "jaxscale.bench/1"
+    assert report["schema"] == "jaxscale.analysis.bench/1"
     for i, row in enumerate(report["results"]):
         where = f"results[{i}]"
         predicted = report["cluster"] is not None and row["status"] == "ok" and row["steps"] > 0

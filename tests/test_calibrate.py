@@ -16,8 +16,8 @@ from jaxscale.analysis import plan, strategy
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.timing import KINDS, load_cluster
 from jaxscale.cli import main
-from jaxscale.config import load_config
-from jaxscale.train import Trainer
+from jaxscale.config.read import load_config
+from jaxscale.training.trainer import Trainer
 
 # Many parameters and few tokens: the layouts differ in how much of the step is collectives.
 MODEL = {"vocab_size": 8192, "embed": 256, "layers": 2, "heads": 8, "kv_heads": 4, "head_dim": 32, "mlp": 512,

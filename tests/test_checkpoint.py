@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from helpers import TINY, tiny_config
 
-from jaxscale.checkpoint import Checkpointer
-from jaxscale.config import ConfigError, load_config
-from jaxscale.loop import NonFiniteError, fit
-from jaxscale.report import read_records
-from jaxscale.train import Trainer
+from jaxscale.checkpoint.store import Checkpointer
+from jaxscale.config.read import ConfigError, load_config
+from jaxscale.training.loop import NonFiniteError, fit
+from jaxscale.training.report import read_records
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["train.steps=10", "train.log_every=1", "checkpoint.every=5"]
@@ -124,9 +124,9 @@ def test_restore_onto_another_layout(straight, rules, mesh, devices):
 KILL_DURING_SAVE = """
 import asyncio, json, pathlib, sys
 from orbax.checkpoint._src.serialization import serialization
-from jaxscale.config import load_config
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.config.read import load_config
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 overrides, hang_step, marker = json.loads(sys.argv[1]), int(sys.argv[2]), pathlib.Path(sys.argv[3])
 write = serialization.async_serialize_from_host

@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.predict import predict_trainer
-from jaxscale.config import ConfigError
+from jaxscale.config.read import ConfigError
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 KV8 = "model.kv_heads=8"  # kv heads divisible by t = 8
 

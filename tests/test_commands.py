@@ -15,9 +15,9 @@ from helpers import TINY
 
 from jaxscale.analysis.inspect import inspect_report
 from jaxscale.cli import main
-from jaxscale.config import CONFIG_DIR
-from jaxscale.metrics import MetricsLogger
-from jaxscale.train import Trainer
+from jaxscale.config.read import CONFIG_DIR
+from jaxscale.training.metrics import MetricsLogger
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]

@@ -19,7 +19,7 @@ from compile_target import GPU_MISSING
 
 from jaxscale.analysis.target import for_cluster
 from jaxscale.analysis.timing import load_cluster
-from jaxscale.config import CONFIG_DIR, ConfigError
+from jaxscale.config.read import CONFIG_DIR, ConfigError
 
 H100_HBM = 84942979072  # the device_memory_size of XLA's embedded H100 SXM spec
 

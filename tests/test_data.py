@@ -14,8 +14,8 @@ from helpers import tiny_config
 from jax.sharding import NamedSharding
 
 from jaxscale import cli
-from jaxscale.config import ConfigError, load_config
-from jaxscale.data import (
+from jaxscale.config.read import ConfigError, load_config
+from jaxscale.data.batches import (
     Batches,
     PackedBatches,
     builtin_bytes,
@@ -24,10 +24,10 @@ from jaxscale.data import (
     process_rows,
     stdlib_bytes,
 )
-from jaxscale.loop import evaluate, fit
-from jaxscale.mesh import make_mesh
-from jaxscale.prepare import TokenDir, document_hash, prepare_data
-from jaxscale.train import BATCH_AXES, Trainer
+from jaxscale.data.prepare import TokenDir, document_hash, prepare_data
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.training.loop import evaluate, fit
+from jaxscale.training.trainer import BATCH_AXES, Trainer
 
 DOCS = [
     "héllo wörld\nsecond line, ünïcode ✓",
@@ -194,7 +194,7 @@ def test_process_slices_are_disjoint_and_cover_the_global_batch(mesh, processes)
     """Processes own consecutive blocks of the mesh (its outer axes); each reads only its rows."""
     config = tiny_config(mesh=mesh)
     jax_mesh = make_mesh(config.mesh)
-    from jaxscale.sharding import Rules
+    from jaxscale.layout.sharding import Rules
 
     sharding = NamedSharding(jax_mesh, Rules.load("fsdp_tp").spec(BATCH_AXES))
     shape = (16, 32)

@@ -18,18 +18,18 @@ from flax import nnx
 from helpers import assert_trees_close, fails_early, rel_err
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxscale import flops
 from jaxscale.analysis import hlo, plan, strategy, timing, xla
 from jaxscale.analysis.memory import layer_residuals
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import placement
 from jaxscale.analysis.timing import load_cluster
-from jaxscale.config import Config, ConfigError, load_config, read_yaml, resolve_named
+from jaxscale.config import flops
+from jaxscale.config.read import Config, ConfigError, load_config, read_yaml, resolve_named
+from jaxscale.layout.sharding import use_rules
 from jaxscale.models import balance
 from jaxscale.models.deepseek import DeepSeek
-from jaxscale.sharding import use_rules
-from jaxscale.train import Trainer, abstract_model
+from jaxscale.training.trainer import Trainer, abstract_model
 
 TRAIN = ["train.global_batch=16", "train.seq_len=32", "train.steps=2", "train.warmup_steps=1",
          "train.learning_rate=0.01", "data.max_bytes=200000"]

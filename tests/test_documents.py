@@ -14,15 +14,15 @@ import pytest
 from flax import nnx
 from helpers import assert_trees_close, rel_err, tiny_config
 
-from jaxscale.config import ConfigError, MeshConfig
-from jaxscale.data import IGNORE, make_loader
-from jaxscale.mesh import make_mesh
+from jaxscale.config.read import ConfigError, MeshConfig
+from jaxscale.data.batches import IGNORE, make_loader
+from jaxscale.data.packing import PackedBins, first_fit
+from jaxscale.data.prepare import TokenDir, prepare_data
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models.attention import document_ids, resolve_attention
-from jaxscale.packing import PackedBins, first_fit
 from jaxscale.parallel import ring_attention
-from jaxscale.prepare import TokenDir, prepare_data
-from jaxscale.sharding import Rules, use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 
 @pytest.fixture(scope="module")

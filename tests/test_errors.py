@@ -15,9 +15,9 @@ import yaml
 from helpers import MAX_SECONDS, compilations, fails_early, subprocess_env, tiny_config
 
 from jaxscale import cli
-from jaxscale.config import CONFIG_DIR, load_config
-from jaxscale.sharding import Rules
-from jaxscale.train import Trainer
+from jaxscale.config.read import CONFIG_DIR, load_config
+from jaxscale.layout.sharding import Rules
+from jaxscale.training.trainer import Trainer
 
 TINY_EXPERIMENT = CONFIG_DIR / "experiments" / "tiny.yaml"
 

@@ -19,12 +19,12 @@ import pytest
 from helpers import TINY, subprocess_env, tiny_config
 
 from jaxscale import cli
-from jaxscale.checkpoint import Checkpointer, CheckpointError
-from jaxscale.config import ConfigError, load_config
-from jaxscale.loop import NonFiniteError
-from jaxscale.prepare import prepare_data
-from jaxscale.report import read_records
-from jaxscale.train import Trainer
+from jaxscale.checkpoint.store import Checkpointer, CheckpointError
+from jaxscale.config.read import ConfigError, load_config
+from jaxscale.data.prepare import prepare_data
+from jaxscale.training.loop import NonFiniteError
+from jaxscale.training.report import read_records
+from jaxscale.training.trainer import Trainer
 
 ONE_DEVICE = ["train.log_every=1", "mesh.data=1"]
 
@@ -304,11 +304,11 @@ CONTINUED = [
 
 
 def test_the_stderr_filter_replaces_jax_fatal_log_by_one_line():
-    """What a survivor of a lost coordinator prints (jaxscale/distributed.py: JAX aborts it), jax 0.12's
+    """What a survivor of a lost coordinator prints (jaxscale/runtime/distributed.py: JAX aborts it), jax 0.12's
     continuation lines too."""
     import os
 
-    from jaxscale.distributed import _filter
+    from jaxscale.runtime.distributed import _filter
 
     read, write = os.pipe()
     logs = [
@@ -344,7 +344,7 @@ def test_the_stderr_filter_judges_a_line_split_across_reads_whole():
     import threading
     import time
 
-    from jaxscale.distributed import _filter
+    from jaxscale.runtime.distributed import _filter
 
     read, write = os.pipe()
     out_read, out_write = os.pipe()

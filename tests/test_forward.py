@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from helpers import ROOT, RTOL, tiny_config
 
-from jaxscale.config import ConfigError, load_config
-from jaxscale.sampling import generate
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError, load_config
+from jaxscale.inference.sampling import generate
+from jaxscale.training.trainer import Trainer
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 16), dtype=np.int32)
 INTERLEAVED = ("model.layers=4", "pipeline.repeats=2", "pipeline.schedule=interleaved_1f1b", "pipeline.microbatches=4")

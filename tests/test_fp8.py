@@ -1,4 +1,4 @@
-"""FP8 projections (jaxscale/fp8.py): the quantizers, one projection against a NumPy reference of the recipe,
+"""FP8 projections (jaxscale/precision/fp8.py): the quantizers, one projection against a NumPy reference of the recipe,
 the config checks, and 200 steps against bf16."""
 
 import jax
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from helpers import CURVE_SEEDS, loss_curves, tiny_config
 
-from jaxscale import fp8
-from jaxscale.config import ConfigError
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.precision import fp8
+from jaxscale.training.trainer import Trainer
 
 CURRENT, DELAYED = fp8.Recipe("current", margin=0), fp8.Recipe("delayed", margin=0)
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

@@ -1,4 +1,4 @@
-"""Blockwise FP8 (jaxscale/fp8_blockwise.py): per-tile and per-block scales and one projection, forward and
+"""Blockwise FP8 (jaxscale/precision/fp8_blockwise.py): per-tile and per-block scales and one projection, forward and
 backward, against a NumPy reference of DeepSeek-V3's recipe written here."""
 
 import jax
@@ -12,9 +12,9 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 from test_fp8 import equations
 
-from jaxscale import fp8, fp8_blockwise, fp8_blockwise_grouped
-from jaxscale.config import ConfigError
+from jaxscale.config.read import ConfigError
 from jaxscale.parallel import fp8_blockwise_collective
+from jaxscale.precision import fp8, fp8_blockwise, fp8_blockwise_grouped
 
 B = 4  # the tile and block size of these tests (128 in DeepSeek-V3)
 RECIPE = fp8.Recipe("blockwise", margin=0, block=B)
@@ -226,7 +226,7 @@ def test_a_stage_share_of_a_weight_short_of_whole_blocks_is_one_config_error():
     """Inside a pipeline stage the projections see each device's tensor-parallel share: wk's 4 key/value heads of
     8 over 2 devices are 16 columns, no whole 32 x 32 block (the config's sizes are; compiled for 8 x H100 this
     was a reshape error deep in the trace)."""
-    from jaxscale.train import Trainer
+    from jaxscale.training.trainer import Trainer
 
     config = tiny_config("precision.fp8=blockwise", "precision.fp8_block=32", "train.microbatches=4",
                          rules="pp_fsdp_tp", mesh={"stage": 2, "fsdp": 2, "tensor": 2})

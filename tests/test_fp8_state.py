@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, optimized_codegen, tiny_config
 
-from jaxscale.checkpoint import Checkpointer
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.checkpoint.store import Checkpointer
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 MESH = {"data": 2, "fsdp": 2, "tensor": 2}
 RTOL = 1e-5

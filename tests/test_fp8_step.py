@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import tiny_config
 
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 E4M3, E5M2 = "f8E4M3FN", "f8E5M2"
 PROJECTIONS = 7
@@ -126,7 +126,7 @@ def test_fp8_residuals_in_the_vjp(delayed_bf16):
 @pytest.mark.parametrize(("remat", "inputs_kept"), [("full", False), ("save_named", True)])
 def test_remat_policy_can_keep_the_fp8_inputs(remat, inputs_kept):
     """``model.remat: full`` keeps no e4m3 activation (the backward quantizes them again); ``save_named`` with
-    ``fp8_input`` (:data:`jaxscale.fp8.RESIDUAL`) keeps them, 1 byte an element."""
+    ``fp8_input`` (:data:`jaxscale.precision.fp8.RESIDUAL`) keeps them, 1 byte an element."""
     names = ["model.remat_names=[fp8_input]"] if remat == "save_named" else []
     trainer = Trainer.build(tiny_config("precision.fp8=delayed", f"model.remat={remat}", *names), jax.devices()[:1])
     kept = e4m3_residuals(trainer)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, tiny_config
 
-from jaxscale.config import ConfigError
+from jaxscale.config.read import ConfigError
 from jaxscale.models.fusion import fuse, fuse_qkv, separate_reader, unfuse
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 FUSED = "model.fused_projections=true"
 

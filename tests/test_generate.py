@@ -1,4 +1,5 @@
-"""Generation (jaxscale/sampling.py, jaxscale/models/decode.py, ``jaxscale generate``): the key/value cache's logits
+"""Generation (jaxscale/inference/sampling.py, jaxscale/models/decode.py, ``jaxscale generate``): the key/value
+cache's logits
 equal the full forward's at every generated position (dense GQA, and a mixture of experts in groups of
 blocks), sampling within the top k and seeded, the command on a run trained for a few steps, and the tokenizer
 it reads (the run's, a converted checkpoint's, ``--tokenizer``)."""
@@ -11,11 +12,11 @@ import pytest
 from helpers import tiny_config
 
 from jaxscale.cli import main
-from jaxscale.config import ConfigError
-from jaxscale.generate import text, tokenizer_of
-from jaxscale.prepare import ByteTokenizer, prepare_data
-from jaxscale.sampling import generate
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.data.prepare import ByteTokenizer, prepare_data
+from jaxscale.inference.generate import text, tokenizer_of
+from jaxscale.inference.sampling import generate
+from jaxscale.training.trainer import Trainer
 
 PROMPT = np.random.default_rng(0).integers(0, 256, (2, 5), dtype=np.int32)
 NEW = 6

@@ -5,8 +5,8 @@ import jax
 import pytest
 from helpers import RTOL, assert_trees_close, run_steps, tiny_config
 
-from jaxscale.layout import part_axes
-from jaxscale.train import Trainer
+from jaxscale.layout.rules import part_axes
+from jaxscale.training.trainer import Trainer
 
 LAYOUTS = {
     "dp": {"data": 8},

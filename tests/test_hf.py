@@ -13,12 +13,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint, convert, flops, generate, sampling
+from jaxscale.checkpoint import store as checkpoint
 from jaxscale.cli import main
-from jaxscale.config import Config, ConfigError, load_config
-from jaxscale.loop import fit
+from jaxscale.config import flops
+from jaxscale.config.read import Config, ConfigError, load_config
+from jaxscale.hf import convert
+from jaxscale.inference import generate, sampling
 from jaxscale.models import fusion
-from jaxscale.train import Trainer, abstract_model
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer, abstract_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

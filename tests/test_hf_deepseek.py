@@ -1,4 +1,4 @@
-"""DeepSeek-V3 weights in and out (jaxscale/convert_deepseek.py): the logits of a converted tiny random
+"""DeepSeek-V3 weights in and out (jaxscale/hf/convert_deepseek.py): the logits of a converted tiny random
 ``DeepseekV3ForCausalLM`` against transformers' own (MLA with interleaved rotary columns, group-limited sigmoid
 routing, shared experts, a dense first layer), and a bit-exact round trip with the MTP layer."""
 
@@ -12,10 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale import checkpoint, convert
-from jaxscale.config import load_config
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.checkpoint import store as checkpoint
+from jaxscale.config.read import load_config
+from jaxscale.hf import convert
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -82,7 +82,7 @@ def folder(module: str) -> str | None:
 def test_the_reader_sees_known_edges():
     graph = import_graph()
     assert "jaxscale.parallel.ring_attention" in graph["jaxscale.models.attention"]  # from jaxscale.parallel import x
-    assert "jaxscale.config" in graph["jaxscale.layout"]  # from jaxscale.config import names
+    assert "jaxscale.config.read" in graph["jaxscale.layout.rules"]  # from jaxscale.config.read import names
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 

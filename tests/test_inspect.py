@@ -20,9 +20,9 @@ from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.formulas import formulas
 from jaxscale.analysis.inspect import step_report
 from jaxscale.analysis.params import trainer_inputs
-from jaxscale.config import MESH_AXES
-from jaxscale.flops import param_count
-from jaxscale.train import Trainer
+from jaxscale.config.flops import param_count
+from jaxscale.config.read import MESH_AXES
+from jaxscale.training.trainer import Trainer
 
 # -- the parser, on hand-made HLO --------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""jaxscale.layout: queries against layouts worked out by hand, and every error of Layout.validate."""
+"""jaxscale.layout.rules: queries against layouts worked out by hand, and every error of Layout.validate."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 import pytest
 from helpers import tiny_config
 
-from jaxscale.config import MESH_AXES, ConfigError
-from jaxscale.layout import Layout, Rules, part_axes
+from jaxscale.config.read import MESH_AXES, ConfigError
+from jaxscale.layout.rules import Layout, Rules, part_axes
 
 MOE = ("model.moe={experts: 8, top_k: 2}",)
 
@@ -31,8 +31,8 @@ def edited(preset: str, **changes: str | list[str] | None) -> Rules:
 
 
 def test_layout_and_axis_names_do_not_import_jax():
-    modules = ", ".join(["jaxscale.layout", "jaxscale.stage_layers", "jaxscale.dtypes", "jaxscale.parallel.schedules",
-                         "jaxscale.axes"])
+    modules = ", ".join(["jaxscale.layout.rules", "jaxscale.config.stage_layers", "jaxscale.config.dtypes",
+                         "jaxscale.parallel.schedules", "jaxscale.layout.axes"])
     code = f"import sys, {modules}; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -7,10 +7,10 @@ import pytest
 from helpers import assert_trees_close, rel_err, tiny_config
 
 from jaxscale.analysis.hlo import scoped_bytes
-from jaxscale.config import ConfigError
-from jaxscale.loss import HEAD_GRADIENT, chunked_cross_entropy, cross_entropy
+from jaxscale.config.read import ConfigError
 from jaxscale.models.attention import resolve_attention
-from jaxscale.train import Trainer
+from jaxscale.ops.loss import HEAD_GRADIENT, chunked_cross_entropy, cross_entropy
+from jaxscale.training.trainer import Trainer
 
 B, S, E, V = 4, 24, 16, 300
 

@@ -13,11 +13,11 @@ import pytest
 from flax import nnx
 from helpers import assert_trees_close, rel_err, tiny_config
 
-from jaxscale.config import ConfigError
-from jaxscale.data import IGNORE
-from jaxscale.loss import chunked_cross_entropy, cross_entropy
-from jaxscale.prepare import TokenDir, prepare_data
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.data.batches import IGNORE
+from jaxscale.data.prepare import TokenDir, prepare_data
+from jaxscale.ops.loss import chunked_cross_entropy, cross_entropy
+from jaxscale.training.trainer import Trainer
 
 B, S, E, V = 4, 24, 16, 300
 

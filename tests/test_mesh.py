@@ -4,8 +4,8 @@ import jax
 import numpy as np
 from helpers import tiny_config
 
-from jaxscale.config import MESH_AXES
-from jaxscale.mesh import make_mesh
+from jaxscale.config.read import MESH_AXES
+from jaxscale.layout.mesh import make_mesh
 
 
 def test_axes_in_order_and_minus_one_fills_the_rest():

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
-from jaxscale import report
-from jaxscale.config import ConfigError
-from jaxscale.data import make_loader
-from jaxscale.interleave import Interleave
-from jaxscale.loop import fit
-from jaxscale.prepare import prepare_data
-from jaxscale.report import read_records
-from jaxscale.train import Trainer
+from jaxscale.config.interleave import Interleave
+from jaxscale.config.read import ConfigError
+from jaxscale.data.batches import make_loader
+from jaxscale.data.prepare import prepare_data
+from jaxscale.training import report
+from jaxscale.training.loop import fit
+from jaxscale.training.report import read_records
+from jaxscale.training.trainer import Trainer
 
 WEIGHTS = {"a": 0.5, "b": 0.3, "c": 0.2}
 

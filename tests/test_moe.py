@@ -7,15 +7,15 @@ import pytest
 from flax import nnx
 from helpers import RTOL, assert_trees_close, fails_early, rel_err, run_steps, tiny_config
 
-from jaxscale import routing as kernels
 from jaxscale.analysis import hlo
-from jaxscale.config import CONFIG_DIR, ConfigError, load_config
-from jaxscale.flops import param_count
-from jaxscale.mesh import make_mesh
+from jaxscale.config.flops import param_count
+from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models import moe
+from jaxscale.ops import routing as kernels
 from jaxscale.parallel import expert
-from jaxscale.sharding import Rules, use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 EXPERTS, TOP_K, WIDTH = 8, 2, 32
 MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", f"model.moe.mlp={WIDTH}"]

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
-from jaxscale import routing as kernels
-from jaxscale.checkpoint import Checkpointer
+from jaxscale.checkpoint.store import Checkpointer
 from jaxscale.models import balance
-from jaxscale.train import Trainer
+from jaxscale.ops import routing as kernels
+from jaxscale.training.trainer import Trainer
 
 EXPERTS, TOP_K = 8, 2
 MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32"]

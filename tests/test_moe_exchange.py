@@ -12,11 +12,11 @@ from helpers import RTOL, assert_trees_close, rel_err, tiny_config
 from jax import lax
 
 from jaxscale.analysis import hlo
-from jaxscale.mesh import make_mesh
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models import moe
 from jaxscale.parallel import exchange
-from jaxscale.sharding import Rules, use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 EXPERTS, TOP_K = 8, 2
 MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",

@@ -9,13 +9,13 @@ import pytest
 from flax import nnx
 from helpers import tiny_config
 
-from jaxscale import report
-from jaxscale import routing as kernels
-from jaxscale.loop import fit
-from jaxscale.mesh import make_mesh
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models import moe
-from jaxscale.sharding import Rules, use_rules
-from jaxscale.train import Trainer
+from jaxscale.ops import routing as kernels
+from jaxscale.training import report
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 EXPERTS, TOP_K = 8, 2
 MOE = ["model.moe={}", f"model.moe.experts={EXPERTS}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",

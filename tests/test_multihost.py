@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from helpers import ROOT, subprocess_env
 
-from jaxscale.config import CONFIG_DIR, ConfigError, load_config
-from jaxscale.distributed import Cluster, detect
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
+from jaxscale.runtime.distributed import Cluster, detect
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 RUN = ["--set", "rules=fsdp_tp", "--set", "mesh.fsdp=4", "--set", "mesh.tensor=2", "--set", "model.layers=2",
        "--set", "train.global_batch=8", "--set", "train.seq_len=32", "--set", "train.log_every=1",

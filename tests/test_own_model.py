@@ -19,9 +19,9 @@ from helpers import ROOT, assert_trees_close, fails_early, rel_err, tiny_config
 import jaxscale
 from jaxscale import nn
 from jaxscale.analysis.inspect import format_inspect, inspect_report
-from jaxscale.checkpoint import Checkpointer
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.checkpoint.store import Checkpointer
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 
 class Block(nnx.Module):

@@ -16,7 +16,7 @@ from helpers import assert_trees_close, fails_early, rel_err, tiny_config
 
 import jaxscale
 from jaxscale import nn
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...]) -> nnx.Param:

@@ -17,14 +17,14 @@ from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.analysis import hlo, xla
 from jaxscale.analysis.predict import predict_trainer
-from jaxscale.config import CONFIG_DIR, MESH_AXES, ConfigError
-from jaxscale.layout import Rules, Stage
+from jaxscale.config.read import CONFIG_DIR, MESH_AXES, ConfigError
+from jaxscale.layout.rules import Rules, Stage
+from jaxscale.layout.sharding import layout_of, use_layout, use_rules
 from jaxscale.models import balance
 from jaxscale.models.llama import Block
 from jaxscale.parallel import schedules, weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
-from jaxscale.sharding import layout_of, use_layout, use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 # Eight layers split over up to 4 stages x 2 chunks; 32 sequences cut into up to 16 microbatches.
 BASE = ("train.global_batch=32", "model.layers=8")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from helpers import rel_err, tiny_config
 
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 BASE = ("train.global_batch=16", "model.layers=4", "pipeline.microbatches=4", "pipeline.schedule=1f1b")
 

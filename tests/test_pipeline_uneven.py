@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from helpers import RTOL, TINY, assert_trees_close, fails_early, tiny_config
 
-from jaxscale import restack, stage_layers
-from jaxscale.checkpoint import Checkpointer, init_state_from, params_source, read_param, save_params
+from jaxscale.checkpoint import restack
+from jaxscale.checkpoint.store import Checkpointer, init_state_from, params_source, read_param, save_params
 from jaxscale.cli import main
-from jaxscale.report import read_records
-from jaxscale.train import Trainer
+from jaxscale.config import stage_layers
+from jaxscale.training.report import read_records
+from jaxscale.training.trainer import Trainer
 
 # Seven layers: no even split over 2 stages, nor over 2 stages x 2 chunks.
 BASE = ("train.global_batch=32", "model.layers=7")

@@ -17,10 +17,10 @@ from jaxscale.analysis.params import param_table, stacked
 from jaxscale.analysis.timing import collective_seconds, crosses_nodes, load_cluster, members_per_node, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
-from jaxscale.config import MESH_AXES, load_config
-from jaxscale.layout import KINDS, Rules
+from jaxscale.config.read import MESH_AXES, load_config
+from jaxscale.layout.rules import KINDS, Rules
 from jaxscale.parallel import schedules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 TOKENS_4M = 4 * 2**20
 

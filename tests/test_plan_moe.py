@@ -17,10 +17,10 @@ from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import Strategy, placement
 from jaxscale.analysis.timing import load_cluster
-from jaxscale.config import CONFIG_DIR, ConfigError, load_config
+from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
+from jaxscale.layout.sharding import use_rules
 from jaxscale.parallel import exchange
-from jaxscale.sharding import use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 EP, TOP_K = 8, 2
 MOE = ["model.moe={}", f"model.moe.experts={EP}", f"model.moe.top_k={TOP_K}", "model.moe.mlp=32",

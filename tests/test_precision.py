@@ -1,4 +1,4 @@
-"""Mixed precision (jaxscale/precision.py): the copies' bytes per device, the gathers' dtype, checkpoints."""
+"""Mixed precision (jaxscale/precision/policy.py): the copies' bytes per device, the gathers' dtype, checkpoints."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ import pytest
 from helpers import loss_curve, partitioned_hlo, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
-from jaxscale import lean, precision
 from jaxscale.analysis import hlo
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.xla import per_device_bytes
-from jaxscale.checkpoint import Checkpointer
-from jaxscale.config import ConfigError
-from jaxscale.train import Trainer
+from jaxscale.checkpoint.store import Checkpointer
+from jaxscale.config.read import ConfigError
+from jaxscale.ops import lean
+from jaxscale.precision import policy as precision
+from jaxscale.training.trainer import Trainer
 
 N = 8
 BF16 = "model.dtype=bfloat16"
@@ -137,7 +138,7 @@ def test_weight_gradients_are_summed_across_devices_in_grads_reduce(rules, reduc
     """bf16 compute: every cross-device sum of a weight gradient (an all-reduce, or a reduce-scatter, of a
     weight-sized array: the per-layer projections, the output head) moves ``precision.grads_reduce``'s dtype.
     XLA puts each one right after the matmul that makes the gradient: with float32 the weight-gradient
-    matmuls produce fp32 (:func:`jaxscale.precision.einsum`). Read from the partitioned HLO (XLA dump after
+    matmuls produce fp32 (:func:`jaxscale.precision.policy.einsum`). Read from the partitioned HLO (XLA dump after
     spmd-partitioning), before XLA:CPU widens bf16 to f32. The analytic model's gradient sums (wire bytes per
     device) are within 1% of the partitioned step's all-reduces and reduce-scatters (reduce-scatter reading)."""
     trainer, text = bf16_steps(rules, reduce)

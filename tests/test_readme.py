@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxscale.config import Config
+from jaxscale.config.read import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

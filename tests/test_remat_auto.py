@@ -9,8 +9,8 @@ from helpers import tiny_config
 from jaxscale.analysis import remat
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import trainer_inputs
-from jaxscale.config import ConfigError
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.training.trainer import Trainer
 
 AUTO = "model.remat=auto"
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, rel_err, run_steps, tiny_config
 
-from jaxscale.config import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig
-from jaxscale.mesh import make_mesh
+from jaxscale.config.read import CONFIG_DIR, ConfigError, MeshConfig, ModelConfig
+from jaxscale.layout.mesh import make_mesh
+from jaxscale.layout.sharding import Rules, constrain, use_rules
 from jaxscale.models.attention import attention, sequence_order
 from jaxscale.parallel import ring_attention
-from jaxscale.sharding import Rules, constrain, use_rules
-from jaxscale.train import Trainer
+from jaxscale.training.trainer import Trainer
 
 Q_AXES = ("batch", "length", "heads", "head_dim")
 KV_AXES = ("batch", "length", "kv_heads", "head_dim")

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxscale
 from jaxscale import nn
-from jaxscale.config import ConfigError
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.training.trainer import Trainer
 
 SEEN: list[tuple[tuple[str, ...], bool, P | None]] = []  # per trace: the context mesh's axes, explicit, x's type
 

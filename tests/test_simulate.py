@@ -8,7 +8,7 @@ import pytest
 from helpers import subprocess_env
 
 import jaxscale
-from jaxscale.config import ConfigError
+from jaxscale.config.read import ConfigError
 
 SCRIPT = """
 import os, sys

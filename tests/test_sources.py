@@ -13,11 +13,11 @@ import pytest
 from helpers import tiny_config
 
 from jaxscale import cli
-from jaxscale.config import ConfigError
-from jaxscale.loop import fit
-from jaxscale.prepare import TokenDir, document_hash, held_out_below, prepare_data
-from jaxscale.tokencache import token_dir
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.data.prepare import TokenDir, document_hash, held_out_below, prepare_data
+from jaxscale.data.tokencache import token_dir
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from helpers import RTOL, assert_trees_close, subprocess_env, tiny_config
 
-from jaxscale.loop import fit
-from jaxscale.train import Trainer
+from jaxscale.training.loop import fit
+from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s", "mfu"}

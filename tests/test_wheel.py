@@ -55,8 +55,10 @@ def installed(tmp_path_factory) -> tuple[Path, Path, dict[str, str]]:
          str(wheel)], tmp, env)
     away = tmp / "away"
     away.mkdir()
-    found = run([str(python), "-c", "import jaxscale.config as c; print(c.__file__); print(c.CONFIG_DIR)"], away, env)
-    assert found.split()[-2:] == [str(purelib / "jaxscale" / "config.py"), str(purelib / "jaxscale" / "configs")]
+    code = "import jaxscale.config.read as c; print(c.__file__); print(c.CONFIG_DIR)"
+    found = run([str(python), "-c", code], away, env)
+    installed = purelib / "jaxscale"
+    assert found.split()[-2:] == [str(installed / "config" / "read.py"), str(installed / "configs")]
     return venv / "bin", away, env
 
 

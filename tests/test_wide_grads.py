@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from helpers import rel_err, tiny_config
 
-from jaxscale import precision
-from jaxscale.train import Trainer
+from jaxscale.precision import policy as precision
+from jaxscale.training.trainer import Trainer
 
 BF16 = "model.dtype=bfloat16"
 PROJECTIONS = ("wq", "wk", "wv", "wo")

@@ -10,9 +10,9 @@ import jax
 import pytest
 from helpers import subprocess_env, tiny_config
 
-from jaxscale import xla_flags
-from jaxscale.config import ConfigError, XlaConfig, load_config
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError, XlaConfig, load_config
+from jaxscale.runtime import xla_flags
+from jaxscale.training.trainer import Trainer
 
 DEVICES = "--xla_force_host_platform_device_count=8"
 
@@ -83,7 +83,7 @@ def test_after_the_backend_started_apply_refuses_and_build_warns(monkeypatch):
         "xla.preset=gpu on the cpu backend: its flags have no effect there",
         f"xla.preset=gpu: {len(xla_flags.GPU_FLAGS)} flag(s) not in XLA_FLAGS "
         "(e.g. xla_gpu_enable_latency_hiding_scheduler): call "
-        "jaxscale.xla_flags.apply(config.xla) before jax starts, or use the jaxscale command",
+        "jaxscale.runtime.xla_flags.apply(config.xla) before jax starts, or use the jaxscale command",
     ]
 
 

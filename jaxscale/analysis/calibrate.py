@@ -7,7 +7,7 @@ they share the host's cores). Each figure is the best of a few runs of a compile
 
 * matmuls: (d, d) x (d, d) in the compute dtype for a few d, on normally distributed data (constant
   operands let a GPU clock higher than real weights do); FLOP/s over ``peak_flops`` (the published
-  peak of the device kind, :data:`jaxscale.flops.PEAK_FLOPS`; on a CPU, which has none, the best
+  peak of the device kind, :data:`jaxscale.config.flops.PEAK_FLOPS`; on a CPU, which has none, the best
   measured) is the ``matmul_efficiency`` table. The ``repeats`` matmuls are unrolled into one
   straight-line program: a loop's per-iteration overhead (on a GPU, a host round trip for the
   loop's predicate) would otherwise be timed as part of a small matmul;
@@ -46,7 +46,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxscale.analysis.hlo import wire_bytes
 from jaxscale.analysis.timing import KINDS
-from jaxscale.flops import PEAK_FLOPS, peak_flops
+from jaxscale.config.flops import PEAK_FLOPS, peak_flops
 
 SIZES = {  # (matmul dims, attention sequence lengths, memory elements, small/large collective bytes) per device
     "cpu": ((32, 64, 128, 256), (64, 128, 256), 2**20, (2**10, 2**18)),

@@ -17,7 +17,7 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
   dtype its matmul makes it (:func:`gradient_bytes`): ``precision.grads_reduce`` where it is wider
   than the compute dtype (bf16 compute: fp32 sums with ``float32``, bf16 with ``bfloat16``); the
   ZeRO-1 re-gather moves the accumulator's dtype (``grads_reduce``); gathers of parameters move
-  the compute copy's dtype (:func:`jaxscale.dtypes.resolve`: ``precision.params``, auto ``model.dtype``);
+  the compute copy's dtype (:func:`jaxscale.config.dtypes.resolve`: ``precision.params``, auto ``model.dtype``);
 * the embedding table is not gathered: the partitioner looks rows up on the shards and
   moves the looked-up activations (all-to-all, b·s·h, forward and backward) and the token
   ids; each device's slice of the table's gradient is all-reduced over the replicas (HSDP) each
@@ -75,8 +75,8 @@ from typing import Any
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers
 from jaxscale.analysis.hlo import wire_bytes
 from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split, stack_layers
-from jaxscale.config import ModelConfig, MoEConfig
-from jaxscale.layout import Layout, stage_moe
+from jaxscale.config.read import ModelConfig, MoEConfig
+from jaxscale.layout.rules import Layout, stage_moe
 
 # The max/mean rows a device sends an expert shard in the dropless exchange, as the planner assumes it: a router
 # balanced by its bias or auxiliary loss (measured per layer at run time: the moe load metrics).
@@ -124,7 +124,7 @@ def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: floa
 
 def gradient_bytes(m: ModelConfig, step: Step) -> int:
     """Bytes of a gradient element as devices sum it: the weight-gradient matmul's output dtype, the wider of
-    ``model.dtype`` and ``precision.grads_reduce`` (:attr:`jaxscale.dtypes.Dtypes.grad_bytes`)."""
+    ``model.dtype`` and ``precision.grads_reduce`` (:attr:`jaxscale.config.dtypes.Dtypes.grad_bytes`)."""
     return step.dtypes(m).grad_bytes
 
 
@@ -192,9 +192,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
                  masked: bool = False) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
     the axes over which a pipeline stage gathers its blocks itself
-    (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`), ``stage_tensor`` its manual TP axes
-    (:meth:`~jaxscale.layout.Layout.stage_tensor_axes`); ``masked``: a stage computes its idle slots
-    (:meth:`~jaxscale.layout.Layout.stage_partitioned`)."""
+    (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`), ``stage_tensor`` its manual TP axes
+    (:meth:`~jaxscale.layout.rules.Layout.stage_tensor_axes`); ``masked``: a stage computes its idle slots
+    (:meth:`~jaxscale.layout.rules.Layout.stage_partitioned`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes

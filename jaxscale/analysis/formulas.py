@@ -4,7 +4,7 @@ The analytic model (:mod:`jaxscale.analysis.predict`) counts what jaxscale's ste
 this module puts the playbook's closed forms next to it, for the same parameters, placement and
 step (:mod:`jaxscale.analysis.params`), so the two can only differ where the formulas do:
 
-* model state per device as jaxscale's precision policy keeps it (:mod:`jaxscale.precision`: fp32
+* model state per device as jaxscale's precision policy keeps it (:mod:`jaxscale.precision.policy`: fp32
   training 4Ψ params, 8Ψ Adam, 4Ψ gradients; bf16 compute 2Ψ compute copy, 4Ψ fp32 master, 8Ψ Adam,
   2Ψ gradients) and in the playbook's convention (bf16 parameters and gradients, fp32 master copy
   and Adam moments), by ZeRO stage;
@@ -23,8 +23,8 @@ from typing import Any
 
 from jaxscale.analysis.blocks import layers_run, moe_layers
 from jaxscale.analysis.params import Param, Step, dtype_bytes
-from jaxscale.config import ModelConfig
-from jaxscale.layout import Layout
+from jaxscale.config.read import ModelConfig
+from jaxscale.layout.rules import Layout
 
 DATA_AXES = ("data", "fsdp")
 

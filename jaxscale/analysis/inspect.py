@@ -24,9 +24,9 @@ from jaxscale.analysis.hlo import Collective, Taken, busy_slots, collectives, ex
 from jaxscale.analysis.params import pipeline_table, trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
-from jaxscale.layout import stage_moe
+from jaxscale.layout.rules import stage_moe
+from jaxscale.layout.sharding import named_params
 from jaxscale.models import builtin
-from jaxscale.sharding import named_params
 
 
 def branch_runs(trainer: Any) -> Taken | None:

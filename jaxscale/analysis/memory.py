@@ -1,7 +1,7 @@
 """The analytic model's memory: bytes per device of a train step, by part, without compiling.
 
 Memory (bytes per device, :func:`memory`), by the mixed-precision policy
-(:mod:`jaxscale.precision`; docs/formulas.md "Model state"), each part divided by the mesh axes
+(:mod:`jaxscale.precision.policy`; docs/formulas.md "Model state"), each part divided by the mesh axes
 its layout shards it over (TP, PP and EP split; ZeRO-1/2/3 add the data-parallel axes to the
 optimizer state, gradients and parameters in turn):
 
@@ -38,7 +38,7 @@ optimizer state, gradients and parameters in turn):
   at the layer backward's peak);
 
 Korthikanti et al.'s 34·s·b·h + 5·a·s²·b bytes per layer (:func:`jaxscale.analysis.formulas.korthikanti`)
-count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.lean`: a norm's input
+count what jaxscale keeps around norms and the MLP (:mod:`jaxscale.ops.lean`: a norm's input
 and statistics, SwiGLU's gate and up); jaxscale keeps in addition both the scores and the
 probabilities of ``dot`` attention, or the kernel's output next to the output projection's
 input under flash-style attention; without remat the weights cast to the compute dtype too. Under
@@ -64,9 +64,9 @@ from collections.abc import Sequence
 
 from jaxscale.analysis.blocks import attention, dense_per_token, mlp_per_token, moe_layers, projections
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
-from jaxscale.axes import HIDDEN, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
-from jaxscale.config import ModelConfig
-from jaxscale.layout import TOKENS, Layout, stage_moe
+from jaxscale.config.read import ModelConfig
+from jaxscale.layout.axes import HIDDEN, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
+from jaxscale.layout.rules import TOKENS, Layout, stage_moe
 
 SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
 REMAT_NAMES = {  # checkpoint_name in models/llama.py and deepseek.py -> (width per token, logical axes)
@@ -124,7 +124,7 @@ def split_kept(m: ModelConfig) -> list[Activation]:
 def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
     """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
 
-    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.lean` keeps them; multi-head latent
+    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.ops.lean` keeps them; multi-head latent
     attention's latents, :func:`_latents`); ``selective``: ``none`` less the attention core's own residuals;
     ``full``: the layer input; ``save_dots``: the input and the outputs of the weight matmuls that the
     recomputation needs (q, k, v or MLA's four projections, attention out, gate, up); ``save_named``: the input
@@ -419,7 +419,7 @@ def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, m
     stack = stack_layers(m, step)
     vocab = Activation("logits", m.vocab_size, LOGITS)
     loss = 2 * _per_device(vocab, micro_rows, step, m, layout)
-    if m.loss_chunk:  # chunked cross-entropy (jaxscale/loss.py): one chunk of logits at a time
+    if m.loss_chunk:  # chunked cross-entropy (jaxscale/ops/loss.py): one chunk of logits at a time
         loss *= m.loss_chunk / step.seq_len
     depths = m.deepseek.mtp_depth if m.deepseek else 0
     loss += 2 * depths * _per_device(dataclasses.replace(vocab, dtype="fp32"), micro_rows, step, m, layout)
@@ -489,7 +489,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
     and head, and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no
-    copy of them). With FSDP inside a stage (:meth:`~jaxscale.layout.Layout.stage_gathered_axes`) the
+    copy of them). With FSDP inside a stage (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`) the
     stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too
     (``pipeline.fsdp=step``); or (``visit``) one layer gathered at a time and its fp32 gradient before the
     reduce-scatter, transient, the accumulator on the shards.

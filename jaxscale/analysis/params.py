@@ -2,7 +2,7 @@
 
 Everything the model predicts is derived from three things: the model's parameters with
 their logical axes (:class:`Param`, the same annotations the model carries, read abstractly
-by :func:`param_table`), a rules table on the mesh sizes (:class:`jaxscale.layout.Layout`, the
+by :func:`param_table`), a rules table on the mesh sizes (:class:`jaxscale.layout.rules.Layout`, the
 object the runtime's shardings and parallel modules ask too, so the two agree by construction)
 and the batch side of the step (:class:`Step`). :func:`split` says how one parameter lies against the mesh
 axes that split the tokens: which of them its layout gathers (ZeRO-3), scatters (ZeRO-1/2)
@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxscale import stage_layers
-from jaxscale.config import DEFAULT_SCHEDULE, Config, ModelConfig
-from jaxscale.dtypes import Dtypes, resolve
-from jaxscale.layout import Layout
+from jaxscale.config import stage_layers
+from jaxscale.config.dtypes import Dtypes, resolve
+from jaxscale.config.read import DEFAULT_SCHEDULE, Config, ModelConfig
+from jaxscale.layout.rules import Layout
 from jaxscale.parallel import schedules
 
 
@@ -60,7 +60,7 @@ class Param:
 def params_of(abstract_params: Any, axes: Any) -> list[Param]:
     """The :class:`Param` table of a tree of parameter shapes and its tree of logical axes."""
     # Imports jax: this module stays jax-free for the CLI's plan (it reads configs before devices exist).
-    from jaxscale.sharding import named_params
+    from jaxscale.layout.sharding import named_params
 
     named = named_params(abstract_params, axes)
     return [Param(name, tuple(leaf.shape), _stack_axes(name, a)) for name, leaf, a in named]
@@ -76,7 +76,7 @@ def _stack_axes(name: str, axes: tuple[str | None, ...]) -> tuple[str | None, ..
 def param_table(config: Config) -> list[Param]:
     """The model's parameters, abstractly (``nnx.eval_shape``: nothing is allocated, any size)."""
     # Imports jax: this module stays jax-free for the CLI's plan (it reads configs before devices exist).
-    from jaxscale.train import abstract_model
+    from jaxscale.training.trainer import abstract_model
 
     _, shapes, axes, _ = abstract_model(config)
     return params_of(shapes, axes)
@@ -106,19 +106,19 @@ class Step:
                    pipeline.schedule, p.params, p.master, p.grads_reduce, split)
 
     def dtypes(self, m: ModelConfig) -> Dtypes:
-        """The step's compute, master and reduce dtypes (:func:`jaxscale.dtypes.resolve`)."""
+        """The step's compute, master and reduce dtypes (:func:`jaxscale.config.dtypes.resolve`)."""
         return resolve({"dtype": m.dtype, "param_dtype": m.param_dtype},
                        {"params": self.params_dtype, "master": self.master_dtype, "grads_reduce": self.reduce_dtype})
 
     def copies(self, m: ModelConfig) -> tuple[str, str]:
-        """The dtypes of the compute copy and of the master (:mod:`jaxscale.precision`; equal: one copy)."""
+        """The dtypes of the compute copy and of the master (:mod:`jaxscale.precision.policy`; equal: one copy)."""
         names = self.dtypes(m)
         return names.compute, names.master
 
 
 def stack_layers(m: ModelConfig, step: Step) -> int:
     """Layers the stacked blocks hold: ``model.layers``, or with uneven stages p·v chunks of the largest one's
-    slots (:mod:`jaxscale.stage_layers`): held in memory, and computed where a stage masks its slots."""
+    slots (:mod:`jaxscale.config.stage_layers`): held in memory, and computed where a stage masks its slots."""
     split = step.layers_per_stage
     return m.layers if split is None else len(split) * max(split)
 
@@ -138,7 +138,8 @@ def stacked(params: Sequence[Param], m: ModelConfig, step: Step) -> list[Param]:
 
 
 def trainer_inputs(trainer: Any) -> tuple[list[Param], Layout, Step]:
-    """The parameters, placement and step of a built :class:`jaxscale.train.Trainer` (its model, rules, mesh)."""
+    """The parameters, placement and step of a built :class:`jaxscale.training.trainer.Trainer` (its model, rules,
+    mesh)."""
     params = params_of(trainer.abstract_params, trainer.axes)
     layout = Layout(trainer.rules, dict(trainer.mesh.shape), pipeline=trainer.config.pipeline)
     return params, layout, Step.from_config(trainer.config, trainer.mesh.shape["stage"])

@@ -36,9 +36,9 @@ from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.reasons import BLOCK_AXES, Candidate, expert_lines, fmt_time, kernel_line, reasons, unit_for
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
 from jaxscale.analysis.timing import Cluster, step_time
-from jaxscale.config import DEFAULT_SCHEDULE, ConfigError, ModelConfig
-from jaxscale.layout import Layout, stage_moe
-from jaxscale.stage_layers import lighter_ends, unit
+from jaxscale.config.read import DEFAULT_SCHEDULE, ConfigError, ModelConfig
+from jaxscale.config.stage_layers import lighter_ends, unit
+from jaxscale.layout.rules import Layout, stage_moe
 
 REMATS = ("none", "save_dots", "full")
 
@@ -82,7 +82,7 @@ MAX_MICROBATCHES = 32  # per stage: m from p to 32·p
 
 def stage_split(m: ModelConfig, chunks: int) -> tuple[int, ...] | None:
     """``pipeline.layers_per_stage`` for ``chunks`` virtual stages: None where the layers split evenly, else the
-    first and last stages lighter (:func:`jaxscale.stage_layers.lighter_ends`, in whole MoE groups)."""
+    first and last stages lighter (:func:`jaxscale.config.stage_layers.lighter_ends`, in whole MoE groups)."""
     per_unit = unit(m)
     units = m.layers // per_unit
     if units % chunks == 0:
@@ -357,7 +357,7 @@ def table(plan: Plan) -> str:
         lines += [f"  {' = '.join(fams):<22} {why}" for why, fams in merged.items()]
     lines += [
         "",
-        "copy = the compute copy, master = the fp32 master apart from it (jaxscale/precision.py), adam = the "
+        "copy = the compute copy, master = the fp32 master apart from it (jaxscale/precision/policy.py), adam = the "
         "moments, grads = gradients (+ fp32 accumulator); playbook: ZeRO-1 2Ψ + 2Ψ + 12Ψ/N, ZeRO-2 2Ψ + 14Ψ/N, "
         "ZeRO-3 16Ψ/N; act = the layers' saved activations and "
         "peak = one layer's backward or the loss, whichever is larger, + the gathered head and its gradient "

@@ -3,7 +3,7 @@
 :func:`predict` runs :func:`jaxscale.analysis.memory.memory`,
 :func:`jaxscale.analysis.communication.communication` and, given a cluster,
 :func:`jaxscale.analysis.timing.step_time` on the same inputs; :func:`predict_trainer` reads those
-inputs (parameters, placement, step) off a built :class:`jaxscale.train.Trainer`
+inputs (parameters, placement, step) off a built :class:`jaxscale.training.trainer.Trainer`
 (:func:`jaxscale.analysis.params.trainer_inputs`), so what ``jaxscale inspect`` compiles and
 what it predicts describe the same layout.
 """
@@ -18,8 +18,8 @@ from jaxscale.analysis.communication import EP_IMBALANCE, Flow, communication, s
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
 from jaxscale.analysis.timing import Cluster, step_time
-from jaxscale.config import ModelConfig
-from jaxscale.layout import Layout
+from jaxscale.config.read import ModelConfig
+from jaxscale.layout.rules import Layout
 
 
 @dataclasses.dataclass
@@ -45,5 +45,5 @@ def predict(
 
 
 def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
-    """The prediction for a built :class:`jaxscale.train.Trainer`."""
+    """The prediction for a built :class:`jaxscale.training.trainer.Trainer`."""
     return predict(trainer.config.model, *trainer_inputs(trainer), cluster)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxscale.analysis.strategy import Strategy, placement
-from jaxscale.config import ModelConfig
+from jaxscale.config.read import ModelConfig
 from jaxscale.parallel.schedules import formula_bubble
 
 
@@ -58,7 +58,7 @@ def reasons(ranked: Sequence[Candidate], note: str = "", moe: dict[str, bool] | 
     """One line each for the winner and the runner-up: what dominates its step, and why it beats the next; for
     the best pipeline outside the two, what it pays against the winner (:func:`versus`); ``note`` on the best
     pipeline (:func:`jaxscale.analysis.plan.gather_note`); ``moe``: the model's experts inside a stage
-    (:func:`jaxscale.layout.stage_moe`), for whether its idle slots are skipped."""
+    (:func:`jaxscale.layout.rules.stage_moe`), for whether its idle slots are skipped."""
     lines = []
     for i, c in enumerate(ranked[:2]):
         total = c.time["total"]
@@ -155,7 +155,7 @@ BLOCK_AXES = (("layers", "embed", "heads", "head_dim"), ("layers", "embed", "mlp
 
 def _bubble_note(c: Candidate, moe: dict[str, bool] | None = None) -> str:
     """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula;
-    ``moe``: the model's experts inside a stage (:func:`jaxscale.layout.stage_moe`; none: a dense model)."""
+    ``moe``: the model's experts inside a stage (:func:`jaxscale.layout.rules.stage_moe`; none: a dense model)."""
     lay, t = c.layout, c.time
     if lay.stage == 1 or t["bubble"] < max(t["exposed"], t["contention"]):
         return ""

@@ -11,7 +11,7 @@ layer remat (its backward recomputes each chunk once, as the planner has it): ``
 reports no memory limit (XLA:CPU) takes ``none``.
 
 :func:`resolved` is applied before the trainer is built (the ``jaxscale`` command does it;
-:meth:`jaxscale.train.Trainer.build` refuses ``auto``): it builds the trainer once with ``full`` to read
+:meth:`jaxscale.training.trainer.Trainer.build` refuses ``auto``): it builds the trainer once with ``full`` to read
 its parameters and layout, which no policy changes.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
 from jaxscale.analysis.timing import Cluster
-from jaxscale.config import Config, ModelConfig
-from jaxscale.layout import Layout
+from jaxscale.config.read import Config, ModelConfig
+from jaxscale.layout.rules import Layout
 
 ORDER = ("none", "save_dots", "full")  # least recomputation first
 USABLE = Cluster.usable_memory  # the planner's fraction of a device's memory a step may use
@@ -52,7 +52,7 @@ def resolved(config: Config, devices: Sequence[Any] | None = None, budget: float
     the bytes per device, else the first device's :func:`device_budget`); any other policy as it is."""
     if config.model.remat != "auto":
         return config
-    from jaxscale.train import Trainer
+    from jaxscale.training.trainer import Trainer
 
     probe = dataclasses.replace(config, model=dataclasses.replace(config.model, remat="full"))
     trainer = Trainer.build(probe, devices)

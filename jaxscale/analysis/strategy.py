@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from jaxscale.analysis.params import Step
-from jaxscale.config import (
+from jaxscale.config.read import (
     CONFIG_DIR,
     DEFAULT_SCHEDULE,
     MESH_AXES,
@@ -30,7 +30,7 @@ from jaxscale.config import (
     load_config,
     read_yaml,
 )
-from jaxscale.layout import Layout, Rules
+from jaxscale.layout.rules import Layout, Rules
 
 TP_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
 FSDP_NAMES = ("embed", "q_lora_up", "kv_lora_up")  # the parameters' dimensions ZeRO shards

@@ -26,7 +26,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from jaxscale.config import ConfigError
+from jaxscale.config.read import ConfigError
 
 # Our names for the targets -> the device's name as the driver (and XLA's specs) spell it.
 GPUS = {

@@ -63,9 +63,9 @@ from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projecti
 from jaxscale.analysis.communication import EP_IMBALANCE, Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.analysis.target import checked_target
-from jaxscale.config import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
-from jaxscale.flops import flops_per_token
-from jaxscale.layout import Layout, stage_moe
+from jaxscale.config.flops import flops_per_token
+from jaxscale.config.read import MESH_AXES, ConfigError, ModelConfig, parse_override, resolve_named
+from jaxscale.layout.rules import Layout, stage_moe
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 

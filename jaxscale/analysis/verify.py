@@ -27,8 +27,8 @@ from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import Strategy, config_for
 from jaxscale.analysis.target import Target, compile_only
 from jaxscale.analysis.xla import compile_step, memory
-from jaxscale.config import ConfigError
-from jaxscale.train import Trainer
+from jaxscale.config.read import ConfigError
+from jaxscale.training.trainer import Trainer
 
 
 def scaled(layout: Strategy, devices: int) -> Strategy:

@@ -35,10 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxscale.config import Config, ConfigError, ModelConfig
-from jaxscale.layout import Rules
+from jaxscale.config.read import Config, ConfigError, ModelConfig
+from jaxscale.layout.rules import Rules
+from jaxscale.layout.sharding import Axes, active, layout_of
 from jaxscale.parallel import ring_attention
-from jaxscale.sharding import Axes, active, layout_of
 
 
 def document_ids(positions: jax.Array) -> jax.Array:

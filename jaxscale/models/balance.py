@@ -3,7 +3,7 @@
 With ``model.moe.balance`` on, every MoE layer holds a :class:`RouterBias`
 ``[experts]`` (stacked with the blocks: ``[moe layers, experts]``). It is added
 to the router's scores for the choice of the top k only; the gates stay the
-unbiased scores (:func:`jaxscale.routing.route`). The bias is not a
+unbiased scores (:func:`jaxscale.ops.routing.route`). The bias is not a
 parameter: the trainer splits it from them into ``TrainState.balance``
 (replicated, checkpointed with the state, never seen by the optimizer or the
 gradients) and sets its new value after each optimizer update with
@@ -18,7 +18,7 @@ gradients) and sets its new value after each optimizer update with
   ``(k+1)``-th biased score. The bias that gives every expert the balanced
   share ``k / experts`` of the tokens on this step's scores is, per expert, the
   ``k / experts`` quantile of ``cutoff_t − s_te`` over the tokens
-  (:func:`jaxscale.routing.quantile_bias`); it is centred
+  (:func:`jaxscale.ops.routing.quantile_bias`); it is centred
   (a shift of every bias changes no choice) and mixed with the previous bias,
   ``b = ema · b + (1 − ema) · target``.
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.config import MoEConfig
+from jaxscale.config.read import MoEConfig
 
 
 class RouterBias(nnx.Variable):
@@ -56,7 +56,7 @@ def updated(bias: Any, layers: dict[str, jax.Array], moe: MoEConfig) -> Any:
 
     Each leaf of ``bias`` is a stack [n, experts] of n layers' biases, or one layer's [experts]; the rows of
     ``layers`` are those leaves' layers one after the other, in the leaves' order (a model's stacked blocks,
-    then, say, DeepSeek's multi-token prediction blocks: :func:`jaxscale.loss.model_objective`)."""
+    then, say, DeepSeek's multi-token prediction blocks: :func:`jaxscale.ops.loss.model_objective`)."""
     leaves, tree = jax.tree.flatten(bias)
     starts = np.cumsum([0] + [b.shape[0] if b.ndim > 1 else 1 for b in leaves])
 

@@ -1,10 +1,10 @@
-"""The built-in models' factory: the default ``model=`` of :meth:`jaxscale.train.Trainer.build`."""
+"""The built-in models' factory: the default ``model=`` of :meth:`jaxscale.training.trainer.Trainer.build`."""
 
 from __future__ import annotations
 
 from flax import nnx
 
-from jaxscale.config import Config
+from jaxscale.config.read import Config
 from jaxscale.models.deepseek import DeepSeek
 from jaxscale.models.llama import Llama
 

@@ -6,7 +6,7 @@
 
 **Richer form** (:class:`Staged`): the parts the trainer needs to see inside the model. Each group
 unlocks one thing (:data:`NEEDS`), and asking for that thing without it is a one-line
-:class:`~jaxscale.config.ConfigError` naming what is missing (:func:`require`).
+:class:`~jaxscale.config.read.ConfigError` naming what is missing (:func:`require`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import jax
 from flax import nnx
 
-from jaxscale.config import ConfigError, ModelConfig
+from jaxscale.config.read import ConfigError, ModelConfig
 
 Metrics = dict[str, jax.Array]
 

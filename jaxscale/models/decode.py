@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale import fp8, stage_layers
-from jaxscale.config import ModelConfig
+from jaxscale.config import stage_layers
+from jaxscale.config.read import ModelConfig
 from jaxscale.models.llama import Block, Group, Llama
+from jaxscale.precision import fp8
 
 
 class Cache(NamedTuple):

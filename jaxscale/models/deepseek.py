@@ -53,8 +53,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import flops, nn
-from jaxscale.config import Config, ConfigError, ModelConfig
+from jaxscale import nn
+from jaxscale.config import flops
+from jaxscale.config.read import Config, ConfigError, ModelConfig
 
 Q_LATENT = ("batch", "length", "q_lora")
 KV_LATENT = ("batch", "length", "kv_lora")
@@ -320,6 +321,6 @@ class DeepSeek(nnx.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`: the matmul weights a
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.config.flops.flops_per_token`: the matmul weights a
         token goes through, its top_k routed experts only, and causal attention, the MTP depths included)."""
         return flops.flops_per_token(self.config, seq_len)

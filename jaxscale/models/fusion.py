@@ -7,12 +7,12 @@ instead of three and two (the key and value GEMMs of grouped-query attention are
 x head_dim). The query heads sit under their key/value head (query head ``i`` uses key/value head
 ``i // q_per_kv``, as grouped-query attention groups them), so the fused weight splits on ``kv_heads``
 as the separate ones do: every rules table that shards ``heads`` and ``kv_heads`` over the same axes
-shards it. The fused dimensions are named ``qkv`` and ``gate_up`` (:mod:`jaxscale.axes`), which
+shards it. The fused dimensions are named ``qkv`` and ``gate_up`` (:mod:`jaxscale.layout.axes`), which
 no rules table maps: they stay whole on every device. The experts of an MoE block stay separate.
 
 :func:`fuse` and :func:`unfuse` convert a parameter tree (nested dicts of numpy or jax arrays, layers
 stacked on leading axes) between the layouts, exactly (a reshape and a concatenation): a checkpoint of
-either layout restores into a model of the other (:func:`jaxscale.checkpoint.init_state_from`), and
+either layout restores into a model of the other (:func:`jaxscale.checkpoint.store.init_state_from`), and
 the Hugging Face conversion reads and writes the separate weights whatever the run's layout.
 """
 

@@ -5,9 +5,9 @@ Face checkpoints), grouped-query attention and a SwiGLU feed-forward, with
 optional tied embeddings. The model never names a device: every parameter
 carries the logical names of its dimensions (``out_sharding`` metadata) and
 the activations that decide communication are constrained by logical name
-through :func:`jaxscale.sharding.constrain`.
+through :func:`jaxscale.layout.sharding.constrain`.
 
-The logical axes are listed in :mod:`jaxscale.axes`.
+The logical axes are listed in :mod:`jaxscale.layout.axes`.
 
 The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
 ``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
@@ -35,16 +35,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import flops, fp8, precision, stage_layers
-from jaxscale.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
-from jaxscale.config import Config, ModelConfig, RopeScaling
-from jaxscale.fp8 import Fp8, Operand
-from jaxscale.lean import rms_norm, swiglu
+from jaxscale.config import flops, stage_layers
+from jaxscale.config.read import Config, ModelConfig, RopeScaling
+from jaxscale.layout.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
+from jaxscale.layout.sharding import constrain, lookup, stage
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
 from jaxscale.models.params import ones, param
+from jaxscale.ops.lean import rms_norm, swiglu
 from jaxscale.parallel import sequence
-from jaxscale.sharding import constrain, lookup, stage
+from jaxscale.precision import fp8
+from jaxscale.precision import policy as precision
+from jaxscale.precision.fp8 import Fp8, Operand
 
 
 def remat_policy(config: ModelConfig) -> Callable | None:
@@ -65,7 +67,7 @@ def remat_policy(config: ModelConfig) -> Callable | None:
       ``none``: the a·s scores and probabilities of ``dot`` attention (or the kernel's
       output and statistics, B·a·d_h + 4·a, of a flash-style one) are not kept.
     - ``save_dots``: the layer input and the outputs of the weight matmuls (jax's
-      ``dots_with_no_batch_dims_saveable``, and the projections of :func:`jaxscale.precision.einsum`,
+      ``dots_with_no_batch_dims_saveable``, and the projections of :func:`jaxscale.precision.policy.einsum`,
       named ``weight_dot``) that the backward reads: B·(2h + a·d_h + 2·g·d_h + 2f),
       namely input, q, k, v, output projection, gate, up; norms, attention and SwiGLU are
       recomputed.
@@ -85,8 +87,9 @@ def remat_policy(config: ModelConfig) -> Callable | None:
 
 
 def make_fp8(config: Config, inputs: tuple[str, ...], weights: dict[str, str]) -> Fp8 | None:
-    """The fp8 state of a module's projections (:class:`jaxscale.fp8.Fp8`), or None with ``precision.fp8`` off:
-    decided here, once, so an fp32 or bf16 step never calls into :mod:`jaxscale.fp8`."""
+    """The fp8 state of a module's projections (:class:`jaxscale.precision.fp8.Fp8`), or None with ``precision.fp8``
+    off:
+    decided here, once, so an fp32 or bf16 step never calls into :mod:`jaxscale.precision.fp8`."""
     return None if config.precision.fp8 == "off" else Fp8(config.precision, inputs, weights)
 
 
@@ -97,7 +100,7 @@ def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
 
 def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
     """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``).
-    Where :func:`jaxscale.precision.takes_wide` (``module.wide``), the weight as held: that einsum casts it to
+    Where :func:`jaxscale.precision.policy.takes_wide` (``module.wide``), the weight as held: that einsum casts it to
     ``dtype`` inside (no rounding of a wider parameter's gradient on the way back)."""
     w = getattr(module, name)[...]
     if module.fp8 is None and module.wide:
@@ -174,7 +177,7 @@ class Attention(nnx.Module):
     """Grouped-query attention: ``heads`` query heads share ``kv_heads`` key/value heads.
 
     The kernel is ``model.attention`` (:mod:`jaxscale.models.attention`); the projections
-    go through :class:`jaxscale.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
+    go through :class:`jaxscale.precision.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
     With ``model.qk_norm`` each head's query and key are RMS-normed (:class:`HeadNorm`) before RoPE.
     """
 
@@ -250,7 +253,7 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` of hidden size ``width`` (default ``model.mlp``).
 
-    The matmuls go through :class:`jaxscale.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
+    The matmuls go through :class:`jaxscale.precision.fp8.Fp8` when ``precision.fp8`` is on (:func:`make_fp8`).
     """
 
     def __init__(self, config: Config, rngs: nnx.Rngs, width: int | None = None):
@@ -338,7 +341,7 @@ class Llama(nnx.Module):
     the loss and the pipeline reach it through that contract only.
 
     Built from the whole experiment config, the one channel into the model (every submodule takes
-    it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.fp8`).
+    it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.precision.fp8`).
     Its projections are :mod:`jaxscale.parallel.sequence`'s (``explicit_tp``).
     """
 
@@ -394,7 +397,7 @@ class Llama(nnx.Module):
         return 0.0 if self.config.moe is None else moe.aux_objective(metrics, self.config)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.flops.flops_per_token`)."""
+        """Training FLOPs per token at ``seq_len`` (:func:`jaxscale.config.flops.flops_per_token`)."""
         return flops.flops_per_token(self.config, seq_len)
 
     def head_weight(self) -> jax.Array:

@@ -41,7 +41,7 @@ updated after each step (:mod:`jaxscale.models.balance`).
 
 Load, per MoE layer and whole-batch (so summed over every data and expert
 shard by construction): the choices routed to each expert, the fraction
-dropped, the router's entropy (:func:`jaxscale.routing.route`); the
+dropped, the router's entropy (:func:`jaxscale.ops.routing.route`); the
 train step logs their summary (:func:`load_metrics`) as one value per layer.
 
 Where the experts run is ``model.moe.impl``: ``shard_map`` is expert
@@ -56,7 +56,7 @@ block of each expert's weight; :class:`MoE`'s ``fp8``: per-expert weight histori
 activations' per tensor).
 
 The routing math and the kernels both places share (dispatch, combine,
-grouped matmuls) are :mod:`jaxscale.routing`.
+grouped matmuls) are :mod:`jaxscale.ops.routing`.
 
 Logical axes: parameters ``expert, embed, expert_mlp`` (the router is
 ``embed x None``: replicated over experts); activations ``expert`` and
@@ -73,15 +73,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxscale import fp8, lean, precision
-from jaxscale.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
-from jaxscale.config import Config, ModelConfig, MoEConfig
-from jaxscale.fp8 import Fp8
+from jaxscale.config.read import Config, ModelConfig, MoEConfig
+from jaxscale.layout.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.layout.sharding import active, constrain
 from jaxscale.models import balance
 from jaxscale.models.params import param
+from jaxscale.ops import lean
+from jaxscale.ops.routing import LAYER_STATS, METRICS, Routing, Weight, capacity, dropless, flat_slot, route
 from jaxscale.parallel import expert
-from jaxscale.routing import LAYER_STATS, METRICS, Routing, Weight, capacity, dropless, flat_slot, route
-from jaxscale.sharding import active, constrain
+from jaxscale.precision import fp8
+from jaxscale.precision import policy as precision
+from jaxscale.precision.fp8 import Fp8
 
 WEIGHTS = {"w_gate": "gate", "w_up": "up", "w_down": "down"}  # the experts' weights, their outputs' names
 LOAD_METRICS = ("moe_load_max", "moe_load_min", "moe_load_cv", "moe_layer_dropped", "moe_entropy")
@@ -179,7 +181,7 @@ class MoE(nnx.Module):
         routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias, expert.token_axes())
         weights = tuple(getattr(self, name)[...].astype(dt) for name in WEIGHTS)
         f8 = None if self.fp8 is None else self.fp8.inputs()
-        if f8 is not None:  # per-expert e4m3 copies and scales (jaxscale.fp8.prepare; blockwise: none)
+        if f8 is not None:  # per-expert e4m3 copies and scales (jaxscale.precision.fp8.prepare; blockwise: none)
             weights = tuple(self.fp8.weight(name, w) for name, w in zip(WEIGHTS, weights, strict=True))
         if moe.impl == "partitioner" or active() is None:
             y = partitioner_experts(x, routing, weights, moe, seq_capacity, self.grads, f8)

@@ -1,6 +1,6 @@
 """The parameter initialisers: every parameter is created with the logical names of its dimensions.
 
-The names (``out_sharding`` metadata, :mod:`jaxscale.axes`) are what the
+The names (``out_sharding`` metadata, :mod:`jaxscale.layout.axes`) are what the
 rules table lays out; the model never names a device.
 """
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.layout import Axes
+from jaxscale.layout.rules import Axes
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: Axes, std: float, dtype) -> nnx.Param:

@@ -55,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale import precision
+from jaxscale.layout import collectives
+from jaxscale.precision import policy as precision
 
 AxisName = str | tuple[str, ...]
 T = TypeVar("T")
@@ -84,7 +85,7 @@ def _varying_like(w: jax.Array, x: jax.Array, grads: jnp.dtype | None) -> jax.Ar
     missing = tuple(sorted(jax.typeof(x).mat.varying - jax.typeof(w).mat.varying))
     if not missing:
         return w
-    return lax.pcast(w, missing, to="varying") if grads is None else precision.vary(w, missing, jnp.dtype(grads))
+    return lax.pcast(w, missing, to="varying") if grads is None else collectives.vary(w, missing, jnp.dtype(grads))
 
 
 def _letters(equation: str) -> tuple[str, str, str]:
@@ -104,7 +105,7 @@ def all_gather_matmul(
 
     ``x`` is this device's chunk of dimension ``dim``; each output has the gathered length on
     the dimension that ``x``'s ``dim`` maps to in its equation. ``grads``: the weight gradients'
-    dtype (:func:`jaxscale.precision.einsum`).
+    dtype (:func:`jaxscale.precision.policy.einsum`).
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
@@ -138,7 +139,7 @@ def matmul_reduce_scatter(
 
     ``h`` holds the full length of the output's dimension ``dim`` (and this device's share of the
     contracted dimensions); the result is this device's chunk of it, summed over ``axis``. ``grads``:
-    the weight gradient's dtype (:func:`jaxscale.precision.einsum`).
+    the weight gradient's dtype (:func:`jaxscale.precision.policy.einsum`).
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)

@@ -51,8 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxscale import fp8
-from jaxscale import routing as kernels
+from jaxscale.ops import routing as kernels
+from jaxscale.precision import fp8
 
 CHUNKS_PER_MEAN = 32  # a chunk is at most 1/32 of a destination's mean rows: the rounding's bound
 RAGGED_PLATFORMS = ("gpu", "tpu")  # where XLA compiles lax.ragged_all_to_all (XLA:CPU does not)

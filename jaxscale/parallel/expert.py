@@ -12,7 +12,7 @@ and out specs from the rules, so XLA gathers no auto-axis shard around the
 collectives):
 
 * capacity dispatch: the device scatters its ``b`` sequences into fixed-size
-  buffers ``[b, E, C, h]`` (:func:`jaxscale.routing.dispatch`), an
+  buffers ``[b, E, C, h]`` (:func:`jaxscale.ops.routing.dispatch`), an
   **all-to-all** over the EP axes sends each expert's slice to the device
   holding it (``[ep·b, E/ep, C, h]``), the experts run, and a second
   all-to-all brings the outputs back to be combined. Each all-to-all moves
@@ -46,7 +46,7 @@ under the partitioner, with whole-batch statistics, so every layout routes
 and drops exactly as one device does.
 
 **Inside a pipeline stage** no ``shard_map`` nests in the stage's loop; the loop
-is manual over every axis instead (:meth:`jaxscale.layout.Layout.stage_expert_axes`):
+is manual over every axis instead (:meth:`jaxscale.layout.rules.Layout.stage_expert_axes`):
 each device holds its rows and its experts' shard, routing sums its statistics
 over the stage's row axes (:func:`token_axes`, so they are each microbatch's),
 and the per-device body, :func:`local_experts`, runs as it is, its all-to-alls
@@ -56,7 +56,7 @@ conditional, so a stage's idle slots are skipped.
 
 The layouts this needs (the EP axes among the batch's, ``act_embed``
 unsharded, the sequence split over all or none of ``expert_mlp``'s axes) are
-checked once, when the trainer is built (:meth:`jaxscale.layout.Layout.validate`).
+checked once, when the trainer is built (:meth:`jaxscale.layout.rules.Layout.validate`).
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxscale import fp8
-from jaxscale import routing as kernels
-from jaxscale.axes import RESIDUAL, ROUTING, W_IN, W_OUT
-from jaxscale.config import MoEConfig
+from jaxscale.config.read import MoEConfig
+from jaxscale.layout.axes import RESIDUAL, ROUTING, W_IN, W_OUT
+from jaxscale.layout.sharding import active, constrain, gather_shards, spec, stage
+from jaxscale.ops import routing as kernels
 from jaxscale.parallel import exchange
-from jaxscale.sharding import active, constrain, gather_shards, spec, stage
+from jaxscale.precision import fp8
 
 Weight = jax.Array | fp8.Operand
 
@@ -145,7 +145,7 @@ def local_experts(
 
 def token_axes() -> tuple[str, ...]:
     """The manual mesh axes a batch's tokens are spread over where an MoE layer is traced: inside a pipeline
-    stage, its row axes (:attr:`jaxscale.layout.Stage.tokens`; none where the partitioner runs the experts);
+    stage, its row axes (:attr:`jaxscale.layout.rules.Stage.tokens`; none where the partitioner runs the experts);
     elsewhere none (routing runs under the partitioner on the whole batch)."""
     current = stage()
     return () if current is None else current.tokens
@@ -161,12 +161,12 @@ def experts(
     f8: fp8.Inputs | None = None,
 ) -> jax.Array:
     """Routed experts' output for tokens ``x`` [batch, length, embed] under the active rules, by shard_map;
-    ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.einsum`; the grouped matmuls of
+    ``grads``: the weight gradients' dtype (:func:`jaxscale.precision.policy.einsum`; the grouped matmuls of
     ``dropless`` keep autodiff's); ``f8``: the buffers' fp8 histories, whole on every device (an amax is
     then the whole batch's), with fp8 weights (:mod:`jaxscale.models.routing`).
 
-    Inside a pipeline stage (:func:`jaxscale.sharding.stage`) the loop is already manual over every axis
-    and each device holds its rows and its experts' shard (:meth:`jaxscale.layout.Layout.stage_expert_axes`):
+    Inside a pipeline stage (:func:`jaxscale.layout.sharding.stage`) the loop is already manual over every axis
+    and each device holds its rows and its experts' shard (:meth:`jaxscale.layout.rules.Layout.stage_expert_axes`):
     :func:`local_experts` runs there as it is, its collectives among the stage's devices."""
     mesh, place = active()
     current = stage()

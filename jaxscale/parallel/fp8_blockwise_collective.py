@@ -1,11 +1,11 @@
 """Blockwise FP8 collective matmuls: the rings of :mod:`jaxscale.parallel.fp8_collective` with a scale per tile.
 
-``precision.fp8: blockwise`` (:mod:`jaxscale.fp8_blockwise`, tiles and blocks of ``B``) under
+``precision.fp8: blockwise`` (:mod:`jaxscale.precision.fp8_blockwise`, tiles and blocks of ``B``) under
 ``model.tp_overlap``. A tile is one token's ``B`` elements along the contraction (``1 x B``) or, for a
 weight gradient, ``B`` consecutive tokens of one sequence (``B x 1``); with ``B`` dividing each device's
-part of the sequence (:meth:`jaxscale.layout.Layout.validate`) every tile lies in one device's chunk. Each
+part of the sequence (:meth:`jaxscale.layout.rules.Layout.validate`) every tile lies in one device's chunk. Each
 device quantizes its own chunk, and the ring passes float8 chunks with their fp32 scales (a chunk's scales
-travel with it): the tiles are the plain collectives' (:func:`jaxscale.fp8_blockwise.einsum` on the
+travel with it): the tiles are the plain collectives' (:func:`jaxscale.precision.fp8_blockwise.einsum` on the
 gathered arrays), so the step quantizes as theirs does. One ``custom_vjp`` around each collective matmul.
 
 - :func:`all_gather_matmul`: the input chunk in ``1 x B`` tiles along the contraction (the forward's t
@@ -18,7 +18,8 @@ gathered arrays), so the step quantizes as theirs does. One ``custom_vjp`` aroun
   gradient's block dots) and ``B x 1`` tiles along its tokens (the weight gradient's), both passed around.
 
 Bytes: a chunk crosses the ring in two float8 tilings and their scales, ``2·(1 + 4/B)`` bytes an element
-(B = 128: 2.06), about the bf16 ring's 2. Each ring step's block dot is :func:`jaxscale.fp8_blockwise.block_dot`
+(B = 128: 2.06), about the bf16 ring's 2. Each ring step's block dot is
+:func:`jaxscale.precision.fp8_blockwise.block_dot`
 on the chunk (a batched fp8 GEMM over the K/B slices and its fp32 partial products, as there). The histories
 get one push per step each.
 """
@@ -33,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.fp8 import E4M3, E5M2, Operand, Quantized, Recipe, letters, pushed
-from jaxscale.fp8_blockwise import block_dot, blocks, matrix, split, tensor, tiles, transposed
 from jaxscale.parallel.collective_matmul import AxisName
 from jaxscale.parallel.fp8_collective import _chunk, _place, _reduce_scattered, _ring
+from jaxscale.precision.fp8 import E4M3, E5M2, Operand, Quantized, Recipe, letters, pushed
+from jaxscale.precision.fp8_blockwise import block_dot, blocks, matrix, split, tensor, tiles, transposed
 
 
 class _Static(NamedTuple):

@@ -1,11 +1,11 @@
 """Collective matmul in fp8: the ring steps of :mod:`jaxscale.parallel.collective_matmul` on float8 operands.
 
-Per-tensor fp8 (``precision.fp8`` ``delayed`` or ``current``, :mod:`jaxscale.fp8`) under
+Per-tensor fp8 (``precision.fp8`` ``delayed`` or ``current``, :mod:`jaxscale.precision.fp8`) under
 ``model.tp_overlap``: one scale per operand for the whole collective matmul, the same as
 the plain collectives' step uses. The input and the weights arrive quantized (their
 amaxes are global), so the ring passes e4m3 chunks and each step's ``dot_general`` takes
 them as they are. The output gradient is quantized once, over the whole gradient (its
-amax a ``pmax`` over the ring, :func:`jaxscale.fp8.global_amax`), inside one
+amax a ``pmax`` over the ring, :func:`jaxscale.precision.fp8.global_amax`), inside one
 ``custom_vjp`` around the whole collective matmul: autodiff through the steps would
 quantize each step's chunk of it on its own and push into the history once per step.
 
@@ -17,7 +17,7 @@ quantize each step's chunk of it on its own and push into the history once per s
   gradient's chunks passed around the ring into the input gradient's ``e5m2 x e4m3``
   dots and gathered for the one weight-gradient dot.
 
-The histories get one push per step each, as :func:`jaxscale.fp8.einsum`'s backward gives them.
+The histories get one push per step each, as :func:`jaxscale.precision.fp8.einsum`'s backward gives them.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale import fp8
 from jaxscale.parallel.collective_matmul import AxisName, _from_neighbour, after
+from jaxscale.precision import fp8
 
 _NONE = fp8.Quantized(None, None, None)
 

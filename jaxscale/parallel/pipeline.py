@@ -4,13 +4,14 @@ When the rules put ``layers`` on ``stage`` (size p > 1), the loss of the model i
 :func:`objective` instead of the plain forward: embedding, the stacked blocks, final norm, output
 head and loss all run inside one ``jax.shard_map`` that is manual over ``stage`` (and, unless the partitioner
 runs an MoE model's experts, over the batch axes and the context axes, whose ring attention then runs its
-per-device kernel inside the loop: the stage's layout names them, :class:`~jaxscale.layout.Stage`). **Experts
+per-device kernel inside the loop: the stage's layout names them, :class:`~jaxscale.layout.rules.Stage`). **Experts
 inside a stage** (``model.moe.impl=shard_map``): each device keeps its shard of the experts over the EP axes
-(:meth:`~jaxscale.layout.Layout.stage_expert_axes`), and expert parallelism's per-device body exchanges the
+(:meth:`~jaxscale.layout.rules.Layout.stage_expert_axes`), and expert parallelism's per-device body exchanges the
 tokens among the stage's devices (:func:`jaxscale.parallel.expert.local_experts`); the routing statistics are
-summed over the stage's row axes (:attr:`~jaxscale.layout.Stage.tokens`), so they are each microbatch's. **FSDP inside a
+summed over the stage's row axes (:attr:`~jaxscale.layout.rules.Stage.tokens`), so they are each microbatch's. **FSDP
+inside a
 stage** at FSDP's price: batch axes that split block parameters (fsdp on ``embed``) are manual too
-(:meth:`~jaxscale.layout.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
+(:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`); the stage's blocks enter the ``shard_map``
 gathered over them (once a step, by the partitioner, which keeps TP's split), each device accumulates
 its own rows' gradients, whole, and hands them out one per device, summed onto the shards once after
 the loop (:func:`sum_shards`): no FSDP collective runs in a tick. With ``pipeline.fsdp=visit`` the blocks
@@ -18,14 +19,14 @@ enter as shards instead and each layer is gathered when a slot runs it, its grad
 after its backward (:meth:`~jaxscale.parallel.stage_program.StageProgram.gathered`): one layer held whole,
 the collectives in the busy slots' conditionals. **TP and SP inside a stage**: where
 that leaves only TP's axes to the partitioner, they are manual too
-(:meth:`~jaxscale.layout.Layout.stage_tensor_axes`, which says where they cannot be): each device keeps
+(:meth:`~jaxscale.layout.rules.Layout.stage_tensor_axes`, which says where they cannot be): each device keeps
 its shard of the blocks (and of their gradients) and the projections write TP's all-reduces, or SP's
 all-gathers and reduce-scatters, among the devices of one stage (:mod:`jaxscale.parallel.sequence`); the
 embedding, final norm and head stay whole on each device (with TP alone each of a stage's TP devices runs
 the head on the whole microbatch; with SP on its own part of the sequence). With no axis left to the
 partitioner, idle slots are skipped. With v chunks per stage (``pipeline.repeats``) stage s runs layer
 groups ``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn round the ring, and stores
-exactly those, one after the other (:class:`~jaxscale.stage_layers.Storage`: the stack's order is the
+exactly those, one after the other (:class:`~jaxscale.config.stage_layers.Storage`: the stack's order is the
 chunks' order, so no parameter moves between stages in a step; with v = 1, layers ``[s·L/p, (s+1)·L/p)``).
 With ``pipeline.layers_per_stage`` the virtual stages differ in size: each is a chunk of as many slots as
 the largest, its unused slots the identity; a tick then lasts as long as the largest chunk,
@@ -92,15 +93,15 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxscale import fp8, stage_layers
-from jaxscale.config import ConfigError, PipelineConfig
-from jaxscale.layout import TOKENS, Stage, stage_moe
+from jaxscale.config import stage_layers
+from jaxscale.config.read import ConfigError, PipelineConfig
+from jaxscale.layout.rules import TOKENS, Stage, stage_moe
+from jaxscale.layout.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes, vary
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import Table
 from jaxscale.parallel.stage_metrics import Channel, reduction, whole
 from jaxscale.parallel.stage_program import AXIS, StageProgram
-from jaxscale.parallel.stage_state import vary
-from jaxscale.sharding import Layout, Rules, active, constrain, is_axes, layout_of, logical_axes
+from jaxscale.precision import fp8
 
 __all__ = ["AXIS", "objective", "settings", "table", "vary"]
 
@@ -237,7 +238,7 @@ def sum_shards(program: StageProgram, grads: Any, mesh: Mesh, rules: Rules) -> A
 def shard_mapped(program: StageProgram, mesh: Mesh, rules: Rules) -> Callable[..., tuple]:
     """``program`` on every stage: a ``shard_map`` manual over its axes, the embedding and head entering each
     stage as its own copy (a leading ``stage`` dimension), their gradients summed over ``stage`` after it.
-    The stacked blocks enter as they are stored (:class:`~jaxscale.stage_layers.Storage`): stage s's shard
+    The stacked blocks enter as they are stored (:class:`~jaxscale.config.stage_layers.Storage`): stage s's shard
     is its v chunks one after the other, [v·slots, ...], seen as [v, slots, ...] where it runs."""
     ring = program.inner.stage.ring
     data = tuple(a for a in program.summed if a not in ring and a not in program.inner.stage.tensor)
@@ -323,7 +324,8 @@ def objective(
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
-        # the histories' "gradients" are their updates (jaxscale/fp8.py), as they are: the blocks' and the head's.
+        # the histories' "gradients" are their updates (jaxscale/precision/fp8.py), as they are: the blocks' and the
+        # head's.
         grads, new_histories = res
         g = cotangents[0]
         kept = (parts.outer_histories, jax.tree.map(lambda _: False, blocks))

@@ -48,7 +48,7 @@ With a ring of one device the same kernel is blockwise (flash) attention on
 one device: ``model.attention: blockwise``.
 
 Inside a ``shard_map`` that is already manual over the ring's axes (a pipeline stage's loop: the
-active layout's :class:`~jaxscale.layout.Stage` names them) the kernel runs directly on each
+active layout's :class:`~jaxscale.layout.rules.Stage` names them) the kernel runs directly on each
 device's blocks: a ``shard_map`` of its own
 nested in that partly manual loop does not lower (Shardy: "manual axes must come before free
 axes" for its residuals, whose leading dimension spans the loop's free axes, e.g. fsdp). There the
@@ -73,7 +73,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxscale.sharding import Axes, active, spec, spec_axes, stage
+from jaxscale.layout.sharding import Axes, active, spec, spec_axes, stage
 
 SKIP, DIAGONAL, FULL = 0, 1, 2
 ACROSS = 2  # added to DIAGONAL or FULL: a tile whose pairs span documents, masked pair by pair
@@ -417,7 +417,7 @@ def _plan(
 ) -> _Ring:
     """The tile is ``block`` tokens, or a whole chunk when that is shorter.
 
-    The sizes are checked at build (:meth:`jaxscale.layout.Layout.validate`, in config terms); here,
+    The sizes are checked at build (:meth:`jaxscale.layout.rules.Layout.validate`, in config terms); here,
     for a direct call, in array terms.
     """
     chunks = 2 * cp if causal and cp > 1 else cp
@@ -446,7 +446,7 @@ def attention(
     [batch, length, kv_heads, v_head_dim] (the values' width may differ: multi-head latent attention); with
     ``positions`` [batch, length] of packed documents (restarting at 0 at each) within each document.
 
-    Under :func:`jaxscale.sharding.use_rules` this is a ``jax.shard_map``
+    Under :func:`jaxscale.layout.sharding.use_rules` this is a ``jax.shard_map``
     manual over every mesh axis, with specs from the rules (``q_axes`` and
     ``kv_axes`` name the dimensions): the batch and heads stay where the rules
     put them, and with ``ring`` the sequence's mesh axes form the ring (their

@@ -56,7 +56,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxscale.schema import SPLIT, Schedule
+from jaxscale.config.schema import SPLIT, Schedule
 
 Kind = Literal["F", "B", "W"]
 SCHEDULES: tuple[Schedule, ...] = typing.get_args(Schedule)
@@ -229,7 +229,7 @@ class _Slots:
 def build(schedule: str, p: int, m: int, v: int, train: bool = True) -> Table:
     """The lock-step table of ``schedule``; ``train=False`` runs the forwards only, the loss in the last one.
 
-    The arguments are the ones :meth:`jaxscale.layout.Layout.validate` accepts: v > 1 for the interleaved
+    The arguments are the ones :meth:`jaxscale.layout.rules.Layout.validate` accepts: v > 1 for the interleaved
     schedules only, m ≥ p, and m a multiple of p for ``interleaved_1f1b``."""
     last, single = v * p - 1, schedule in SPLIT and train  # split: a B alone, a W with the next F
     orders = [order(schedule, p, m, v, s) for s in range(p)]

@@ -38,11 +38,11 @@ einsum + reduce-scatter become collective matmuls
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU;
 on fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s (per-tensor scales) or
 :mod:`jaxscale.parallel.fp8_blockwise_collective`'s (``blockwise``). It needs SP axes
-(:meth:`jaxscale.layout.Layout.validate` says so at build); several SP axes form one ring over their product.
+(:meth:`jaxscale.layout.rules.Layout.validate` says so at build); several SP axes form one ring over their product.
 
 **Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) no
 ``shard_map`` can nest in the loop's. Where the loop is manual over TP's axes too
-(:meth:`jaxscale.layout.Layout.stage_tensor_axes`: :attr:`~jaxscale.layout.Stage.tensor`), each device
+(:meth:`jaxscale.layout.rules.Layout.stage_tensor_axes`: :attr:`~jaxscale.layout.rules.Stage.tensor`), each device
 holds its shard of the blocks' weights and both functions write the collectives themselves, over the
 devices of one stage: a projection whose weight is split (a TP region) gathers its input on the sequence
 over SP's axes first; leaving it, the partial sums are all-reduced over TP's axes, or reduce-scattered onto
@@ -65,11 +65,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxscale import fp8, precision
-from jaxscale.layout import Stage
+from jaxscale.layout.rules import Stage
+from jaxscale.layout.sharding import Axes, active, constrain, gather_shards, is_axes, spec, stage
 from jaxscale.parallel import fp8_blockwise_collective, fp8_collective
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
-from jaxscale.sharding import Axes, active, constrain, gather_shards, is_axes, spec, stage
+from jaxscale.precision import fp8
+from jaxscale.precision import policy as precision
 
 SEQUENCE = "norm_length"
 
@@ -118,7 +119,7 @@ def _arrays(fn: Callable[[jax.Array], jax.Array], x: Any) -> Any:
 
 def _readers(x: Any, n: int) -> list[Any]:
     """``x`` for ``n`` projections that read it: an fp8 input's history updated by the first only
-    (:func:`jaxscale.fp8.sharing`)."""
+    (:func:`jaxscale.precision.fp8.sharing`)."""
     return fp8.sharing(x, n) if isinstance(x, fp8.Operand) else [x] * n
 
 
@@ -146,7 +147,7 @@ def column_parallel(
     """All-gather ``x`` on the sequence, then ``einsum(eq, x, w)`` for each ``(eq, w, w_axes, out_axes)``.
 
     ``overlap`` (``model.tp_overlap``): the gather and the einsums as one collective matmul. ``grads``:
-    the weight gradients' dtype (:func:`jaxscale.precision.einsum`).
+    the weight gradients' dtype (:func:`jaxscale.precision.policy.einsum`).
     """
     manual, where = sequence_axes(), _manual_tensor()
     if where is not None and where.sequence and any(_split(where, w_axes) for _, _, w_axes, _ in projections):
@@ -186,7 +187,7 @@ def row_parallel(
     """Leave a tensor-parallel region: ``einsum(equation, h, w)`` reduce-scattered onto the sequence.
 
     ``overlap`` (``model.tp_overlap``): the einsum and the reduce-scatter as one collective matmul.
-    ``grads``: the weight gradient's dtype (:func:`jaxscale.precision.einsum`).
+    ``grads``: the weight gradient's dtype (:func:`jaxscale.precision.policy.einsum`).
     """
     manual, where = sequence_axes(), _manual_tensor()
     if where is not None and _split(where, w_axes):

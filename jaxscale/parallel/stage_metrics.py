@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.layout import Layout
-from jaxscale.parallel.stage_state import vary
-from jaxscale.routing import joined
-from jaxscale.stage_layers import Storage
+from jaxscale.config.stage_layers import Storage
+from jaxscale.layout.rules import Layout
+from jaxscale.layout.sharding import vary
+from jaxscale.ops.routing import joined
 
 F32 = jnp.float32
 Metrics = dict[str, Any]

@@ -41,13 +41,14 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxscale import fp8, precision
-from jaxscale.config import ModelConfig
+from jaxscale.config.read import ModelConfig
+from jaxscale.layout import collectives
+from jaxscale.layout.sharding import Layout, constrain, use_layout, vary, varying
 from jaxscale.parallel import weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.parallel.stage_metrics import HEAD, PREFIX, UNIT, Channel, SlotMetrics, prefixed
-from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take, vary, varying
-from jaxscale.sharding import Layout, constrain, use_layout
+from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, put, read_slot, take
+from jaxscale.precision import fp8
 
 AXIS = "stage"
 F32 = jnp.float32
@@ -129,7 +130,7 @@ class StageProgram(SlotMetrics):
 
         def one(w: jax.Array, dims: tuple[tuple[str, ...], ...]) -> jax.Array:
             for dim, axes in enumerate(dims):
-                w = precision.all_gather(w, axes, dim, F32) if axes else w
+                w = collectives.all_gather(w, axes, dim, F32) if axes else w
             return w
 
         leaves, tree = jax.tree.flatten(params)
@@ -138,7 +139,7 @@ class StageProgram(SlotMetrics):
     def loss_of(self, outer: Any, y: jax.Array, micro: dict[str, jax.Array], total: jax.Array) -> tuple:
         """The loss of the stack's output ``y`` on one microbatch ``micro`` with the head's share of the model's
         aux objective (its ``ahead``'s metrics), as its share of the batch's mean: weighed by its trained targets
-        over the batch's ``total`` (:mod:`jaxscale.loss`); and the head's metrics."""
+        over the batch's ``total`` (:mod:`jaxscale.ops.loss`); and the head's metrics."""
         loss, metrics = self.head_loss(self.head_model(outer), y, micro)
         metrics = jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
         loss = loss + self.share(HEAD, metrics)
@@ -390,9 +391,9 @@ class StageProgram(SlotMetrics):
 
     @staticmethod
     def add_amax(amax: Any, chunk: jax.Array, k: jax.Array, d_hp: Any, valid: jax.Array) -> Any:
-        """``amax`` with unit ``k``'s updated fp8 histories ``d_hp`` (:mod:`jaxscale.fp8`: a history's
+        """``amax`` with unit ``k``'s updated fp8 histories ``d_hp`` (:mod:`jaxscale.precision.fp8`: a history's
         "gradient" is the history with this microbatch's amax pushed in) at chunk ``chunk``'s slot k: the
-        largest of the microbatches' (as :func:`jaxscale.fp8.combine`), where ``valid``."""
+        largest of the microbatches' (as :func:`jaxscale.precision.fp8.combine`), where ``valid``."""
 
         def one(a: jax.Array, h: jax.Array) -> jax.Array:
             start = (chunk, k, *([0] * h.ndim))
@@ -453,7 +454,8 @@ class StageProgram(SlotMetrics):
         return vary(state, self.rows)
 
     def quantized(self, blocks: Unit) -> Any:
-        """The e4m3 copies of the stage's fp8 weights, made once per step before the loop (:func:`jaxscale.fp8.prepare`;
+        """The e4m3 copies of the stage's fp8 weights, made once per step before the loop
+        (:func:`jaxscale.precision.fp8.prepare`;
         none with precision.fp8 off or blockwise), each varying over the loop's axes as the weights do."""
         if not blocks.histories:
             return {}
@@ -466,7 +468,8 @@ class StageProgram(SlotMetrics):
 
         ``histories``: the blocks' fp8 amax histories, each stage its own layers' (varying over ``stage``
         alone: an amax inside the stage is the maximum over the devices of that stage,
-        :func:`jaxscale.fp8.global_amax`). Returns the loss, each unit slot's metrics, the head's and, training,
+        :func:`jaxscale.precision.fp8.global_amax`). Returns the loss, each unit slot's metrics, the head's and,
+        training,
         the blocks' gradients, their updated histories and the per-stage gradients of the embedding, final norm
         and head (a leading ``stage`` dimension of 1)."""
         with use_layout(jax.sharding.get_abstract_mesh(), self.inner):

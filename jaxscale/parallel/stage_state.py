@@ -16,21 +16,6 @@ from jax import lax
 from jaxscale.parallel.schedules import FIRST, LAST
 
 
-def vary(tree: Any, axes: tuple[str, ...]) -> Any:
-    """``tree`` typed as varying over ``axes`` (each device's own values: no sum is inserted in autodiff)."""
-
-    def cast(x: jax.Array) -> jax.Array:
-        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
-        return lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
-
-
-def varying(x: jax.Array) -> tuple[str, ...]:
-    """The manual axes ``x`` is typed as varying over."""
-    return tuple(jax.typeof(x).manual_axis_type.varying)
-
-
 def put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
     """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part."""
     i = jnp.maximum(slot, 0)
@@ -48,7 +33,7 @@ class Unit(NamedTuple):
     """A stacked unit's state (pure dicts), or a chunk's or the stage's (leading [v, slots] or [slots])."""
 
     params: Any  # its parameters
-    histories: Any  # its fp8 amax histories (:mod:`jaxscale.fp8`; empty with precision.fp8=off)
+    histories: Any  # its fp8 amax histories (:mod:`jaxscale.precision.fp8`; empty with precision.fp8=off)
     copies: Any  # its weights' e4m3 copies, made once per step (:meth:`StageProgram.quantized`)
 
 

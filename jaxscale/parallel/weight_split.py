@@ -1,8 +1,9 @@
 """Zero bubble's W slot at the price of the weight-gradient matmuls: a unit's weight matmuls split between its
 B slot (:meth:`~jaxscale.parallel.stage_program.StageProgram.backward_slot`) and its W slot (``weight_slot``).
 
-Every weight matmul of a unit goes through :func:`jaxscale.precision.einsum`. While a split schedule's slot
-traces a unit (:func:`tracing`), the stage's layout carries a :class:`Trace` (:attr:`jaxscale.layout.Stage.weights`)
+Every weight matmul of a unit goes through :func:`jaxscale.precision.policy.einsum`. While a split schedule's slot
+traces a unit (:func:`tracing`), the stage's layout carries a :class:`Trace`
+(:attr:`jaxscale.layout.rules.Stage.weights`)
 and ``precision.einsum`` hands it each matmul ``y = einsum(x, w)``:
 
 * **B** (``taps``): ``y`` with ``w``'s gradient stopped, plus a zero *tap*, an input of the function B
@@ -39,9 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale import fp8
-from jaxscale.parallel.stage_state import vary
-from jaxscale.sharding import active, use_layout
+from jaxscale.layout.sharding import active, use_layout, vary
+from jaxscale.precision import fp8
 
 Projection = Callable[[str, Any, Any], jax.Array]  # precision.einsum outside a split slot
 

@@ -1,0 +1,1 @@
+"""Checkpoint: a run's state saved and restored, onto any layout."""

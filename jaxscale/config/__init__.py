@@ -1,0 +1,1 @@
+"""Config: the typed config, read from YAML and overrides and checked (no jax)."""

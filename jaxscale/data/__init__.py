@@ -1,0 +1,1 @@
+"""Data: tokens from sources to global batches: preparation, the token cache, packing, documents."""

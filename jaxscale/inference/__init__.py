@@ -1,0 +1,1 @@
+"""Inference: tokens from a trained state: sampling and the generate command."""

@@ -1,0 +1,600 @@
+"""A rules table on a mesh: every question about where a logical axis lives, answered in one place (no jax).
+
+A rules file (``configs/rules/<name>.yaml``) has up to three sections::
+
+    rules:        # parameters and activations (required)
+      batch: [data, fsdp]
+      embed: fsdp
+      mlp: tensor
+      layers: null
+    optimizer:    # optional: overrides for the optimizer state (ZeRO-1)
+      embed: data
+    gradients:    # optional: overrides for the gradient accumulator (ZeRO-2)
+      embed: data
+
+Each logical name maps to one mesh axis, a list of them, or null
+(replicated). ``optimizer`` and ``gradients`` override single names of
+``rules``; everything they do not mention is laid out as the parameters. A
+model may only use names that ``rules`` mentions: an unknown name is an error
+(:meth:`Rules.partition`), never a silent replication.
+
+A :class:`Layout` is such a table on mesh axis sizes (a plain mapping, so the
+analytic model asks it for any device count). It answers what the parallel
+modules need: the mesh axes of size > 1 that split a name, how many ways, the
+sequence-parallel, context, expert and tensor axes, the pipeline stages, the
+batch shards; and :meth:`Layout.validate` raises every layout error of an
+experiment once, when the trainer is built. :mod:`jaxscale.layout.sharding` turns a
+layout into jax shardings; nothing here imports jax.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jaxscale.config import stage_layers
+from jaxscale.config.read import MESH_AXES, Config, ConfigError, ModelConfig, PipelineConfig, read_yaml, resolve_named
+from jaxscale.layout.axes import LOGICAL_AXES, WHOLE_AXES
+
+Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
+Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
+Table = Mapping[str, tuple[str, ...]]  # logical name -> mesh axes
+KINDS = ("params", "optimizer", "gradients")
+TOKENS = ("batch", "length")  # the logical axes of a batch of token ids
+STAGE = "stage"  # the mesh axis a pipeline runs over
+BLOCK_AXES = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp")  # a dense block's parameters' axes
+MOE_BLOCK = (*BLOCK_AXES, "expert", "expert_mlp", "q_lora", "kv_lora", "q_lora_up", "kv_lora_up")  # (MLA's too)
+
+
+def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"{where}: expected a mesh axis, a list of them, or null; got {value!r}")
+    for n in names:
+        if n not in MESH_AXES:
+            raise ConfigError(f"{where}: '{n}' is not a mesh axis ({', '.join(MESH_AXES)})")
+    return tuple(names)
+
+
+def stage_moe(model: ModelConfig) -> dict[str, bool]:
+    """The ``moe`` and ``experts`` flags of :class:`Layout`'s pipeline stage queries for ``model``: whether the
+    partitioner runs its experts (``model.moe.impl=partitioner``), or explicit collectives do (``shard_map``)."""
+    impl = None if model.moe is None else model.moe.impl
+    return {"moe": impl == "partitioner", "experts": impl == "shard_map"}
+
+
+def is_axes(x: Any) -> bool:
+    """True for a tuple of logical axis names (a leaf of a tree of axes)."""
+    return isinstance(x, tuple) and all(isinstance(a, str) or a is None for a in x)
+
+
+def part_axes(part: Part) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """A parsed rules table; ``name`` is for messages and logs."""
+
+    name: str
+    params: Table
+    optimizer: Table = dataclasses.field(default_factory=dict)
+    gradients: Table = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, name: str, data: Mapping[str, Any]) -> Rules:
+        unknown = set(data) - {"rules", "optimizer", "gradients", "description"}
+        if unknown:
+            raise ConfigError(f"rules '{name}': unknown section '{sorted(unknown)[0]}'")
+        if not isinstance(data.get("rules"), dict):
+            raise ConfigError(f"rules '{name}': a 'rules' mapping is required")
+        sections = {}
+        for section in ("rules", "optimizer", "gradients"):
+            table = data.get(section) or {}
+            if not isinstance(table, dict):
+                raise ConfigError(f"rules '{name}' {section}: expected a mapping of logical axes, got {table!r}")
+            sections[section] = {
+                str(k): _mesh_axes(v, f"rules '{name}' {section}.{k}") for k, v in table.items()
+            }
+        typos = [k for k in sections["rules"] if k not in LOGICAL_AXES]
+        if typos:
+            raise ConfigError(
+                f"rules '{name}' rules.{typos[0]}: not a logical axis (one of: {', '.join(LOGICAL_AXES)})"
+            )
+        for section in ("optimizer", "gradients"):
+            for k in sections[section]:
+                if k not in sections["rules"]:
+                    raise ConfigError(f"rules '{name}' {section}.{k}: not in the 'rules' section")
+        return cls(name, sections["rules"], sections["optimizer"], sections["gradients"])
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Rules:
+        path = resolve_named(name_or_path, "rules")
+        return cls.from_dict(Path(path).stem, read_yaml(path))
+
+    def table(self, kind: str = "params") -> Table:
+        if kind == "params":
+            return self.params
+        return {**self.params, **getattr(self, kind)}
+
+    def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
+        """The PartitionSpec entries of an array whose dimensions have these logical names.
+
+        Raises for a name the table lacks (but :data:`~jaxscale.layout.axes.WHOLE_AXES`, whole where
+        unmapped) and for a mesh axis that would split two dimensions.
+        """
+        table = self.table(kind)
+        used: dict[str, str] = {}
+        parts: list[Part] = []
+        for name in axes:
+            if name is None or (name in WHOLE_AXES and name not in table):
+                parts.append(None)
+                continue
+            if name not in table:
+                raise ConfigError(f"logical axis '{name}' is not in rules table '{self.name}'")
+            mesh_axes = table[name]
+            for m in mesh_axes:
+                if m in used:
+                    raise ConfigError(
+                        f"rules '{self.name}': mesh axis '{m}' shards both '{used[m]}' and '{name}' of {axes}"
+                    )
+                used[m] = name
+            parts.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        return tuple(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Inside a pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`): what the code traced there must know.
+
+    The loop recomputes each layer itself (no remat policy applies), ring attention runs its per-device
+    kernel over the ``ring`` axes, already manual, where the ``tensor`` axes are manual too
+    (:meth:`Layout.stage_tensor_axes`) the projections of :mod:`jaxscale.parallel.sequence` write TP's
+    and SP's collectives themselves, over the block parameters' logical names in ``split``, and an MoE layer
+    with explicit experts (``model.moe.impl=shard_map``) runs expert parallelism's per-device body over
+    ``expert`` (:mod:`jaxscale.parallel.expert`). While a split schedule's B or W slot traces a unit,
+    ``weights`` runs its weight matmuls (:func:`jaxscale.precision.policy.einsum`)."""
+
+    manual: tuple[str, ...]  # the mesh axes the loop is manual over: stage, then data, context and tensor axes
+    ring: tuple[str, ...]  # of them, the context axes (ring attention's ring)
+    tensor: tuple[str, ...] = ()  # of them, TP's: they split the blocks' parameters, each device keeps its shard
+    split: tuple[str, ...] = ()  # the logical names of block parameter dimensions that ``tensor`` splits
+    sequence: tuple[str, ...] = ()  # of ``tensor``, SP's: the residual stream split on the sequence over them
+    weights: Any = None  # in a split backward's unit, how weight matmuls run (:mod:`jaxscale.parallel.weight_split`)
+    expert: tuple[str, ...] = ()  # of the row axes, EP's: each device keeps its experts, tokens exchanged over them
+    expert_mlp: tuple[str, ...] = ()  # of ``tensor``, those splitting the experts' MLP (their outputs partial sums)
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The manual axes besides ``stage`` over which a microbatch's tokens are spread (each device holds its
+        own rows or part of the sequence): an MoE layer's routing statistics are sums over them."""
+        return tuple(a for a in self.manual[1:] if a not in self.tensor or a in self.sequence)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """``rules`` on a mesh of axis sizes ``mesh`` (mesh axis -> size; axes it lacks have size 1).
+
+    The queries are lenient (a name the table lacks is replicated); :meth:`partition` is strict.
+    While a step is traced (:func:`jaxscale.layout.sharding.use_rules`) the layout also carries the pipeline's
+    settings, and inside a pipeline stage's loop the :class:`Stage`.
+    """
+
+    rules: Rules
+    mesh: Mapping[str, int]
+    pipeline: PipelineConfig | None = None
+    stage: Stage | None = None
+
+    @property
+    def name(self) -> str:
+        return self.rules.name
+
+    def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
+        """The PartitionSpec entries of an array with these logical names (:meth:`Rules.partition`)."""
+        return self.rules.partition(axes, kind)
+
+    def axes_of(self, name: str, kind: str = "params") -> tuple[str, ...]:
+        """Every mesh axis the rules map ``name`` to, of any size (none if the table lacks it)."""
+        return self.rules.table(kind).get(name, ())
+
+    def size(self, axes: Iterable[str]) -> int:
+        """The number of devices along these mesh axes together."""
+        return math.prod(self.mesh.get(a, 1) for a in axes)
+
+    def mesh_axes(self, names: Iterable[str | None], kind: str = "params") -> tuple[str, ...]:
+        """The mesh axes of size > 1 that split an array with these logical names, in order, once each."""
+        out: list[str] = []
+        for name in names:
+            for axis in self.axes_of(name, kind) if name else ():
+                if self.mesh.get(axis, 1) > 1 and axis not in out:
+                    out.append(axis)
+        return tuple(out)
+
+    def ways(self, names: Iterable[str | None], kind: str = "params") -> int:
+        """Into how many shards the rules split an array with these logical names."""
+        return self.size(self.mesh_axes(names, kind))
+
+    # -- what each parallelism asks ------------------------------------------------------
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the batch: each device's sequences differ along them."""
+        return self.mesh_axes(("batch",))
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the batch is split."""
+        return self.size(self.batch_axes)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the tokens (batch and sequence): each holds different data."""
+        return self.mesh_axes(TOKENS)
+
+    def data_axes(self, params: Iterable[Axes]) -> tuple[str, ...]:
+        """The leading mesh axes of ``batch`` (of any size) that split none of these parameters' axes.
+
+        Over them each device holds every such parameter whole: its gradient is a sum over them.
+        """
+        held = {a for axes in params for name in axes if name for a in self.axes_of(name)}
+        out: list[str] = []
+        for axis in self.axes_of("batch"):
+            if axis in held:
+                break
+            out.append(axis)
+        return tuple(out)
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the sequence but not the batch: context parallelism."""
+        batch = self.batch_axes
+        return tuple(a for a in self.mesh_axes(("length",)) if a not in batch)
+
+    @property
+    def ring_size(self) -> int:
+        """Devices that hold one sequence's blocks between them (the ring of ring attention)."""
+        return self.ways(("length",))
+
+    @property
+    def sequence_axes(self) -> tuple[str, ...]:
+        """Sequence parallelism's mesh axes: they split ``norm_length`` but not ``length``."""
+        inner = self.axes_of("length")
+        return tuple(a for a in self.mesh_axes(("norm_length",)) if a not in inner)
+
+    @property
+    def expert_axes(self) -> tuple[str, ...]:
+        """Expert parallelism's mesh axes: they split the experts."""
+        return self.mesh_axes(("expert",))
+
+    @property
+    def tensor_axes(self) -> tuple[str, ...]:
+        """Tensor parallelism's mesh axes: they split the attention heads or the MLP."""
+        return self.mesh_axes(("heads", "kv_heads", "mlp"))
+
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """Mesh axes that split the layer stack."""
+        return self.mesh_axes(("layers",))
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the rules put ``layers`` on the ``stage`` axis (size > 1): the pipeline loop runs."""
+        return STAGE in self.stage_axes
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
+        return self.mesh[STAGE] if self.pipelined else 1
+
+    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                          experts: bool = False) -> tuple[str, ...]:
+        """The mesh axes the pipeline loop is manual over: ``stage`` and, unless the partitioner runs an MoE
+        model's experts (``moe``), the batch axes, the context axes, whose ring attention then runs inside the
+        loop (:mod:`jaxscale.parallel.pipeline`), and TP's axes where :meth:`stage_tensor_axes` says.
+        ``experts``: an MoE model whose experts run explicit collectives (``model.moe.impl=shard_map``): as a
+        dense model, its experts kept split over the EP axes (:meth:`stage_expert_axes`).
+
+        Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
+        they split is split by batch axes alone: the loop gathers the stage's blocks over them itself
+        (:meth:`stage_gathered_axes`: once per step, or layer by layer as slots run them, ``pipeline.fsdp``
+        ``step`` or ``visit``) unless ``pipeline.fsdp`` is ``tick``; else only the leading batch
+        axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
+        blocks = list(blocks)
+        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp, experts))
+
+    def _stage_row_axes(self, blocks: list[Axes], moe: bool) -> tuple[str, ...]:
+        """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, EP, context)."""
+        if moe:
+            return (STAGE,)
+        manual = self.pipeline is None or self.pipeline.fsdp != "tick"
+        return (STAGE, *(self.axes_of("batch") if manual and self._gatherable(blocks) else self.data_axes(blocks)),
+                *self.stage_context_axes)
+
+    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                          experts: bool = False) -> tuple[str, ...]:
+        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a model whose stage would
+        leave only them to the partitioner, and only where each block parameter dimension they split is split
+        by them alone. Each device then keeps its shard of the blocks and :mod:`jaxscale.parallel.sequence`
+        writes the collectives (explicit experts, :mod:`jaxscale.parallel.expert`, their partial sums), so idle
+        slots are skipped (:meth:`stage_partitioned`). ``explicit_tp``: whether the model's projections go through
+        those functions (the model contract's ``explicit_tp``).
+
+        This is the one place that says where a stage leaves axes to the partitioner, its idle slots then
+        computed on zeros and masked: an MoE model whose experts the partitioner runs (``moe``,
+        ``model.moe.impl=partitioner``: the loop manual over ``stage`` alone, routing statistics over the whole
+        microbatch, so FSDP, TP and experts stay free), FSDP gathered every tick (``pipeline.fsdp=tick``: the
+        batch axes that split parameters stay free, and TP's with them), TP axes that share a parameter
+        dimension with other axes, SP with explicit experts (``experts``: an MoE layer routes whole sequences),
+        and a model whose projections are its own einsums (no ``explicit_tp``: nothing would write TP's
+        collectives). Explicit experts (``model.moe.impl=shard_map``) in such a stage are refused
+        (:meth:`validate`, :func:`jaxscale.parallel.pipeline.build`)."""
+        blocks = list(blocks)
+        if moe or not explicit_tp or (experts and self.sequence_axes):
+            return ()
+        rows = self._stage_row_axes(blocks, moe)
+        free = tuple(a for a, n in self.mesh.items() if n > 1 and a not in rows)
+        if set(free) & set(self.batch_axes):
+            return ()
+        splits = [set(self.mesh_axes((name,))) for axes in blocks for name in axes if name]
+        if not all(axes <= set(free) or not axes & set(free) for axes in splits):
+            return ()
+        held = {a for axes in splits for a in axes}
+        return free if set(free) <= held and set(self.sequence_axes) <= set(free) else ()
+
+    def stage_expert_axes(self, blocks: Iterable[Axes], experts: bool) -> tuple[str, ...]:
+        """Expert parallelism's mesh axes, manual in a pipeline stage's loop with explicit experts: each device
+        keeps its shard of the experts (never gathered) and the exchange runs among the stage's devices."""
+        rows = self._stage_row_axes(list(blocks), moe=False)
+        return tuple(a for a in self.expert_axes if a in rows) if experts else ()
+
+    def _gatherable(self, blocks: Iterable[Axes]) -> bool:
+        batch = set(self.axes_of("batch"))
+        splits = [set(self.axes_of(name)) for axes in blocks for name in axes if name]
+        return all(axes <= batch or not axes & batch for axes in splits)
+
+    def stage_gathered_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
+        """The mesh axes of size > 1 over which a pipeline stage gathers its blocks itself (once per step, or
+        each layer as a slot runs it: ``pipeline.fsdp`` step or visit): the manual batch axes that split a
+        block parameter (FSDP's, inside a stage) on a dimension other than ``expert`` (EP's stay split)."""
+        blocks = list(blocks)
+        rows = self._stage_row_axes(blocks, moe)
+        named = (n for axes in blocks for n in axes if n != "expert")
+        return tuple(a for a in self.mesh_axes(named) if a in rows and a != STAGE)
+
+    @property
+    def stage_context_axes(self) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that split ``length`` in a pipeline (:meth:`_check_stage_context`)."""
+        return self.mesh_axes(("length",)) if self.pipelined else ()
+
+    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                          experts: bool = False) -> bool:
+        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner (:meth:`stage_tensor_axes`
+        says where), so that the loop computes its idle slots and masks them instead of skipping them: XLA
+        cannot partition collectives in a conditional whose branch differs between stages. (A ring inside a
+        stage gathers its keys and values, no collective-permute: :mod:`jaxscale.parallel.ring_attention`.)"""
+        return bool(self.stage_free_axes(blocks, moe, explicit_tp, experts))
+
+    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
+                        experts: bool = False) -> tuple[str, ...]:
+        """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
+        manual = self.stage_manual_axes(blocks, moe, explicit_tp, experts)
+        return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
+
+    # -- validation ----------------------------------------------------------------------
+
+    def validate(self, config: Config) -> None:
+        """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
+        model, where = config.model, f"rules '{self.name}'"
+        chunk = config.train.seq_len // self.ways(("norm_length",))
+        if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
+            raise ConfigError(
+                f"precision.fp8=blockwise with model.tp_overlap: each device's part of the sequence ({chunk} "
+                f"tokens under {where}) must be a multiple of precision.fp8_block ({config.precision.fp8_block}): "
+                "the ring passes whole tiles"
+            )
+        if config.precision.fp8_head and model.loss_chunk:
+            raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
+        if self.pipelined:
+            self._check_pipeline(config)
+        self.check_stage_layers(config)
+        if self.pipelined:
+            self._check_pipeline_shapes(config)
+        self._check_sequence(config)
+        if model.attention in ("blockwise", "ring"):
+            self._check_attention(config)
+        if model.moe is not None and model.moe.impl == "shard_map":
+            self._check_experts()
+
+    def _check_pipeline(self, config: Config) -> None:
+        where = f"rules '{self.name}'"
+        if len(self.stage_axes) > 1:
+            raise ConfigError(
+                f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
+            )
+        # Collective matmuls are shard_maps of their own; XLA (Shardy and GSPMD alike) cannot lower them nested
+        # in the pipeline's partly manual loop. (Sequence parallelism and explicit experts write their collectives
+        # there in the loop's manual axes: Layout.stage, jaxscale.parallel.sequence, jaxscale.parallel.expert.)
+        nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
+        if config.model.tp_overlap:
+            raise ConfigError(
+                f"{where}: model.tp_overlap (collective matmuls) inside a pipeline stage {nested}; sequence "
+                "parallelism without it runs there (model.tp_overlap=false)"
+            )
+        self._check_stage_context(config)
+        if config.pipeline.fsdp == "visit" and config.precision.fp8 in ("delayed", "current"):
+            raise ConfigError(
+                f"pipeline.fsdp=visit: not supported with precision.fp8={config.precision.fp8} (the e4m3 copies "
+                "are made once a step of whole weights): pipeline.fsdp=step or tick, or precision.fp8=blockwise"
+            )
+        if stage_moe(config.model)["experts"]:
+            self.check_stage_experts(self.stage_free_axes([MOE_BLOCK], moe=False, experts=True))
+            if config.precision.fp8 != "off":
+                raise ConfigError(
+                    f"{where}: precision.fp8={config.precision.fp8} with model.moe.impl=shard_map inside a pipeline "
+                    "stage is not supported (the experts' scales are not split with them there); "
+                    "model.moe.impl=partitioner runs fp8 experts in a stage"
+                )
+
+    def check_stage_experts(self, free: tuple[str, ...]) -> None:
+        """Explicit experts (``model.moe.impl=shard_map``) in a pipeline stage need its loop manual over every
+        mesh axis (``free``: those it would leave to the partitioner): the exchange runs among its devices."""
+        if free:
+            raise ConfigError(
+                f"rules '{self.name}': model.moe.impl=shard_map inside a pipeline stage needs the stage's loop manual "
+                f"over every mesh axis, but {list(free)} would stay with the partitioner (sequence parallelism, "
+                "pipeline.fsdp=tick, or an axis sharing a parameter dimension with others); "
+                "model.moe.impl=partitioner runs the experts there (idle slots computed and masked)"
+            )
+
+    def _check_pipeline_shapes(self, config: Config) -> None:
+        """The schedule, the layers and the batch against the stages: p stages, v chunks each, m microbatches."""
+        pipeline, p = config.pipeline, self.stages
+        v, m, schedule = pipeline.repeats, pipeline.microbatches or p, pipeline.schedule
+        slots = stage_layers.stack_size(config)
+        if slots % (p * v) and pipeline.layers_per_stage is None:
+            raise ConfigError(
+                f"{stage_layers.stacked_named(config.model)} is not divisible by mesh.stage ({p}) x pipeline.repeats "
+                f"({v}); pipeline.layers_per_stage splits them unevenly"
+            )
+        if m < p:
+            raise ConfigError(f"pipeline.microbatches ({m}) is fewer than the {p} pipeline stages (mesh.stage)")
+        if schedule == "interleaved_1f1b" and m % p:
+            raise ConfigError(
+                f"pipeline.schedule=interleaved_1f1b sends microbatches in groups of mesh.stage ({p}): "
+                f"pipeline.microbatches ({m}) must be a multiple of it"
+            )
+        rows = config.train.global_batch // config.train.microbatches
+        if rows % m:
+            raise ConfigError(
+                f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
+                f"pipeline.microbatches ({m})"
+            )
+        shape = (rows // m, config.train.seq_len)
+        for dim, (size, name, part) in enumerate(zip(shape, TOKENS, self.partition(TOKENS), strict=True)):
+            if size % self.size(part_axes(part)):
+                raise ConfigError(
+                    f"pipeline microbatch: dimension {dim} ('{name}', size {size}) is not divisible by "
+                    f"mesh axes {part} of size {self.size(part_axes(part))}"
+                )
+
+    def check_stage_layers(self, config: Config) -> None:
+        """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
+        pipeline = config.pipeline
+        listed = pipeline.layers_per_stage
+        if listed is None:
+            return
+        if not self.pipelined:
+            raise ConfigError(
+                f"pipeline.layers_per_stage: rules '{self.name}' on this mesh run no pipeline "
+                f"(layers on '{STAGE}' of size > 1)"
+            )
+        if len(listed) != self.stages * pipeline.repeats:
+            raise ConfigError(
+                f"pipeline.layers_per_stage has {len(listed)} entr{'y' if len(listed) == 1 else 'ies'}; it needs one "
+                f"per virtual stage, mesh.stage ({self.stages}) x pipeline.repeats ({pipeline.repeats}) = "
+                f"{self.stages * pipeline.repeats}"
+            )
+
+    def _check_stage_context(self, config: Config) -> None:
+        """Context parallelism inside a pipeline stage: the loop is manual over the context axes and runs
+        ring attention's kernel there. (A ring's own shard_map nested in the partly manual loop does not
+        lower: Shardy wants its residuals' manual axes before the loop's free ones, e.g. fsdp.)"""
+        context = self.stage_context_axes
+        if not context:
+            return
+        where, cp = f"rules '{self.name}'", f"context parallelism (length on {list(context)}) inside a pipeline stage"
+        if config.model.moe is not None:
+            raise ConfigError(
+                f"{where}: {cp} needs a dense model: the loop is manual over the context axes, and an MoE "
+                "layer's routing statistics span the whole microbatch"
+            )
+        if config.model.attention != "ring":
+            raise ConfigError(
+                f"{where}: {cp} needs model.attention=ring: the loop is manual over the context axes, so "
+                f"model.attention={config.model.attention} would see only each device's blocks of the sequence"
+            )
+        held = sorted({a for name in BLOCK_AXES for a in self.axes_of(name)} & set(context))
+        if held:
+            raise ConfigError(
+                f"{where}: {cp} needs the block parameters unsplit over {held}: the loop is manual over them "
+                "and would gather the parameters whole on entry"
+            )
+
+    def _check_sequence(self, config: Config) -> None:
+        where, manual, moe = f"rules '{self.name}'", self.sequence_axes, config.model.moe
+        inner, outer = self.axes_of("length"), self.axes_of("norm_length")
+        if manual and inner and outer[: len(inner)] != inner:
+            # Gathering the SP shards must give back the blocks of 'length' (context parallelism).
+            raise ConfigError(
+                f"{where}: norm_length {list(outer)} must start with the mesh axes of length {list(inner)}"
+            )
+        if config.model.tp_overlap and not manual:
+            raise ConfigError(
+                f"model.tp_overlap needs sequence parallelism: {where} shard norm_length over no mesh axis "
+                "of size > 1 that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, "
+                "or model.tp_overlap=false)"
+            )
+        # Leaving a tensor-parallel region (attention; a dense or shared-expert MLP) reduce-scatters the
+        # partial sums of its contracted dimensions onto the sequence.
+        dense_mlp = moe is None or moe.every_n_layers > 1 or moe.shared_experts > 0
+        for contracted in (("heads", "head_dim"), ("mlp",)) if dense_mlp else (("heads", "head_dim"),):
+            if manual and {a for name in contracted for a in self.axes_of(name)} != set(manual):
+                raise ConfigError(
+                    f"{where}: sequence parallelism over {manual} needs the contracted axes {contracted} "
+                    "sharded over the same mesh axes (e.g. heads and mlp on tensor)"
+                )
+
+    def _check_attention(self, config: Config) -> None:
+        where, model = f"rules '{self.name}'", config.model
+        if self.axes_of("head_dim"):
+            raise ConfigError(f"{where}: 'head_dim' must not be sharded for ring/blockwise attention")
+        heads, kv_heads = self.partition(("heads",))[0], self.partition(("kv_heads",))[0]
+        if heads != kv_heads:
+            raise ConfigError(
+                f"{where}: 'heads' and 'kv_heads' must be sharded over the same mesh axes "
+                f"for ring/blockwise attention (got {heads} and {kv_heads})"
+            )
+        cp = self.ring_size if model.attention == "ring" else 1
+        seq_len, chunks = config.train.seq_len, 2 * cp if cp > 1 else 1
+        if seq_len % chunks:
+            raise ConfigError(
+                f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
+                f"{' x '.join(self.axes_of('length'))} cuts it into 2 x {cp} chunks"
+            )
+        chunk = seq_len // chunks
+        if chunk % min(model.attention_block, chunk):
+            raise ConfigError(
+                f"model.attention_block ({model.attention_block}) does not divide the {chunk}-token chunks of "
+                f"train.seq_len ({seq_len})"
+            )
+
+    def _check_experts(self) -> None:
+        where = f"rules '{self.name}'"
+        ep, batch = self.expert_axes, set(self.batch_axes)
+        seq, mlp = self.mesh_axes(("norm_length",)), self.mesh_axes(("expert_mlp",))
+        if not set(ep) <= batch:
+            raise ConfigError(
+                f"{where}: expert parallelism over {ep} needs 'batch' sharded over the same mesh axes "
+                "(outside the MoE blocks they act as data parallelism)"
+            )
+        if set(mlp) & batch:
+            raise ConfigError(f"{where}: 'expert_mlp' and 'batch' share mesh axes {sorted(set(mlp) & batch)}")
+        if self.mesh_axes(("act_embed",)):
+            raise ConfigError(f"{where}: expert parallelism needs 'act_embed' unsharded")
+        if set(seq) & set(mlp) and not set(seq) <= set(mlp):
+            raise ConfigError(
+                f"{where}: the sequence ('norm_length' on {seq}) must be sharded over all or none "
+                f"of the axes of 'expert_mlp' ({mlp})"
+            )
+
+
+# jaxscale's one trace-time state, the mesh and layout the code traced sees: set by
+# :func:`jaxscale.layout.sharding.use_layout`, here so that :mod:`jaxscale.precision.policy` reads it too.
+ACTIVE: contextvars.ContextVar[tuple[Any, Layout] | None] = contextvars.ContextVar("jaxscale_layout", default=None)

@@ -1,0 +1,1 @@
+"""Precision: the mixed-precision policy and the fp8 projections."""
