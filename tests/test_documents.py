@@ -159,6 +159,12 @@ def test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key():
     assert visible(ring_attention.DIAGONAL, one, one) == ring_attention.DIAGONAL  # causal only
     assert visible(skip, one, one) == skip  # causally masked stays skipped
     assert visible(skip, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == skip  # however its documents lie
+    # Queries spanning two documents, keys inside one of them (or the other way round): the key tile is in one
+    # document but not every query's, so the tile is masked pair by pair, never read as one document.
+    two = jnp.array([[8, 8, 10, 10], [12, 12, 12, 12]])
+    assert visible(full, two, jnp.array([[10, 10, 10, 10], [12, 12, 12, 12]])) == across
+    assert visible(full, two, jnp.array([[8, 8, 8, 8], [12, 12, 12, 12]])) == across
+    assert visible(full, jnp.array([[10, 10, 10, 10], [12, 12, 12, 12]]), two) == across
 
 
 @pytest.mark.parametrize("ring", [False, True], ids=["blockwise", "ring_cp4"])
