@@ -30,13 +30,14 @@ from helpers import Trainers, partitioned_hlo, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.activations import layer_residuals
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.communication import communication, flow
 from jaxscale.analysis.formulas import state_formula
 from jaxscale.analysis.inspect import step_collectives
-from jaxscale.analysis.memory import layer_residuals
 from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.predict import predict_trainer
-from jaxscale.analysis.timing import crosses_nodes, load_cluster
+from jaxscale.analysis.timing import crosses_nodes
 from jaxscale.config.read import CONFIG_DIR, ConfigError
 from jaxscale.layout.rules import Layout, Rules
 from jaxscale.layout.sharding import use_rules
@@ -73,7 +74,7 @@ LAYOUTS = [
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=8", "pipeline.schedule=interleaved_1f1b",
      "pipeline.repeats=2"),
     ("pp_tp_cp", {"stage": 2, "context": 4}, "model.layers=4", "model.attention=ring"),
-    # ZB-H1: what each layer's B keeps for its W (memory.split_kept), the W slot's weight-gradient matmuls alone
+    # ZB-H1: what each layer's B keeps for its W (activations.split_kept), the W slot's weight-gradient matmuls alone
     ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4", "pipeline.schedule=zb_h1",
      "pipeline.microbatches=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "pipeline.fsdp=visit"),  # gathered per layer visit

@@ -19,11 +19,11 @@ from helpers import assert_trees_close, fails_early, rel_err
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, plan, strategy, timing, xla
-from jaxscale.analysis.memory import layer_residuals
+from jaxscale.analysis.activations import layer_residuals
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import placement
-from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import flops
 from jaxscale.config.read import Config, ConfigError, load_config, read_yaml, resolve_named
 from jaxscale.layout.sharding import use_rules

@@ -30,12 +30,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxscale.analysis.blocks import attention
+from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.reasons import BLOCK_AXES, Candidate, expert_lines, fmt_time, kernel_line, reasons, unit_for
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
-from jaxscale.analysis.timing import Cluster, step_time
+from jaxscale.analysis.timing import step_time
 from jaxscale.config.read import DEFAULT_SCHEDULE, ConfigError, ModelConfig
 from jaxscale.config.stage_layers import lighter_ends, unit
 from jaxscale.layout.rules import Layout, stage_moe

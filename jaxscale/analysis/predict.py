@@ -14,10 +14,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import EP_IMBALANCE, Flow, communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
-from jaxscale.analysis.timing import Cluster, step_time
+from jaxscale.analysis.timing import step_time
 from jaxscale.config.read import ModelConfig
 from jaxscale.layout.rules import Layout
 
