@@ -54,7 +54,7 @@ def check(obj: dict, schema: dict, where: str) -> None:
 
 def check_report(report: dict) -> None:
     check(report, TOP, "report")
-    assert report["schema"] == "jaxscale.bench/1"
+    assert report["schema"] == "jaxscale.analysis.bench/1"
     for i, row in enumerate(report["results"]):
         where = f"results[{i}]"
         predicted = report["cluster"] is not None and row["status"] == "ok" and row["steps"] > 0

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxscale.analysis.blocks import attention, dense_per_token, mlp_per_token, moe_layers, projections
+from jaxscale.config.axes import HIDDEN, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config.read import ModelConfig
-from jaxscale.layout.axes import HIDDEN, MLP_AXES, Q_AXES, RESIDUAL
 
 SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
 

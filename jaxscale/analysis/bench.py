@@ -90,7 +90,7 @@ from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config, requested
 from jaxscale.runtime import xla_flags
 from jaxscale.training.trainer import Trainer
 
-SCHEMA = "jaxscale.bench/1"
+SCHEMA = "jaxscale.analysis.bench/1"
 BASE_CONFIG = CONFIG_DIR / "experiments" / "bench.yaml"
 PARTS = ("matmul", "attention", "memory_bound", "optimizer", "recompute", "exposed", "bubble")
 TIMES = (
@@ -361,7 +361,7 @@ def run_suite(
     cluster: str | Path | None = None,
     stream: TextIO | None = None,
 ) -> dict[str, Any]:
-    """Run a suite on the present devices; the report object (``schema`` ``jaxscale.bench/1``); with a
+    """Run a suite on the present devices; the report object (``schema`` ``jaxscale.analysis.bench/1``); with a
     ``cluster`` file, each row's prediction too. With a ``stream``, :func:`table`'s header goes to it before
     the first run and each row's line as that row finishes (flushed)."""
     table = load_suites(suites)

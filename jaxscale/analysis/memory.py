@@ -80,8 +80,8 @@ from jaxscale.analysis.activations import (
 )
 from jaxscale.analysis.blocks import mlp_per_token, moe_layers
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
+from jaxscale.config.axes import LOGITS, MLP_AXES, RESIDUAL
 from jaxscale.config.read import ModelConfig
-from jaxscale.layout.axes import LOGITS, MLP_AXES, RESIDUAL
 from jaxscale.layout.rules import TOKENS, Layout, stage_moe
 
 

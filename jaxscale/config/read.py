@@ -27,7 +27,8 @@ from typing import Any, Literal
 import yaml
 
 from jaxscale.config import bounds, dtypes, interleave, stage_layers, strict
-from jaxscale.config.schema import (  # the schema, importable from here
+from jaxscale.config.axes import LOGICAL_AXES
+from jaxscale.config.schema import (
     DEFAULT_SCHEDULE,
     INTERLEAVED,
     MESH_AXES,
@@ -419,6 +420,9 @@ def validate(config: Config) -> None:
         raise ConfigError(
             f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
         )
+    unknown = [a for a in t.muon.adamw_axes if a not in LOGICAL_AXES]
+    if unknown:
+        raise ConfigError(f"train.muon.adamw_axes: '{unknown[0]}' is not a logical axis ({', '.join(LOGICAL_AXES)})")
     validate_pipeline(config.pipeline)
     validate_stage_layers(config)
     validate_xla(config.xla)

@@ -37,6 +37,8 @@ CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 RopeType = Literal["llama3"]
 Packing = Literal["concat", "first_fit"]  # jaxscale/data/packing.py
+Optimizer = Literal["adamw", "muon"]  # jaxscale/training/optim.py, jaxscale/training/muon.py
+MuonScale = Literal["rms", "shape"]  # rms: rms * sqrt(max(fan_in, fan_out)) (Moonlight); shape: sqrt(max(1, out/in))
 
 
 class ConfigError(ValueError):
@@ -158,6 +160,22 @@ class MeshConfig(AxisSizes):
 
 
 @dataclasses.dataclass
+class MuonConfig:
+    """Muon (``train.optimizer: muon``, :mod:`jaxscale.training.muon`): Nesterov momentum orthogonalised by the quintic
+    Newton-Schulz iteration on each hidden matrix, AdamW (``train.b1``, ``b2``, ``eps``) on the rest."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: ReduceDType = "bfloat16"  # the iteration's matmuls, and the moves to and from the owner devices
+    scale: MuonScale = "rms"
+    rms: float = 0.2  # scale: rms, the update's RMS (AdamW's, so that train.learning_rate carries over)
+    learning_rate: float | None = None  # the hidden matrices' peak rate (None: train.learning_rate)
+    weight_decay: float | None = None  # decoupled, times the rate (None: train.weight_decay)
+    adamw_axes: list[str] = dataclasses.field(default_factory=lambda: ["vocab"])  # a matrix with one: AdamW
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """Optimisation and loop settings."""
 
@@ -177,6 +195,8 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0
+    optimizer: Optimizer = "adamw"
+    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)  # train.optimizer: muon
     peak_flops: float | None = None
     eval_every: int = 0
     eval_steps: int = 4

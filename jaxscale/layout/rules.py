@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale.config import stage_layers
+from jaxscale.config.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.config.read import MESH_AXES, Config, ConfigError, ModelConfig, PipelineConfig, read_yaml, resolve_named
-from jaxscale.layout.axes import LOGICAL_AXES, WHOLE_AXES
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
@@ -87,16 +87,17 @@ class Rules:
     params: Table
     optimizer: Table = dataclasses.field(default_factory=dict)
     gradients: Table = dataclasses.field(default_factory=dict)
+    muon: Table = dataclasses.field(default_factory=dict)  # Muon's owner layout (jaxscale/training/muon_layout.py)
 
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> Rules:
-        unknown = set(data) - {"rules", "optimizer", "gradients", "description"}
+        unknown = set(data) - {"rules", "optimizer", "gradients", "muon", "description"}
         if unknown:
             raise ConfigError(f"rules '{name}': unknown section '{sorted(unknown)[0]}'")
         if not isinstance(data.get("rules"), dict):
             raise ConfigError(f"rules '{name}': a 'rules' mapping is required")
         sections = {}
-        for section in ("rules", "optimizer", "gradients"):
+        for section in ("rules", "optimizer", "gradients", "muon"):
             table = data.get(section) or {}
             if not isinstance(table, dict):
                 raise ConfigError(f"rules '{name}' {section}: expected a mapping of logical axes, got {table!r}")
@@ -108,11 +109,11 @@ class Rules:
             raise ConfigError(
                 f"rules '{name}' rules.{typos[0]}: not a logical axis (one of: {', '.join(LOGICAL_AXES)})"
             )
-        for section in ("optimizer", "gradients"):
+        for section in ("optimizer", "gradients", "muon"):
             for k in sections[section]:
                 if k not in sections["rules"]:
                     raise ConfigError(f"rules '{name}' {section}.{k}: not in the 'rules' section")
-        return cls(name, sections["rules"], sections["optimizer"], sections["gradients"])
+        return cls(name, sections["rules"], sections["optimizer"], sections["gradients"], sections["muon"])
 
     @classmethod
     def load(cls, name_or_path: str) -> Rules:
@@ -127,7 +128,7 @@ class Rules:
     def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
         """The PartitionSpec entries of an array whose dimensions have these logical names.
 
-        Raises for a name the table lacks (but :data:`~jaxscale.layout.axes.WHOLE_AXES`, whole where
+        Raises for a name the table lacks (but :data:`~jaxscale.config.axes.WHOLE_AXES`, whole where
         unmapped) and for a mesh axis that would split two dimensions.
         """
         table = self.table(kind)

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from jaxscale.config.axes import RESIDUAL
 from jaxscale.config.read import ConfigError, PipelineConfig
 from jaxscale.layout import collectives
 from jaxscale.layout import rules as layout
-from jaxscale.layout.axes import RESIDUAL
 from jaxscale.layout.rules import TOKENS, Axes, Layout, Stage, is_axes
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
@@ -43,7 +43,7 @@ class Rules(layout.Rules):
 def layout_of(mesh: Mesh | AbstractMesh, rules: layout.Rules) -> Layout:
     """``rules`` on the axis sizes of ``mesh``; its ``rules`` are :class:`Rules` (they give PartitionSpecs)."""
     if not isinstance(rules, Rules):
-        rules = Rules(rules.name, rules.params, rules.optimizer, rules.gradients)
+        rules = Rules(rules.name, rules.params, rules.optimizer, rules.gradients, rules.muon)
     return Layout(rules, dict(mesh.shape))
 
 

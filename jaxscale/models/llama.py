@@ -7,7 +7,7 @@ carries the logical names of its dimensions (``out_sharding`` metadata) and
 the activations that decide communication are constrained by logical name
 through :func:`jaxscale.layout.sharding.constrain`.
 
-The logical axes are listed in :mod:`jaxscale.layout.axes`.
+The logical axes are listed in :mod:`jaxscale.config.axes`.
 
 The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
 ``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
@@ -36,8 +36,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import flops, stage_layers
+from jaxscale.config.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
 from jaxscale.config.read import Config, ModelConfig, RopeScaling
-from jaxscale.layout.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
 from jaxscale.layout.sharding import constrain, lookup, stage
 from jaxscale.models import moe
 from jaxscale.models.attention import attention

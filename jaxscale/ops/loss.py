@@ -60,8 +60,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale.config.axes import HIDDEN
 from jaxscale.config.read import ConfigError
-from jaxscale.layout.axes import HIDDEN
 from jaxscale.layout.rules import TOKENS
 from jaxscale.layout.sharding import active, constrain, stated, vary
 from jaxscale.ops.routing import joined

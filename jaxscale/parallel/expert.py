@@ -68,8 +68,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxscale.config.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config.read import MoEConfig
-from jaxscale.layout.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.layout.sharding import active, constrain, gather_shards, spec, stage
 from jaxscale.ops import routing as kernels
 from jaxscale.parallel import exchange

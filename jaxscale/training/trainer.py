@@ -59,7 +59,7 @@ from jaxscale.parallel import pipeline
 from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
 from jaxscale.runtime import xla_flags
-from jaxscale.training import forward, loop, remat_names
+from jaxscale.training import forward, loop, muon_layout, remat_names
 from jaxscale.training.optim import make_optimizer, schedule
 
 BATCH_AXES = ("batch", "length")
@@ -133,13 +133,14 @@ class Trainer:
         *,
         model: ModelFactory | None = None,
         objective: Objective | None = None,
-        optimizer: optax.GradientTransformation | None = None,
+        optimizer: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation] | None = None,
     ) -> Trainer:
         """Validate the layout against the devices and build the trainer; compiles nothing.
 
         ``model``: ``factory(config, rngs) -> nnx.Module`` (docs/models.md; default: the built-in models).
         ``objective``: ``(model, batch) -> (loss, metrics)`` (default: :func:`jaxscale.ops.loss.model_objective`,
-        or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``); its
+        or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``), or a function
+        of the parameters' logical axes that returns one (``functools.partial(jaxscale.training.muon.muon, 3e-3)``); its
         state is laid out by the rules' ``optimizer`` section.
         """
         if config.model.remat == "auto":
@@ -157,6 +158,8 @@ class Trainer:
         # No context mesh here: nnx.eval_shape would read the logical names as mesh axes (Trainer.scope sets it).
         graphdef, canonical, axes, parts = abstract_model(config, factory)
         abstract_params = jax.eval_shape(storage.place_params, canonical)
+        if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+            optimizer = optimizer(axes)
         trainer = cls(
             config, mesh, rules, graphdef, abstract_params, axes, optimizer or make_optimizer(config.train, axes),
             factory, parts, objective, optimizer is not None,
@@ -176,6 +179,8 @@ class Trainer:
                     raise ConfigError(f"{where}: {e}") from None
                 check_divisible(where, leaf.shape, axes, part, self.mesh)
         self._check_contract()
+        if self.rules.muon:  # Muon's owner layouts named by the rules (jaxscale/training/muon_layout.py)
+            muon_layout.check(self.layout, named_params(self.abstract_params, self.axes))
         t = self.config.train
         micro = t.global_batch // t.microbatches
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
@@ -270,12 +275,14 @@ class Trainer:
 
         def map_state() -> None:
             # Traced, so that optax's placeholder init runs no eager op (nothing compiles here).
+            # A leaf masked by optax.partition or optax.masked (Muon's AdamW share) holds no state.
             found["opt"] = optax.tree_map_params(
                 self.optimizer,
-                lambda _, s: s,
+                lambda v, s: v if isinstance(v, optax.MaskedNode) else s,
                 self._shapes.opt_state,
                 self.param_shardings("optimizer"),
                 transform_non_params=lambda _: replicated,
+                is_leaf=lambda v: isinstance(v, optax.MaskedNode),
             )
 
         jax.eval_shape(map_state)
