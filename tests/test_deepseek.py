@@ -157,8 +157,8 @@ def test_mtp_loss_honours_loss_masks_and_documents():
 
 def test_deepseek_refuses_what_it_cannot_run_in_one_line():
     rngs = nnx.Rngs(0)
-    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under ring "
-                       r"attention"), nnx.use_eager_sharding(False):
+    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under "
+                       r"model\.attention=ring"), nnx.use_eager_sharding(False):
         DeepSeek(with_documents(config("model.attention=ring")), rngs)
     with fails_early(r"^rules 'pp' \(layers on stage: 2 pipeline stages\): precision\.fp8=current with model "
                      r"build's prefix or ahead"):
