@@ -35,7 +35,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 
-from jaxscale.config import flops, refusals, stage_layers
+from jaxscale.config import flops, refusals, selections, stage_layers
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.data.batches import Loader, check_data, make_loader
 from jaxscale.layout import collectives
@@ -227,17 +227,12 @@ class Trainer:
     def wide_grads(self) -> bool:
         """Whether the step differentiates the fp32 master (``precision.grads_reduce`` wide, bf16 compute), not
         the bf16 compute copy (its cast): the weight-gradient matmuls' fp32 output
-        (:func:`jaxscale.precision.policy.einsum`
-        casts the weight inside) then reaches the optimizer as it is, where the compute copy's gradient would
-        round it to bf16 and the update widen it again. The layers read fp32 weights (their bf16 cast fused
-        into each use) and no bf16 gradient is held. Only where no cross-device sum touches a gradient and the
-        master is whole (no axis splits the tokens, no sequence parallelism, no pipeline: one device or
-        tensor parallelism only), for
-        the built-in model without fp8 (its projections cast inside that einsum)."""
-        config, place = self.config, self.layout
-        if not (self.policy.two_copies and precision.takes_wide(config) and self.builtin_model):
-            return False
-        return not (place.token_axes or place.sequence_axes or self.pipelined or config.precision.fp8 != "off")
+        (:func:`jaxscale.precision.policy.einsum` casts the weight inside) then reaches the optimizer as it is,
+        where the compute copy's gradient would round it to bf16 and the update widen it again. The layers read
+        fp32 weights (their bf16 cast fused into each use) and no bf16 gradient is held. A silent selection of
+        five conditions (:func:`jaxscale.config.selections.wide_grads`): no cross-device sum touches a gradient
+        and the master is whole, for the built-in model without fp8 (its projections cast inside that einsum)."""
+        return selections.wide_grads(self.config, self.layout, self.builtin_model)
 
     @cached_property
     def flops_per_step(self) -> float:
