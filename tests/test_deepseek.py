@@ -162,7 +162,8 @@ def test_deepseek_refuses_what_it_cannot_run_in_one_line():
         DeepSeek(with_documents(config("model.attention=ring")), rngs)
     with fails_early(r"^rules 'pp' \(layers on stage: 2 pipeline stages\): precision\.fp8=current with model "
                      r"build's prefix or ahead"):
-        Trainer.build(config("precision.fp8=current", rules="pp", mesh={"stage": 2, "data": 4}))
+        Trainer.build(config("precision.fp8=current", "model.moe.impl=partitioner", rules="pp",
+                             mesh={"stage": 2, "data": 4}))
     for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),
                             ("model.deepseek.dense_layers=3", r"dense_layers \(3\) must be below model\.layers"),
                             ("model.deepseek.mtp_loss_weight=nan", r"^model\.deepseek\.mtp_loss_weight must be"),
