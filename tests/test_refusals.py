@@ -16,7 +16,8 @@ from jaxscale.layout.rules import Layout, Rules
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "jaxscale"
-KEY = re.compile(r"\b(?:%s)\.[a-z_][a-z_0-9]*(?:\.[a-z_][a-z_0-9]*)*|\brules '" % "|".join(refusals.SECTIONS))
+SECTION = "|".join(refusals.SECTIONS)
+KEY = re.compile(rf"\b(?:{SECTION})\.[a-z_][a-z_0-9]*(?:\.[a-z_][a-z_0-9]*)*|\brules '")
 
 # Errors that name two settings but compare the config with something that is not a setting: a checkpoint, the
 # data, a Hugging Face config.json, a traced weight's share on a device. The table checks settings against settings.
@@ -82,7 +83,8 @@ def test_the_walk_finds_a_refusal_written_outside_the_table(tmp_path, monkeypatc
 
 def test_docs_compatibility_matrix_is_generated_from_the_table():
     doc = (ROOT / "docs" / "compatibility.md").read_text()
-    assert doc == compatibility.markdown(), "regenerate: python -m jaxscale.config.compatibility > docs/compatibility.md"
+    regenerate = "python -m jaxscale.config.compatibility > docs/compatibility.md"
+    assert doc == compatibility.markdown(), f"regenerate: {regenerate}"
 
 
 def test_the_matrix_holds_each_rule_under_each_pair_it_names():
