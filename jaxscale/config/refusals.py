@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import string
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
@@ -51,10 +50,6 @@ class Context:
     @property
     def stages(self) -> int:
         return int(self.layout.stages)
-
-    @property
-    def stage_where(self) -> str:
-        return f"rules '{self.layout.name}' (layers on mesh.stage: {self.stages} pipeline stages)"
 
     @property
     def tp_chunk(self) -> int:
@@ -141,7 +136,7 @@ class Refusal:
 
     def message(self, context: Context) -> str:
         """The one line, with the values of ``context``."""
-        return string.Formatter().vformat(self.line, (), _Names(context))
+        return self.line.format_map(_Names(context))
 
     def reason(self) -> str:
         """The line with each value left out (``…``), as the docs print it."""
