@@ -107,6 +107,8 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
     "moe-top-k": (("model.moe={experts: 2, top_k: 3}",), None),
     "moe-every": (("model.moe={experts: 4, top_k: 2, every_n_layers: 3}",), None),
     "moe-groups": (("model.moe={experts: 6, top_k: 2, groups: 4, top_groups: 4}",), None),
+    "top-groups": (("model.moe={experts: 8, top_k: 4, groups: 4, top_groups: 1}",), None),
+    "quantile-top-k": (("model.moe={experts: 4, top_k: 4, balance: quantile}",), None),
     "quantile-groups": (("model.moe={experts: 8, top_k: 2, groups: 2, balance: quantile}",), None),
     "deepseek-moe": (("model.deepseek={dense_layers: 1}",), None),
     "deepseek-every": (("model.moe={experts: 4, top_k: 2, every_n_layers: 2}", "model.deepseek={dense_layers: 0}"),
@@ -156,6 +158,7 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
                             "pipeline.microbatches=3"), PP),
     "pipeline-rows": (("pipeline.microbatches=3",), PP),
     "tp-overlap-sequence": (("model.tp_overlap=true",), ("tp", {"data": 2, "tensor": 4})),
+    "ring-chunks": (("model.attention=ring", "train.seq_len=36"), ("cp", {"fsdp": 2, "context": 4})),
     "attention-block": (("model.attention=blockwise", "model.attention_block=12"), ("dp", {})),
     "pipeline-fp8-outside": (("precision.fp8=delayed",), PP),
 }

@@ -301,14 +301,6 @@ def validate_moe(m: ModelConfig) -> None:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
     if not 0 <= moe.bias_ema < 1:
         raise ConfigError(f"model.moe.bias_ema must be in [0, 1), got {moe.bias_ema}")
-    if moe.groups > 1 and not (1 <= moe.top_groups <= moe.groups and moe.top_groups * moe.experts // moe.groups
-                               >= moe.top_k):
-        raise ConfigError(
-            f"model.moe.top_groups ({moe.top_groups}) must be in [1, groups] and hold top_k ({moe.top_k}) experts "
-            f"({moe.experts // moe.groups} per group)"
-        )
-    if moe.balance == "quantile" and moe.top_k == moe.experts:
-        raise ConfigError("model.moe.balance=quantile needs top_k < experts (a token's cutoff is its (k+1)-th score)")
 
 
 def validate_deepseek(m: ModelConfig) -> None:

@@ -96,6 +96,22 @@ class Context:
         return list(self.layout.context_axes)
 
     @property
+    def per_group(self) -> int:
+        return self.config.model.moe.experts // self.config.model.moe.groups
+
+    @property
+    def ring(self) -> int:
+        return int(self.layout.ring_size)
+
+    @property
+    def ring_chunks(self) -> int:
+        return 2 * self.ring
+
+    @property
+    def ring_axes(self) -> str:
+        return " x ".join(self.layout.axes_of("length"))
+
+    @property
     def ring_divides(self) -> bool:
         """Whether causal ring attention's chunks divide the sequence (else Layout.validate says so)."""
         ring = self.layout.ring_size if self.config.model.attention == "ring" else 1
@@ -197,6 +213,15 @@ RULES: tuple[Refusal, ...] = (
     R("moe-groups", ("model.moe.groups", "model.moe.experts"), lambda c: _moe(c) is not None
       and (_moe(c).groups < 1 or _moe(c).experts % _moe(c).groups > 0),
       "model.moe.groups ({model.moe.groups}) must divide model.moe.experts ({model.moe.experts})"),
+    R("top-groups", ("model.moe.top_groups", "model.moe.groups", "model.moe.top_k"), lambda c: _moe(c) is not None
+      and _moe(c).groups > 1 and not (1 <= _moe(c).top_groups <= _moe(c).groups
+                                      and _moe(c).top_groups * _moe(c).experts // _moe(c).groups >= _moe(c).top_k),
+      "model.moe.top_groups ({model.moe.top_groups}) must be in [1, model.moe.groups] and hold model.moe.top_k "
+      "({model.moe.top_k}) experts ({per_group} per group)"),
+    R("quantile-top-k", ("model.moe.balance", "model.moe.top_k", "model.moe.experts"), lambda c: _moe(c) is not None
+      and _moe(c).balance == "quantile" and _moe(c).top_k == _moe(c).experts,
+      "model.moe.balance=quantile needs model.moe.top_k < model.moe.experts (a token's cutoff is its (k+1)-th "
+      "score)"),
     R("quantile-groups", ("model.moe.balance", "model.moe.groups"), lambda c: _moe(c) is not None
       and _moe(c).balance == "quantile" and _moe(c).groups > 1,
       "model.moe.balance=quantile: not with group-limited routing (model.moe.groups > 1)"),
@@ -355,6 +380,10 @@ RULES: tuple[Refusal, ...] = (
       "model.tp_overlap needs sequence parallelism: rules '{rules}' shard norm_length over no mesh axis of size > 1 "
       "that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, or model.tp_overlap=false)",
       "layout"),
+    R("ring-chunks", ("train.seq_len", "model.attention", "rules"), lambda c: c.config.model.attention == "ring"
+      and c.layout.ring_size > 1 and not c.ring_divides,
+      "train.seq_len ({train.seq_len}) is not divisible by {ring_chunks}: causal ring attention over {ring_axes} cuts "
+      "it into 2 x {ring} chunks (model.attention=ring under rules '{rules}')", "layout"),
     R("attention-block", ("model.attention_block", "train.seq_len"), lambda c: c.config.model.attention
       in ("blockwise", "ring") and c.ring_divides and c.ring_chunk % min(c.config.model.attention_block,
                                                                         c.ring_chunk) > 0,

@@ -399,7 +399,7 @@ class Layout:
             self._check_pipeline(config)
         self._check_sequence(config)
         if config.model.attention in ("blockwise", "ring"):
-            self._check_attention(config)
+            self._check_attention()
         if config.model.moe is not None and config.model.moe.impl == "shard_map":
             self._check_experts()
 
@@ -462,8 +462,8 @@ class Layout:
                     "sharded over the same mesh axes (e.g. heads and mlp on tensor)"
                 )
 
-    def _check_attention(self, config: Config) -> None:
-        where, model = f"rules '{self.name}'", config.model
+    def _check_attention(self) -> None:
+        where = f"rules '{self.name}'"
         if self.axes_of("head_dim"):
             raise ConfigError(f"{where}: 'head_dim' must not be sharded for ring/blockwise attention")
         heads, kv_heads = self.partition(("heads",))[0], self.partition(("kv_heads",))[0]
@@ -471,13 +471,6 @@ class Layout:
             raise ConfigError(
                 f"{where}: 'heads' and 'kv_heads' must be sharded over the same mesh axes "
                 f"for ring/blockwise attention (got {heads} and {kv_heads})"
-            )
-        cp = self.ring_size if model.attention == "ring" else 1
-        seq_len, chunks = config.train.seq_len, 2 * cp if cp > 1 else 1
-        if seq_len % chunks:
-            raise ConfigError(
-                f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
-                f"{' x '.join(self.axes_of('length'))} cuts it into 2 x {cp} chunks"
             )
 
     def _check_experts(self) -> None:
