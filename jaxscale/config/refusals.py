@@ -328,6 +328,8 @@ RULES: tuple[Refusal, ...] = (
       "precision.fp8=blockwise with model.tp_overlap: each device's part of the sequence ({tp_chunk} tokens under "
       "rules '{rules}') must be a multiple of precision.fp8_block ({precision.fp8_block}): the ring passes whole "
       "tiles", "layout"),
+    # Collective matmuls are shard_maps of their own: XLA (Shardy and GSPMD alike) cannot lower them nested in the
+    # pipeline's partly manual loop (SP and explicit experts write their collectives in the loop's manual axes).
     R("pipeline-tp-overlap", ("rules", "model.tp_overlap"), lambda c: c.pipelined and c.config.model.tp_overlap,
       "rules '{rules}': model.tp_overlap (collective matmuls) inside a pipeline stage nests a shard_map in the "
       "pipeline's partly manual loop, which XLA cannot lower yet; sequence parallelism without it runs there "
