@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,12 @@ def test_the_walk_finds_a_refusal_written_outside_the_table(tmp_path, monkeypatc
     (package / "m.py").write_text('def f(c):\n    raise ConfigError("model.moe: not with precision.fp8")\n')
     monkeypatch.setattr(__import__(__name__), "PACKAGE", package)
     assert config_error_sites() == [("m.py", "f", 2, ["model.moe", "precision.fp8"])]
+
+
+def test_the_tables_import_no_jax():
+    code = "import sys, jaxscale.config.compatibility; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_docs_compatibility_matrix_is_generated_from_the_table():
