@@ -175,7 +175,8 @@ def test_group_limited_routing_against_numpy():
     assert limited > 0  # the groups changed some tokens' choices
     with fails_early(r"^model\.moe\.groups \(3\) must divide model\.moe\.experts \(8\)$"):
         tiny_config(*MOE, "model.moe.groups=3")
-    with fails_early(r"^model\.moe\.top_groups \(1\) must be in \[1, groups\] and hold top_k \(2\) experts"):
+    with fails_early(r"^model\.moe\.top_groups \(1\) must be in \[1, model\.moe\.groups\] and hold model\.moe\.top_k "
+                     r"\(2\) experts"):
         tiny_config(*MOE, "model.moe.groups=8", "model.moe.top_groups=1")
 
 
