@@ -159,7 +159,7 @@ def inspect(args: argparse.Namespace) -> int:
     from jaxscale.training.trainer import Trainer
 
     trainer = Trainer.build(resolved(config))
-    out = inspect_report(trainer)
+    out = inspect_report(trainer, asked=config)
     print(json.dumps(out, indent=1) if args.json else format_inspect(out))
     if args.png:
         state, mem = out["state"], out["memory"]

@@ -157,12 +157,13 @@ def test_mtp_loss_honours_loss_masks_and_documents():
 
 def test_deepseek_refuses_what_it_cannot_run_in_one_line():
     rngs = nnx.Rngs(0)
-    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under ring "
-                       r"attention"), nnx.use_eager_sharding(False):
+    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under "
+                       r"model\.attention=ring"), nnx.use_eager_sharding(False):
         DeepSeek(with_documents(config("model.attention=ring")), rngs)
     with fails_early(r"^rules 'pp' \(layers on stage: 2 pipeline stages\): precision\.fp8=current with model "
                      r"build's prefix or ahead"):
-        Trainer.build(config("precision.fp8=current", rules="pp", mesh={"stage": 2, "data": 4}))
+        Trainer.build(config("precision.fp8=current", "model.moe.impl=partitioner", rules="pp",
+                             mesh={"stage": 2, "data": 4}))
     for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),
                             ("model.deepseek.dense_layers=3", r"dense_layers \(3\) must be below model\.layers"),
                             ("model.deepseek.mtp_loss_weight=nan", r"^model\.deepseek\.mtp_loss_weight must be"),

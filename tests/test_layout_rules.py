@@ -213,7 +213,8 @@ def test_attention_errors():
            r"^rules 'tp_edited': 'heads' and 'kv_heads' must be sharded over the same mesh axes for ring/blockwise "
            r"attention \(got tensor and data\)$", "model.attention=blockwise")
     refuse(on("cp", fsdp=2, context=4), r"^train\.seq_len \(36\) is not divisible by 8: causal ring attention "
-           r"over context cuts it into 2 x 4 chunks$", "model.attention=ring", "train.seq_len=36")
+           r"over context cuts it into 2 x 4 chunks \(model\.attention=ring under rules 'cp'\)$",
+           "model.attention=ring", "train.seq_len=36")
     refuse(on("cp", fsdp=4, context=2), r"^model\.attention_block \(3\) does not divide the 8-token chunks of "
            r"train\.seq_len \(32\)$", "model.attention=ring", "model.attention_block=3")
     refuse(on("dp", data=8), r"^model\.attention_block \(20\) does not divide the 32-token chunks",

@@ -611,9 +611,9 @@ def write_rules(tmp_path, name: str, base: str = "pp_fsdp_tp", **changes) -> str
 @pytest.mark.parametrize(
     "overrides, mesh, match",
     [
-        # Layers that do not split over the stages fail as any parameter that does not split.
-        (["model.layers=6"], {"stage": 4, "data": 2}, r"^param blocks\.\S+: dimension 0 \('layers', size 6\) is not "
-         r"divisible by mesh axes stage of size 4$"),
+        # Layers that do not split over the stages: refused with the layout, before the model is built.
+        (["model.layers=6"], {"stage": 4, "data": 2}, r"^model\.layers \(6\) is not divisible by mesh\.stage \(4\) x "
+         r"pipeline\.repeats \(1\); pipeline\.layers_per_stage splits them unevenly$"),
         (["model.layers=4", *pipe("circular", 4, 4)], {"stage": 2, "data": 4}, r"^model\.layers \(4\) is not "
          r"divisible by mesh\.stage \(2\) x pipeline\.repeats \(4\)"),
         (pipe("gpipe", 3), {"stage": 2, "data": 4}, r"^the batch of 16 sequences \(train\.global_batch / "

@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxscale.config import stage_layers
+from jaxscale.config import refusals
 from jaxscale.config.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.config.read import MESH_AXES, Config, ConfigError, ModelConfig, PipelineConfig, read_yaml, resolve_named
 
@@ -391,93 +391,39 @@ class Layout:
     # -- validation ----------------------------------------------------------------------
 
     def validate(self, config: Config) -> None:
-        """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved)."""
-        model, where = config.model, f"rules '{self.name}'"
-        chunk = config.train.seq_len // self.ways(("norm_length",))
-        if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
-            raise ConfigError(
-                f"precision.fp8=blockwise with model.tp_overlap: each device's part of the sequence ({chunk} "
-                f"tokens under {where}) must be a multiple of precision.fp8_block ({config.precision.fp8_block}): "
-                "the ring passes whole tiles"
-            )
-        if config.precision.fp8_head and model.loss_chunk:
-            raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
+        """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved): the refusal
+        table's rows (:mod:`jaxscale.config.refusals`, the config's and the layout's), then the rules' own."""
+        experts = stage_moe(config.model)["experts"] and self.pipelined
+        free = self.stage_free_axes([MOE_BLOCK], moe=False, experts=True) if experts else ()
+        refusals.check(refusals.Context(config, self, experts_free=free))
         if self.pipelined:
             self._check_pipeline(config)
-        self.check_stage_layers(config)
-        if self.pipelined:
-            self._check_pipeline_shapes(config)
         self._check_sequence(config)
-        if model.attention in ("blockwise", "ring"):
-            self._check_attention(config)
-        if model.moe is not None and model.moe.impl == "shard_map":
+        if config.model.attention in ("blockwise", "ring"):
+            self._check_attention()
+        if config.model.moe is not None and config.model.moe.impl == "shard_map":
             self._check_experts()
 
     def _check_pipeline(self, config: Config) -> None:
-        where = f"rules '{self.name}'"
         if len(self.stage_axes) > 1:
             raise ConfigError(
-                f"{where}: layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' alone"
+                f"rules '{self.name}': layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' "
+                "alone"
             )
-        # Collective matmuls are shard_maps of their own; XLA (Shardy and GSPMD alike) cannot lower them nested
-        # in the pipeline's partly manual loop. (Sequence parallelism and explicit experts write their collectives
-        # there in the loop's manual axes: Layout.stage, jaxscale.parallel.sequence, jaxscale.parallel.expert.)
-        nested = "nests a shard_map in the pipeline's partly manual loop, which XLA cannot lower yet"
-        if config.model.tp_overlap:
-            raise ConfigError(
-                f"{where}: model.tp_overlap (collective matmuls) inside a pipeline stage {nested}; sequence "
-                "parallelism without it runs there (model.tp_overlap=false)"
-            )
-        self._check_stage_context(config)
-        if config.pipeline.fsdp == "visit" and config.precision.fp8 in ("delayed", "current"):
-            raise ConfigError(
-                f"pipeline.fsdp=visit: not supported with precision.fp8={config.precision.fp8} (the e4m3 copies "
-                "are made once a step of whole weights): pipeline.fsdp=step or tick, or precision.fp8=blockwise"
-            )
-        if stage_moe(config.model)["experts"]:
-            self.check_stage_experts(self.stage_free_axes([MOE_BLOCK], moe=False, experts=True))
-            if config.precision.fp8 != "off":
-                raise ConfigError(
-                    f"{where}: precision.fp8={config.precision.fp8} with model.moe.impl=shard_map inside a pipeline "
-                    "stage is not supported (the experts' scales are not split with them there); "
-                    "model.moe.impl=partitioner runs fp8 experts in a stage"
-                )
+        self._check_stage_context()
+        self._check_pipeline_shapes(config)
 
     def check_stage_experts(self, free: tuple[str, ...]) -> None:
         """Explicit experts (``model.moe.impl=shard_map``) in a pipeline stage need its loop manual over every
         mesh axis (``free``: those it would leave to the partitioner): the exchange runs among its devices."""
         if free:
-            raise ConfigError(
-                f"rules '{self.name}': model.moe.impl=shard_map inside a pipeline stage needs the stage's loop manual "
-                f"over every mesh axis, but {list(free)} would stay with the partitioner (sequence parallelism, "
-                "pipeline.fsdp=tick, or an axis sharing a parameter dimension with others); "
-                "model.moe.impl=partitioner runs the experts there (idle slots computed and masked)"
-            )
+            raise ConfigError(refusals.STAGE_EXPERTS.format(rules=self.name, free=list(free)))
 
     def _check_pipeline_shapes(self, config: Config) -> None:
-        """The schedule, the layers and the batch against the stages: p stages, v chunks each, m microbatches."""
-        pipeline, p = config.pipeline, self.stages
-        v, m, schedule = pipeline.repeats, pipeline.microbatches or p, pipeline.schedule
-        slots = stage_layers.stack_size(config)
-        if slots % (p * v) and pipeline.layers_per_stage is None:
-            raise ConfigError(
-                f"{stage_layers.stacked_named(config.model)} is not divisible by mesh.stage ({p}) x pipeline.repeats "
-                f"({v}); pipeline.layers_per_stage splits them unevenly"
-            )
-        if m < p:
-            raise ConfigError(f"pipeline.microbatches ({m}) is fewer than the {p} pipeline stages (mesh.stage)")
-        if schedule == "interleaved_1f1b" and m % p:
-            raise ConfigError(
-                f"pipeline.schedule=interleaved_1f1b sends microbatches in groups of mesh.stage ({p}): "
-                f"pipeline.microbatches ({m}) must be a multiple of it"
-            )
-        rows = config.train.global_batch // config.train.microbatches
-        if rows % m:
-            raise ConfigError(
-                f"the batch of {rows} sequences (train.global_batch / train.microbatches) is not divisible by "
-                f"pipeline.microbatches ({m})"
-            )
-        shape = (rows // m, config.train.seq_len)
+        """A pipeline microbatch against the batch axes (the schedule, layers and batch against the stages are
+        rows of :mod:`jaxscale.config.refusals`)."""
+        m = config.pipeline.microbatches or self.stages
+        shape = (config.train.global_batch // config.train.microbatches // m, config.train.seq_len)
         for dim, (size, name, part) in enumerate(zip(shape, TOKENS, self.partition(TOKENS), strict=True)):
             if size % self.size(part_axes(part)):
                 raise ConfigError(
@@ -485,47 +431,18 @@ class Layout:
                     f"mesh axes {part} of size {self.size(part_axes(part))}"
                 )
 
-    def check_stage_layers(self, config: Config) -> None:
-        """``pipeline.layers_per_stage`` needs the pipeline and one entry per virtual stage."""
-        pipeline = config.pipeline
-        listed = pipeline.layers_per_stage
-        if listed is None:
-            return
-        if not self.pipelined:
-            raise ConfigError(
-                f"pipeline.layers_per_stage: rules '{self.name}' on this mesh run no pipeline "
-                f"(layers on '{STAGE}' of size > 1)"
-            )
-        if len(listed) != self.stages * pipeline.repeats:
-            raise ConfigError(
-                f"pipeline.layers_per_stage has {len(listed)} entr{'y' if len(listed) == 1 else 'ies'}; it needs one "
-                f"per virtual stage, mesh.stage ({self.stages}) x pipeline.repeats ({pipeline.repeats}) = "
-                f"{self.stages * pipeline.repeats}"
-            )
-
-    def _check_stage_context(self, config: Config) -> None:
+    def _check_stage_context(self) -> None:
         """Context parallelism inside a pipeline stage: the loop is manual over the context axes and runs
-        ring attention's kernel there. (A ring's own shard_map nested in the partly manual loop does not
+        ring attention's kernel there (a dense model, ``model.attention=ring``: rows of
+        :mod:`jaxscale.config.refusals`). (A ring's own shard_map nested in the partly manual loop does not
         lower: Shardy wants its residuals' manual axes before the loop's free ones, e.g. fsdp.)"""
         context = self.stage_context_axes
-        if not context:
-            return
-        where, cp = f"rules '{self.name}'", f"context parallelism (length on {list(context)}) inside a pipeline stage"
-        if config.model.moe is not None:
-            raise ConfigError(
-                f"{where}: {cp} needs a dense model: the loop is manual over the context axes, and an MoE "
-                "layer's routing statistics span the whole microbatch"
-            )
-        if config.model.attention != "ring":
-            raise ConfigError(
-                f"{where}: {cp} needs model.attention=ring: the loop is manual over the context axes, so "
-                f"model.attention={config.model.attention} would see only each device's blocks of the sequence"
-            )
         held = sorted({a for name in BLOCK_AXES for a in self.axes_of(name)} & set(context))
         if held:
             raise ConfigError(
-                f"{where}: {cp} needs the block parameters unsplit over {held}: the loop is manual over them "
-                "and would gather the parameters whole on entry"
+                f"rules '{self.name}': context parallelism (length on {list(context)}) inside a pipeline stage needs "
+                f"the block parameters unsplit over {held}: the loop is manual over them and would gather the "
+                "parameters whole on entry"
             )
 
     def _check_sequence(self, config: Config) -> None:
@@ -535,12 +452,6 @@ class Layout:
             # Gathering the SP shards must give back the blocks of 'length' (context parallelism).
             raise ConfigError(
                 f"{where}: norm_length {list(outer)} must start with the mesh axes of length {list(inner)}"
-            )
-        if config.model.tp_overlap and not manual:
-            raise ConfigError(
-                f"model.tp_overlap needs sequence parallelism: {where} shard norm_length over no mesh axis "
-                "of size > 1 that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, "
-                "or model.tp_overlap=false)"
             )
         # Leaving a tensor-parallel region (attention; a dense or shared-expert MLP) reduce-scatters the
         # partial sums of its contracted dimensions onto the sequence.
@@ -552,8 +463,8 @@ class Layout:
                     "sharded over the same mesh axes (e.g. heads and mlp on tensor)"
                 )
 
-    def _check_attention(self, config: Config) -> None:
-        where, model = f"rules '{self.name}'", config.model
+    def _check_attention(self) -> None:
+        where = f"rules '{self.name}'"
         if self.axes_of("head_dim"):
             raise ConfigError(f"{where}: 'head_dim' must not be sharded for ring/blockwise attention")
         heads, kv_heads = self.partition(("heads",))[0], self.partition(("kv_heads",))[0]
@@ -561,19 +472,6 @@ class Layout:
             raise ConfigError(
                 f"{where}: 'heads' and 'kv_heads' must be sharded over the same mesh axes "
                 f"for ring/blockwise attention (got {heads} and {kv_heads})"
-            )
-        cp = self.ring_size if model.attention == "ring" else 1
-        seq_len, chunks = config.train.seq_len, 2 * cp if cp > 1 else 1
-        if seq_len % chunks:
-            raise ConfigError(
-                f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
-                f"{' x '.join(self.axes_of('length'))} cuts it into 2 x {cp} chunks"
-            )
-        chunk = seq_len // chunks
-        if chunk % min(model.attention_block, chunk):
-            raise ConfigError(
-                f"model.attention_block ({model.attention_block}) does not divide the {chunk}-token chunks of "
-                f"train.seq_len ({seq_len})"
             )
 
     def _check_experts(self) -> None:

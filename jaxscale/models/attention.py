@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxscale.config import refusals
 from jaxscale.config.read import Config, ConfigError, ModelConfig
 from jaxscale.layout.rules import Rules
 from jaxscale.layout.sharding import Axes, active, layout_of
@@ -91,9 +92,7 @@ def _platform() -> str:
     return device.platform if device is not None else jax.devices()[0].platform
 
 
-CUDNN_DOCUMENTS = ("data.documents: model.attention 'cudnn' does not mask across documents (jax's public "
-                   "cuDNN attention takes one length per sequence): use 'blockwise', flash-style with the tiles "
-                   "across documents skipped, or 'auto' (docs/attention.md)")
+CUDNN_DOCUMENTS = refusals.by_name("cudnn-documents").line  # (a row of the refusal table, no values in it)
 CUDNN_HEAD_DIM = 128  # the largest head_dim cuDNN's flash attention takes on every GPU (256 from Hopper on)
 BLOCKWISE_TILES = 4  # auto: blockwise once the sequence spans more than this many attention_block tiles
 
@@ -129,8 +128,6 @@ def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     platform = mesh.devices.flat[0].platform
     ring = layout_of(mesh, rules).ring_size
     kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents)
-    if config.data.documents and kind == "cudnn":
-        raise ConfigError(CUDNN_DOCUMENTS)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
 
 

@@ -50,7 +50,7 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxscale.config import dtypes
+from jaxscale.config import dtypes, selections
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.layout import rules as layout
 from jaxscale.layout.collectives import lay_out
@@ -94,7 +94,7 @@ def takes_wide(config: Config) -> bool:
     (a gradient in :func:`weight_grads`, wider than the compute dtype, and the compute copy in the compute
     dtype: a wider weight can then only be the fp32 master the trainer differentiates,
     :attr:`jaxscale.training.trainer.Trainer.wide_grads`; a compute copy kept wider is cast before, as ever)."""
-    return weight_grads(config) is not None and policy(config).compute == jnp.dtype(config.model.dtype)
+    return selections.takes_wide(config)
 
 
 WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves

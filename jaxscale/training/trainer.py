@@ -35,10 +35,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 
-from jaxscale.config import flops, stage_layers
+from jaxscale.config import flops, refusals, selections, stage_layers
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.data.batches import Loader, check_data, make_loader
-from jaxscale.layout import collectives, explicit
+from jaxscale.layout import collectives
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import (
     Layout,
@@ -152,8 +152,7 @@ class Trainer:
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         factory = model or builtin.build
         layout = layout_of(mesh, rules)
-        explicit.check(config, layout)  # what mesh.axis_types=explicit does not serve yet
-        layout.check_stage_layers(config)  # before the stack's storage is laid out from the list
+        layout.validate(config)  # every layout error and refusal, before the stack's storage is laid out
         storage = stage_layers.storage(config, layout.stages)
         # No context mesh here: nnx.eval_shape would read the logical names as mesh axes (Trainer.scope sets it).
         graphdef, canonical, axes, parts = abstract_model(config, factory)
@@ -186,7 +185,6 @@ class Trainer:
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
-        layout_of(self.mesh, self.rules).validate(self.config)
         traced = jax.make_jaxpr(self.jit_step)(self.abstract_state(), self.abstract_batch())
         remat_names.check(traced, self.config.model)  # names the traced step marks
 
@@ -206,12 +204,8 @@ class Trainer:
                     "cross-entropy on the last stage"
                 )
             contract.require(self.parts, contract.PIPELINE, name, why)
-            fp8 = self.config.precision.fp8
-            if fp8 != "off" and {"prefix", "ahead"} & self.parts:
-                raise ConfigError(
-                    f"{why}: precision.fp8={fp8} with model {name}'s prefix or ahead, which run outside the "
-                    "pipeline's stack: the loop keeps fp8 amax histories for the stack only"
-                )
+        context = refusals.Context(self.config, self.layout, parts=frozenset(self.parts), model_name=name)
+        refusals.check(context, needs=("model",))
 
     @property
     def layout(self) -> Layout:
@@ -238,17 +232,12 @@ class Trainer:
     def wide_grads(self) -> bool:
         """Whether the step differentiates the fp32 master (``precision.grads_reduce`` wide, bf16 compute), not
         the bf16 compute copy (its cast): the weight-gradient matmuls' fp32 output
-        (:func:`jaxscale.precision.policy.einsum`
-        casts the weight inside) then reaches the optimizer as it is, where the compute copy's gradient would
-        round it to bf16 and the update widen it again. The layers read fp32 weights (their bf16 cast fused
-        into each use) and no bf16 gradient is held. Only where no cross-device sum touches a gradient and the
-        master is whole (no axis splits the tokens, no sequence parallelism, no pipeline: one device or
-        tensor parallelism only), for
-        the built-in model without fp8 (its projections cast inside that einsum)."""
-        config, place = self.config, self.layout
-        if not (self.policy.two_copies and precision.takes_wide(config) and self.builtin_model):
-            return False
-        return not (place.token_axes or place.sequence_axes or self.pipelined or config.precision.fp8 != "off")
+        (:func:`jaxscale.precision.policy.einsum` casts the weight inside) then reaches the optimizer as it is,
+        where the compute copy's gradient would round it to bf16 and the update widen it again. The layers read
+        fp32 weights (their bf16 cast fused into each use) and no bf16 gradient is held. A silent selection of
+        five conditions (:func:`jaxscale.config.selections.wide_grads`): no cross-device sum touches a gradient
+        and the master is whole, for the built-in model without fp8 (its projections cast inside that einsum)."""
+        return selections.wide_grads(self.config, self.layout, self.builtin_model)
 
     @cached_property
     def flops_per_step(self) -> float:
