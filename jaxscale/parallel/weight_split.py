@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax._src import source_info_util
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import Literal, subjaxprs
+from jax.extend.core import Literal, Var, subjaxprs
 
-from jaxscale.layout.sharding import active, use_layout, vary
+from jaxscale.layout.sharding import active, use_layout, vary, varying
 from jaxscale.precision import fp8
 
 Projection = Callable[[str, Any, Any], jax.Array]  # precision.einsum outside a split slot
@@ -78,12 +78,14 @@ class Split:
     unit's jaxpr, where :func:`reap` finds them."""
 
     kept: bool = False
+    axes: tuple[str, ...] = ()  # W: the manual axes the kept inputs vary over; each marked input is typed so too
 
     def einsum(self, equation: str, x: jax.Array | fp8.Operand, w: jax.Array | fp8.Operand,
                projection: Projection) -> jax.Array:
         """Matmul ``einsum(equation, x, w)`` of the unit, marked."""
         leaves, tree = jax.tree.flatten(readable(x))
-        read = tree.unflatten([checkpoint_name(a, f"{IN} {k}") for k, a in enumerate(leaves)])
+        marked = [checkpoint_name(a, f"{IN} {k}") for k, a in enumerate(leaves)]
+        read = tree.unflatten([vary(a, self.axes) for a in marked] if self.axes else marked)  # as kept ones vary
         y = projection(equation, restored(x, read), w) if self.kept else projection(equation, x, lax.stop_gradient(w))
         return checkpoint_name(y, OUT)
 
@@ -96,6 +98,7 @@ class _Records:
     outputs: list[jax.Array] = dataclasses.field(default_factory=list)  # each matmul's output
     seen: dict[Any, int] = dataclasses.field(default_factory=dict)  # an input's first leaf's variable -> place
     slot: int = 0  # the input whose leaves are being read
+    kept: set[Any] = dataclasses.field(default_factory=set)  # W: the variables a kept input stands in for
 
 
 def _marked(records: _Records, eqn: Any, value: Any, taps: Sequence[jax.Array] | None,
@@ -113,7 +116,14 @@ def _marked(records: _Records, eqn: Any, value: Any, taps: Sequence[jax.Array] |
             records.inputs.append([])
     if len(records.inputs[records.slot]) == leaf:
         records.inputs[records.slot].append(value)
-    return value if kept is None else kept[records.slot][leaf]
+    if kept is None:
+        return value
+    records.kept.add(eqn.outvars[0])
+    return vary(kept[records.slot][leaf], _varying(eqn.outvars[0]))
+
+
+def _varying(var: Any) -> tuple[str, ...]:
+    return tuple(sorted(var.aval.manual_axis_type.varying))
 
 
 def _is_mark(eqn: Any) -> bool:
@@ -141,6 +151,10 @@ def reap(unit: Callable[[], Any], split: Split, taps: Sequence[jax.Array] | None
         args = [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
         if _is_mark(eqn):
             env[eqn.outvars[0]] = _marked(records, eqn, args[0], taps, kept)
+            continue
+        if eqn.primitive.name == "pvary" and records.kept.intersection(v for v in eqn.invars if isinstance(v, Var)):
+            # W typing a kept input as it marked its live one: the axes the kept one lacks
+            env.update((v, vary(a, _varying(v))) for v, a in zip(eqn.outvars, args, strict=True))
             continue
         stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack), eqn.ctx.manager:
@@ -181,7 +195,8 @@ def input_grad(unit: Callable[[], Any], taps: Sequence[jax.Array]) -> tuple[Any,
 
 def weight_outputs(unit: Callable[[], Any], kept: Sequence[Any]) -> list[jax.Array]:
     """W: the outputs of ``unit()``'s weight matmuls on the inputs B kept (the rest of the unit is dead)."""
-    return reap(unit, Split(kept=True), kept=kept)[2]
+    axes = {a for leaf in jax.tree.leaves(kept) for a in varying(leaf)}
+    return reap(unit, Split(kept=True, axes=tuple(sorted(axes))), kept=kept)[2]
 
 
 def kept_bytes(shapes: Any) -> int:
