@@ -29,7 +29,6 @@ layout into jax shardings; nothing here imports jax.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
@@ -492,8 +491,3 @@ class Layout:
                 f"{where}: the sequence ('norm_length' on {seq}) must be sharded over all or none "
                 f"of the axes of 'expert_mlp' ({mlp})"
             )
-
-
-# jaxscale's one trace-time state, the mesh and layout the code traced sees: set by
-# :func:`jaxscale.layout.sharding.use_layout`, here so that :mod:`jaxscale.precision.policy` reads it too.
-ACTIVE: contextvars.ContextVar[tuple[Any, Layout] | None] = contextvars.ContextVar("jaxscale_layout", default=None)

@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec
 from jaxscale.config import dtypes, selections
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.layout import rules as layout
+from jaxscale.layout import sharding
 from jaxscale.layout.collectives import lay_out
 from jaxscale.precision import fp8, fp8_blockwise
 
@@ -124,8 +125,8 @@ def einsum(
     A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
     without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
     """
-    current = layout.ACTIVE.get()
-    split = current[1].stage.weights if current is not None and current[1].stage is not None else None
+    inside = sharding.stage()
+    split = inside.weights if inside is not None else None
     if split is not None:
         return split.einsum(equation, x, w, functools.partial(_projection, grads=grads))
     return _projection(equation, x, w, grads)
