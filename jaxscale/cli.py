@@ -133,6 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     report_.add_argument("run_dir", help="the run directory")
     report_.add_argument("--out", metavar="FILE", help="the PNG to write (default RUN_DIR/report.png)")
     report_.add_argument("--tensorboard", action="store_true", help="also write the metrics as TensorBoard events")
+    report_.add_argument("--goodput", action="store_true",
+                         help="print the run's goodput and its time lost per failure by cause as JSON, and no picture")
 
     convert = _command(commands, "convert", do.convert, "Hugging Face Llama/Mixtral weights to jaxscale and back")
     convert.add_argument("direction", choices=("hf-to-jaxscale", "jaxscale-to-hf"))

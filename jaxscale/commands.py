@@ -32,8 +32,8 @@ from jaxscale.config.read import (
     resolve_named,
 )
 from jaxscale.data import prepare
-from jaxscale.runtime import distributed, runlock, xla_flags
-from jaxscale.training import report
+from jaxscale.runtime import compile_cache, distributed, elastic, runlock, xla_flags
+from jaxscale.training import goodput, report
 
 DEFAULT_CPU_DEVICES = 8
 MAX_SIMULATED = 64
@@ -50,7 +50,7 @@ def simulate_cpu_devices(count: int) -> None:
 
 def train(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=required"] if args.resume else [])])
-    if config.checkpoint.every:
+    if config.checkpoint.every or config.checkpoint.continuous:
         check_writable(checkpoint_dir(config))  # before jax starts: a one-line error in a second
     cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
     # One run per directory, refused at once: before jax starts (the loop holds the same locks).
@@ -65,7 +65,7 @@ def train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     simulate_cpu_devices(max((requested_devices(config.mesh) or DEFAULT_CPU_DEVICES) // processes, 1))
     xla_flags.apply(config.xla)
     distributed.initialize(cluster, config.distributed.init_timeout_s, config.distributed.heartbeat_timeout_s)
-    # Imports jax: after the device count and XLA flags are in the environment.
+    compile_cache.enable(config)  # imports jax: after the device count and XLA flags are in the environment
     import jax
 
     from jaxscale.analysis.remat import resolved
@@ -73,6 +73,7 @@ def train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     from jaxscale.training.loop import NonFiniteError, fit
     from jaxscale.training.trainer import Trainer
 
+    config = elastic.apply(config, jax.device_count())  # distributed.elastic: a lost host's data replicas
     try:
         trainer = Trainer.build(resolved(config))  # model.remat: auto -> by the predicted memory
         with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
@@ -280,6 +281,10 @@ def verify(args: argparse.Namespace, result: Any, model_dict: dict, compile_for:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    summary = goodput.of_run(args.run_dir)
+    print(json.dumps(summary) if args.goodput else "\n".join(goodput.lines(summary)))
+    if args.goodput:
+        return 0
     print(f"wrote {report.run_png(args.run_dir, args.out)}")
     if args.tensorboard:
         print(f"wrote {report.metrics_to_tensorboard(args.run_dir)}")

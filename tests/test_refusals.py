@@ -35,6 +35,7 @@ ELSEWHERE = {
     ("precision/fp8_blockwise.py", "einsum"): "a traced weight's share on one device against precision.fp8_block",
     ("precision/policy.py", "check_resume"): "a checkpoint's copies against precision.params and precision.master",
     ("training/loop.py", "_start"): "checkpoints already in the run's directory",
+    ("runtime/elastic.py", "fit"): "the devices left after a failure against train.global_batch (known at start-up)",
 }
 
 
@@ -123,6 +124,11 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
                        None),
     "deepseek-dense": ((MOE, "model.deepseek={dense_layers: 2}"), None),
     "heads-kv": (("model.kv_heads=3",), None),
+    "continuous-async": (("checkpoint.continuous=true", "checkpoint.async_save=false"), None),
+    "fast-dir-continuous": (("checkpoint.fast_dir=/tmp/jaxscale-fast",), None),
+    "interval-continuous": (("checkpoint.continuous_interval_s=2",), None),
+    "fast-dir-dir": (("checkpoint.continuous=true", "checkpoint.fast_dir=/tmp/jaxscale-ck",
+                      "checkpoint.dir=/tmp/jaxscale-ck"), None),
     "cudnn-float32": (("model.attention=cudnn", "model.dtype=float32"), None),
     "cudnn-documents": ((*TOKENS, "model.attention=cudnn", "model.dtype=bfloat16"), None),
     "mtp-documents-ring": ((*TOKENS, MOE, "model.deepseek={dense_layers: 0, mtp_depth: 1}", "model.attention=ring"),

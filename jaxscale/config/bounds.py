@@ -118,6 +118,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.every": AT_LEAST_0,
     "checkpoint.keep": AT_LEAST_1,
     "checkpoint.keep_every": AT_LEAST_0,
+    "checkpoint.continuous_interval_s": AT_LEAST_0,
     "pipeline.microbatches": AT_LEAST_1,
     "pipeline.repeats": AT_LEAST_1,
     "pipeline.layers_per_stage[]": AT_LEAST_1,

@@ -451,10 +451,12 @@ def validate_stage_layers(config: Config) -> None:
 
 
 def validate_xla(xla: XlaConfig) -> None:
-    """Flags of the form ``--name`` or ``--name=value`` (XLA checks the names)."""
+    """Flags of the form ``--name`` or ``--name=value`` (XLA checks the names); a compile cache that names something."""
     for i, flag in enumerate(xla.flags):
         if not flag.startswith("--") or len(flag) < 3 or any(c.isspace() for c in flag):
             raise ConfigError(f"xla.flags[{i}]: '{flag}' is not one flag of the form --name or --name=value")
+    if not xla.compile_cache.strip():
+        raise ConfigError("xla.compile_cache: give auto, off or a directory, not an empty string")
 
 
 def validate_precision(p: PrecisionConfig) -> None:

@@ -5,6 +5,7 @@ model's parts at the contract check, and the values derived from them that sever
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Literal
 
 from jaxscale.config import stage_layers
@@ -29,6 +30,11 @@ class Context:
     def needs(self) -> Needs:
         """The latest stage this context can check."""
         return "model" if self.parts is not None else "layout" if self.layout is not None else "config"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.dir``, or ``<run_dir>/checkpoints``."""
+        return Path(self.config.checkpoint.dir or Path(self.config.run_dir) / "checkpoints").absolute()
 
     @property
     def pipelined(self) -> bool:

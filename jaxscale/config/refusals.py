@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from jaxscale.config import dtypes, stage_layers
@@ -283,6 +284,19 @@ RULES: tuple[Refusal, ...] = (
       "rules '{rules}' (layers on stage: {stages} pipeline stages): precision.fp8={precision.fp8} with model "
       "{model_name}'s prefix or ahead, which run outside the pipeline's stack: the loop keeps fp8 amax histories "
       "for the stack only", "model"),
+    # -- checkpoints
+    R("continuous-async", ("checkpoint.continuous", "checkpoint.async_save"), lambda c: c.config.checkpoint.continuous
+      and not c.config.checkpoint.async_save, "checkpoint.continuous needs checkpoint.async_save: true (a "
+      "synchronous save every step would hold the devices up)"),
+    R("fast-dir-continuous", ("checkpoint.fast_dir", "checkpoint.continuous"), lambda c: c.config.checkpoint.fast_dir
+      is not None and not c.config.checkpoint.continuous, "checkpoint.fast_dir holds the continuous saves: set "
+      "checkpoint.continuous: true"),
+    R("interval-continuous", ("checkpoint.continuous_interval_s", "checkpoint.continuous"), lambda c:
+      bool(c.config.checkpoint.continuous_interval_s) and not c.config.checkpoint.continuous,
+      "checkpoint.continuous_interval_s spaces the continuous saves: set checkpoint.continuous: true"),
+    R("fast-dir-dir", ("checkpoint.fast_dir", "checkpoint.dir"), lambda c: c.config.checkpoint.fast_dir is not None
+      and Path(c.config.checkpoint.fast_dir).absolute() == c.checkpoint_dir,
+      "checkpoint.fast_dir is checkpoint.dir ({checkpoint_dir}): give another directory"),
 )
 
 

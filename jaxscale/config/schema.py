@@ -245,6 +245,9 @@ class CheckpointConfig:
     dir: str | None = None
     resume: Resume = "off"  # off | auto (the latest checkpoint if any) | required (--resume: fail without one)
     async_save: bool = True
+    continuous: bool = False  # a save starts as soon as the last one committed (jaxscale/checkpoint/continuous.py)
+    continuous_interval_s: float = 0.0  # and no sooner than this after the last one started
+    fast_dir: str | None = None  # with continuous: the continuous saves' tier (a fast directory all processes see)
     init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
 
 
@@ -254,6 +257,7 @@ class DistributedConfig:
 
     init_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
+    elastic: bool = False  # fewer devices than the mesh: shrink the data axis (jaxscale/runtime/elastic.py)
 
 
 @dataclasses.dataclass
@@ -288,6 +292,8 @@ class XlaConfig:
 
     preset: XlaPreset = "none"
     flags: list[str] = dataclasses.field(default_factory=list)
+    # auto: <run_dir>/compile_cache where safe; off; or a directory (jaxscale/runtime/compile_cache.py)
+    compile_cache: Literal["auto", "off"] | str = "auto"
 
 
 @dataclasses.dataclass
