@@ -141,6 +141,8 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
     "prompt-response": (("data.prompt_field=prompt",), None),
     "mixture-tokens": (("data.mixture=[{path: /a}]",), None),
     "documents-tokens": (("data.documents=true",), None),
+    "ring-balance-documents": (("data.ring_balance=true",), None),
+    "ring-balance-ring": ((*TOKENS, "data.ring_balance=true", "model.attention=dot"), ("cp", {"context": 4})),
     "first-fit-documents": (("data.packing=first_fit",), None),
     "tokens-path": (("data.source=tokens",), None),
     "batch-microbatches": (("train.microbatches=3",), None),

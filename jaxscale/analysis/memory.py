@@ -97,8 +97,8 @@ def tile_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> flo
     """Bytes per device of the score tiles blockwise and ring attention hold at once, at their peak: the
     backward of one tile (:func:`jaxscale.parallel.ring_attention._grad_tile`) of ``rows`` sequences
     (of the whole mesh), ``[rows, heads, tile, tile]`` each, all query heads (a kv head's group
-    in one einsum), on the device's batch and head shards (TP splits heads; CP splits neither, the
-    tile is a chunk's).
+    in one einsum), on the device's batch and head shards (TP splits heads, and Ulysses' all-to-alls; the ring
+    splits neither, the tile is a chunk's).
 
     Four are live as the scores' gradient is written: the probabilities recomputed from the scores
     and the log-sum-exp (fp32; the scores' buffer is free by then), the probabilities' gradient
@@ -111,7 +111,7 @@ def tile_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> flo
     if m.attention not in TILED_ATTENTION:
         return 0.0
     tile = attention_tile(m, layout, step.seq_len)
-    per_tile = rows * m.heads * tile * tile / layout.ways(("batch", "heads"))
+    per_tile = rows * m.heads * tile * tile / layout.ways(("batch", "heads")) / layout.size(layout.ulysses_axes)
     return per_tile * (2 * 4 + 2 * dtype_bytes(m.dtype))
 
 

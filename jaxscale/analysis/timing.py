@@ -176,7 +176,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     micro = tokens / passes
     layers = layers_run(m) / layout.ways(("layers",))  # DeepSeek's prediction depths: one block each
     depths = layers_run(m) - m.layers  # ... and the head again, after a projection of [embedding; hidden]
-    s_block = step.seq_len / layout.ways(("length",))
+    s_block = step.seq_len / layout.ring_size  # the keys a device's queries meet at once (Ulysses: all of them)
     t_q, t_v = layout.ways(("heads",)), layout.ways(("vocab",))
     att = attention(m)
     sp = layout.size(layout.sequence_axes)

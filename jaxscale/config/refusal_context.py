@@ -37,6 +37,11 @@ class Context:
         return Path(self.config.checkpoint.dir or Path(self.config.run_dir) / "checkpoints").absolute()
 
     @property
+    def attention_ring(self) -> int:
+        """The devices of ring attention's ring (1 without ``model.attention: ring``)."""
+        return self.layout.ring_size if self.config.model.attention == "ring" else 1
+
+    @property
     def pipelined(self) -> bool:
         return bool(self.layout.pipelined)
 

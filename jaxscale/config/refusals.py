@@ -132,6 +132,12 @@ RULES: tuple[Refusal, ...] = (
       "data.documents: model.attention 'cudnn' does not mask across documents (jax's public cuDNN attention takes "
       "one length per sequence): use 'blockwise', flash-style with the tiles across documents skipped, or 'auto' "
       "(docs/attention.md)"),
+    R("ring-balance-documents", ("data.ring_balance", "data.documents"), lambda c: c.config.data.ring_balance
+      and not c.config.data.documents, "data.ring_balance: needs data.documents=true (it arranges each row's "
+      "documents)"),
+    R("ring-balance-ring", ("data.ring_balance", "model.attention"), lambda c: c.config.data.ring_balance
+      and c.attention_ring < 2, "data.ring_balance: needs ring attention over 2 or more devices (model.attention="
+      "{model.attention}, a ring of {attention_ring} under rules '{rules}')", "layout"),
     R("mtp-documents-ring", ("model.deepseek.mtp_depth", "data.documents", "model.attention"),
       lambda c: bool(c.config.data.documents and c.config.model.deepseek and c.config.model.deepseek.mtp_depth
                      and c.config.model.attention == "ring"),

@@ -231,6 +231,7 @@ class DataConfig:
     documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
     packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
     boundary_targets: bool = False  # with documents: train a document's first token, predicted from the one before
+    ring_balance: bool = False  # with documents and a ring: documents arranged per row to even the ring's tiles
     max_bytes: int = 8_000_000
     eval_bytes: int = 60_000
 

@@ -170,6 +170,7 @@ class Stage:
     weights: Any = None  # in a split backward's unit, how weight matmuls run (:mod:`jaxscale.parallel.weight_split`)
     expert: tuple[str, ...] = ()  # of the row axes, EP's: each device keeps its experts, tokens exchanged over them
     expert_mlp: tuple[str, ...] = ()  # of ``tensor``, those splitting the experts' MLP (their outputs partial sums)
+    ulysses: tuple[str, ...] = ()  # of ``ring``, those attention all-to-alls over (the rules' ``ulysses``)
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -258,9 +259,19 @@ class Layout:
         return tuple(a for a in self.mesh_axes(("length",)) if a not in batch)
 
     @property
+    def ulysses_axes(self) -> tuple[str, ...]:
+        """The mesh axes of ``length`` over which attention trades the sequence for the heads (all-to-all)."""
+        return self.mesh_axes(("ulysses",))
+
+    @property
+    def ring_axes(self) -> tuple[str, ...]:
+        """The mesh axes of ``length`` that form the ring of ring attention (all of them but Ulysses')."""
+        return tuple(a for a in self.mesh_axes(("length",)) if a not in self.ulysses_axes)
+
+    @property
     def ring_size(self) -> int:
         """Devices that hold one sequence's blocks between them (the ring of ring attention)."""
-        return self.ways(("length",))
+        return self.size(self.ring_axes)
 
     @property
     def sequence_axes(self) -> tuple[str, ...]:

@@ -185,7 +185,8 @@ def build(
     expert = place.stage_expert_axes(block_axes, flags["experts"])
     split = tuple(dict.fromkeys(n for axes in block_axes for n in axes if set(place.mesh_axes((n,))) & set(tensor)))
     where = Stage(manual, ring, tensor, split, tuple(a for a in place.sequence_axes if a in tensor), expert=expert,
-                  expert_mlp=tuple(a for a in place.mesh_axes(("expert_mlp",)) if a in tensor))
+                  expert_mlp=tuple(a for a in place.mesh_axes(("expert_mlp",)) if a in tensor),
+                  ulysses=tuple(a for a in place.ulysses_axes if a in ring))
     rules = place.rules
     inner = Rules(rules.name, {name: tuple(a for a in to if a not in manual) for name, to in rules.params.items()})
     gathered = place.stage_gathered_axes(block_axes, moe)

@@ -32,7 +32,7 @@ early and one late chunk and does the same work: ``2c+1`` chunk-pair tiles
 against ``4i+3`` (up to ``4c−1``) with contiguous chunks. Fully masked tiles
 are skipped (``lax.switch``), the diagonal ones masked. The data path puts the
 tokens, targets and positions of each sequence in this order
-(:func:`sequence_order`), so the loss (a mean over tokens) is unchanged and
+(:func:`~jaxscale.parallel.ring_schedule.sequence_order`), so the loss (a mean over tokens) is unchanged and
 RoPE sees the true positions.
 
 **Packed documents** (``data.documents``: the positions restart at each document): a token's document is
@@ -74,54 +74,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale.layout.sharding import Axes, active, spec, spec_axes, stage
+from jaxscale.parallel.ring_schedule import FULL, block_ids, document_starts, tile_kind, visible
 
-SKIP, DIAGONAL, FULL = 0, 1, 2
-ACROSS = 2  # added to DIAGONAL or FULL: a tile whose pairs span documents, masked pair by pair
-LAYOUTS = ("zigzag", "contiguous")
 _NEG = float(np.finfo(np.float32).min)
-
-
-def chunk_layout(cp: int, layout: str = "zigzag") -> np.ndarray:
-    """[cp, 2]: which of the ``2·cp`` sequence chunks each device holds, in order."""
-    if layout == "zigzag":
-        return np.array([[i, 2 * cp - 1 - i] for i in range(cp)])
-    if layout == "contiguous":
-        return np.array([[2 * i, 2 * i + 1] for i in range(cp)])
-    raise ValueError(f"layout '{layout}' is not one of {', '.join(LAYOUTS)}")
-
-
-def sequence_order(seq_len: int, cp: int, layout: str = "zigzag") -> np.ndarray:
-    """The positions of a sequence in the order the devices of a ring of ``cp`` hold them."""
-    chunk = seq_len // (2 * cp)
-    return (chunk_layout(cp, layout)[:, :, None] * chunk + np.arange(chunk)).reshape(-1)
-
-
-def block_ids(cp: int, seq_len: int, block: int, causal: bool, layout: str = "zigzag") -> np.ndarray:
-    """[cp, local blocks]: the global index of each ``block``-token tile of each device's sequence."""
-    if cp == 1 or not causal:
-        return np.arange(seq_len // block).reshape(cp, -1)
-    per_chunk = seq_len // (2 * cp * block)
-    return (chunk_layout(cp, layout)[:, :, None] * per_chunk + np.arange(per_chunk)).reshape(cp, -1)
-
-
-def tile_kind(q_id, k_id, causal: bool):
-    """SKIP, DIAGONAL (causally masked) or FULL for a query tile against a key tile (numpy or jax)."""
-    if not causal:
-        return FULL
-    xp = jnp if isinstance(q_id, jax.Array) else np
-    return xp.where(q_id > k_id, FULL, xp.where(q_id == k_id, DIAGONAL, SKIP))
-
-
-def tile_counts(cp: int, seq_len: int, block: int, causal: bool = True, layout: str = "zigzag") -> np.ndarray:
-    """[cp, 3]: tiles each device skips, masks and computes in full, in the kernel's own schedule."""
-    ids = block_ids(cp, seq_len, block, causal, layout)
-    counts = np.zeros((cp, 3), np.int64)
-    for me in range(cp):
-        for step in range(cp):
-            kinds = tile_kind(ids[me][:, None], ids[(me - step) % cp][None, :], causal)
-            counts[me] += np.bincount(np.broadcast_to(kinds, (ids.shape[1],) * 2).ravel(), minlength=3)
-    return counts
-
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
@@ -158,23 +113,6 @@ def _tile(x: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
 
 def _put(x: jax.Array, tile: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, tile, i * block, axis)
-
-
-def document_starts(positions: jax.Array, natural: jax.Array) -> jax.Array:
-    """The natural index where each token's document starts: ``natural`` (each token's index in the sequence's
-    natural order) less its ``positions`` [b, s] (restarting at 0 at each document, ``data.documents``)."""
-    return natural[None, :] - positions.astype(jnp.int32)
-
-
-def _visible(kind, q_starts: jax.Array, k_starts: jax.Array):
-    """``kind`` of a tile given its queries' and keys' document starts ([b, block] each; non-decreasing over
-    contiguous tokens, so a tile's documents are those between its least and greatest start): SKIP where no
-    query shares a document with a key, ``kind`` where every row's tile is in one document, else
-    ``kind + ACROSS`` (masked pair by pair)."""
-    q_lo, q_hi, k_lo, k_hi = q_starts.min(1), q_starts.max(1), k_starts.min(1), k_starts.max(1)
-    overlap = (q_lo <= k_hi) & (k_lo <= q_hi)
-    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
-    return jnp.where(overlap.any() & (kind != SKIP), jnp.where(one.all(), kind, kind + ACROSS), SKIP)
 
 
 def _branches(tile_fn, scale: float, documents: bool) -> list:
@@ -224,9 +162,9 @@ def _tile_docs(starts, i: jax.Array, j: jax.Array, block: int):
 
 def _kind(plan: _Ring, q_id, k_id, docs):
     """SKIP, DIAGONAL or FULL for a query tile against a key tile; with documents (``docs``) SKIP where none is
-    shared, and ``+ ACROSS`` where the tile spans a boundary (:func:`_visible`)."""
+    shared, and ``+ ACROSS`` where the tile spans a boundary (:func:`visible`)."""
     kind = tile_kind(q_id, k_id, plan.causal)
-    return kind if docs is None else _visible(kind, *docs)
+    return kind if docs is None else visible(kind, *docs)
 
 
 def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring, starts=None):
@@ -450,12 +388,12 @@ def attention(
     manual over every mesh axis, with specs from the rules (``q_axes`` and
     ``kv_axes`` name the dimensions): the batch and heads stay where the rules
     put them, and with ``ring`` the sequence's mesh axes form the ring (their
-    sequence must be in :func:`sequence_order` when causal). Without ``ring``,
+    sequence must be in :func:`~jaxscale.parallel.ring_schedule.sequence_order` when causal). Without ``ring``,
     or outside ``use_rules``, it is blockwise attention over the whole sequence.
     """
     current, inside = active(), stage()
     if inside is not None:
-        return _in_manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
+        return manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
     if current is None:
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v, positions)
     mesh, place = current
@@ -471,12 +409,14 @@ def attention(
     return fn(q, k, v, positions)
 
 
-def _in_manual(
+def manual(
     q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None, axes: tuple[str, ...], *, causal: bool,
-    block: int, ring: bool, layout: str,
+    block: int, ring: bool = True, layout: str = "zigzag", gathered: bool = True,
 ) -> jax.Array:
     """:func:`attention` inside a ``shard_map`` manual over the ring's ``axes``: each device's blocks
-    are its own already (the sequence in :func:`sequence_order` when causal)."""
+    are its own already (the sequence in :func:`~jaxscale.parallel.ring_schedule.sequence_order` when causal).
+    With ``gathered`` (a pipeline stage's loop) the keys and values are all-gathered over the ring, else they
+    travel it by ``ppermute`` (USP's ring part: :mod:`jaxscale.parallel.ulysses`)."""
     if axes and not ring:
         raise ValueError(f"the sequence is split over the manual mesh axes {axes}: only ring attention sees all of it")
     mesh = jax.sharding.get_abstract_mesh()
@@ -486,4 +426,4 @@ def _in_manual(
     seq_len = q.shape[1] * cp
     varying = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))))
     plan = _plan(seq_len, cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
-    return _local(dataclasses.replace(plan, gathered=cp > 1), q, k, v, positions)
+    return _local(dataclasses.replace(plan, gathered=gathered and cp > 1), q, k, v, positions)

@@ -53,9 +53,9 @@ from jaxscale.layout.sharding import (
     use_rules,
 )
 from jaxscale.models import balance, builtin, contract, moe
-from jaxscale.models.attention import resolved, sequence_order
+from jaxscale.models.attention import resolved, ring_tiles, sequence_order
 from jaxscale.ops.loss import microbatch_weights, model_objective, stage_head_loss
-from jaxscale.parallel import pipeline
+from jaxscale.parallel import pipeline, ring_balance
 from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
 from jaxscale.runtime import xla_flags
@@ -535,11 +535,17 @@ class Trainer:
 
     @cached_property
     def batches(self) -> Loader:
-        return make_loader(self.config, "train", self.sequence_order)
+        return make_loader(self.config, "train", self.sequence_order, self.ring_balance)
 
     @cached_property
     def eval_batches(self) -> Loader:
-        return make_loader(self.config, "eval", self.sequence_order)
+        return make_loader(self.config, "eval", self.sequence_order, self.ring_balance)
+
+    @property
+    def ring_balance(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """``data.ring_balance``: each row's documents arranged for the ring's size and tile, or None."""
+        tiles = ring_tiles(self.config, self.mesh, self.rules)
+        return None if tiles is None else functools.partial(ring_balance.arranged, cp=tiles[0], block=tiles[1])
 
     @cached_property
     def sequence_order(self) -> np.ndarray | None:
