@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from helpers import assert_trees_close, rel_err, tiny_config
 
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.communication import communication
 from jaxscale.analysis.hlo import collectives
 from jaxscale.analysis.inspect import step_collectives
 from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.plan import layouts
 from jaxscale.analysis.strategy import Strategy, model_for, placement
-from jaxscale.analysis.timing import load_cluster
 from jaxscale.config.read import ConfigError, MeshConfig, ModelConfig, load_config
 from jaxscale.data.prepare import prepare_data
 from jaxscale.layout.mesh import make_mesh

@@ -78,14 +78,15 @@ def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activatio
     ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.ops.lean` keeps them; multi-head latent
     attention's latents, :func:`_latents`); ``selective``: ``none`` less the attention core's own residuals;
     ``full``: the layer input; ``save_dots``: the input and the outputs of the weight matmuls that the
-    recomputation needs (q, k, v or MLA's four projections, attention out, gate, up); ``save_named``: the input
-    and ``model.remat_names``. MoE layers' routers are counted by their share of the layers.
+    recomputation needs (q, k, v or MLA's four projections, attention out, gate, up); ``offload_dots``: on the
+    device, the input (``save_dots``' rest in host memory); ``save_named``: the input and ``model.remat_names``
+    (``model.remat_offload``'s in host memory). MoE layers' routers are counted by their share of the layers.
     """
     h, att = m.embed, attention(m)
     fe = mlp_per_token(m)
     sizes = {"h": h, "q": att.q, "k": att.k, "v": att.v, "out": att.out, "f": fe}
     x = Activation("layer input", h, RESIDUAL)
-    if policy == "full":
+    if policy in ("full", "offload_dots"):  # offload_dots: save_dots' outputs in host memory
         return [x]
     if policy == "save_dots":
         projected = sum(c * n for c, n, _, _, _ in projections(m))  # the projections' outputs, the last's too

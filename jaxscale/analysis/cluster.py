@@ -48,6 +48,7 @@ class Cluster:
     latency_intra: float = 3.0e-6  # seconds per step of a collective within a node
     latency_inter: float = 8.0e-6  # ... across nodes
     overlap_cost: float = 0.0  # fraction of hidden communication time that still slows compute (GPU: SMs)
+    host_bandwidth: float = 0.0  # bytes/s per device to host memory, one way; 0: offload not planned
     matmul_efficiency: Table | None = None  # [[side of a cube (M·N·K)^(1/3), fraction of peak], ...]
     attention_efficiency: Table | None = None  # [[sequence block, fraction of peak], ...]
     collectives: dict[str, dict[str, list[float]]] | None = None  # level -> kind -> [latency/step, bytes/s]

@@ -179,7 +179,8 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         everything = _recomputed_peak(m, layout, step, rows, select)
     else:  # the tiles beside the layer's cotangents (an upper bound of the attention's peak), or the MLP's peak
         everything += tiles + select
-        mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": saved_dots_backward(m, step.seq_len)}
+        dots = saved_dots_backward(m, step.seq_len)  # offload_dots: a layer's outputs back on the device
+        mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": dots, "offload_dots": dots}
         if m.remat in mlp:
             everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
     # the exchange's buffers: in the backward, and kept by every MoE layer where it keeps its routed rows (none,

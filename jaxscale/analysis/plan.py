@@ -147,7 +147,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
         for f in _divisors(rest):
             d = rest // f
             # A stage applies no layer remat (its backward recomputes each chunk once): one policy there.
-            remats = ("none",) if p > 1 else REMATS
+            remats = ("none",) if p > 1 else REMATS + ("offload_dots",) * (cluster.host_bandwidth > 0)
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
                 one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
                 yield one

@@ -18,8 +18,9 @@ published figures or by ``jaxscale plan --calibrate``, :mod:`jaxscale.analysis.c
   cast to the compute dtype, the gradient accumulator and the optimizer update; under
   ``model.tp_overlap`` the collective matmuls' slot copies, slices and ring accumulators
   (:func:`collective_matmul_elements`), whose matmuls run one per ring step on 1/t of the tokens;
-* **recomputation**: ``save_dots`` redoes the memory-bound forward, ``full`` the whole layer
-  forward, the pipeline's stage recompute the whole stage forward, the chunked loss
+* **recomputation**: ``save_dots`` redoes the memory-bound forward (``offload_dots`` too, plus the
+  transfers to and from host memory its compute does not hide: :mod:`jaxscale.analysis.host_link`),
+  ``full`` the whole layer forward, the pipeline's stage recompute the whole stage forward, the chunked loss
   (``model.loss_chunk``) the head's forward;
 * **collectives** (:func:`collective_seconds`): per run a latency (``latency_intra`` /
   ``latency_inter`` per step of a log2 tree, twice for an all-reduce; one step for a
@@ -54,6 +55,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxscale.analysis import host_link
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import Flow
@@ -221,7 +223,11 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     # experts' forward again (their hidden for the down projection's gradient, their outputs for the gates')
     routed_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _routed_matmuls(m, layout, micro))
     recompute = {"none": 0.0, "save_dots": fwd_mem / bw + routed_mm, "save_named": fwd_mem / bw + routed_mm,
+                 "offload_dots": fwd_mem / bw + routed_mm,
                  "full": fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw}[m.remat]
+    if m.remat == "offload_dots" and params is not None and cluster.host_bandwidth > 0:
+        moved = host_link.offloaded_bytes(m, params, layout, step)
+        recompute += host_link.exposed_seconds(moved, cluster.host_bandwidth, forward, backward)
     if layout.pipelined:  # the backward slot recomputes its chunk once; no layer remat inside a stage
         recompute = fwd_mm + fwd_attn + (fwd_mem + cm_layers) / bw
     if m.loss_chunk:  # the chunked loss recomputes each chunk's logits in its backward

@@ -12,7 +12,8 @@ from typing import Any, Literal
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "selective", "full", "save_dots", "save_named", "auto"]  # auto: jaxscale/analysis/remat.py
+# auto: jaxscale/analysis/remat.py; offload_dots: jaxscale/layout/offload.py
+Remat = Literal["none", "selective", "full", "save_dots", "offload_dots", "save_named", "auto"]
 # resolved at build (models/attention.py): auto -> the kernel the devices run
 Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
 MoEDispatch = Literal["capacity", "dropless"]
@@ -119,6 +120,7 @@ class ModelConfig:
     param_dtype: DType = "float32"
     remat: Remat = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
+    remat_offload: list[str] = dataclasses.field(default_factory=list)  # save_named: moved to host (offload.py)
     moe: MoEConfig | None = None
     deepseek: DeepSeekConfig | None = None  # None: Llama-style; set: DeepSeek-V3-style (MLA, MTP)
     attention: Attention = "dot"
@@ -316,6 +318,7 @@ class PrecisionConfig:
     margin: int = 0  # scales leave 2^margin of headroom
     fp8_head: bool = False
     fp8_block: int = 128
+    offload_state: bool = False  # the master and the optimizer's state in host memory (jaxscale/layout/offload.py)
 
 
 @dataclasses.dataclass

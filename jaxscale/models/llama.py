@@ -38,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale.config import flops, stage_layers
 from jaxscale.config.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
 from jaxscale.config.read import Config, ModelConfig, RopeScaling
+from jaxscale.layout import offload
 from jaxscale.layout.sharding import constrain, lookup, stage
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
@@ -72,9 +73,16 @@ def remat_policy(config: ModelConfig) -> Callable | None:
       namely input, q, k, v, output projection, gate, up; norms, attention and SwiGLU are
       recomputed.
     - ``full``: the layer input, B·h; the whole layer is recomputed.
-    - ``save_named``: the layer input and the ``checkpoint_name``s in ``model.remat_names``.
+    - ``save_named``: the layer input and the ``checkpoint_name``s in ``model.remat_names`` on the device,
+      those in ``model.remat_offload`` in host memory (:func:`jaxscale.layout.offload.remat_policy`).
+    - ``offload_dots``: ``save_dots``' matmul outputs in host memory, the layer input on the device, B·h
+      (:func:`jaxscale.layout.offload.dots_policy`); recomputed as ``save_dots``.
     """
     policies = jax.checkpoint_policies
+    if config.remat == "save_named" and config.remat_offload:
+        return offload.remat_policy(config.remat_names, config.remat_offload)
+    if config.remat == "offload_dots":
+        return offload.dots_policy(precision.WEIGHT_DOT)
     return {
         "none": None,
         "selective": None,

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 from jaxscale.config import flops, refusals, selections, stage_layers
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.data.batches import Loader, check_data, make_loader
-from jaxscale.layout import collectives
+from jaxscale.layout import collectives, offload
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import (
     Layout,
@@ -277,8 +277,11 @@ class Trainer:
         jax.eval_shape(map_state)
         fp8_state = jax.tree.map(lambda _: replicated, self._shapes.fp8)
         master = self.param_shardings("optimizer") if self.policy.two_copies else {}
+        opt = found["opt"]
+        if self.config.precision.offload_state:  # in host memory between steps (jaxscale/layout/offload.py)
+            opt, master = offload.on_host((opt, master))
         bias = jax.tree.map(lambda _: replicated, self._shapes.balance)
-        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master, bias)
+        return TrainState(replicated, self.param_shardings("params"), opt, fp8_state, master, bias)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -443,38 +446,50 @@ class Trainer:
         (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
         return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
-    def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def _train_step(
+        self, state: TrainState, batch: dict[str, jax.Array], guard: bool = False
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One step; ``guard``: the master and optimizer state kept where the loss or gradient is not finite
+        (``finite`` in the metrics), decided on the device, before an offloaded state goes back to the host."""
         weights = state.master if self.wide_grads else state.params  # the compute copy is the master's cast
         loss, grads, aux, fp8_state = self._grads(weights, batch, state.fp8, state.balance)
+        held = (state.master, state.opt_state)
+        host = self.state_shardings.master, self.state_shardings.opt_state
+        if self.config.precision.offload_state:  # from host memory to the device, after the backward
+            held = offload.fetch(held, host)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
         params, master, opt_state, grads_o = precision.update(
-            self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
-            self.param_shardings("optimizer"),
+            self.policy, self.optimizer, grads, state.params, *held, self.param_shardings("optimizer"),
         )
+        grad_norm = optax.tree.norm(grads_o)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if guard:
+            master, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (master, opt_state), held)
+        if self.config.precision.offload_state:
+            master, opt_state = offload.store((master, opt_state), host)
         if self.config.mesh.axis_types == "explicit":  # the new compute copy in its layout (auto: by out_shardings)
             params = collectives.lay_out(params, self.param_shardings("params"))
         layers = aux.pop("moe_layers", {})
         bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
         load = moe.load_metrics(layers) if layers else {}
-        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), **aux, **load}
+        out = {"loss": loss, "grad_norm": grad_norm, **aux, **load}
         if not self.custom_optimizer:  # the rate of train.*'s schedule (a custom optimizer's is its own)
             out["lr"] = schedule(self.config.train)(state.step)
+        if guard:
+            out["finite"] = finite
         return TrainState(state.step + 1, params, opt_state, fp8_state, master, bias), out
 
     def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
-        new, out = self._train_step(state, batch)
-        finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
+        new, out = self._train_step(state, batch, guard=True)
 
         def keep(n: jax.Array, o: jax.Array) -> jax.Array:
-            return jnp.where(finite, n, o)
+            return jnp.where(out["finite"], n, o)
 
         params = jax.tree.map(keep, new.params, state.params)
-        opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
         fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
-        master = jax.tree.map(keep, new.master, state.master)
         bias = jax.tree.map(keep, new.balance, state.balance)
-        return TrainState(new.step, params, opt_state, fp8_state, master, bias), {**out, "finite": finite}
+        return TrainState(new.step, params, new.opt_state, fp8_state, new.master, bias), out
 
     @cached_property
     def jit_step(self) -> Any:
