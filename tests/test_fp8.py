@@ -182,3 +182,36 @@ def test_fp8_follows_bf16_loss_curve(mode, bf16_curves):
         assert all(np.all(np.isfinite(h)) and np.all(np.asarray(h) > 0) for h in jax.tree.leaves(fp8_state.fp8))
     gap = np.abs(np.mean(differences, axis=0))
     assert gap.max() <= SMOOTHED_TOL, f"{mode}: smoothed loss {gap.max():.3f} from bf16 at step {gap.argmax()}"
+
+
+# -- tracing sets nothing on a module --------------------------------------------------------
+
+
+def attributes(model) -> dict[str, dict[str, int]]:
+    """Each module of ``model`` by path: its attributes' names and the identity of their values."""
+    from flax import nnx
+
+    return {"/".join(map(str, p)): {k: id(v) for k, v in vars(m).items()}
+            for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
+
+
+@pytest.mark.parametrize("mode", [("precision.fp8=delayed", "precision.fp8_head=true"),
+                                  ("precision.fp8=blockwise", "precision.fp8_block=16")])
+def test_tracing_the_fp8_forward_sets_nothing_on_its_modules(mode):
+    """The weights' copies made once before the layers reach them as scanned inputs (``fp8.using``): tracing the
+    forward of an fp8 model (the one the train step's forward runs, and the decode step's) leaves every module's
+    attributes as they were (no copy attached)."""
+    from flax import nnx
+
+    from jaxscale.models import decode
+    from jaxscale.training.trainer import make_model
+
+    with nnx.use_eager_sharding(False):
+        model = make_model(tiny_config(*mode))
+    before = attributes(model)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    nnx.eval_shape(lambda m, t, p: m(t, p), model, tokens, positions)
+    cache = decode.empty(model.config, 2, 8)
+    nnx.eval_shape(lambda m, t, p: decode.step(m, t, p, cache, 0), model, tokens[:, :1], positions[:, :1])
+    assert attributes(model) == before
