@@ -76,7 +76,7 @@ class _Letters(NamedTuple):
         return self.sizes | {self.rows[-1]: length}
 
 
-def _letters(static: _Static, seq: str) -> list[_Letters]:
+def _equations(static: _Static, seq: str) -> list[_Letters]:
     found = []
     for equation, w_shape in zip(static.equations, static.w_shapes, strict=True):
         lhs, rhs, out = letters(equation)
@@ -149,7 +149,7 @@ def _gather(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tuple[jax.A
 def _gather_forward(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tuple[tuple, tuple]:
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
     seq = letters(static.equations[0])[0][static.dim]
-    eqs = _letters(static, seq)
+    eqs = _equations(static, seq)
     first = eqs[0]
     if any((e.rows, e.contract) != (first.rows, first.contract) for e in eqs):
         raise ValueError(f"blockwise fp8 collective matmul {static.equations}: the input read two ways")
@@ -175,7 +175,7 @@ def _gather_forward(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tup
 def _gather_backward(static: _Static, saved: tuple, gs: tuple[jax.Array, ...]) -> tuple:
     xt, x_amax, x_history, weights = saved
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
-    eqs = _letters(static, letters(static.equations[0])[0][static.dim])
+    eqs = _equations(static, letters(static.equations[0])[0][static.dim])
     tiled = [
         _tiled(matrix(g, e.out, "", e.rows, e.cols), [g.shape[e.out.index(c)] for c in e.rows], b, E5M2, margin)
         for e, g in zip(eqs, gs, strict=True)
@@ -212,7 +212,7 @@ def _scatter(static: _Static, h: Operand, w: Operand) -> jax.Array:
 
 def _scatter_forward(static: _Static, h: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
-    (eq,) = _letters(static, letters(static.equations[0])[2][static.dim])
+    (eq,) = _equations(static, letters(static.equations[0])[2][static.dim])
     h2 = matrix(h.value, eq.lhs, "", eq.rows, eq.contract)
     qh = tiles(h2, b, E4M3, margin)
     dims = [eq.sizes[c] for c in eq.rows]
@@ -231,7 +231,7 @@ def _scatter_forward(static: _Static, h: Operand, w: Operand) -> tuple[jax.Array
 def _scatter_backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand]:
     h2, qw, h_amax, h_history, w_history, g_history = saved
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
-    (eq,) = _letters(static, letters(static.equations[0])[2][static.dim])
+    (eq,) = _equations(static, letters(static.equations[0])[2][static.dim])
     dims = [g.shape[eq.out.index(c)] for c in eq.rows]  # this device's chunk of the sequence
     qg, qgt = _tiled(matrix(g, eq.out, "", eq.rows, eq.cols), dims, b, E5M2, margin)
     dh: list[jax.Array | None] = [None]
