@@ -32,7 +32,7 @@ ELSEWHERE = {
     ("hf/convert_deepseek.py", "hf_config"): "what DeepSeek-V3's config.json can express (the export)",
     ("hf/models.py", "architecture"): "which Hugging Face architecture a model converts to",
     ("hf/models.py", "check_model"): "a config.json's head counts",
-    ("precision/fp8_blockwise.py", "einsum"): "a traced weight's share on one device against precision.fp8_block",
+    ("precision/fp8/blockwise.py", "einsum"): "a traced weight's share on one device against precision.fp8_block",
     ("precision/policy.py", "check_resume"): "a checkpoint's copies against precision.params and precision.master",
     ("training/loop.py", "_start"): "checkpoints already in the run's directory",
     ("runtime/elastic.py", "fit"): "the devices left after a failure against train.global_batch (known at start-up)",

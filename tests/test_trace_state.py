@@ -46,13 +46,24 @@ def calls(name: str) -> list[tuple[str, str, str]]:
 
 
 def test_the_trace_time_state_is_read_at_one_site():
-    """One ``ContextVar`` in the package, in ``layout/sharding.py``; ``get`` on it in ``active`` alone, ``set``
-    and ``reset`` in ``use_layout`` alone (every other reader asks ``active``)."""
-    assert calls("ContextVar") == [("layout/sharding.py", "<module>", "contextvars.ContextVar")]
+    """Two scoped values in the package, each set and reset by one context manager and read by one accessor:
+    the layout in effect (``layout/sharding.py``: ``get`` in ``active`` alone, every other reader asks it) and
+    fp8's weight copies made once a step (``precision/fp8/state.py``: entered by ``using`` over what it already
+    holds, read by ``Fp8.weight``), in place of attributes set on the modules while tracing."""
+    assert calls("ContextVar") == [
+        ("layout/sharding.py", "<module>", "contextvars.ContextVar"),
+        ("precision/fp8/state.py", "<module>", "contextvars.ContextVar"),
+    ]
     assert sorted(calls("_ACTIVE")) == [
         ("layout/sharding.py", "active", "_ACTIVE.get"),
         ("layout/sharding.py", "use_layout", "_ACTIVE.reset"),
         ("layout/sharding.py", "use_layout", "_ACTIVE.set"),
+    ]
+    assert sorted(calls("_COPIES")) == [
+        ("precision/fp8/state.py", "using", "_COPIES.get"),
+        ("precision/fp8/state.py", "using", "_COPIES.reset"),
+        ("precision/fp8/state.py", "using", "_COPIES.set"),
+        ("precision/fp8/state.py", "weight", "_COPIES.get"),
     ]
 
 
@@ -117,13 +128,10 @@ TRAINERS = {
     "zb_h1-p2": (("pipeline.microbatches=2", "pipeline.schedule=zb_h1"), "pp", {"stage": 2, "data": 4}),
     "moe-ep": (MOE, "ep", {"expert": 8}),
 }
-FP8_SETS = pytest.mark.xfail(
-    strict=True, reason="fp8 attaches its e4m3 weight copies to the Fp8 modules with setattr while the step is "
-    "traced (precision/fp8.py Fp8.use); the fp8 helper's change removes it"
-)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=FP8_SETS) if n.startswith("fp8") else n for n in TRAINERS])
+
+@pytest.mark.parametrize("name", list(TRAINERS))
 def test_tracing_a_step_sets_nothing_on_a_module(name, monkeypatch):
     """Every nnx module the traced step makes (by ``nnx.merge``: the model, a pipeline stage's units) has the
     same attributes, the same objects, after the step is traced as when it was made."""

@@ -301,7 +301,7 @@ class XlaConfig:
 
 @dataclasses.dataclass
 class PrecisionConfig:
-    """Mixed precision (``jaxscale/precision/policy.py``) and low-precision matmuls (``jaxscale/precision/fp8.py``).
+    """Mixed precision (``jaxscale/precision/policy.py``) and low-precision matmuls (``jaxscale/precision/fp8/``).
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'

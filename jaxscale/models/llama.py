@@ -25,6 +25,7 @@ returns the losses' mean over the MoE layers, and the statistics per layer, next
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -418,18 +419,18 @@ class Llama(nnx.Module):
         c = self.config
         x = self.embed(tokens)
 
-        def body(x: jax.Array, block: Block | Group) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return block(x, positions)
+        def body(x: jax.Array, block: Block | Group, copies: fp8.Copies) -> tuple[jax.Array, dict[str, jax.Array]]:
+            with fp8.using(block, copies) if self.fp8_on else contextlib.nullcontext():
+                return block(x, positions)
 
         policy = remat_policy(c)
         if policy is not None:
             body = nnx.remat(body, policy=policy, prevent_cse=False)
         scan = nnx.scan(
-            body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
+            body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        if self.fp8_on:
-            fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
-        x, aux = scan(x, self.blocks)
+        # The fp8 weights made once (jaxscale.precision.fp8.prepare), outside the layers' remat: scanned inputs.
+        x, aux = scan(x, self.blocks, fp8.prepare(self.blocks) if self.fp8_on else {})
         return self.final_norm(x), self.stack_metrics(aux)
 
     def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, Any]:

@@ -325,8 +325,8 @@ def objective(
 
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the metrics are not differentiable);
-        # the histories' "gradients" are their updates (jaxscale/precision/fp8.py), as they are: the blocks' and the
-        # head's.
+        # the histories' "gradients" are their updates (jaxscale/precision/fp8/state.py), as they are: the blocks'
+        # and the head's.
         grads, new_histories = res
         g = cotangents[0]
         kept = (parts.outer_histories, jax.tree.map(lambda _: False, blocks))

@@ -112,8 +112,8 @@ class StageProgram(SlotMetrics):
     def unit(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, dict[str, Any]]:
         """One stacked unit on ``h``: its output and its metrics, every one of them, in fp32."""
         unit = nnx.merge(self.block_graph, self.gathered(lp.params) if self.visit else lp.params, lp.histories)
-        fp8.attach(unit, lp.copies)
-        y, metrics = unit(h, pos)
+        with fp8.using(unit, lp.copies):
+            y, metrics = unit(h, pos)
         return y, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
 
     def layer(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, Any]]:
@@ -455,13 +455,13 @@ class StageProgram(SlotMetrics):
 
     def quantized(self, blocks: Unit) -> Any:
         """The e4m3 copies of the stage's fp8 weights, made once per step before the loop
-        (:func:`jaxscale.precision.fp8.prepare`;
-        none with precision.fp8 off or blockwise), each varying over the loop's axes as the weights do."""
+        (:func:`jaxscale.precision.fp8.prepare`; none with precision.fp8 off), each varying over the loop's axes as
+        the weights do."""
         if not blocks.histories:
             return {}
         copies = fp8.prepare(nnx.merge(self.block_graph, blocks.params, blocks.histories))
-        return jax.tree.map(lambda q: q._replace(q=vary(q.q, self.rows)), copies,
-                            is_leaf=lambda q: isinstance(q, fp8.Quantized))
+        return {path: {name: q.mapped(lambda a: vary(a, self.rows), lambda a: a) for name, q in made.items()}
+                for path, made in copies.items()}
 
     def run(self, outer: Any, blocks: Any, histories: Any, xs: dict[str, jax.Array]) -> tuple:
         """The ``shard_map``'s body: the stage's loop over the table's ticks under the stage's layout.

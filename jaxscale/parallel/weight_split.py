@@ -9,10 +9,11 @@ jaxpr and runs that again equation by equation, and the marks there give the slo
 
 * **B** (``taps``): ``y`` with ``w``'s gradient stopped, plus a zero *tap*, an input of the function B
   differentiates, so that the tap's cotangent is the matmul's output gradient ``dy``. The matmul's input
-  (:func:`readable`: as it is, or fp8's e4m3 values and scale, or blockwise fp8's compute-dtype values that the
-  weight gradient tiles the other way) is an output of the unit's trace, once for matmuls that read the same
-  input (q, k and v). Everything of the unit that is not a weight matmul (norm scales, the router, grouped
-  experts, a model's own einsums) takes its gradient in B, with the input's: correct for any model.
+  (:func:`readable`: as it is, or what its fp8 recipe's weight gradient reads: per tensor the e4m3 values and
+  scale, blockwise the compute-dtype values that the weight gradient tiles the other way) is an output of the
+  unit's trace, once for matmuls that read the same input (q, k and v). Everything of the unit that is not a
+  weight matmul (norm scales, the router, grouped experts, a model's own einsums) takes its gradient in B, with
+  the input's: correct for any model.
 * **W** (``kept``): each matmul ``einsum(x_kept, w)``, its live input ignored; the unit's matmul outputs,
   differentiated in its parameters by the kept ``dy``, give each ``dW = xᵀ·dy`` to its parameter through
   whatever the unit does to it (casts, FSDP's gathers, fused projections), by the einsum's own backward (the
@@ -33,6 +34,7 @@ jaxpr, where :func:`reap` does not look.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,22 +51,14 @@ from jaxscale.precision import fp8
 Projection = Callable[[str, Any, Any], jax.Array]  # precision.einsum outside a split slot
 
 
-def readable(x: jax.Array | fp8.Operand) -> Any:
-    """What the weight gradient reads of a matmul input: the array, fp8's e4m3 values with their scale and
-    amax (per tensor), or the compute-dtype values (blockwise: tiled along the tokens for it)."""
-    if not isinstance(x, fp8.Operand):
-        return x
-    return x.value if x.quantized is None else x.quantized
-
-
-def restored(x: jax.Array | fp8.Operand, kept: Any) -> jax.Array | fp8.Operand:
-    """Matmul input ``x`` read from what B kept of it; an fp8 input without its history (B pushed its amax), its
-    live compute-dtype values (unread by the e4m3 matmul) cut from the gradient: the unit's forward stays dead."""
-    if not isinstance(x, fp8.Operand):
-        return kept
-    if x.quantized is None:
-        return x.replace(value=kept, history=None)
-    return x.replace(value=lax.stop_gradient(x.value), quantized=kept, history=None)
+def readable(x: jax.Array | fp8.Operand) -> tuple[Any, Callable[[Any], Any]]:
+    """What the weight gradient reads of a matmul input (the array, or what its fp8 recipe's weight gradient
+    reads: :func:`jaxscale.precision.fp8.kernels`' ``residual``) and how the input is read back from it (an fp8
+    input without its history: B pushed its amax; the unit's forward stays dead)."""
+    if isinstance(x, fp8.Operand):
+        kernels = fp8.kernels(x.recipe)
+        return kernels.residual(x), functools.partial(kernels.restored, x)
+    return x, lambda kept: kept
 
 
 IN, OUT = "jaxscale.weight_split.input", "jaxscale.weight_split.output"  # the marks a slot's unit leaves
@@ -83,10 +77,11 @@ class Split:
     def einsum(self, equation: str, x: jax.Array | fp8.Operand, w: jax.Array | fp8.Operand,
                projection: Projection) -> jax.Array:
         """Matmul ``einsum(equation, x, w)`` of the unit, marked."""
-        leaves, tree = jax.tree.flatten(readable(x))
+        residual, restore = readable(x)
+        leaves, tree = jax.tree.flatten(residual)
         marked = [checkpoint_name(a, f"{IN} {k}") for k, a in enumerate(leaves)]
         read = tree.unflatten([vary(a, self.axes) for a in marked] if self.axes else marked)  # as kept ones vary
-        y = projection(equation, restored(x, read), w) if self.kept else projection(equation, x, lax.stop_gradient(w))
+        y = projection(equation, restore(read), w) if self.kept else projection(equation, x, lax.stop_gradient(w))
         return checkpoint_name(y, OUT)
 
 

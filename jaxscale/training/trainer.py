@@ -73,7 +73,7 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
-    fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/precision/fp8.py); empty with precision.fp8=off
+    fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/precision/fp8/state.py); empty with precision.fp8=off
     master: Any = {}  # noqa: RUF012  the master weights (jaxscale/precision/policy.py); empty when params are the only copy
     balance: Any = {}  # noqa: RUF012  MoE routing biases (jaxscale/models/balance.py); empty with model.moe.balance=off
 
