@@ -17,12 +17,18 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # One persistent compilation cache for the test session: a new directory made by the process pytest starts in,
 # shared through the environment with its xdist workers and every jaxscale process the tests start, so a step
-# compiled once is read back elsewhere (never a directory from an earlier session). Every compile is written.
-# A read-back executable still emits the compile event (helpers.compilations counts it); XLA's dumps need a
-# real compile (helpers.partitioned_hlo compiles with the cache off). JAX_ENABLE_COMPILATION_CACHE=0 turns it off.
+# compiled once is read back elsewhere. Every compile is written. A read-back executable still emits the compile
+# event (helpers.compilations counts it); XLA's dumps need a real compile (helpers.partitioned_hlo compiles with
+# the cache off). JAX_ENABLE_COMPILATION_CACHE=0 turns it off. JAXSCALE_TEST_JIT_CACHE names a directory kept
+# between sessions instead (.ci/run's, one per Python): jax's key hashes the program, the devices, the flags and
+# the versions, so only programs compiled before exactly as they are now are read back.
 if "PYTEST_XDIST_WORKER" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-tests-jit-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    kept = os.environ.get("JAXSCALE_TEST_JIT_CACHE")
+    if kept:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = kept
+    else:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-tests-jit-")
+        atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
