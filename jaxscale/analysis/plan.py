@@ -31,7 +31,8 @@ from typing import Any
 
 from jaxscale.analysis.blocks import attention
 from jaxscale.analysis.cluster import Cluster
-from jaxscale.analysis.communication import communication, summarize_flows
+from jaxscale.analysis.communication import communication
+from jaxscale.analysis.flows import summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.reasons import BLOCK_AXES, Candidate, expert_lines, fmt_time, kernel_line, reasons, unit_for

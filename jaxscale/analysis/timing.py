@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.cluster import Cluster
-from jaxscale.analysis.communication import Flow
+from jaxscale.analysis.flows import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config.flops import flops_per_token
 from jaxscale.config.read import MESH_AXES, ModelConfig
