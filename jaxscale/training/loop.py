@@ -17,7 +17,7 @@ just dispatched is read too, then:
   directory is checked for writing before anything compiles;
 - SIGTERM or a first Ctrl-C (SIGINT): a checkpoint (when checkpointing is on), then a normal return
   (the ``preempted`` record names the signal; the command line exits 0 after SIGTERM, 130 after
-  Ctrl-C); a second Ctrl-C exits at once (:class:`~jaxscale.checkpoint.store.Preemption`).
+  Ctrl-C); a second Ctrl-C exits at once (:class:`~jaxscale.checkpoint.preemption.Preemption`).
 
 The run holds the lock of its ``run_dir`` and checkpoint directory throughout
 (:mod:`jaxscale.runtime.runlock`): a second run on them stops at once with one line.
@@ -53,15 +53,9 @@ import jax
 import numpy as np
 
 from jaxscale.checkpoint import restack
-from jaxscale.checkpoint.store import (
-    Checkpointer,
-    CheckpointError,
-    Preemption,
-    Restored,
-    all_finite,
-    check_compatible,
-    init_state_from,
-)
+from jaxscale.checkpoint.params import init_state_from
+from jaxscale.checkpoint.preemption import Preemption
+from jaxscale.checkpoint.store import Checkpointer, CheckpointError, Restored, all_finite, check_compatible
 from jaxscale.config import flops
 from jaxscale.config.read import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.config.stage_layers import Storage
