@@ -63,7 +63,7 @@ from jaxscale.data.batches import Loader
 from jaxscale.runtime import runlock
 from jaxscale.training import metrics as metrics_lib
 
-TrainState = Any  # jaxscale.training.trainer.TrainState: the loop only passes it on
+TrainState = Any  # jaxscale.training.step.TrainState: the loop only passes it on
 
 
 class Trainer(Protocol):
