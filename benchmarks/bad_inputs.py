@@ -250,7 +250,7 @@ def _hf(tmp: Path) -> None:
     """A tiny Llama in Hugging Face's layout under ``tmp/hf``, in several shards with an index."""
     import jax
 
-    from jaxscale.checkpoint import store as checkpoint
+    from jaxscale.checkpoint import params as checkpoint
     from jaxscale.config.read import load_config
     from jaxscale.hf import convert
     from jaxscale.training.trainer import abstract_model

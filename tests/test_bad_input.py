@@ -24,8 +24,9 @@ import pytest
 from helpers import MAX_SECONDS, TINY, fails_early, subprocess_env, tiny_config
 
 from jaxscale import cli
-from jaxscale.checkpoint import store as checkpoint
-from jaxscale.checkpoint.store import Checkpointer, Preemption
+from jaxscale.checkpoint import params as checkpoint
+from jaxscale.checkpoint.preemption import Preemption
+from jaxscale.checkpoint.store import Checkpointer
 from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
 from jaxscale.data.prepare import TokenDir, prepare_data
 from jaxscale.layout.rules import Rules

@@ -28,7 +28,7 @@ from test_bad_input import one_line, sets, timed_main
 
 from jaxscale import cli
 from jaxscale.analysis import bench
-from jaxscale.checkpoint import store as checkpoint
+from jaxscale.checkpoint import params as checkpoint
 from jaxscale.config.read import ConfigError, MeshConfig, load_config, mesh_shape
 from jaxscale.config.schema import DataConfig
 from jaxscale.data.prepare import prepare_data

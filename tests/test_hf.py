@@ -13,7 +13,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxscale.checkpoint import store as checkpoint
+from jaxscale.checkpoint import params as checkpoint
 from jaxscale.cli import main
 from jaxscale.config import flops
 from jaxscale.config.read import Config, ConfigError, load_config

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale.checkpoint import store as checkpoint
+from jaxscale.checkpoint import params as checkpoint
 from jaxscale.config.read import load_config
 from jaxscale.hf import convert
 from jaxscale.training.loop import fit

@@ -12,7 +12,8 @@ import pytest
 from helpers import RTOL, TINY, assert_trees_close, fails_early, tiny_config
 
 from jaxscale.checkpoint import restack
-from jaxscale.checkpoint.store import Checkpointer, init_state_from, params_source, read_param, save_params
+from jaxscale.checkpoint.params import init_state_from, params_source, read_param, save_params
+from jaxscale.checkpoint.store import Checkpointer
 from jaxscale.cli import main
 from jaxscale.config import stage_layers
 from jaxscale.training.report import read_records

@@ -13,7 +13,8 @@ from helpers import TINY
 
 from jaxscale.analysis import plan, strategy
 from jaxscale.analysis.cluster import load_cluster
-from jaxscale.analysis.communication import Flow, communication
+from jaxscale.analysis.communication import communication
+from jaxscale.analysis.flows import Flow
 from jaxscale.analysis.params import param_table, stacked
 from jaxscale.analysis.timing import collective_seconds, crosses_nodes, members_per_node, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify

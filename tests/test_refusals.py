@@ -25,7 +25,7 @@ KEY = re.compile(rf"\b(?:{SECTION})\.[a-z_][a-z_0-9]*(?:\.[a-z_][a-z_0-9]*)*|\br
 # data, a Hugging Face config.json, a traced weight's share on a device. The table checks settings against settings.
 ELSEWHERE = {
     ("checkpoint/store.py", "check_compatible"): "a checkpoint's learning-rate schedule against train.steps",
-    ("checkpoint/store.py", "_with_balance"): "a checkpoint's routing biases against model.moe.balance",
+    ("checkpoint/params.py", "_with_balance"): "a checkpoint's routing biases against model.moe.balance",
     ("data/batches.py", "byte_streams"): "the bytes of the corpus against data.eval_bytes",
     ("data/batches.py", "open_tokens"): "a token file's ids against model.vocab_size",
     ("data/packing.py", "check_lengths"): "the documents' lengths against train.seq_len",

@@ -155,34 +155,16 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     pipelined = layout.pipelined
     rows = micro_rows / step.pipeline_microbatches if pipelined else micro_rows  # through a layer at once
     layers = _layers_here(m, layout, step)
-    stack = stack_layers(m, step)
     residuals = layer_residuals(m, m.remat, step.seq_len)
     per_layer = sum(_per_device(r, rows, step, m, layout) for r in residuals)
-    kept_weights = 0.0  # weights a layer keeps for its backward (copies, not the parameters themselves)
-    if m.remat == "none" and layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
-        kept_weights = sum(split(p, layout, step, stack).unit for p in params if p.in_layers and p.in_sp_region)
-    elif m.remat == "none" and m.dtype != compute:  # the weights cast to the compute dtype
-        kept_weights = layer_elems(params, layout, reduced=True)
-    if m.remat == "none" and m.moe is not None and m.moe.impl == "shard_map":
-        # the experts' shard_map keeps its weight operands, gathered over the token axes
-        kept_weights += sum(s.unit for s in (split(p, layout, step, stack) for p in params
-                                              if p.in_layers and "expert" in p.axes) if s.gathered)
+    kept_weights = _kept_weights(m, params, layout, step, compute)
     per_layer += kept_weights * cbytes
-    everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
     depths = m.deepseek.mtp_depth if m.deepseek else 0
     # dot attention's causal mask: broadcast to the scores (bool) and, at the attention's peak, the select's fp32
     # output; recomputed under full remat, where the step keeps one bool s x s from an iota
     select = 0.0 if m.attention in FLASH_ATTENTION else _per_device(
         Activation("mask", m.heads * step.seq_len, SCORES, "fp32"), rows, step, m, layout)
-    tiles = tile_buffers(m, layout, step, rows)
-    if m.remat == "full":
-        everything = _recomputed_peak(m, layout, step, rows, select)
-    else:  # the tiles beside the layer's cotangents (an upper bound of the attention's peak), or the MLP's peak
-        everything += tiles + select
-        dots = saved_dots_backward(m, step.seq_len)  # offload_dots: a layer's outputs back on the device
-        mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": dots, "offload_dots": dots}
-        if m.remat in mlp:
-            everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
+    everything = _layer_peak(m, layout, step, rows, select)
     # the exchange's buffers: in the backward, and kept by every MoE layer where it keeps its routed rows (none,
     # selective; save_dots saves no grouped matmul, so autodiff recomputes the exchange) and by prediction depths
     exchange = _exchange_buffers(m, layout, step, rows)
@@ -212,6 +194,40 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         _pipeline(m, params, layout, step, rows, out)
     out["total"] = sum(out.values())
     return out
+
+
+def _kept_weights(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, compute: str) -> float:
+    """Elements of the weights a layer keeps for its backward without remat (copies, not the parameters
+    themselves): SP's and the experts' shard_map operands, gathered, or the weights cast to ``compute``."""
+    if m.remat != "none":
+        return 0.0
+    stack = stack_layers(m, step)
+    kept_weights = 0.0
+    if layout.sequence_axes:  # SP's shard_map keeps its (gathered) weight operands
+        kept_weights = sum(split(p, layout, step, stack).unit for p in params if p.in_layers and p.in_sp_region)
+    elif m.dtype != compute:  # the weights cast to the compute dtype
+        kept_weights = layer_elems(params, layout, reduced=True)
+    if m.moe is not None and m.moe.impl == "shard_map":
+        # the experts' shard_map keeps its weight operands, gathered over the token axes
+        kept_weights += sum(s.unit for s in (split(p, layout, step, stack) for p in params
+                                              if p.in_layers and "expert" in p.axes) if s.gathered)
+    return kept_weights
+
+
+def _layer_peak(m: ModelConfig, layout: Layout, step: Step, rows: float, select: float) -> float:
+    """Bytes per device of one layer's backward at its peak, before its kept weights, the exchange's buffers and
+    its weights' gradients: the recomputed layer's peak under full remat; else its ``none`` residuals with the
+    attention's tiles and the causal mask's ``select`` beside the cotangents (an upper bound of the attention's
+    peak), or the MLP's peak where larger."""
+    if m.remat == "full":
+        return _recomputed_peak(m, layout, step, rows, select)
+    everything = sum(_per_device(r, rows, step, m, layout) for r in layer_residuals(m, "none", step.seq_len))
+    everything += tile_buffers(m, layout, step, rows) + select
+    dots = saved_dots_backward(m, step.seq_len)  # offload_dots: a layer's outputs back on the device
+    mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": dots, "offload_dots": dots}
+    if m.remat in mlp:
+        everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
+    return everything
 
 
 def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, micro_rows: float, pbytes: int
@@ -298,14 +314,10 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
 
     The loop keeps, for each microbatch in flight, the inputs of the chunk's L/(p·v) layers, and the
     gradients waiting for a backward (``Table.act_slots``, ``grad_slots``; XLA:CPU holds two buffers
-    per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; the fp32
-    gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
-    partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
-    and head, and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no
-    copy of them). With FSDP inside a stage (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`) the
-    stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too
-    (``pipeline.fsdp=step``); or (``visit``) one layer gathered at a time and its fp32 gradient before the
-    reduce-scatter, transient, the accumulator on the shards.
+    per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; its
+    accumulators and copies: :func:`_pipeline_state`. With FSDP inside a stage
+    (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`) and ``pipeline.fsdp=visit``, one layer gathered
+    at a time and its fp32 gradient before the reduce-scatter are transient.
     ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
     the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
@@ -342,13 +354,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     if m.loss_chunk:
         loss *= m.loss_chunk / step.seq_len
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
-    held = sum(p.size / layout.ways(p.axes) for p in params)
-    blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
     block_axes, flags = [p.axes for p in params if p.in_layers], stage_moe(m)
-    # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
-    tensor = layout.stage_tensor_axes(block_axes, **flags)
-    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
-                for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
     out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
@@ -357,6 +363,29 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
     layer = layer_elems(params, layout, reduced=False)
     out["transient"] = none + max(loss, cotangents) + layer * (pbytes + (4 if visit else 0))
+    out.update(_pipeline_state(m, params, layout, gathered, visit, pbytes))
+    out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
+    if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
+        out["mask"] = float(step.seq_len**2)
+
+
+def _pipeline_state(m: ModelConfig, params: Sequence[Param], layout: Layout, gathered: Sequence[str], visit: bool,
+                    pbytes: int) -> dict[str, float]:
+    """A pipelined stage's loop state beside the parameters: ``pipeline accumulator`` and ``pipeline copies``.
+
+    The fp32 gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
+    partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm and head,
+    and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no copy of them).
+    With FSDP inside a stage over ``gathered`` the stage's blocks gathered whole over its FSDP axes once a step
+    and their fp32 accumulator, whole too (``pipeline.fsdp=step``); or (``visit``) the accumulator on the shards.
+    """
+    held = sum(p.size / layout.ways(p.axes) for p in params)
+    blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
+    block_axes, flags = [p.axes for p in params if p.in_layers], stage_moe(m)
+    # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
+    tensor = layout.stage_tensor_axes(block_axes, **flags)
+    outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
+                for p in params if not p.in_layers)
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
     partitioned = layout.stage_free_axes(block_axes, **flags)
@@ -365,10 +394,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     once = bool(gathered) and not visit
     whole = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in gathered])
                 for p in params if p.in_layers) if once else 0.0
-    out["pipeline accumulator"] = 4 * whole + (4 * (held - blocks if once else held) if partitioned else 0.0)
+    accumulator = 4 * whole + (4 * (held - blocks if once else held) if partitioned else 0.0)
     if tensor:  # its fp32 gradient accumulated whole over them too, beside the sharded gradients
-        out["pipeline accumulator"] += 4 * (outer - (held - blocks))
-    out["pipeline copies"] = (outer + whole) * pbytes
-    out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
-    if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
-        out["mask"] = float(step.seq_len**2)
+        accumulator += 4 * (outer - (held - blocks))
+    return {"pipeline accumulator": accumulator, "pipeline copies": (outer + whole) * pbytes}

@@ -31,7 +31,8 @@ from typing import Any
 
 from jaxscale.analysis.blocks import attention
 from jaxscale.analysis.cluster import Cluster
-from jaxscale.analysis.communication import communication, summarize_flows
+from jaxscale.analysis.communication import communication
+from jaxscale.analysis.flows import summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.reasons import (
@@ -241,6 +242,29 @@ def evaluate(m: ModelConfig, params: Sequence[Param], layout: Strategy, seq_len:
     return Candidate(layout, mem, summarize_flows(flows), step_time(model, flows, place, step, cluster, params))
 
 
+def _sized(m: ModelConfig, params: Sequence[Param], padded: Sequence[Param], layout: Strategy, place: Layout,
+           per_rank: int, seq_len: int, cluster: Cluster, chunks: tuple[int, ...]) -> Candidate | tuple[float, str]:
+    """``layout`` at the largest micro batch (a divisor of a rank's ``per_rank`` sequences) that fits, with the
+    plain loss or else a chunked one (``chunks``), evaluated; or, where none fits, the bytes the micro batch of
+    one needs at the least and why it does not fit. ``padded``: the parameters with the layer stack of uneven
+    stages."""
+    tried: list[tuple[Strategy, dict[str, float]]] = []
+    for b in sorted(_divisors(per_rank), reverse=True):
+        tried = []
+        for chunk in chunks:
+            sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b, loss_chunk=chunk)
+            model, step = model_for(m, sized), step_for(sized, seq_len)
+            mem = memory(model, padded, place, step)
+            if mem["total"] <= cluster.budget:
+                return evaluate(m, params, sized, seq_len, cluster, place, mem)
+            tried.append((sized, mem))
+            if chunk == 0 and not mem["transient"] > max(mem["activations"], state_bytes(mem)) / 4:
+                break  # the loss is too small a part for a chunk to make it fit
+    sized, mem = min(tried, key=lambda t: t[1]["total"])  # the micro batch of one: the last tried
+    loss_peak = len(tried) > 1 and tried[-1][1]["transient"] < tried[0][1]["transient"]
+    return mem["total"], does_not_fit(sized, mem, cluster.budget, loss_peak)
+
+
 def search(
     m: ModelConfig,
     params: Sequence[Param],
@@ -280,26 +304,11 @@ def search(
             reject(layout, math.inf, f"{sequences} sequences do not split over {ranks} data-parallel ranks"
                    + (f" x {layout.pipeline_microbatches} pipeline microbatches" if layout.stage > 1 else ""))
             continue
-        fitted = False
-        for b in sorted(_divisors(per_rank), reverse=True):
-            tried: list[tuple[Strategy, dict[str, float]]] = []
-            for chunk in chunks:
-                sized = dataclasses.replace(layout, micro_batch=b, accumulation=per_rank // b, loss_chunk=chunk)
-                model, step = model_for(m, sized), step_for(sized, seq_len)
-                mem = memory(model, padded, place, step)
-                if mem["total"] <= cluster.budget:
-                    found.append(evaluate(m, params, sized, seq_len, cluster, place, mem))
-                    fitted = True
-                    break
-                tried.append((sized, mem))
-                if chunk == 0 and not mem["transient"] > max(mem["activations"], state_bytes(mem)) / 4:
-                    break  # the loss is too small a part for a chunk to make it fit
-            if fitted:
-                break
-            if b == 1:
-                sized, mem = min(tried, key=lambda t: t[1]["total"])
-                loss_peak = len(tried) > 1 and tried[-1][1]["transient"] < tried[0][1]["transient"]
-                reject(layout, mem["total"], does_not_fit(sized, mem, cluster.budget, loss_peak))
+        sized = _sized(m, params, padded, layout, place, per_rank, seq_len, cluster, chunks)
+        if isinstance(sized, Candidate):
+            found.append(sized)
+        else:
+            reject(layout, *sized)
     found = merge_identical(sorted(found, key=rank_key))
     families = {c.layout.family for c in found}
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}

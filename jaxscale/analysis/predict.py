@@ -16,7 +16,8 @@ from typing import Any
 
 from jaxscale.analysis import host_link
 from jaxscale.analysis.cluster import Cluster
-from jaxscale.analysis.communication import EP_IMBALANCE, Flow, communication, summarize_flows
+from jaxscale.analysis.communication import EP_IMBALANCE, communication
+from jaxscale.analysis.flows import Flow, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
 from jaxscale.analysis.timing import step_time

@@ -58,7 +58,7 @@ import numpy as np
 from jaxscale.analysis import host_link
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.cluster import Cluster
-from jaxscale.analysis.communication import Flow
+from jaxscale.analysis.flows import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config.flops import flops_per_token
 from jaxscale.config.read import MESH_AXES, ModelConfig
@@ -187,13 +187,8 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
     head = passes * matmul_seconds(cluster, r, micro / r, m.vocab_size / t_v, m.embed)
     head = head * (1 + depths) + passes * matmul_seconds(cluster, depths, micro, m.embed, 2 * m.embed)
-    attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * att.score_dim * layers  # causal: half of QK and PV
     fused = m.attention in ("blockwise", "ring", "cudnn")
-    if fused:
-        fwd_attn = attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
-    else:  # the whole square, a microbatch's heads batched: the efficiency of a cube of as many FLOPs
-        side = (micro * s_block * m.heads / t_q * att.score_dim) ** (1 / 3)
-        fwd_attn = 2 * attn_flops / (cluster.peak_flops * cluster.matmul_eff(side))
+    fwd_attn = _attention_seconds(m, layout, step, cluster, fused, tokens, micro, layers)
     # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
     # write), RoPE on q and k (read, write), SwiGLU's silu·product (2 reads, 1 write).
     elems = (10 * m.embed) / sp + 2 * (att.q / t_q + att.k / layout.ways((att.kv_name,)))
@@ -205,17 +200,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     if not fused:  # s x s fp32 scores written and read 4 times
         fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
-    update = weights = 0.0
-    if params is not None:
-        names = step.dtypes(m)
-        pbytes = dtype_bytes(names.master)
-        opt = sum(p.size / layout.ways(p.axes, "optimizer") for p in params)
-        grads = sum(p.size / layout.ways(p.axes, "gradients") for p in params)
-        held = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)  # cast before any gather
-        update = opt * (2 * pbytes + 4 * 4 + pbytes + cbytes)  # master and moments read+write, gradient read
-        update += grads * 2 * pbytes * max(0, step.microbatches - 1)  # the accumulator
-        if names.two_copies:
-            weights = passes * held * (pbytes + cbytes)
+    update, weights = _update_bytes(m, params, layout, step, passes) if params is not None else (0.0, 0.0)
     bw = cluster.memory_bandwidth
     forward = fwd_mm + head + fwd_attn + (fwd_mem + fwd_cm + logits / 4 + weights) / bw
     backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + fwd_cm + 3 * logits / 4 + weights) / bw
@@ -234,13 +219,8 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         recompute += head
     pipeline = {}
     if layout.pipelined:  # one slot of the loop: a chunk (1/v of the stage) on one microbatch
-        chunks = passes * step.repeats
-        pipeline = {
-            "chunk_forward": (fwd_mm + fwd_attn + (fwd_mem + cm_layers + weights) / bw) / chunks,
-            "chunk_backward": (3 * fwd_mm + 3.5 * fwd_attn + (3 * fwd_mem + 2 * cm_layers + weights) / bw) / chunks,
-            "head": (3 * head + logits / bw) / passes,  # forward and backward, on the last stage
-            "embedding_gradient": head / passes,  # the one-hot matmul, on the first stage
-        }
+        pipeline = _slot_seconds(passes * step.repeats, passes, fwd_mm, fwd_attn, head,
+                                 (fwd_mem, cm_layers, weights, logits), bw)
     return {
         "forward": forward,
         "backward": backward + recompute,
@@ -250,6 +230,50 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         "memory_bound": (3 * fwd_mem + 2 * fwd_cm + logits + 2 * weights) / bw,
         "optimizer": update / bw,
         **pipeline,
+    }
+
+
+def _attention_seconds(m: ModelConfig, layout: Layout, step: Step, cluster: Cluster, fused: bool, tokens: float,
+                       micro: float, layers: float) -> float:
+    """Seconds of the forward's attention scores and values on one device (causal: half of QK and PV): a ``fused``
+    kernel at the cluster's attention efficiency, or the whole square, a microbatch's heads batched, at the
+    efficiency of a matmul cube of as many FLOPs."""
+    s_block = step.seq_len / layout.ways(("length",))
+    t_q, att = layout.ways(("heads",)), attention(m)
+    attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * att.score_dim * layers  # causal: half of QK and PV
+    if fused:
+        return attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
+    side = (micro * s_block * m.heads / t_q * att.score_dim) ** (1 / 3)
+    return 2 * attn_flops / (cluster.peak_flops * cluster.matmul_eff(side))
+
+
+def _update_bytes(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, passes: float
+                  ) -> tuple[float, float]:
+    """Bytes one device moves a step for the optimizer's update (master and moments read and written, the
+    gradient read, the accumulator) and for casting its layers' weights to the compute copy each pass (two
+    copies only)."""
+    names = step.dtypes(m)
+    pbytes, cbytes = dtype_bytes(names.master), dtype_bytes(m.dtype)
+    opt = sum(p.size / layout.ways(p.axes, "optimizer") for p in params)
+    grads = sum(p.size / layout.ways(p.axes, "gradients") for p in params)
+    held = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)  # cast before any gather
+    update = opt * (2 * pbytes + 4 * 4 + pbytes + cbytes)  # master and moments read+write, gradient read
+    update += grads * 2 * pbytes * max(0, step.microbatches - 1)  # the accumulator
+    weights = passes * held * (pbytes + cbytes) if names.two_copies else 0.0
+    return update, weights
+
+
+def _slot_seconds(chunks: float, passes: float, fwd_mm: float, fwd_attn: float, head: float,
+                  memory: tuple[float, float, float, float], bw: float) -> dict[str, float]:
+    """One slot of a pipeline's loop, a chunk (1/v of the stage) on one microbatch, of ``chunks`` a step: its
+    forward, its backward (recomputing its forward), the last stage's head and the first's embedding gradient;
+    ``memory``: the forward's memory-bound, collective matmul, weight-cast and logits bytes."""
+    fwd_mem, cm_layers, weights, logits = memory
+    return {
+        "chunk_forward": (fwd_mm + fwd_attn + (fwd_mem + cm_layers + weights) / bw) / chunks,
+        "chunk_backward": (3 * fwd_mm + 3.5 * fwd_attn + (3 * fwd_mem + 2 * cm_layers + weights) / bw) / chunks,
+        "head": (3 * head + logits / bw) / passes,  # forward and backward, on the last stage
+        "embedding_gradient": head / passes,  # the one-hot matmul, on the first stage
     }
 
 

@@ -6,7 +6,7 @@ Hugging Face directory (``config.json`` and ``*.safetensors``, one file or
 shards listed by ``model.safetensors.index.json``) of a ``LlamaForCausalLM``,
 ``MixtralForCausalLM``, ``Qwen3MoeForCausalLM`` or ``DeepseekV3ForCausalLM`` (its table:
 :mod:`jaxscale.hf.convert_deepseek`) and writes a parameters checkpoint
-(:func:`jaxscale.checkpoint.store.save_params`): ``CKPT_DIR/params`` (orbax) and
+(:func:`jaxscale.checkpoint.params.save_params`): ``CKPT_DIR/params`` (orbax) and
 ``CKPT_DIR/model.yaml``, the jaxscale model generated from ``config.json`` (:mod:`jaxscale.hf.models`;
 ``--config`` layers a model YAML over it: compute dtype, remat, MoE dispatch), and ``CKPT_DIR/balance``
 for DeepSeek-V3's routing biases.
@@ -81,7 +81,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxscale.checkpoint.store import (
+from jaxscale.checkpoint.params import (
     PARAMS_DIR,
     ParamsSource,
     balance_source,

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxscale.checkpoint import params as checkpoint_params
 from jaxscale.checkpoint import store as checkpoint
 from jaxscale.checkpoint.restack import convert_params, read_as
 from jaxscale.config.read import Config, ConfigError, _build, validate
@@ -44,8 +45,8 @@ def saved_settings(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] | N
     if not root.exists():
         raise ConfigError(f"generate: {root} does not exist (a run directory, a checkpoint directory or a "
                           "converted checkpoint)")
-    if (root / checkpoint.PARAMS_DIR).is_dir():
-        return {"model": checkpoint.params_source(root).model}, None, root
+    if (root / checkpoint_params.PARAMS_DIR).is_dir():
+        return {"model": checkpoint_params.params_source(root).model}, None, root
     directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
     checkpointer = checkpoint.Checkpointer(directory, async_save=False)
     try:
@@ -53,7 +54,7 @@ def saved_settings(path: str | Path) -> tuple[dict[str, Any], dict[str, Any] | N
         if step is None:
             raise ConfigError(
                 f"generate: no complete checkpoint in {directory} (a run saves them with checkpoint.every > 0; "
-                f"a converted checkpoint holds {checkpoint.PARAMS_DIR}/ and {checkpoint.MODEL_FILE})"
+                f"a converted checkpoint holds {checkpoint_params.PARAMS_DIR}/ and {checkpoint_params.MODEL_FILE})"
             )
         saved = checkpointer.read_json(step).config
     finally:
@@ -88,13 +89,14 @@ def restored(trainer: Trainer, directory: Path) -> Any:
 
 
 def _restored(trainer: Trainer, directory: Path) -> Any:
-    source = checkpoint.params_source(directory)
+    source = checkpoint_params.params_source(directory)
     abstract = trainer.abstract_state()
-    checkpoint.check_params(source, "generate", trainer.config, read_as(abstract.params, source.storage, trainer.mesh))
+    in_source = read_as(abstract.params, source.storage, trainer.mesh)
+    checkpoint_params.check_params(source, "generate", trainer.config, in_source)
 
     def read(prefix: tuple[str, ...], target: Any) -> Any:
         saved = read_as(target, source.storage, trainer.mesh)
-        found = checkpoint.restore_params(dataclasses.replace(source, prefix=prefix), saved)
+        found = checkpoint_params.restore_params(dataclasses.replace(source, prefix=prefix), saved)
         return convert_params(found, source.storage, trainer.storage, jax.tree.map(lambda a: a.sharding, target))
 
     params = read(source.prefix, abstract.params)

@@ -12,7 +12,7 @@ no rules table maps: they stay whole on every device. The experts of an MoE bloc
 
 :func:`fuse` and :func:`unfuse` convert a parameter tree (nested dicts of numpy or jax arrays, layers
 stacked on leading axes) between the layouts, exactly (a reshape and a concatenation): a checkpoint of
-either layout restores into a model of the other (:func:`jaxscale.checkpoint.store.init_state_from`), and
+either layout restores into a model of the other (:func:`jaxscale.checkpoint.params.init_state_from`), and
 the Hugging Face conversion reads and writes the separate weights whatever the run's layout.
 """
 

@@ -19,7 +19,7 @@ just dispatched is read too, then:
   (:mod:`jaxscale.checkpoint.continuous`);
 - SIGTERM or a first Ctrl-C (SIGINT): a checkpoint (when checkpointing is on), then a normal return
   (the ``preempted`` record names the signal; the command line exits 0 after SIGTERM, 130 after
-  Ctrl-C); a second Ctrl-C exits at once (:class:`~jaxscale.checkpoint.store.Preemption`).
+  Ctrl-C); a second Ctrl-C exits at once (:class:`~jaxscale.checkpoint.preemption.Preemption`).
 
 The run holds the lock of its ``run_dir`` and checkpoint directory throughout
 (:mod:`jaxscale.runtime.runlock`): a second run on them stops at once with one line.
@@ -56,14 +56,9 @@ import numpy as np
 
 from jaxscale.checkpoint import restack
 from jaxscale.checkpoint.continuous import Tiers
-from jaxscale.checkpoint.store import (
-    CheckpointError,
-    Preemption,
-    Restored,
-    all_finite,
-    check_compatible,
-    init_state_from,
-)
+from jaxscale.checkpoint.params import init_state_from
+from jaxscale.checkpoint.preemption import Preemption
+from jaxscale.checkpoint.store import CheckpointError, Restored, all_finite, check_compatible
 from jaxscale.config import flops
 from jaxscale.config.read import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.config.stage_layers import Storage
@@ -72,7 +67,7 @@ from jaxscale.runtime import compile_cache, runlock
 from jaxscale.training import goodput
 from jaxscale.training import metrics as metrics_lib
 
-TrainState = Any  # jaxscale.training.trainer.TrainState: the loop only passes it on
+TrainState = Any  # jaxscale.training.step.TrainState: the loop only passes it on
 
 
 class Trainer(Protocol):
