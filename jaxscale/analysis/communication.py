@@ -76,7 +76,8 @@ from jaxscale.analysis.blocks import attention, layers_run, moe_layers
 from jaxscale.analysis.hlo import wire_bytes
 from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split, stack_layers
 from jaxscale.config.read import ModelConfig, MoEConfig
-from jaxscale.layout.rules import Layout, stage_moe
+from jaxscale.layout.rules import Layout
+from jaxscale.layout.stage_plan import assumed
 
 # The max/mean rows a device sends an expert shard in the dropless exchange, as the planner assumes it: a router
 # balanced by its bias or auxiliary loss (measured per layer at run time: the moe load metrics).
@@ -192,9 +193,9 @@ def _param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: floa
                  masked: bool = False) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
     the axes over which a pipeline stage gathers its blocks itself
-    (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`), ``stage_tensor`` its manual TP axes
-    (:meth:`~jaxscale.layout.rules.Layout.stage_tensor_axes`); ``masked``: a stage computes its idle slots
-    (:meth:`~jaxscale.layout.rules.Layout.stage_partitioned`)."""
+    (:attr:`~jaxscale.layout.stage_plan.StagePlan.gathered`), ``stage_tensor`` its manual TP axes
+    (:attr:`~jaxscale.layout.stage_plan.StagePlan.tensor`); ``masked``: a stage computes its idle slots
+    (not :attr:`~jaxscale.layout.stage_plan.StagePlan.skip`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes
@@ -343,12 +344,11 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     # uneven stages: the slots, as masked ones run; DeepSeek's prediction depths: one block each
     layers = (stack_layers(m, step) + layers_run(m) - m.layers) / layout.ways(("layers",))
     flows: list[Flow] = []
-    blocks = [p.axes for p in params if p.in_layers]
-    flags = stage_moe(m)
-    gathered = layout.stage_gathered_axes(blocks, flags["moe"])
-    stage_tensor = layout.stage_tensor_axes(blocks, **flags) if layout.pipelined else ()
+    stage = assumed(layout, m, [p.axes for p in params if p.in_layers])
+    gathered = stage.gathered
+    stage_tensor = stage.tensor if layout.pipelined else ()
     whole = bool(stage_tensor)  # the stage holds the embedding and head whole over its manual TP axes
-    masked = layout.stage_partitioned(blocks, **flags)
+    masked = not stage.skip
     for p in params:
         flows += _param_flows(p, m, layout, step, bsh, gathered, stage_tensor, masked)
 

@@ -66,7 +66,8 @@ from jaxscale.analysis.blocks import attention, dense_per_token, mlp_per_token, 
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
 from jaxscale.config.read import ModelConfig
 from jaxscale.layout.axes import HIDDEN, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
-from jaxscale.layout.rules import TOKENS, Layout, stage_moe
+from jaxscale.layout.rules import TOKENS, Layout
+from jaxscale.layout.stage_plan import assumed
 
 SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
 REMAT_NAMES = {  # checkpoint_name in models/llama.py and deepseek.py -> (width per token, logical axes)
@@ -489,7 +490,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm
     and head, and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no
-    copy of them). With FSDP inside a stage (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`) the
+    copy of them). With FSDP inside a stage (:attr:`~jaxscale.layout.stage_plan.StagePlan.gathered`) the
     stage's blocks gathered whole over its FSDP axes once a step and their fp32 accumulator, whole too
     (``pipeline.fsdp=step``); or (``visit``) one layer gathered at a time and its fp32 gradient before the
     reduce-scatter, transient, the accumulator on the shards.
@@ -530,22 +531,22 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-    block_axes, flags = [p.axes for p in params if p.in_layers], stage_moe(m)
+    stage = assumed(layout, m, [p.axes for p in params if p.in_layers])
     # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
-    tensor = layout.stage_tensor_axes(block_axes, **flags)
+    tensor = stage.tensor
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
                 for p in params if not p.in_layers)
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
     out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
                           + 2 * table.cot_slots * chunk * kept)
-    gathered = layout.stage_gathered_axes(block_axes, flags["moe"])
-    visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
+    gathered = stage.gathered
+    visit = bool(gathered) and stage.visit
     layer = layer_elems(params, layout, reduced=False)
     out["transient"] = none + max(loss, cotangents) + layer * (pbytes + (4 if visit else 0))
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    partitioned = layout.stage_free_axes(block_axes, **flags)
+    partitioned = stage.free
     # FSDP inside a stage, once a step: the stage's blocks gathered whole over its manual batch axes, their
     # fp32 gradients accumulated whole beside them and reduce-scattered after the loop.
     once = bool(gathered) and not visit

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 from jaxscale.config import flops, stage_layers
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.data.batches import Loader, check_data, make_loader
-from jaxscale.layout import collectives, explicit
+from jaxscale.layout import collectives, explicit, stage_plan
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import (
     Layout,
@@ -152,7 +152,7 @@ class Trainer:
         factory = model or builtin.build
         layout = layout_of(mesh, rules)
         explicit.check(config, layout)  # what mesh.axis_types=explicit does not serve yet
-        layout.check_stage_layers(config)  # before the stack's storage is laid out from the list
+        stage_plan.check_layers(layout, config)  # before the stack's storage is laid out from the list
         storage = stage_layers.storage(config, layout.stages)
         # No context mesh here: nnx.eval_shape would read the logical names as mesh axes (Trainer.scope sets it).
         graphdef, canonical, axes, parts = abstract_model(config, factory)
@@ -181,7 +181,7 @@ class Trainer:
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
-        layout_of(self.mesh, self.rules).validate(self.config)
+        layout_of(self.mesh, self.rules).validate(self.config, self.blocks)
         traced = jax.make_jaxpr(self.jit_step)(self.abstract_state(), self.abstract_batch())
         remat_names.check(traced, self.config.model)  # names the traced step marks
 
@@ -207,6 +207,13 @@ class Trainer:
                     f"{why}: precision.fp8={fp8} with model {name}'s prefix or ahead, which run outside the "
                     "pipeline's stack: the loop keeps fp8 amax histories for the stack only"
                 )
+
+    @property
+    def blocks(self) -> stage_plan.Blocks:
+        """The model's parts a pipeline stage's plan reads (:mod:`jaxscale.layout.stage_plan`): its blocks'
+        parameters' logical axes, its experts, its ``explicit_tp``."""
+        axes = jax.tree.leaves(self.axes.get("blocks", {}), is_leaf=is_axes)
+        return stage_plan.Blocks.of(self.config.model, axes or None, "explicit_tp" in self.parts)
 
     @property
     def layout(self) -> Layout:
