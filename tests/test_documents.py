@@ -21,7 +21,7 @@ from jaxscale.data.prepare import TokenDir, prepare_data
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models.attention import document_ids, resolve_attention
-from jaxscale.parallel import ring_attention
+from jaxscale.parallel import ring_attention, ring_tiles
 from jaxscale.training.trainer import Trainer
 
 
@@ -156,7 +156,7 @@ def test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key():
     assert visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 12, 12]])) == across  # row 1 shares 12
     one = jnp.array([[8, 8, 8, 8], [12, 12, 12, 12]])
     assert visible(full, one, one) == full  # each row in one document: no mask
-    assert visible(ring_attention.DIAGONAL, one, one) == ring_attention.DIAGONAL  # causal only
+    assert visible(ring_tiles.DIAGONAL, one, one) == ring_tiles.DIAGONAL  # causal only
     assert visible(skip, one, one) == skip  # causally masked stays skipped
     assert visible(skip, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == skip  # however its documents lie
     # Queries spanning two documents, keys inside one of them (or the other way round): the key tile is in one

@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from jaxscale.config.read import Config, ConfigError, ModelConfig
 from jaxscale.layout.rules import Rules
 from jaxscale.layout.sharding import Axes, active, layout_of
-from jaxscale.parallel import ring_attention
+from jaxscale.parallel import ring_attention, ring_tiles
 
 
 def document_ids(positions: jax.Array) -> jax.Array:
@@ -140,4 +140,4 @@ def sequence_order(config: ModelConfig, seq_len: int, mesh: Mesh, rules: Rules) 
     Under ``model.attention: ring`` the devices of the sequence's mesh axes form the ring.
     """
     cp = layout_of(mesh, rules).ring_size if config.attention == "ring" else 1
-    return ring_attention.sequence_order(seq_len, cp) if cp > 1 else None
+    return ring_tiles.sequence_order(seq_len, cp) if cp > 1 else None

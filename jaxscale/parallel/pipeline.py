@@ -22,14 +22,15 @@ split block parameters (fsdp on ``embed``) are manual too
 blocks enter the ``shard_map`` gathered over them (once a step, by the
 partitioner, which keeps TP's split), each device accumulates its own
 rows' gradients, whole, and hands them out one per device, summed onto
-the shards once after the loop (:meth:`~jaxscale.parallel.stage_fsdp.Fsdp.sum_shards`): no FSDP collective
-runs in a tick. With ``pipeline.fsdp=visit`` the blocks enter as shards
-instead and each layer is gathered when a slot runs it, its gradient
-reduce-scattered right after its backward
-(:meth:`~jaxscale.parallel.stage_fsdp.Fsdp.gather`): one
-layer held whole, the collectives in the busy slots' conditionals. **TP
-and SP inside a stage**: where that leaves only TP's axes to the
-partitioner, they are manual too
+the shards once after the loop
+(:meth:`~jaxscale.parallel.stage_fsdp.Fsdp.sum_shards`): no FSDP
+collective runs in a tick. With ``pipeline.fsdp=visit`` the blocks enter
+as shards instead and each layer is gathered when a slot runs it, its
+gradient reduce-scattered right after its backward
+(:meth:`~jaxscale.parallel.stage_fsdp.Fsdp.gather`): one layer held
+whole, the collectives in the busy slots' conditionals. **TP and SP
+inside a stage**: where that leaves only TP's axes to the partitioner,
+they are manual too
 (:attr:`~jaxscale.layout.stage_plan.StagePlan.tensor`, whose plan says
 where they cannot be): each device keeps its shard of the blocks (and of
 their gradients) and the projections write TP's all-reduces, or SP's
@@ -38,10 +39,10 @@ all-gathers and reduce-scatters, among the devices of one stage
 stay whole on each device (with TP alone each of a stage's TP devices
 runs the head on the whole microbatch; with SP on its own part of the
 sequence). With no axis left to the partitioner, idle slots are skipped
-(:mod:`~jaxscale.parallel.stage_gate`).
-With v chunks per stage (``pipeline.repeats``) stage s runs layer groups
-``c·p + s`` for c < v, the *virtual stages* a microbatch visits in turn
-round the ring, and stores exactly those, one after the other
+(:mod:`~jaxscale.parallel.stage_gate`). With v chunks per stage
+(``pipeline.repeats``) stage s runs layer groups ``c·p + s`` for c < v,
+the *virtual stages* a microbatch visits in turn round the ring, and
+stores exactly those, one after the other
 (:class:`~jaxscale.config.stage_layers.Storage`: the stack's order is
 the chunks' order, so no parameter moves between stages in a step; with
 v = 1, layers ``[s·L/p, (s+1)·L/p)``). With
@@ -98,10 +99,9 @@ its neighbour's. Inside a stage the other axes stay with the partitioner
 (TP's where not manual; with partitioner experts, GShard's dispatch and
 FSDP; once per step the embedding table is moved to the lookup's layout,
 split on its width,
-:meth:`~jaxscale.parallel.stage_ends.Ends.lookup_table`); in
-every layer the keys and values are all-gathered over ``context`` (the
-ring's kernel on every device's blocks) and their gradients
-reduce-scattered.
+:meth:`~jaxscale.parallel.stage_ends.Ends.lookup_table`); in every layer
+the keys and values are all-gathered over ``context`` (the ring's kernel
+on every device's blocks) and their gradients reduce-scattered.
 
 **Gradients for autodiff**: :func:`objective` is a ``jax.custom_vjp``
 whose forward runs the training table (every forward and backward, loss
@@ -356,30 +356,39 @@ def objective(model: Any, batch: dict[str, jax.Array],
         lambda y, b: head_loss(model, y, b)[1], y,
         {k: batch[k] for k in BATCH})
     train = build(mesh, place, parts, model, head_loss, head_metrics)
+    xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
+    pipelined = differentiable(train, parts, mesh, place)
+    # stored with each stage's chunks together: no reshuffle
+    loss, metrics = pipelined(parts.outer, parts.blocks, parts.histories, xs)
+    return loss, jax.tree.map(lax.stop_gradient, metrics)
+
+
+def differentiable(train: StageProgram, parts: Parts, mesh: Mesh,
+                   place: Layout) -> Callable[..., tuple]:
+    """The pipeline as a ``jax.custom_vjp`` of the outer parts, blocks,
+    histories and microbatches: its forward runs the training table
+    (loss and gradients at once), its backward scales those gradients by
+    the loss's cotangent; without gradients, the evaluation table."""
     evaluate = dataclasses.replace(
         train, table=table(place.pipeline, train.stages, train=False))
-    # stored with each stage's chunks together: no reshuffle
-    blocks, histories = parts.blocks, parts.histories
-    xs = {k: microbatches(batch[k], train.microbatches) for k in BATCH}
-    dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, blocks))
+    dtypes = jax.tree.map(lambda w: w.dtype, (parts.outer, parts.blocks))
     storage = stage_layers.Storage(train.counts, train.stages)
 
     def metrics_of(out: Result) -> dict[str, Any]:
         prefix, head = out.head
         return whole(train.channel.fold, prefix, out.layers, head, storage)
 
-    def loss_of(program: StageProgram, *args: Any) -> Result:
-        return shard_mapped(program, mesh, place.rules)(*args)
-
     @jax.custom_vjp
     def pipelined(outer: Any, blocks: Any, histories: Any,
                   xs: dict[str, jax.Array]) -> tuple[jax.Array, dict]:
-        out = loss_of(evaluate, outer, blocks, histories, xs)
+        run = shard_mapped(evaluate, mesh, place.rules)
+        out = run(outer, blocks, histories, xs)
         return out.loss, metrics_of(out)
 
     def pipelined_fwd(outer: Any, blocks: Any, histories: Any,
                       xs: dict[str, jax.Array]) -> tuple[tuple, tuple]:
-        out = loss_of(train, outer, blocks, histories, xs)
+        run = shard_mapped(train, mesh, place.rules)
+        out = run(outer, blocks, histories, xs)
         grads = (out.outer, out.grads)
         return (out.loss, metrics_of(out)), (grads, out.histories)
 
@@ -390,12 +399,12 @@ def objective(model: Any, batch: dict[str, jax.Array],
         # blocks' and the head's.
         grads, new_histories = res
         g = cotangents[0]
-        kept = (parts.outer_histories, jax.tree.map(lambda _: False, blocks))
+        blocks = jax.tree.map(lambda _: False, parts.blocks)
+        kept = (parts.outer_histories, blocks)
         grads = jax.tree.map(
             lambda d, dt, h: d if h else (d * g).astype(dt),
             grads, dtypes, kept)
         return (*grads, new_histories, None)
 
     pipelined.defvjp(pipelined_fwd, pipelined_bwd)
-    loss, metrics = pipelined(parts.outer, blocks, histories, xs)
-    return loss, jax.tree.map(lax.stop_gradient, metrics)
+    return pipelined

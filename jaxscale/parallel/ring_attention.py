@@ -32,7 +32,7 @@ early and one late chunk and does the same work: ``2c+1`` chunk-pair tiles
 against ``4i+3`` (up to ``4c−1``) with contiguous chunks. Fully masked tiles
 are skipped (``lax.switch``), the diagonal ones masked. The data path puts the
 tokens, targets and positions of each sequence in this order
-(:func:`sequence_order`), so the loss (a mean over tokens) is unchanged and
+(:func:`~jaxscale.parallel.ring_tiles.sequence_order`), so the loss (a mean over tokens) is unchanged and
 RoPE sees the true positions.
 
 **Packed documents** (``data.documents``: the positions restart at each document): a token's document is
@@ -74,53 +74,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale.layout.sharding import Axes, active, spec, spec_axes, stage
+from jaxscale.parallel.ring_tiles import ACROSS, FULL, SKIP, block_ids, tile_kind
 
-SKIP, DIAGONAL, FULL = 0, 1, 2
-ACROSS = 2  # added to DIAGONAL or FULL: a tile whose pairs span documents, masked pair by pair
-LAYOUTS = ("zigzag", "contiguous")
 _NEG = float(np.finfo(np.float32).min)
-
-
-def chunk_layout(cp: int, layout: str = "zigzag") -> np.ndarray:
-    """[cp, 2]: which of the ``2·cp`` sequence chunks each device holds, in order."""
-    if layout == "zigzag":
-        return np.array([[i, 2 * cp - 1 - i] for i in range(cp)])
-    if layout == "contiguous":
-        return np.array([[2 * i, 2 * i + 1] for i in range(cp)])
-    raise ValueError(f"layout '{layout}' is not one of {', '.join(LAYOUTS)}")
-
-
-def sequence_order(seq_len: int, cp: int, layout: str = "zigzag") -> np.ndarray:
-    """The positions of a sequence in the order the devices of a ring of ``cp`` hold them."""
-    chunk = seq_len // (2 * cp)
-    return (chunk_layout(cp, layout)[:, :, None] * chunk + np.arange(chunk)).reshape(-1)
-
-
-def block_ids(cp: int, seq_len: int, block: int, causal: bool, layout: str = "zigzag") -> np.ndarray:
-    """[cp, local blocks]: the global index of each ``block``-token tile of each device's sequence."""
-    if cp == 1 or not causal:
-        return np.arange(seq_len // block).reshape(cp, -1)
-    per_chunk = seq_len // (2 * cp * block)
-    return (chunk_layout(cp, layout)[:, :, None] * per_chunk + np.arange(per_chunk)).reshape(cp, -1)
-
-
-def tile_kind(q_id, k_id, causal: bool):
-    """SKIP, DIAGONAL (causally masked) or FULL for a query tile against a key tile (numpy or jax)."""
-    if not causal:
-        return FULL
-    xp = jnp if isinstance(q_id, jax.Array) else np
-    return xp.where(q_id > k_id, FULL, xp.where(q_id == k_id, DIAGONAL, SKIP))
-
-
-def tile_counts(cp: int, seq_len: int, block: int, causal: bool = True, layout: str = "zigzag") -> np.ndarray:
-    """[cp, 3]: tiles each device skips, masks and computes in full, in the kernel's own schedule."""
-    ids = block_ids(cp, seq_len, block, causal, layout)
-    counts = np.zeros((cp, 3), np.int64)
-    for me in range(cp):
-        for step in range(cp):
-            kinds = tile_kind(ids[me][:, None], ids[(me - step) % cp][None, :], causal)
-            counts[me] += np.bincount(np.broadcast_to(kinds, (ids.shape[1],) * 2).ravel(), minlength=3)
-    return counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,7 +406,7 @@ def attention(
     manual over every mesh axis, with specs from the rules (``q_axes`` and
     ``kv_axes`` name the dimensions): the batch and heads stay where the rules
     put them, and with ``ring`` the sequence's mesh axes form the ring (their
-    sequence must be in :func:`sequence_order` when causal). Without ``ring``,
+    sequence must be in :func:`~jaxscale.parallel.ring_tiles.sequence_order` when causal). Without ``ring``,
     or outside ``use_rules``, it is blockwise attention over the whole sequence.
     """
     current, inside = active(), stage()
@@ -476,7 +432,7 @@ def _in_manual(
     block: int, ring: bool, layout: str,
 ) -> jax.Array:
     """:func:`attention` inside a ``shard_map`` manual over the ring's ``axes``: each device's blocks
-    are its own already (the sequence in :func:`sequence_order` when causal)."""
+    are its own already (the sequence in :func:`~jaxscale.parallel.ring_tiles.sequence_order` when causal)."""
     if axes and not ring:
         raise ValueError(f"the sequence is split over the manual mesh axes {axes}: only ring attention sees all of it")
     mesh = jax.sharding.get_abstract_mesh()
