@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from jaxscale.config.read import CONFIG_DIR, load_config
-from jaxscale.parallel.ring_attention import DIAGONAL, FULL, tile_counts
+from jaxscale.parallel.ring_schedule import DIAGONAL, FULL, tile_counts
 from jaxscale.training.trainer import Trainer
 
 CP = 8

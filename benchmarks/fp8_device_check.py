@@ -5,8 +5,7 @@
 
 ``projection``: one projection ``y = x · w`` with its backward (``dx``, ``dw`` for a fixed output gradient),
 ``M x K x N`` = 16384 x 4096 x 4096 (``--small``: 256 x 128 x 128), in bf16 (:func:`jaxscale.precision.policy.einsum`)
-and in each ``precision.fp8`` mode (:func:`jaxscale.precision.fp8.einsum`,
-:func:`jaxscale.precision.fp8_blockwise.einsum`).
+and in each ``precision.fp8`` mode (its recipe's einsum, :func:`jaxscale.precision.fp8.kernels`).
 ``step``: the train step of llama-1b (batch 8 x 2048 tokens; ``--small``: the tiny model) with fp8 off and on.
 
 Each row counts, in the compiled program: ``cublas_f8`` (``__cublas$lt$matmul$f8`` custom calls: the GEMMs
@@ -83,8 +82,7 @@ def projection(mode: str, shape: tuple[int, int, int], iters: int) -> dict[str, 
     def operand(v: jax.Array, grad_history: jax.Array | None) -> jax.Array | fp8.Operand:
         if mode == "off":
             return v
-        q = None if mode == "blockwise" else fp8.quantize(v, history, fp8.E4M3, recipe)
-        return fp8.Operand(v, q, history, grad_history, recipe)
+        return fp8.Operand(v, fp8.kernels(recipe).weight(v, history, recipe), history, grad_history, recipe)
 
     def step(x: jax.Array, w: jax.Array, g: jax.Array) -> tuple:
         y, vjp = jax.vjp(lambda x, w: precision.einsum("mk,kn->mn", operand(x, None), operand(w, history)), x, w)

@@ -6,7 +6,7 @@ training step lowered and compiled (never run) per layout and ``model.loss_chunk
 ``memory_analysis()`` temp bytes per device, whether any buffer of the per-device logits shape
 ``[b, s, V/t]`` (fp32) appears in the compiled HLO (instructions of that shape), how many
 all-reduces the step has, and the bytes per step that the chunked loss's head-gradient
-instructions write (:func:`jaxscale.analysis.hlo.scoped_bytes`; the same for every slice count).
+instructions write (:func:`jaxscale.analysis.hlo_compute.scoped_bytes`; the same for every slice count).
 
     python benchmarks/loss_memory.py [--vocab 32768] [--seq-len 512] [--batch 8] [--chunks 256 64]
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
 
-from jaxscale.analysis.hlo import scoped_bytes
+from jaxscale.analysis.hlo_compute import scoped_bytes
 from jaxscale.config.read import CONFIG_DIR, load_config
 from jaxscale.ops.loss import HEAD_GRADIENT
 from jaxscale.training.trainer import Trainer

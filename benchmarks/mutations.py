@@ -53,7 +53,7 @@ MUTATIONS = {
         ("tests/test_precision.py::test_an_update_below_bf16_resolution_moves_the_master_only",)),
     # A tile whose queries span two documents and whose keys lie in one of them read as one document (unmasked).
     "two-document tile read as one": Mutation(
-        "jaxscale/parallel/ring_attention.py", "one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)",
+        "jaxscale/parallel/ring_schedule.py", "one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)",
         "one = (k_lo == k_hi) & (q_lo <= k_lo) & (k_lo <= q_hi)",
         ("tests/test_documents.py::test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key",)),
 }

@@ -41,7 +41,7 @@ time ratio next to (m + p − 1)/m.
 ``--zero-bubble`` compares ZB-H1 with 1F1B on ``pp`` (``stage=p`` x ``data=8/p``) for m in {p, 2p, 4p}: the
 compiled step's temporaries per device and ZB-H1's extra over 1F1B, next to the table's figure for the
 buffers a stage keeps (stage inputs ``act_slots``, each a chunk's L/p layers of b·s·h; what B keeps for W
-``cot_slots``, each layer's weight matmul inputs and output gradients, ``memory.split_kept``; the received
+``cot_slots``, each layer's weight matmul inputs and output gradients, ``activations.split_kept``; the received
 gradients ``grad_slots`` of b·s·h); the ticks; the bubble in the paper's units (F = B = W = 1) and in ours
 (F 1, B 2: it recomputes the chunk; W 1: the weight matmuls' gradients alone; 1F1B's backward 3), with the
 step cost in ours, and the schedules' formulas (:func:`schedules.formula_bubble`); and the step time ratio
@@ -70,7 +70,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.analysis import hlo, xla
-from jaxscale.analysis.memory import split_kept
+from jaxscale.analysis.activations import split_kept
 from jaxscale.config.read import INTERLEAVED, MESH_AXES, load_config
 from jaxscale.layout.rules import Rules, Stage
 from jaxscale.layout.sharding import layout_of, use_layout
@@ -189,7 +189,7 @@ def moe(stages: list[int], steps: int) -> None:
 
 def kept_bytes(table: schedules.Table, layers: int, act: int, kept: float) -> int:
     """The bytes of the buffers a stage keeps through the loop, by the table: inputs, what each layer's B keeps for
-    its W (``kept`` times a layer input: :func:`jaxscale.analysis.memory.split_kept`), messages."""
+    its W (``kept`` times a layer input: :func:`jaxscale.analysis.activations.split_kept`), messages."""
     return round((table.act_slots + table.cot_slots * kept) * layers * act + table.grad_slots * act)
 
 

@@ -11,7 +11,8 @@ The public API (README "Python API"; the model contract in docs/models.md)::
     state, history = trainer.fit(progress=False)
 
 Top-level names: ``simulate_devices``, ``load_config``, ``Config``, ``ConfigError``, ``Trainer``,
-``TrainState``, ``Rules``, ``Checkpointer``; building blocks for models in :mod:`jaxscale.nn`. Importing
+``TrainState``, ``Rules``, ``Checkpointer``, ``muon`` (the Muon optimizer, an optax transformation); building blocks
+for models in :mod:`jaxscale.nn`. Importing
 ``jaxscale`` imports no jax: the other names load on first use, after ``simulate_devices``.
 """
 
@@ -30,6 +31,7 @@ _LAZY = {
     "TrainState": "jaxscale.training.trainer",
     "Rules": "jaxscale.layout.sharding",
     "Checkpointer": "jaxscale.checkpoint.store",
+    "muon": "jaxscale.training.muon",
 }
 
 __all__ = ["simulate_devices", *_LAZY]

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.config.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.config.read import Config, ModelConfig
-from jaxscale.layout.axes import HIDDEN, KV_AXES, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.layout.rules import Axes
 from jaxscale.layout.sharding import constrain
 from jaxscale.models import attention as _attention

@@ -4,7 +4,7 @@ LAYOUTS is the table of compiled checks: one line per layout (rules preset, mesh
 overrides), each compiled once on 8 simulated devices (fp32: XLA:CPU runs bf16 matmuls in f32) and
 held to the analytic memory within 10% of ``compiled.memory_analysis()`` and the analytic wire
 bytes within 5% of the collectives inspected in the HLO (reduce-scatter reading): ZeRO 0 to 3, TP,
-SP, CP (ring attention), PP (alone, with FSDP gathered once a step or per layer visit, with FSDP and TP,
+SP, CP (ring attention, Ulysses, USP), PP (alone, with FSDP gathered once a step or per layer visit, with FSDP and TP,
 with CP; 1F1B, GPipe and interleaved 1F1B) and EP, remat on and off. A pipeline tick's conditionals count
 on the schedule's busy slots where idle slots are skipped (``inspect.branch_runs``): the runs executed.
 The pipelined lines run two layers per chunk: with one, XLA hoists the stage's FSDP gathers out of the loop
@@ -30,13 +30,14 @@ from helpers import Trainers, partitioned_hlo, tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, xla
+from jaxscale.analysis.activations import layer_residuals
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.communication import communication, flow
 from jaxscale.analysis.formulas import state_formula
 from jaxscale.analysis.inspect import step_collectives
-from jaxscale.analysis.memory import layer_residuals
 from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.predict import predict_trainer
-from jaxscale.analysis.timing import crosses_nodes, load_cluster
+from jaxscale.analysis.timing import crosses_nodes
 from jaxscale.config.read import CONFIG_DIR, ConfigError
 from jaxscale.layout.rules import Layout, Rules
 from jaxscale.layout.sharding import use_rules
@@ -65,6 +66,8 @@ LAYOUTS = [
     ("fsdp_tp_sp", {"data": 2, "fsdp": 2, "tensor": 2}, "model.remat=full"),
     ("ep", {"expert": 8}, "model.moe={experts: 8, top_k: 2}"),
     ("cp", {"data": 2, "context": 4}, "model.attention=ring"),
+    ("ulysses", {"data": 2, "context": 4}, "model.attention=blockwise"),  # all-to-alls over context
+    ("usp", {"data": 2, "context": 2, "expert": 2}, "model.attention=ring"),  # all-to-alls over expert, ring
     ("pp", {"stage": 2, "data": 4}, "model.layers=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "model.remat=full"),
     ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4"),
@@ -73,7 +76,7 @@ LAYOUTS = [
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=8", "pipeline.schedule=interleaved_1f1b",
      "pipeline.repeats=2"),
     ("pp_tp_cp", {"stage": 2, "context": 4}, "model.layers=4", "model.attention=ring"),
-    # ZB-H1: what each layer's B keeps for its W (memory.split_kept), the W slot's weight-gradient matmuls alone
+    # ZB-H1: what each layer's B keeps for its W (activations.split_kept), the W slot's weight-gradient matmuls alone
     ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4", "pipeline.schedule=zb_h1",
      "pipeline.microbatches=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "pipeline.fsdp=visit"),  # gathered per layer visit

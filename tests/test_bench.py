@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import TINY
 
-from jaxscale.analysis import bench
+from jaxscale.analysis import bench, bench_suites, bench_table
 from jaxscale.cli import main
 from jaxscale.config import flops
 from jaxscale.config.read import ConfigError, load_config
@@ -116,8 +116,8 @@ def test_quick_suite_report_schema_and_figures(quick):
 
 def test_quick_suite_carries_the_plans_prediction(quick):
     """``--predict``: the analytic model's step time for the same trainer on the cluster file, next to the measured."""
+    from jaxscale.analysis.cluster import load_cluster
     from jaxscale.analysis.predict import predict_trainer
-    from jaxscale.analysis.timing import load_cluster
 
     report, printed = quick
     (row,) = report["results"]
@@ -143,11 +143,11 @@ def test_compile_suite_by_depth():
     assert all(r["status"] == "ok" and r["steps"] == 0 for r in rows)
     assert all(r[k] is None for r in rows for k in RUN_FIGURES)
     assert [r["model"]["layers"] for r in rows] == [2, 4] and rows[1]["params"] > rows[0]["params"]
-    ratio = bench.compile_ratio(report)
+    ratio = bench_table.compile_ratio(report)
     assert ratio["layers"] == (2, 4)
     assert ratio["compile_cpu"] == pytest.approx(rows[1]["compile_cpu_time_s"] / rows[0]["compile_cpu_time_s"])
     assert min(ratio[f"{p}_{c}"] for p in ("compile", "total") for c in ("wall", "cpu")) > 0
-    assert "compile time, 4 vs 2 layers: XLA compile" in bench.table(report)
+    assert "compile time, 4 vs 2 layers: XLA compile" in bench_table.table(report)
 
 
 def test_options_suite_skips_what_this_build_lacks(tmp_path):
@@ -166,7 +166,7 @@ def test_options_suite_skips_what_this_build_lacks(tmp_path):
     assert "unknown config key 'nosuch'" in rows["missing"]["error"]
     assert rows["refused"]["overrides"][-1] == "model.attention=nosuch"
     assert "model.attention" in rows["refused"]["error"] and rows["refused"]["params"] is None
-    assert "skipped  unknown config key 'nosuch'" in bench.table(report)
+    assert "skipped  unknown config key 'nosuch'" in bench_table.table(report)
 
 
 @pytest.mark.slow  # jaxscale's own logic, the same on every JAX: the whole suite (Python 3.11) runs it
@@ -187,23 +187,23 @@ def test_a_failing_run_is_an_error_row(monkeypatch):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nallocation details")
 
     monkeypatch.setattr(bench, "measure", out_of_memory)
-    row = bench.run_one("quick", bench.Run("tiny", TINY), bench.BASE_CONFIG, steps=1, warmup=0)
+    row = bench.run_one("quick", bench_suites.Run("tiny", TINY), bench.BASE_CONFIG, steps=1, warmup=0)
     assert row["status"] == "error" and row["error"] == "RuntimeError: RESOURCE_EXHAUSTED: out of memory"
     assert row["params"] > 0 and row["step_time_s"] is None
 
 
 def test_suites_table_order_of_overrides():
-    table = bench.load_suites()
-    assert set(bench.SUITES) <= set(table)
+    table = bench_suites.load_suites()
+    assert set(bench_suites.SUITES) <= set(table)
     assert {"fp8", "tp_overlap", "xla_preset", "loss_chunk", "attention_blockwise"} <= set(table["options"]["variants"])
     assert set(table["full"]["runs"]) == {"tiny", "llama-150m", "llama-1b"}
     user = ["train.seq_len=64"]
-    full = bench.plan("full", user, table, models=["llama-1b"])
+    full = bench_suites.plan("full", user, table, models=["llama-1b"])
     assert [r.name for r in full] == ["llama-1b"] and full[0].overrides[0] == "model=llama-1b"
     assert full[0].overrides[-1] == "train.seq_len=64"  # the command line tunes the workload
-    fp8 = bench.plan("options", ["precision.fp8=none"], table, variants=["fp8"])
+    fp8 = bench_suites.plan("options", ["precision.fp8=none"], table, variants=["fp8"])
     assert fp8[0].overrides == ["precision.fp8=none", "precision.fp8=delayed"]  # the variant wins
-    depth = bench.plan("compile", user, table)
+    depth = bench_suites.plan("compile", user, table)
     assert [r.name for r in depth] == ["layers=2", "layers=8", "layers=32"] and all(r.compile_only for r in depth)
 
 
@@ -234,7 +234,7 @@ def test_malformed_suites_table(text, message, tmp_path):
     path = tmp_path / "suites.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
-        bench.load_suites(path)
+        bench_suites.load_suites(path)
 
 
 def test_rows_are_printed_as_they_finish(monkeypatch, capsys, tmp_path):
@@ -272,4 +272,4 @@ def test_a_suite_larger_than_the_machine_is_refused_before_anything_runs(monkeyp
     assert need and float(need[1]) == pytest.approx(8 * float(need[2]), abs=0.1) and float(need[1]) > 21.3
     assert not out.exists()
     monkeypatch.setattr(bench, "available_memory", lambda device: (None, False))  # an accelerator without statistics
-    bench.check_memory(bench.plan("full", [], bench.load_suites(), ["llama-150m"]), bench.BASE_CONFIG)
+    bench.check_memory(bench_suites.plan("full", [], bench_suites.load_suites(), ["llama-150m"]), bench.BASE_CONFIG)

@@ -13,8 +13,8 @@ import yaml
 from helpers import optimized_codegen
 
 from jaxscale.analysis import plan, strategy
+from jaxscale.analysis.cluster import KINDS, load_cluster
 from jaxscale.analysis.params import param_table
-from jaxscale.analysis.timing import KINDS, load_cluster
 from jaxscale.cli import main
 from jaxscale.config.read import load_config
 from jaxscale.training.trainer import Trainer

@@ -60,8 +60,10 @@ def test_inspect_reports_every_parameter_memory_and_collective(no_data, trainers
 
 def test_inspect_text_names_the_figures(no_data, capsys):
     assert main(["inspect", *(f"--set={o}" for o in [*TINY, "rules=zero3", "mesh.data=1", "mesh.fsdp=8",
-                                                      "mesh.tensor=1"])]) == 0
+                                                      "mesh.tensor=1", "model.attention=auto"])]) == 0
     text = capsys.readouterr().out
+    # The silent selection taken (docs/compatibility.md): 32 tokens on CPU are under 4 tiles of 512, so dot.
+    assert "selected: model.attention: auto -> dot (docs/compatibility.md)" in text.splitlines()[1]
     for heading in ("parameters", "memory (compiled", "analytic", "docs/formulas.md", "collectives of the compiled"):
         assert heading in text
     assert "P(None, fsdp, None, None)" in text

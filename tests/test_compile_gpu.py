@@ -57,3 +57,14 @@ def test_the_gpu_preset_compiles_for_h200_and_b200(target):
     out = compiled(target, *FSDP_TP)
     assert out["gemms"] == {"cublasLt bf16": LAYERS * (PROJECTION_GEMMS + ATTENTION_GEMMS) + HEAD_GEMMS}
     assert out["fits"]
+
+
+def test_ulysses_runs_cudnn_fused_attention_between_async_all_to_alls():
+    """Ulysses over 4 GPUs (fsdp 2): each layer's q, k, v and output all-to-alls, forward and backward, around
+    one cuDNN fused attention forward and one backward on whole sequences; XLA:GPU runs the all-to-alls
+    asynchronously, most with compute scheduled under them (measured: 25 of 32 overlapped, 5 synchronous)."""
+    out = compiled("h100", "rules=ulysses", "mesh.data=1", "mesh.fsdp=2", "mesh.context=4", "model.attention=cudnn")
+    assert out["attention"] == {"forward": LAYERS, "backward": LAYERS}
+    a2a = out["collectives"]["all-to-all"]
+    assert sum(a2a.values()) == 8 * LAYERS
+    assert a2a["overlapped"] >= 6 * LAYERS and a2a["sync"] <= LAYERS + 1

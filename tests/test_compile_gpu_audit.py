@@ -180,7 +180,7 @@ def test_tp_collective_matmul_overlaps_its_permutes_with_the_partial_matmuls():
 
 @pytest.mark.slow
 def test_fp8_collective_matmul_runs_the_projections_in_f8_and_overlaps_its_permutes():
-    """The fp8 rings (jaxscale.parallel.fp8_collective, backward written out) under tp_sp over 4 GPUs: only
+    """The fp8 rings (jaxscale.precision.fp8.collective, backward written out) under tp_sp over 4 GPUs: only
     attention's GEMMs and the head's (itself gathered by a ring: TENSOR forward and weight-gradient chunks, one
     input gradient) stay bf16; every forward ring step's partial matmul is f8; in the loops 56 permutes overlap
     and 16 do not (before collective_matmul.after: 23 and 47, the f8 partial matmuls merged, 80 f8 GEMMs)."""

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from compile_target import GPU_MISSING
 
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.target import for_cluster
-from jaxscale.analysis.timing import load_cluster
 from jaxscale.config.read import CONFIG_DIR, ConfigError
 
 H100_HBM = 84942979072  # the device_memory_size of XLA's embedded H100 SXM spec

@@ -19,11 +19,11 @@ from helpers import assert_trees_close, fails_early, rel_err
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import hlo, plan, strategy, timing, xla
-from jaxscale.analysis.memory import layer_residuals
+from jaxscale.analysis.activations import layer_residuals
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import placement
-from jaxscale.analysis.timing import load_cluster
 from jaxscale.config import flops
 from jaxscale.config.read import Config, ConfigError, load_config, read_yaml, resolve_named
 from jaxscale.layout.sharding import use_rules
@@ -157,12 +157,13 @@ def test_mtp_loss_honours_loss_masks_and_documents():
 
 def test_deepseek_refuses_what_it_cannot_run_in_one_line():
     rngs = nnx.Rngs(0)
-    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under ring "
-                       r"attention"), nnx.use_eager_sharding(False):
+    with pytest.raises(ConfigError, match=r"^model\.deepseek\.mtp_depth: not with data\.documents under "
+                       r"model\.attention=ring"), nnx.use_eager_sharding(False):
         DeepSeek(with_documents(config("model.attention=ring")), rngs)
     with fails_early(r"^rules 'pp' \(layers on stage: 2 pipeline stages\): precision\.fp8=current with model "
                      r"build's prefix or ahead"):
-        Trainer.build(config("precision.fp8=current", rules="pp", mesh={"stage": 2, "data": 4}))
+        Trainer.build(config("precision.fp8=current", "model.moe.impl=partitioner", rules="pp",
+                             mesh={"stage": 2, "data": 4}))
     for override, match in [("model.deepseek.qk_rope_head_dim=7", r"qk_rope_head_dim \(7\) must be even"),
                             ("model.deepseek.dense_layers=3", r"dense_layers \(3\) must be below model\.layers"),
                             ("model.deepseek.mtp_loss_weight=nan", r"^model\.deepseek\.mtp_loss_weight must be"),

@@ -21,7 +21,7 @@ from jaxscale.data.prepare import TokenDir, prepare_data
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import Rules, use_rules
 from jaxscale.models.attention import document_ids, resolve_attention
-from jaxscale.parallel import ring_attention, ring_tiles
+from jaxscale.parallel import ring_attention, ring_schedule
 from jaxscale.training.trainer import Trainer
 
 
@@ -147,8 +147,8 @@ def test_packed_loss_and_gradients_equal_the_documents_one_at_a_time(reference, 
 
 
 def test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key():
-    full, skip, across = ring_attention.FULL, ring_attention.SKIP, ring_attention.FULL + ring_attention.ACROSS
-    visible = ring_attention._visible
+    full, skip, across = ring_schedule.FULL, ring_schedule.SKIP, ring_schedule.FULL + ring_schedule.ACROSS
+    visible = ring_schedule.visible
     # Document starts of 4-token tiles (two rows): the query tile's documents begin at 8 and 10, or at 12.
     q = jnp.array([[8, 8, 10, 10], [12, 12, 12, 12]])
     assert visible(full, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == across  # row 0 shares 8: masked pairwise
@@ -156,7 +156,7 @@ def test_a_tile_is_skipped_exactly_when_no_query_shares_a_document_with_a_key():
     assert visible(full, q, jnp.array([[0, 0, 4, 4], [4, 4, 12, 12]])) == across  # row 1 shares 12
     one = jnp.array([[8, 8, 8, 8], [12, 12, 12, 12]])
     assert visible(full, one, one) == full  # each row in one document: no mask
-    assert visible(ring_tiles.DIAGONAL, one, one) == ring_tiles.DIAGONAL  # causal only
+    assert visible(ring_schedule.DIAGONAL, one, one) == ring_schedule.DIAGONAL  # causal only
     assert visible(skip, one, one) == skip  # causally masked stays skipped
     assert visible(skip, q, jnp.array([[4, 4, 4, 8], [4, 4, 4, 4]])) == skip  # however its documents lie
     # Queries spanning two documents, keys inside one of them (or the other way round): the key tile is in one

@@ -1,4 +1,4 @@
-"""FP8 projections (jaxscale/precision/fp8.py): the quantizers, one projection against a NumPy reference of the recipe,
+"""FP8 projections (jaxscale/precision/fp8/): the quantizers, one projection against a NumPy reference of the recipe,
 the config checks, and 200 steps against bf16."""
 
 import jax
@@ -70,7 +70,7 @@ def test_projection_runs_in_fp8_forward_and_backward():
     def project(x, w, hx, hw, hg):
         x_op = fp8.Operand(x, fp8.quantize(x, hx, fp8.E4M3, DELAYED), hx, None, DELAYED)
         w_op = fp8.Operand(w, fp8.quantize(w, hw, fp8.E4M3, DELAYED), hw, hg, DELAYED)
-        return fp8.einsum("mk,kn->mn", x_op, w_op)
+        return fp8.kernels(DELAYED).einsum("mk,kn->mn", x_op, w_op)
 
     y, vjp = jax.vjp(project, x, w, history, history, history)
     dx, dw, hx, hw, hg = vjp(g)
@@ -182,3 +182,46 @@ def test_fp8_follows_bf16_loss_curve(mode, bf16_curves):
         assert all(np.all(np.isfinite(h)) and np.all(np.asarray(h) > 0) for h in jax.tree.leaves(fp8_state.fp8))
     gap = np.abs(np.mean(differences, axis=0))
     assert gap.max() <= SMOOTHED_TOL, f"{mode}: smoothed loss {gap.max():.3f} from bf16 at step {gap.argmax()}"
+
+
+# -- tracing sets nothing on a module --------------------------------------------------------
+
+
+def attributes(model) -> dict[str, dict[str, int]]:
+    """Each module of ``model`` by path: its attributes' names and the identity of their values (less nnx's own
+    bookkeeping, ``_pytree__*``, which its transforms replace)."""
+    from flax import nnx
+
+    return {"/".join(map(str, p)): {k: id(v) for k, v in vars(m).items() if not k.startswith("_pytree__")}
+            for p, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
+
+
+@pytest.mark.parametrize("mode", [("precision.fp8=delayed", "precision.fp8_head=true"),
+                                  ("precision.fp8=blockwise", "precision.fp8_block=16")])
+def test_tracing_the_fp8_forward_sets_nothing_on_its_modules(mode):
+    """The weights' copies made once before the layers reach them as scanned inputs (``fp8.using``): tracing the
+    forward of an fp8 model (the one the train step's forward runs) and its decode step leaves every module's
+    attributes as they were, compared inside the trace (no copy attached, as ``setattr`` did)."""
+    from flax import nnx
+
+    from jaxscale.models import decode
+    from jaxscale.training.trainer import make_model
+
+    with nnx.use_eager_sharding(False):
+        model = make_model(tiny_config(*mode))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(8), (2, 8))
+    cache = decode.empty(model.config, 2, 8)
+    unchanged = []
+
+    def traced(run):
+        def fn(m, *args):
+            before = attributes(m)
+            run(m, *args)
+            unchanged.append(attributes(m) == before)
+
+        return fn
+
+    nnx.eval_shape(traced(lambda m, t, p: m(t, p)), model, tokens, positions)
+    nnx.eval_shape(traced(lambda m, t, p: decode.step(m, t, p, cache, 0)), model, tokens[:, :1], positions[:, :1])
+    assert unchanged == [True, True]

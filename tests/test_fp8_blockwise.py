@@ -1,4 +1,4 @@
-"""Blockwise FP8 (jaxscale/precision/fp8_blockwise.py): per-tile and per-block scales and one projection, forward and
+"""Blockwise FP8 (jaxscale/precision/fp8/blockwise.py): per-tile and per-block scales and one projection, forward and
 backward, against a NumPy reference of DeepSeek-V3's recipe written here."""
 
 import jax
@@ -13,8 +13,10 @@ from jax.sharding import PartitionSpec as P
 from test_fp8 import equations
 
 from jaxscale.config.read import ConfigError
-from jaxscale.parallel import fp8_blockwise_collective
-from jaxscale.precision import fp8, fp8_blockwise, fp8_blockwise_grouped
+from jaxscale.precision import fp8
+from jaxscale.precision.fp8 import blockwise as fp8_blockwise
+from jaxscale.precision.fp8 import blockwise_collective as fp8_blockwise_collective
+from jaxscale.precision.fp8 import blockwise_grouped as fp8_blockwise_grouped
 
 B = 4  # the tile and block size of these tests (128 in DeepSeek-V3)
 RECIPE = fp8.Recipe("blockwise", margin=0, block=B)
@@ -67,7 +69,7 @@ def test_blockwise_projection_matches_numpy_recipe():
     h = jnp.zeros(3)
 
     def project(x, w, hx, hw, hg):
-        x_op, w_op = fp8.Operand(x, None, hx, None, RECIPE), fp8.Operand(w, None, hw, hg, RECIPE)
+        x_op, w_op = fp8.Operand(x, fp8.Deferred(), hx, None, RECIPE), fp8.Operand(w, fp8.Deferred(), hw, hg, RECIPE)
         return fp8_blockwise.einsum("bse,ehd->bshd", x_op, w_op)
 
     y, vjp = jax.vjp(project, x, w, h, h, h)
@@ -115,7 +117,7 @@ def test_blockwise_grouped_matmul_matches_numpy_recipe():
     hx, hw, hg = jnp.zeros(2), jnp.zeros((3, 2)), jnp.zeros(2)
 
     def project(x, w, hx, hw, hg):
-        x_op, w_op = fp8.Operand(x, None, hx, None, RECIPE), fp8.Operand(w, None, hw, hg, RECIPE)
+        x_op, w_op = fp8.Operand(x, fp8.Deferred(), hx, None, RECIPE), fp8.Operand(w, fp8.Deferred(), hw, hg, RECIPE)
         return fp8_blockwise_grouped.ragged(x_op, w_op, sizes)
 
     @jax.jit
@@ -155,7 +157,7 @@ def test_blockwise_expert_einsum_matches_numpy_recipe():
     hx, hw, hg = jnp.zeros(2), jnp.zeros((2, 2)), jnp.zeros(2)
 
     def project(x, w, hx, hw, hg):
-        x_op, w_op = fp8.Operand(x, None, hx, None, RECIPE), fp8.Operand(w, None, hw, hg, RECIPE)
+        x_op, w_op = fp8.Operand(x, fp8.Deferred(), hx, None, RECIPE), fp8.Operand(w, fp8.Deferred(), hw, hg, RECIPE)
         return fp8_blockwise.einsum("becd,edf->becf", x_op, w_op)
 
     @jax.jit
@@ -181,15 +183,15 @@ def _sp_pair(mesh, overlap: bool):
     collective matmuls or the plain all-gather / psum-scatter around :func:`fp8_blockwise.einsum`."""
 
     def body(x, w1, w2, hs):
-        x_op = fp8.Operand(x, None, hs[0], None, RECIPE)
-        w1_op, w2_op = (fp8.Operand(w, None, hs[i], hs[i + 1], RECIPE) for w, i in ((w1, 1), (w2, 3)))
+        x_op = fp8.Operand(x, fp8.Deferred(), hs[0], None, RECIPE)
+        w1_op, w2_op = (fp8.Operand(w, fp8.Deferred(), hs[i], hs[i + 1], RECIPE) for w, i in ((w1, 1), (w2, 3)))
         if overlap:
             (h,) = fp8_blockwise_collective.all_gather_matmul(x_op, [("bse,ehd->bshd", w1_op)], "tensor", 1)
         else:
             gathered = x_op.replace(value=lax.all_gather(x, "tensor", axis=1, tiled=True))
             h = fp8_blockwise.einsum("bse,ehd->bshd", gathered, w1_op)
         h = jnp.tanh(h).reshape(*h.shape[:2], -1)
-        h_op = fp8.Operand(h, None, hs[5], None, RECIPE)
+        h_op = fp8.Operand(h, fp8.Deferred(), hs[5], None, RECIPE)
         if overlap:
             return fp8_blockwise_collective.matmul_reduce_scatter("bsf,fe->bse", h_op, w2_op, "tensor", 1)
         y = fp8_blockwise.einsum("bsf,fe->bse", h_op, w2_op)

@@ -10,7 +10,8 @@ from helpers import tiny_config
 from test_fp8 import E4M3_MAX, E5M2_MAX, reference
 from test_fp8_step import E4M3, E5M2, conditionals, dot_types, e4m3_conversions
 
-from jaxscale.precision import fp8, fp8_grouped
+from jaxscale.precision import fp8
+from jaxscale.precision.fp8 import grouped as fp8_grouped
 from jaxscale.training.trainer import Trainer
 
 CURRENT = fp8.Recipe("current", margin=0)

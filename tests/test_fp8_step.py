@@ -81,8 +81,8 @@ def test_every_projection_dot_has_fp8_operands(delayed_bf16):
 def test_collective_matmul_dots_have_fp8_operands(mode):
     """``model.tp_overlap`` under ``tp_sp`` (t = 2): each projection's forward and input-gradient dots are the
     ring's t steps, all on f8 operands, its weight gradient one e4m3 x e5m2 dot of the gathered input and the
-    whole output gradient (one scale each: :mod:`jaxscale.parallel.fp8_collective`; blockwise, the chunks'
-    tiles and their scales: :mod:`jaxscale.parallel.fp8_blockwise_collective`); the LM head's three dots
+    whole output gradient (one scale each: :mod:`jaxscale.precision.fp8.collective`; blockwise, the chunks'
+    tiles and their scales: :mod:`jaxscale.precision.fp8.blockwise_collective`); the LM head's three dots
     are rings of bf16 dots. Before: a ConfigError (blockwise, until the blockwise ring)."""
     t = 2
     config = tiny_config(*mode, "model.dtype=bfloat16", "model.tp_overlap=true", rules="tp_sp", mesh={"tensor": t})

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers import ON_JAX_012, Trainers
 
-from jaxscale.analysis import hlo, xla
+from jaxscale.analysis import hlo, hlo_compute, xla
 from jaxscale.analysis.formulas import formulas
 from jaxscale.analysis.inspect import step_report
 from jaxscale.analysis.params import trainer_inputs
@@ -519,6 +519,6 @@ def test_a_ticks_conditionals_run_on_the_busy_slots():
     assert every == {"permuted": 5, "all-reduce.1": 5, "all-gather.1": 5}
     busy = {c.name: c.runs for c in hlo.collectives(TICKS, MESH_222, hlo.Taken(trips=5, runs=2))}
     assert busy == {"permuted": 5, "all-reduce.1": 2, "all-gather.1": 2}
-    (dot,) = hlo.matmuls(TICKS, hlo.Taken(trips=5, runs=2))
+    (dot,) = hlo_compute.matmuls(TICKS, hlo.Taken(trips=5, runs=2))
     assert (dot.flops, dot.runs, dot.branches, [loop.trips for loop in dot.loops]) == (2 * 4 * 8 * 16, 2, 1, [5])
-    assert hlo.matmuls(TICKS)[0].runs == 5
+    assert hlo_compute.matmuls(TICKS)[0].runs == 5

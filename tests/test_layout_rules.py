@@ -34,7 +34,7 @@ def edited(preset: str, **changes: str | list[str] | None) -> Rules:
 
 def test_layout_and_axis_names_do_not_import_jax():
     modules = ", ".join(["jaxscale.layout.rules", "jaxscale.config.stage_layers", "jaxscale.config.dtypes",
-                         "jaxscale.parallel.schedules", "jaxscale.layout.axes"])
+                         "jaxscale.parallel.schedules", "jaxscale.config.axes"])
     code = f"import sys, {modules}; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
@@ -254,7 +254,8 @@ def test_attention_errors():
            r"^rules 'tp_edited': 'heads' and 'kv_heads' must be sharded over the same mesh axes for ring/blockwise "
            r"attention \(got tensor and data\)$", "model.attention=blockwise")
     refuse(on("cp", fsdp=2, context=4), r"^train\.seq_len \(36\) is not divisible by 8: causal ring attention "
-           r"over context cuts it into 2 x 4 chunks$", "model.attention=ring", "train.seq_len=36")
+           r"over context cuts it into 2 x 4 chunks \(model\.attention=ring under rules 'cp'\)$",
+           "model.attention=ring", "train.seq_len=36")
     refuse(on("cp", fsdp=4, context=2), r"^model\.attention_block \(3\) does not divide the 8-token chunks of "
            r"train\.seq_len \(32\)$", "model.attention=ring", "model.attention_block=3")
     refuse(on("dp", data=8), r"^model\.attention_block \(20\) does not divide the 32-token chunks",

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import assert_trees_close, rel_err, tiny_config
 
-from jaxscale.analysis.hlo import scoped_bytes
+from jaxscale.analysis.hlo_compute import scoped_bytes
 from jaxscale.config.read import ConfigError
 from jaxscale.models.attention import resolve_attention
 from jaxscale.ops.loss import HEAD_GRADIENT, chunked_cross_entropy, cross_entropy

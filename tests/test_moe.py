@@ -257,7 +257,8 @@ PRESET_MESHES = {
     "tp": {"data": 2, "tensor": 4}, "tp_sp": {"data": 2, "tensor": 4}, "fsdp_tp": {"fsdp": 2, "tensor": 4},
     "fsdp_tp_sp": {"fsdp": 2, "tensor": 4}, "ep": {"expert": 8}, "ep_fsdp": {"expert": 4, "fsdp": 2},
     "ep_fsdp_tp": {"expert": 2, "fsdp": 2, "tensor": 2}, "cp": {"context": 8}, "fsdp_cp": {"fsdp": 2, "context": 4},
-    "fsdp_tp_cp": {"fsdp": 2, "context": 2, "tensor": 2},
+    "fsdp_tp_cp": {"fsdp": 2, "context": 2, "tensor": 2}, "ulysses": {"fsdp": 2, "context": 4},
+    "usp": {"fsdp": 2, "context": 2, "expert": 2},
 }
 # A pipeline runs MoE blocks with the partitioner experts (idle slots masked) or explicit ones (the loop manual over
 # every axis, idle slots skipped), but under sequence parallelism inside a stage (pp_tp_sp).
@@ -273,7 +274,8 @@ def test_every_rules_preset_lays_out_the_moe_model():
     presets = {p.stem for p in (CONFIG_DIR / "rules").glob("*.yaml")}
     assert set(PRESET_MESHES) | set(PIPELINE_MESHES) | set(CP_PIPELINE_MESHES) == presets
     for rules, mesh in PRESET_MESHES.items():
-        Trainer.build(tiny_config(*MOE, rules=rules, mesh=mesh))  # traces the whole step
+        ring = ("model.attention=ring",) if rules == "usp" else ()  # USP's ring part runs ring attention
+        Trainer.build(tiny_config(*MOE, *ring, rules=rules, mesh=mesh))  # traces the whole step
     for rules, mesh in PIPELINE_MESHES.items():
         Trainer.build(tiny_config(*MOE, "model.moe.impl=partitioner", rules=rules, mesh=mesh))
         explicit = tiny_config(*MOE, "model.moe.impl=shard_map", rules=rules, mesh=mesh)

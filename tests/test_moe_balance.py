@@ -152,7 +152,7 @@ def test_bias_saved_and_restored_bit_for_bit(one_device, tmp_path):
 def test_balance_configs_refused():
     with fails_early(r"^model\.moe\.bias_ema must be in \[0, 1\), got 1\.0$"):
         tiny_config(*MOE, "model.moe.bias_ema=1.0")
-    with fails_early(r"^model\.moe\.balance=quantile needs top_k < experts"):
+    with fails_early(r"^model\.moe\.balance=quantile needs model\.moe\.top_k < model\.moe\.experts"):
         tiny_config(*MOE, "model.moe.top_k=8", "model.moe.balance=quantile")
 
 
@@ -175,7 +175,8 @@ def test_group_limited_routing_against_numpy():
     assert limited > 0  # the groups changed some tokens' choices
     with fails_early(r"^model\.moe\.groups \(3\) must divide model\.moe\.experts \(8\)$"):
         tiny_config(*MOE, "model.moe.groups=3")
-    with fails_early(r"^model\.moe\.top_groups \(1\) must be in \[1, groups\] and hold top_k \(2\) experts"):
+    with fails_early(r"^model\.moe\.top_groups \(1\) must be in \[1, model\.moe\.groups\] and hold model\.moe\.top_k "
+                     r"\(2\) experts"):
         tiny_config(*MOE, "model.moe.groups=8", "model.moe.top_groups=1")
 
 

@@ -97,6 +97,8 @@ LAYOUTS = {
     "zero3": ("zero3", {"fsdp": 8}, ()),
     "fsdp_tp_sp": ("fsdp_tp_sp", {"fsdp": 4, "tensor": 2}, ()),
     "fsdp_cp": ("fsdp_cp", {"fsdp": 4, "context": 2}, ("model.attention=ring",)),
+    # USP: jaxscale.nn.attention's all-to-alls over expert, the ring over context
+    "usp": ("usp", {"fsdp": 2, "context": 2, "expert": 2}, ("model.attention=ring",)),
 }
 
 
@@ -104,7 +106,7 @@ LAYOUTS = {
 def test_a_user_model_under_a_layout_gives_the_loss_and_gradients_of_one_device(name, reference):
     rules, mesh, overrides = LAYOUTS[name]
     trainer = build(*overrides, rules=rules, mesh=mesh)
-    if name == "fsdp_cp":
+    if name in ("fsdp_cp", "usp"):
         assert trainer.config.model.attention == "ring" and trainer.sequence_order is not None
     params, ref_loss, ref_grads = reference
     state = trainer.init_state()

@@ -15,7 +15,7 @@ import yaml
 from flax import nnx
 from helpers import RTOL, assert_trees_close, fails_early, tiny_config
 
-from jaxscale.analysis import hlo, xla
+from jaxscale.analysis import hlo, hlo_compute, xla
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.config.read import CONFIG_DIR, MESH_AXES, ConfigError
 from jaxscale.layout.rules import Rules, Stage
@@ -192,7 +192,7 @@ def test_pp_fsdp_tp_training_steps_match_single_device(schedule, v, attention, g
     # sum) or scalars, never on activations. Interleaved, the stack is stored in the chunks' order: no
     # all-to-all over stage moves the blocks or their gradients (before the storage did: 18 per step).
     table = schedules.build(schedule, 2, m, v)
-    assert (hlo.dots(compiled.as_text())["outside"] == 0) == (gather != "tick")
+    assert (hlo_compute.dots(compiled.as_text())["outside"] == 0) == (gather != "tick")
     assert attention != "dot" or executed_layer_flops(compiled.as_text(), table) == table.work(1, 3) * chunk_flops(v)
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     over_stage = [c for c in found if c.axes and "stage" in c.axes]
@@ -217,7 +217,7 @@ def chunk_flops(v: int) -> int:
 def executed_layer_flops(text: str, table: schedules.Table) -> int:
     """FLOPs per step and device of the layer matmuls (in the layer scan in a slot's conditional; the head's in
     one inside it), a tick's conditionals counted on the stage's busy slots."""
-    return sum(d.flops * d.runs for d in hlo.matmuls(text, hlo.busy_slots(table))
+    return sum(d.flops * d.runs for d in hlo_compute.matmuls(text, hlo.busy_slots(table))
                if len(d.loops) == 2 and d.loops[0].trips == table.ticks and d.branches == 1)
 
 
@@ -251,7 +251,7 @@ def test_fsdp_inside_a_stage_at_fsdps_price(reference):
     ratio = sum(c.rs_wire_bytes for c in found) / (reference_bytes + permutes)
     print(f"pp_fsdp collective bytes / (zero3 + permutes) = {ratio:.3f}")
     assert ratio <= 1.3
-    assert hlo.dots(compiled.as_text())["outside"] == 0
+    assert hlo_compute.dots(compiled.as_text())["outside"] == 0
 
 
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
@@ -288,7 +288,7 @@ def test_fsdp_inside_a_stage_gathered_per_visit(schedule, v, reference):
     assert {k: sum(taken[c.name] for c in looped if c.kind == k) for k in moved} == pytest.approx(moved)
     outer = sum(w.size * 4 for k, part in initial.params.items() if k != "blocks" for w in jax.tree.leaves(part))
     assert all(c.result_bytes <= outer for c in fsdp if c.runs == 1)  # outside the loop: no block gathered
-    assert hlo.dots(compiled.as_text())["outside"] == 0
+    assert hlo_compute.dots(compiled.as_text())["outside"] == 0
 
 
 @pytest.mark.parametrize("rules, mesh, schedule, v, gather", [
@@ -317,7 +317,7 @@ def test_context_parallelism_inside_a_stage(rules, mesh, schedule, v, gather, re
     loss, grads = compiled(params, batch)
     assert close(loss, ref_loss)
     assert_trees_close(canonical(trainer, grads), ref_grads)
-    assert hlo.dots(compiled.as_text())["outside"] == 0
+    assert hlo_compute.dots(compiled.as_text())["outside"] == 0
 
 
 @pytest.mark.parametrize("rules, mesh, schedule, v, gather", [
@@ -349,7 +349,7 @@ def test_tensor_and_sequence_parallelism_inside_a_stage(rules, mesh, schedule, v
     loss, grads = compiled(params, batch)
     assert close(loss, ref_loss)
     assert_trees_close(canonical(trainer, grads), ref_grads)
-    assert hlo.dots(compiled.as_text())["outside"] == 0
+    assert hlo_compute.dots(compiled.as_text())["outside"] == 0
     found = hlo.collectives(compiled.as_text(), trainer.mesh)
     permutes = {c.shapes for c in found if c.kind == "collective-permute" and c.axes == ("stage",)}
     rows = 32 // 4 // mesh.get("data", 1) // mesh.get("fsdp", 1)
@@ -416,9 +416,9 @@ def test_moe_with_expert_parallelism_inside_a_stage(schedule, v, mesh, dispatch,
     assert close(loss, ref_loss)
     assert_trees_close(grads, ref_grads)
     assert_trees_close(update, ref_update)
-    assert (hlo.dots(text)["outside"] == 0) == (impl == "shard_map")
+    assert (hlo_compute.dots(text)["outside"] == 0) == (impl == "shard_map")
     if impl == "shard_map":  # the experts' exchange among a stage's devices, in the busy slots' conditionals
-        exchange = hlo.dots(text, ("all-to-all",))
+        exchange = hlo_compute.dots(text, ("all-to-all",))
         assert exchange["outside"] == 0 and exchange["in_conditional"] > 0
 
 
@@ -611,9 +611,9 @@ def write_rules(tmp_path, name: str, base: str = "pp_fsdp_tp", **changes) -> str
 @pytest.mark.parametrize(
     "overrides, mesh, match",
     [
-        # Layers that do not split over the stages fail as any parameter that does not split.
-        (["model.layers=6"], {"stage": 4, "data": 2}, r"^param blocks\.\S+: dimension 0 \('layers', size 6\) is not "
-         r"divisible by mesh axes stage of size 4$"),
+        # Layers that do not split over the stages: refused with the layout, before the model is built.
+        (["model.layers=6"], {"stage": 4, "data": 2}, r"^model\.layers \(6\) is not divisible by mesh\.stage \(4\) x "
+         r"pipeline\.repeats \(1\); pipeline\.layers_per_stage splits them unevenly$"),
         (["model.layers=4", *pipe("circular", 4, 4)], {"stage": 2, "data": 4}, r"^model\.layers \(4\) is not "
          r"divisible by mesh\.stage \(2\) x pipeline\.repeats \(4\)"),
         (pipe("gpipe", 3), {"stage": 2, "data": 4}, r"^the batch of 16 sequences \(train\.global_batch / "

@@ -12,9 +12,10 @@ import yaml
 from helpers import TINY
 
 from jaxscale.analysis import plan, strategy
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.communication import Flow, communication
 from jaxscale.analysis.params import param_table, stacked
-from jaxscale.analysis.timing import collective_seconds, crosses_nodes, load_cluster, members_per_node, pipeline_loop
+from jaxscale.analysis.timing import collective_seconds, crosses_nodes, members_per_node, pipeline_loop
 from jaxscale.analysis.verify import format_verify, verify
 from jaxscale.cli import main
 from jaxscale.config.read import MESH_AXES, load_config

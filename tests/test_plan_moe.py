@@ -13,10 +13,10 @@ from helpers import tiny_config
 from jax.ad_checkpoint import print_saved_residuals
 
 from jaxscale.analysis import plan, reasons
+from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.params import param_table
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.strategy import Strategy, placement
-from jaxscale.analysis.timing import load_cluster
 from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
 from jaxscale.layout.sharding import use_rules
 from jaxscale.parallel import exchange

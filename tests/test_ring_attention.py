@@ -14,7 +14,7 @@ from jaxscale.config.read import CONFIG_DIR, ConfigError, MeshConfig, ModelConfi
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import Rules, constrain, use_rules
 from jaxscale.models.attention import attention, sequence_order
-from jaxscale.parallel import ring_attention, ring_tiles
+from jaxscale.parallel import ring_attention, ring_schedule
 from jaxscale.training.trainer import Trainer
 
 Q_AXES = ("batch", "length", "heads", "head_dim")
@@ -62,7 +62,7 @@ def ring_value_and_grads(kv_heads: int, causal: bool, mesh_sizes: dict[str, int]
     cp = mesh_sizes["context"]
     devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
     mesh = make_mesh(MeshConfig(data=1, **mesh_sizes), devices)
-    order = ring_tiles.sequence_order(SEQ, cp, layout) if causal else np.arange(SEQ)
+    order = ring_schedule.sequence_order(SEQ, cp, layout) if causal else np.arange(SEQ)
     inverse = np.argsort(order)
 
     def attend(q, k, v):
@@ -140,20 +140,20 @@ def test_zigzag_balances_causal_work():
     """Per-device attention FLOPs from the tiles the kernel computes: equal with zig-zag, ~2x with contiguous."""
     for cp in (2, 4, 8):
         computed = {}
-        for layout in ring_tiles.LAYOUTS:
+        for layout in ring_schedule.LAYOUTS:
             # One tile per chunk: device i meets 2·cp chunks of keys with each of its 2 query chunks.
-            counts = ring_tiles.tile_counts(cp, 2 * cp * 64, 64, causal=True, layout=layout)
+            counts = ring_schedule.tile_counts(cp, 2 * cp * 64, 64, causal=True, layout=layout)
             assert (counts.sum(axis=1) == 4 * cp).all()
-            computed[layout] = counts[:, ring_tiles.DIAGONAL] + counts[:, ring_tiles.FULL]
+            computed[layout] = counts[:, ring_schedule.DIAGONAL] + counts[:, ring_schedule.FULL]
         assert computed["zigzag"].tolist() == [2 * cp + 1] * cp
         assert computed["contiguous"].tolist() == [4 * i + 3 for i in range(cp)]
     flops = computed["zigzag"] * 4 * 64 * 64 * HEAD_DIM * HEADS
     assert flops.max() <= 1.05 * flops.min()
     assert computed["contiguous"].max() / computed["contiguous"].mean() == pytest.approx(31 / 17)  # cp=8: 1.8x
     # Finer tiles inside the chunks: still balanced, and every query tile meets every key tile once.
-    counts = ring_tiles.tile_counts(8, 1024, 16, causal=True)
+    counts = ring_schedule.tile_counts(8, 1024, 16, causal=True)
     assert (counts.sum(axis=1) == (1024 // 16) ** 2 // 8).all()
-    assert len(set((counts[:, ring_tiles.DIAGONAL] + counts[:, ring_tiles.FULL]).tolist())) == 1
+    assert len(set((counts[:, ring_schedule.DIAGONAL] + counts[:, ring_schedule.FULL]).tolist())) == 1
 
 
 def test_data_path_reorders_tokens_targets_and_positions():
@@ -280,7 +280,7 @@ def test_values_of_another_width_than_queries_and_keys(kind, width):
     v = jax.random.normal(jax.random.PRNGKey(width), (*k.shape[:3], width))
     ct = jax.random.normal(jax.random.PRNGKey(1), (*q.shape[:3], width))
     mesh = make_mesh(MeshConfig(data=1, context=4), jax.devices()[:4])
-    order = ring_tiles.sequence_order(SEQ, 4) if kind == "ring" else np.arange(SEQ)
+    order = ring_schedule.sequence_order(SEQ, 4) if kind == "ring" else np.arange(SEQ)
 
     def attend(q, k, v):
         if kind != "ring":

@@ -18,12 +18,13 @@ import jaxscale
 from jaxscale.training.trainer import Trainer
 
 PACKAGE = Path(jaxscale.__file__).resolve().parent
-# 12: the step (training/trainer, training/optim with the schedule's length from config/schema,
-# precision/policy, ops/loss), the model (models/llama, models/attention, ops/lean) and the layout
+# 13: the step (training/trainer, training/optim with the schedule's length from config/schema,
+# precision/policy and precision/letters, an einsum's letters written once for the policy, the collective
+# matmuls and the fp8 kernels; ops/loss), the model (models/llama, models/attention, ops/lean) and the layout
 # (layout/rules, layout/sharding, layout/collectives: the gradient-dtype collectives and `lay_out`,
 # parallel/sequence). fp8 and models/moe.py are skipped by plain config checks at their call sites
 # (models/llama.py, parallel/sequence.py) when precision.fp8 is off and the model is dense.
-MAX_FILES = 12
+MAX_FILES = 13
 
 
 def traced_files(trainer: Trainer) -> list[str]:

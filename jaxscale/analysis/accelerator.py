@@ -3,8 +3,9 @@
 :func:`target_report` compiles a trainer built on a :class:`jaxscale.analysis.target.Target`'s compile-only
 devices and reports, per device: the GEMMs by kind, cuDNN's fused attention, each collective kind as
 asynchronous and overlapped, asynchronous with nothing between, or synchronous
-(:mod:`jaxscale.analysis.program`), and the memory XLA allocates against the device's HBM and against the
-planner's prediction (:mod:`jaxscale.analysis.predict`). :func:`format_target` prints it.
+(:mod:`jaxscale.analysis.program`), the transfers to and from host memory (:mod:`.host_transfers`), and the
+memory XLA allocates against the device's HBM (and in host memory) and against the planner's prediction
+(:mod:`jaxscale.analysis.predict`). :func:`format_target` prints it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from jaxscale.analysis import program
+from jaxscale.analysis import host_transfers, program
 from jaxscale.analysis.predict import predict_trainer
 from jaxscale.analysis.target import Target
 from jaxscale.analysis.xla import compile_step, memory
@@ -23,8 +24,10 @@ def target_report(trainer: Any, target: Target, compiled: Any = None) -> dict[st
     start = time.perf_counter()
     compiled = compile_step(trainer) if compiled is None else compiled
     seconds = time.perf_counter() - start
-    mem = memory(compiled)
+    # host_temp: what the program allocates in host memory (offloaded activations, jaxscale/layout/offload.py)
+    mem = {**memory(compiled), "host_temp": compiled.memory_analysis().host_temp_size_in_bytes}
     predicted = predict_trainer(trainer).memory["total"]
+    text = compiled.as_text()
     return {
         "target": target.name,
         "device": target.device_kind,
@@ -33,7 +36,8 @@ def target_report(trainer: Any, target: Target, compiled: Any = None) -> dict[st
         "mesh": {k: v for k, v in trainer.mesh.shape.items() if v > 1},
         "xla_preset": trainer.config.xla.preset,
         "compile_seconds": round(seconds, 1),
-        **program.read(compiled.as_text()).as_dict(),
+        **program.read(text).as_dict(),
+        "host_transfers": host_transfers.read(text),
         "memory": mem,
         "hbm_bytes": target.hbm_bytes,
         "fits": mem["total"] <= target.hbm_bytes,
@@ -62,6 +66,9 @@ def format_target(report: dict[str, Any]) -> str:
     verdict = "fits" if report["fits"] else f"does not fit: {_gib(mem['total'] - hbm)} over"
     lines.append(f"  memory           {_gib(mem['total'])} of {_gib(hbm)} HBM ({100 * mem['total'] / hbm:.1f}%): "
                  f"{verdict}; arguments {_gib(mem['argument'])}, temporaries {_gib(mem['temp'])}")
+    moves = report["host_transfers"]
+    lines.append(f"  host memory      {_gib(mem['host_temp'])} offloaded; {moves['async']} async transfers, "
+                 f"{moves['overlapped']} overlapping compute")
     ratio = report["planner_memory"] / mem["total"] if mem["total"] else 0.0
     lines.append(f"  planner          {_gib(report['planner_memory'])} predicted ({ratio:.3f} of compiled)")
     return "\n".join(lines)

@@ -73,25 +73,25 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
 import jax
 
+from jaxscale.analysis.bench_suites import SUITES_FILE, Run, load_suites, plan
+from jaxscale.analysis.bench_table import header, row_line
 from jaxscale.analysis.params import trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.remat import USABLE, resolved
 from jaxscale.analysis.xla import memory
 from jaxscale.config import flops
-from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config, read_yaml, requested_devices
+from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config, requested_devices
 from jaxscale.runtime import xla_flags
 from jaxscale.training.trainer import Trainer
 
 SCHEMA = "jaxscale.analysis.bench/1"
-SUITES_FILE = CONFIG_DIR / "bench" / "suites.yaml"
 BASE_CONFIG = CONFIG_DIR / "experiments" / "bench.yaml"
-SUITES = ("quick", "full", "compile", "options", "calibration")
 PARTS = ("matmul", "attention", "memory_bound", "optimizer", "recompute", "exposed", "bubble")
 TIMES = (
     "step_time_s", "step_time_blocked_s", "device_step_time_s", "dispatch_time_s", "tokens_per_s",
@@ -99,73 +99,14 @@ TIMES = (
 )
 
 
-@dataclass
-class Run:
-    """One row of a suite: its name, the overrides on top of the base experiment, and what to measure."""
-
-    name: str
-    overrides: list[str]
-    compile_only: bool = False
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
-def load_suites(path: str | Path = SUITES_FILE) -> dict[str, dict[str, Any]]:
-    """The suites table, its shape checked (override lists of strings, integer steps and layers)."""
-    table = read_yaml(Path(path))
-    for suite, spec in table.items():
-        if not isinstance(spec, dict):
-            raise ConfigError(f"{path}: suite '{suite}' is not a mapping")
-        for key in ("runs", "variants"):
-            for name, items in (spec.get(key) or {}).items():
-                if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-                    raise ConfigError(f"{path}: {suite}.{key}.{name} is not a list of KEY=VALUE strings")
-        for key in ("steps", "warmup", "rounds"):
-            if not _is_int(spec.get(key, 0)):
-                raise ConfigError(f"{path}: {suite}.{key} is not an integer")
-        layers = spec.get("layers", [])
-        if not isinstance(layers, list) or not all(_is_int(n) and n > 0 for n in layers):
-            raise ConfigError(f"{path}: {suite}.layers is not a list of positive integers")
-    return table
 
 
-def _pick(entries: dict[str, list[str]], names: list[str] | None, what: str) -> dict[str, list[str]]:
-    if names is None:
-        return entries
-    unknown = [n for n in names if n not in entries]
-    if unknown:
-        raise ConfigError(f"{what} {', '.join(unknown)}: not in the suite (known: {', '.join(entries)})")
-    return {n: entries[n] for n in names}
 
 
-def plan(
-    suite: str,
-    overrides: list[str],
-    table: dict[str, dict[str, Any]],
-    models: list[str] | None = None,
-    variants: list[str] | None = None,
-    layers: list[int] | None = None,
-) -> list[Run]:
-    """The runs of ``suite``: ``runs`` entries go before the command line's overrides, ``variants``
-    after them, ``layers`` set ``model.layers`` last."""
-    if suite not in table:
-        raise ConfigError(f"--suite {suite}: no such suite (known: {', '.join(table)})")
-    spec = table[suite]
-    if models is not None and "runs" not in spec:
-        raise ConfigError(f"--models: suite '{suite}' has no model runs")
-    if variants is not None and "variants" not in spec:
-        raise ConfigError(f"--variants: suite '{suite}' has no variants")
-    if layers is not None and "layers" not in spec:
-        raise ConfigError(f"--layers: suite '{suite}' does not compile by depth")
-    runs = [Run(n, [*o, *overrides]) for n, o in _pick(spec.get("runs") or {}, models, "--models").items()]
-    runs += [Run(n, [*overrides, *o]) for n, o in _pick(spec.get("variants") or {}, variants, "--variants").items()]
-    for n in layers if layers is not None else spec.get("layers", []):
-        runs.append(Run(f"layers={n}", [*overrides, f"model.layers={n}"], compile_only=True))
-    if not runs:
-        raise ConfigError(f"suite '{suite}' has no runs")
-    return runs
 
 
 def available_memory(device: jax.Device) -> tuple[int | None, bool]:
@@ -332,8 +273,8 @@ def _describe(trainer: Trainer) -> dict[str, Any]:
 
 def predicted(trainer: Trainer, cluster: str | Path, step_time: float) -> dict[str, Any]:
     """The analytic model's step time, MFU and parts for ``trainer`` on the cluster file, against ``step_time``."""
+    from jaxscale.analysis.cluster import load_cluster
     from jaxscale.analysis.predict import predict_trainer
-    from jaxscale.analysis.timing import load_cluster
 
     time_ = predict_trainer(trainer, load_cluster(str(cluster))).time
     assert time_ is not None
@@ -456,77 +397,18 @@ def run_suite(
     return report
 
 
-def _num(x: float | None, scale: float = 1.0, fmt: str = ".2f") -> str:
-    return "-" if x is None else format(x * scale, fmt)
 
 
-def compile_ratio(report: dict[str, Any]) -> dict[str, Any] | None:
-    """Most versus fewest layers of the compiled rows: the ratios of XLA compile time and of lower +
-    compile time, in wall time and in CPU time."""
-    rows = [r for r in report["results"] if r["status"] == "ok" and r["steps"] == 0]
-    if len(rows) < 2:
-        return None
-    low = min(rows, key=lambda r: r["model"]["layers"])
-    high = max(rows, key=lambda r: r["model"]["layers"])
-    out: dict[str, Any] = {"layers": (low["model"]["layers"], high["model"]["layers"])}
-    for clock, suffix in (("wall", "time_s"), ("cpu", "cpu_time_s")):
-        out[f"compile_{clock}"] = high[f"compile_{suffix}"] / low[f"compile_{suffix}"]
-        both = [r[f"lower_{suffix}"] + r[f"compile_{suffix}"] for r in (high, low)]
-        out[f"total_{clock}"] = both[0] / both[1]
-    return out
 
 
-def header(report: dict[str, Any]) -> list[str]:
-    """The table's first lines: the devices, then the column names."""
-    return [
-        f"jaxscale bench: {report['devices']} x {report['device_kind']} ({report['backend']}), "
-        f"jax {report['jax_version']}",
-        f"{'name':<22} {'status':<8} {'params':>9} {'step ms':>9} {'blocked':>9} {'device':>9} {'host ms':>8} "
-        f"{'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'lower s':>8} {'comp. s':>8}"
-        + (f" {'pred ms':>9} {'pred MFU':>8} {'pred/meas':>9}" if report.get("cluster") else ""),
-    ]
 
 
-def row_line(r: dict[str, Any]) -> str:
-    """One row of the table."""
-    if r["status"] != "ok":
-        return f"{r['name']:<22} {r['status']:<8} {r['error']}"
-    return (
-        f"{r['name']:<22} {r['status']:<8} {r['params'] / 1e6:>8.1f}M {_num(r['step_time_s'], 1e3):>9} "
-        f"{_num(r['step_time_blocked_s'], 1e3):>9} {_num(r['device_step_time_s'], 1e3):>9} "
-        f"{_num(r['host_overhead_s'], 1e3):>8} {_num(r['tokens_per_s'], 1, '.0f'):>10} "
-        f"{_num(r['tflops_per_device'], 1, '.3f'):>8} {_num(r['mfu'], 100, '.1f'):>6} "
-        f"{r['lower_time_s']:>8.2f} {r['compile_time_s']:>8.2f}"
-        + (f" {_num(r['predicted_step_time_s'], 1e3):>9} {_num(r['predicted_mfu'], 100, '.1f'):>8} "
-           f"{_num(r['predicted_ratio']):>9}" if "predicted_step_time_s" in r else "")
-    )
 
 
-def table(report: dict[str, Any]) -> str:
-    """A short text table of the report: :func:`header`, a :func:`row_line` per row, :func:`footer`."""
-    return "\n".join([*header(report), *map(row_line, report["results"]), *footer(report)])
 
 
-def footer(report: dict[str, Any]) -> list[str]:
-    """The table's last lines: the compile-time ratio of a compile suite, the note on MFU on a CPU."""
-    lines = []
-    ratio = compile_ratio(report)
-    if ratio is not None:
-        low, high = ratio["layers"]
-        lines.append(f"compile time, {high} vs {low} layers: XLA compile {ratio['compile_wall']:.2f}x wall, "
-                     f"{ratio['compile_cpu']:.2f}x CPU; lower + compile {ratio['total_wall']:.2f}x wall, "
-                     f"{ratio['total_cpu']:.2f}x CPU")
-    if report["backend"] == "cpu":
-        lines.append("MFU on CPU is against a nominal 1e11 FLOP/s per device: meaningless")
-    return lines
 
 
-def write(report: dict[str, Any], path: str | Path) -> Path:
-    """The report as JSON at ``path`` (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    return path
 
 
 if __name__ == "__main__":  # one row, for _in_fresh_process: the request as JSON in, the row as JSON out

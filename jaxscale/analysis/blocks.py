@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxscale.config.axes import KV_AXES, Q_AXES
 from jaxscale.config.read import ModelConfig
-from jaxscale.layout.axes import KV_AXES, Q_AXES
 
 Projection = tuple[float, int, str | None, int, str | None]  # (count, N, N's logical name, K, K's logical name)
 

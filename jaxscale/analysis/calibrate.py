@@ -23,7 +23,7 @@ they share the host's cores). Each figure is the best of a few runs of a compile
   at a small and a large size: the small one gives the latency per step, the difference the
   bandwidth (wire bytes as :func:`jaxscale.analysis.hlo.wire_bytes` counts them).
 
-The file records where its figures come from (``source``); :func:`jaxscale.analysis.timing.load_cluster`
+The file records where its figures come from (``source``); :func:`jaxscale.analysis.cluster.load_cluster`
 reads it like a hand-written preset.
 """
 
@@ -44,8 +44,8 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxscale.analysis.cluster import KINDS
 from jaxscale.analysis.hlo import wire_bytes
-from jaxscale.analysis.timing import KINDS
 from jaxscale.config.flops import PEAK_FLOPS, peak_flops
 
 SIZES = {  # (matmul dims, attention sequence lengths, memory elements, small/large collective bytes) per device

@@ -38,7 +38,9 @@ all-reduce 2·(n−1)/n·size, all-gather and reduce-scatter (n−1)/n of the wh
 * CP ring: 2·(c−1)·b·(s/c)·g·d_h per layer forward, as much backward plus the fp32 key and value
   gradients, which travel c hops (the last brings them home); inside a pipeline stage K and V are
   all-gathered instead (forward, and once more in the backward slot) and their fp32 gradients
-  reduce-scattered (:mod:`jaxscale.parallel.ring_attention`); with CP a gradient is all-reduced over
+  reduce-scattered (:mod:`jaxscale.parallel.ring_attention`); CP Ulysses over u devices: four all-to-alls
+  of the device's q, k, v and output forward, four backward (kv heads fewer than u replicated first), USP
+  both, the ring over the rest of c (:mod:`jaxscale.analysis.context_flows`); with CP a gradient is all-reduced over
   the context axes and then over the data axes (two all-reduces, as compiled); PP: a
   microbatch's b·s·h per loop tick (``Table.ticks`` of them, the bubble's included) each way; each
   stage's copy of the embedding, final norm and head gathered once, its fp32 gradient
@@ -72,8 +74,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxscale.analysis.blocks import attention, layers_run, moe_layers
-from jaxscale.analysis.hlo import wire_bytes
+from jaxscale.analysis.blocks import layers_run, moe_layers
+from jaxscale.analysis.context_flows import context_flows
+from jaxscale.analysis.flows import Flow, flow
 from jaxscale.analysis.params import Param, Split, Step, dtype_bytes, pipeline_ticks, split, stack_layers
 from jaxscale.config.read import ModelConfig, MoEConfig
 from jaxscale.layout.rules import Layout
@@ -82,33 +85,6 @@ from jaxscale.layout.stage_plan import assumed
 # The max/mean rows a device sends an expert shard in the dropless exchange, as the planner assumes it: a router
 # balanced by its bias or auxiliary loss (measured per layer at run time: the moe load metrics).
 EP_IMBALANCE = 1.25
-
-
-@dataclasses.dataclass(frozen=True)
-class Flow:
-    """One collective of the step: what it moves, over which mesh axes, how often, bytes per device per run."""
-
-    what: str
-    kind: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
-    axes: tuple[str, ...]
-    size: float  # the bytes the wire rule applies to (all-gather: result; others: operand)
-    runs: float
-    n: int
-    phase: str  # forward, backward, update
-    overlap: bool  # may hide behind compute
-
-    @property
-    def wire_bytes(self) -> float:
-        return wire_bytes(self.kind, self.n, self.size, self.runs)
-
-
-def flow(what: str, kind: str, axes: Sequence[str], size: float, runs: float, layout: Layout, phase: str,
-          overlap: bool) -> list[Flow]:
-    axes = tuple(axes)
-    n = layout.size(axes)
-    if n <= 1 or size <= 0 or runs <= 0:
-        return []
-    return [Flow(what, kind, axes, size, runs, n, phase, overlap)]
 
 
 def _gradient_all_reduce(what: str, axes: Sequence[str], size: float, runs: float, layout: Layout) -> list[Flow]:
@@ -295,29 +271,6 @@ def _pipeline_outer_flows(p: Param, sp: Split, layout: Layout, step: Step, pbyte
     return out + _gradient_all_reduce(p.path + " gradient", rows, shard / layout.size(sp.scattered), micro, layout)
 
 
-def _ring_flows(m: ModelConfig, layout: Layout, tokens: float, runs: float, in_stage: bool) -> list[Flow]:
-    """Context parallelism's ring: keys and values round it each layer, their fp32 gradients home in c hops;
-    ``tokens`` a microbatch's on a device, ``runs`` a layer's activation collectives. Inside a pipeline stage
-    (``in_stage``) they are all-gathered instead, forward and in the backward slot (whose recomputed forward
-    shares the backward's gather), and their fp32 gradients reduce-scattered."""
-    context, cbytes, flows = layout.context_axes, dtype_bytes(m.dtype), []
-    if not context:
-        return []
-    c, att = layout.size(context), attention(m)
-    kv = tokens * (att.k + att.v) / layout.ways((att.kv_name,))  # keys and values (MLA's: each head's, wider keys)
-    if in_stage:
-        for phase in ("forward", "backward"):
-            flows += flow("CP (stage): keys, values gathered", "all-gather", context, kv * cbytes * c, runs,
-                           layout, phase, True)
-        return flows + flow("CP (stage): key, value gradients (fp32)", "reduce-scatter", context, kv * 4 * c,
-                            runs, layout, "backward", True)
-    for phase in ("forward", "backward"):
-        flows += flow("CP ring: keys, values", "collective-permute", context, kv * cbytes, (c - 1) * runs,
-                       layout, phase, True)
-    return flows + flow("CP ring: key, value gradients (fp32, home in c hops)", "collective-permute", context,
-                        kv * 4, c * runs, layout, "backward", True)
-
-
 def _stage_flows(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, bsh: float,
                  stage_sp: tuple[str, ...] = ()) -> list[Flow]:
     """The pipeline's stage boundaries each tick (the blocks are stored in the chunks' order: none move); with
@@ -402,7 +355,7 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
             flows += flow("TP: head input gradient", "all-reduce", tensor, size, head_runs, layout, "backward",
                            False)
 
-    flows += _ring_flows(m, layout, rows * s_local, runs, stage_remat)
+    flows += context_flows(m, layout, rows * s_local, runs, stage_remat)
     flows += _stage_flows(m, params, layout, step, bsh, tuple(a for a in sp if a in stage_tensor))
 
     if m.moe is not None and layout.mesh_axes(("expert",)):

@@ -104,7 +104,7 @@ def formulas(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step
     s = step.seq_len // context
     tokens = rows * s
     full_remat = 2 * tokens * m.embed / (t if sp else 1)  # only the layer input, in bf16
-    per_layer = full_remat if m.remat == "full" else korthikanti(m, tokens, s, t, sp)
+    per_layer = full_remat if m.remat in ("full", "offload_dots") else korthikanti(m, tokens, s, t, sp)
     out["activations_korthikanti_bf16"] = per_layer * (m.layers / stages)
     if context > 1:
         kv = 2 * (context - 1) * rows * s * m.kv_heads * m.head_dim * cbytes

@@ -42,15 +42,13 @@ Nothing here imports jax: the mesh is read through ``mesh.shape`` and ``mesh.siz
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import re
 import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from jaxscale.analysis.hlo_groups import device_groups, ints, mesh_axes
 from jaxscale.analysis.hlo_text import Computation, Instr, callees, nbytes, parse, shapes, trip_count, tuple_items
 
 if TYPE_CHECKING:
@@ -148,111 +146,16 @@ class Collective:
         return phases.pop() if len(phases) == 1 else "mixed"
 
 
-def _groups(attrs: str, mesh_size: int) -> tuple[tuple[int, ...], ...]:
-    """Parse ``replica_groups`` in any of XLA's printed forms into explicit device groups."""
-    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
-    if m:
-        return tuple(tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{([\d,]+)", m.group(1) + "}"))
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\((.*?)\))? \{([^}]*)\}", attrs)
-    if m:
-        return _mesh_groups(m.group(1), m.group(2), m.group(3))
-    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
-    if m:
-        shape, dims = _ints(m.group(1)), _ints(m.group(2))
-        perm = _ints(m.group(3)) if m.group(3) else tuple(range(len(dims)))
-        return tuple(map(tuple, np.arange(math.prod(dims)).reshape(dims).transpose(perm).reshape(shape).tolist()))
-    m = re.search(r"replica_groups=\{(\{.*?\})?\}", attrs)
-    if m and m.group(1):
-        return tuple(_ints(g) for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
-    if m or "replica_groups" not in attrs:
-        return (tuple(range(mesh_size)),)  # empty groups: every device
-    raise ValueError(f"unrecognised replica_groups in {attrs[:200]!r}")
 
 
-def _ints(s: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in s.split(",") if x.strip())
 
 
-def _mesh_groups(axes: str, device_ids: str | None, grouped: str) -> tuple[tuple[int, ...], ...]:
-    """Groups of the ``mesh['a'=2,'b'=4], device_ids=(...) {'b'}`` form (sub-axes ``'a':(1)2`` too)."""
-    names, sizes = zip(*((n, int(s)) for n, s in re.findall(r"'([^']+)'=(\d+)", axes)), strict=True)
-    ids = np.arange(math.prod(sizes))
-    if device_ids:
-        iota = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", device_ids.strip())
-        if iota:
-            dims = _ints(iota.group(1))
-            ids = ids.reshape(dims).transpose(_ints(iota.group(2)) if iota.group(2) else range(len(dims)))
-        else:
-            ids = np.array(_ints(device_ids.replace("[", "").replace("]", "")))
-    ids = ids.reshape(sizes)
-    # Split every grouped axis into (before, sub-axis, after) and keep the grouped sub-axes last.
-    split_sizes: list[int] = []
-    grouped_dims: list[int] = []
-    refs = [re.fullmatch(r"'([^']+)'(?::\((\d+)\)(\d+))?", r.strip()) for r in grouped.split(",") if r.strip()]
-    for axis, size in zip(names, sizes, strict=True):
-        subs = sorted((int(r.group(2) or 1), int(r.group(3) or size)) for r in refs if r.group(1) == axis)
-        covered = 1
-        for pre, sub in subs:
-            if pre > covered:
-                split_sizes.append(pre // covered)
-            grouped_dims.append(len(split_sizes))
-            split_sizes.append(sub)
-            covered = pre * sub
-        if covered < size:
-            split_sizes.append(size // covered)
-    ids = ids.reshape(split_sizes)
-    rest = [d for d in range(len(split_sizes)) if d not in grouped_dims]
-    group_size = math.prod(split_sizes[d] for d in grouped_dims)
-    return tuple(map(tuple, ids.transpose(rest + grouped_dims).reshape(-1, group_size).tolist()))
 
 
-def _prime_factors(n: int) -> list[int]:
-    out, p = [], 2
-    while n > 1:
-        while n % p == 0:
-            out.append(p)
-            n //= p
-        p += 1
-    return out
 
 
-def mesh_axes(groups: tuple[tuple[int, ...], ...], mesh: Mesh, exact: bool = True) -> tuple[str, ...] | None:
-    """The fewest mesh axes whose device groups equal ``groups`` (or, not ``exact``, contain each group).
-
-    Device ids are positions in ``mesh.devices.flat``; axes of size 1 are never named. Groups that
-    only part of an axis forms name it as XLA does, ``'fsdp:(pre)size'``: the ``size`` devices of the
-    axis, split as ``[pre, size, rest]``, that differ in the middle coordinate.
-    """
-    # Every axis split into its prime factors, major to minor: (axis, factor's pre-size, factor).
-    dims = []
-    for name, size in mesh.shape.items():
-        pre = 1
-        for p in _prime_factors(size):
-            dims.append((name, pre, p))
-            pre *= p
-    ids = np.arange(mesh.size).reshape([p for _, _, p in dims] or [1])
-    wanted = {frozenset(g) for g in groups}
-    for r in range(len(dims) + 1):
-        for subset in itertools.combinations(range(len(dims)), r):
-            size = math.prod(dims[i][2] for i in subset)
-            if exact and size != len(groups[0]):
-                continue
-            rest = [i for i in range(ids.ndim) if i not in subset]
-            formed = {frozenset(g) for g in ids.transpose(rest + list(subset)).reshape(-1, size).tolist()}
-            if (wanted == formed) if exact else all(any(w <= f for f in formed) for w in wanted):
-                return _axes_name([dims[i] for i in subset], mesh)
-    return None
 
 
-def _axes_name(dims: list[tuple[str, int, int]], mesh: Mesh) -> tuple[str, ...]:
-    """Merge consecutive prime factors of one axis and name them (``'fsdp'`` or ``'fsdp:(1)2'``)."""
-    runs: list[list[Any]] = []
-    for name, pre, p in dims:
-        if runs and runs[-1][0] == name and runs[-1][1] * runs[-1][2] == pre:
-            runs[-1][2] *= p
-        else:
-            runs.append([name, pre, p])
-    return tuple(name if size == mesh.shape[name] else f"{name}:({pre}){size}" for name, pre, size in runs)
 
 
 def _owners(c: Computation, user: Instr, groups: tuple[tuple[int, ...], ...]) -> bool:
@@ -266,7 +169,7 @@ def _owners(c: Computation, user: Instr, groups: tuple[tuple[int, ...], ...]) ->
         if (table is None or table.opcode != "constant" or "..." in table.args  # a long constant is elided
                 or not re.fullmatch(rf"[su]\d+\[{devices}\]\S*", table.type)):
             continue
-        index = _ints(table.args.strip("{}"))
+        index = ints(table.args.strip("{}"))
         if len(index) == devices and all(len({index[d] for d in g}) == 1 for g in groups):
             return False
     return True
@@ -330,10 +233,10 @@ def busy_slots(table: Any) -> Taken:
     return Taken(table.ticks, table.m * table.v)
 
 
-_BRANCH = ("branch_computations", "true_computation", "false_computation")
+BRANCH = ("branch_computations", "true_computation", "false_computation")
 
 
-def _contexts(comps: dict[str, Computation], entry: str,
+def contexts(comps: dict[str, Computation], entry: str,
               taken: Taken | None = None) -> dict[str, tuple[int, tuple[Loop, ...], int]]:
     """For each computation reached from the entry: runs per step, its enclosing loops and how many conditional
     branches enclose it. With ``taken``, the branches of a conditional inside the first loop of ``taken.trips``
@@ -353,9 +256,9 @@ def _contexts(comps: dict[str, Computation], entry: str,
                         warnings.warn(f"while {instr.name}: trip count unknown, counted once", stacklevel=2)
                     inner = "in" if ticks == "out" and taken is not None and trips == taken.trips else ticks
                     visit(callee, runs * (trips or 1), (*loops, Loop(instr.name, callee, trips)), branches, inner)
-                elif role in _BRANCH and ticks == "in":  # taken on the busy slots only
+                elif role in BRANCH and ticks == "in":  # taken on the busy slots only
                     visit(callee, runs // taken.trips * taken.runs, loops, branches + 1, "branch")
-                elif role in _BRANCH:
+                elif role in BRANCH:
                     visit(callee, runs, loops, branches + 1, ticks)
                 else:
                     visit(callee, runs, loops, branches, ticks)
@@ -368,13 +271,13 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
     """Every collective of a compiled (post-optimisation) HLO module, in text order; with ``taken`` those in a
     pipeline tick's conditionals run on its busy slots (:class:`Taken`), else at every tick."""
     comps, entry = parse(hlo_text)
-    contexts = _contexts(comps, entry, taken)
+    where = contexts(comps, entry, taken)
     axes_of: dict[tuple[Any, bool], tuple[str, ...] | None] = {}
     out = []
     for comp in comps.values():
-        if comp.name not in contexts:
+        if comp.name not in where:
             continue
-        runs, loops, _ = contexts[comp.name]
+        runs, loops, _ = where[comp.name]
         for instr in comp.instrs.values():
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS and kind != RAGGED:
@@ -387,7 +290,7 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
             result_type = instr.type
             if is_async and kind in ("all-gather", "collective-permute") and instr.type.startswith("("):
                 result_type = tuple_items(instr.type)[1]  # (operands, results[, contexts])
-            groups = _groups(instr.attrs, mesh.size)
+            groups = device_groups(instr.attrs, mesh.size)
             n = 2 if kind == "collective-permute" else len(groups[0])
             exact = kind != "collective-permute"
             if (groups, exact) not in axes_of:
@@ -499,76 +402,13 @@ def grouped(found: list[Collective]) -> list[dict[str, Any]]:
     return sorted(rows.values(), key=lambda r: -r["wire_bytes"])
 
 
-def dots(hlo_text: str, opcodes: tuple[str, ...] = ("dot",)) -> dict[str, int]:
-    """The matmul instructions (``dot``, or other ``opcodes``; fusions' counted where they are called) of a
-    compiled step: how many sit in a conditional's branch (run only where the branch is taken) and how many
-    outside one."""
-    comps, entry = parse(hlo_text)
-    out = {"in_conditional": 0, "outside": 0}
-    seen: set[tuple[str, bool]] = set()
-
-    def visit(name: str, branch: bool) -> None:
-        if (name, branch) in seen or name not in comps:
-            return
-        seen.add((name, branch))
-        for instr in comps[name].instrs.values():
-            if instr.opcode in opcodes:
-                out["in_conditional" if branch else "outside"] += 1
-            for role, callee in callees(instr):
-                visit(callee, branch or role in _BRANCH)
-
-    visit(entry, False)
-    return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Matmul:
-    """One ``dot`` instruction of a compiled step (in a fusion: counted where the fusion is called)."""
-
-    name: str
-    flops: int  # per run: 2 x output elements x contracted elements
-    runs: int  # per step, as :func:`collectives` counts them (``taken``: a tick's branches on busy slots)
-    loops: tuple[Loop, ...]  # enclosing while loops, outermost first
-    branches: int  # conditional branches around it
 
 
-def matmuls(hlo_text: str, taken: Taken | None = None) -> list[Matmul]:
-    """Every matmul of a compiled step with its FLOPs and runs per step: the work it executes, where a pipeline
-    tick's conditionals run on the busy slots given by ``taken`` (else at every tick)."""
-    comps, entry = parse(hlo_text)
-    out = []
-    for name, (runs, loops, branches) in _contexts(comps, entry, taken).items():
-        comp = comps[name]
-        for instr in comp.instrs.values():
-            if instr.opcode != "dot":
-                continue
-            lhs = instr.operand_types[0] or comp.instrs[instr.operands[0]].type
-            dims = shapes(lhs)[0][1]
-            contracted = math.prod(dims[int(d)] for d in re.search(r"lhs_contracting_dims=\{([\d,]*)\}",
-                                                                      instr.attrs).group(1).split(",") if d)
-            flops = 2 * math.prod(shapes(instr.type)[0][1]) * contracted
-            out.append(Matmul(instr.name, flops, runs, loops, branches))
-    return out
 
 
 # -- bytes written ----------------------------------------------------------------
 
-_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}  # write no buffer of their own
 
 
-def scoped_bytes(hlo_text: str, scope: str) -> int:
-    """Bytes per step that the instructions traced under ``jax.named_scope(scope)`` write: each top-level
-    instruction whose ``op_name`` holds ``scope`` as a path component, its result's bytes times its runs
-    per step (the trip counts of the loops around it). A fusion counts as one instruction."""
-    comps, entry = parse(hlo_text)
-    fused = {c for comp in comps.values() for i in comp.instrs.values() if i.opcode == "fusion"
-             for _, c in callees(i)}
-    total = 0
-    for name, (runs, *_) in _contexts(comps, entry).items():
-        if name in fused:
-            continue
-        for instr in comps[name].instrs.values():
-            op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
-            if instr.opcode not in _FREE and op_name and scope in op_name.group(1).split("/"):
-                total += nbytes(instr.type) * runs
-    return total

@@ -24,6 +24,8 @@ from jaxscale.analysis.hlo import Collective, Taken, busy_slots, collectives, ex
 from jaxscale.analysis.params import pipeline_table, trainer_inputs
 from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
+from jaxscale.config import selections
+from jaxscale.config.schema import Config
 from jaxscale.layout.sharding import named_params
 from jaxscale.layout.stage_plan import assumed
 from jaxscale.models import builtin
@@ -101,8 +103,10 @@ def param_rows(trainer: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
-    """:func:`step_report` plus the parameter table, grouped collectives, the analytic model and docs/formulas.md."""
+def inspect_report(trainer: Any, compiled: Any = None, asked: Config | None = None) -> dict[str, Any]:
+    """:func:`step_report` plus the parameter table, grouped collectives, the analytic model, docs/formulas.md and
+    the silent selections the trainer took (``asked``: the config before ``auto`` was resolved; default: the
+    trainer's)."""
     compiled = compile_step(trainer) if compiled is None else compiled
     report = step_report(trainer, compiled)
     prediction = predict(trainer.config.model, *trainer_inputs(trainer))
@@ -118,6 +122,8 @@ def inspect_report(trainer: Any, compiled: Any = None) -> dict[str, Any]:
             "builtin": trainer.factory is builtin.build,  # Llama-style or DeepSeek-V3-style: both modelled
         },
         "params": param_rows(trainer),
+        "selections": selections.taken(selections.Facts(asked or trainer.config, trainer.config, trainer.layout,
+                                                        trainer.builtin_model)),
         "collective_rows": grouped(step_collectives(trainer, compiled)[0]),
         "analytic": {
             "memory": prediction.memory,
@@ -139,7 +145,9 @@ def _mb(x: float) -> str:
 def format_inspect(report: dict[str, Any]) -> str:
     """The report as text: parameters, memory, collectives, each next to its analytic and docs/formulas.md figure."""
     mesh = " x ".join(f"{a}={s}" for a, s in report["mesh"].items() if s > 1) or "one device"
-    lines = [f"rules {report['rules']} on {mesh} ({report['backend']}); bytes per device", "", "parameters"]
+    lines = [f"rules {report['rules']} on {mesh} ({report['backend']}); bytes per device"]
+    lines += [f"selected: {line} (docs/compatibility.md)" for line in report["selections"]]
+    lines += ["", "parameters"]
     lines.append(f"  {'path':<26} {'shape':<22} {'logical axes':<36} {'PartitionSpec':<28} {'bytes':>10}")
     for p in report["params"]:
         axes = "(" + ", ".join(str(a) for a in p["axes"]) + ")"

@@ -13,20 +13,24 @@ optimizer state, gradients and parameters in turn):
   (XLA shards the loop's carry as the update after the loop reads it: ZeRO-1 too, where the
   gradients are whole), and under ZeRO-1 each microbatch's sum gathered whole to the
   gradients' layout before the carry keeps its shard (counted with ``gradients``);
-* activations: the residuals every layer keeps for its backward (:func:`layer_residuals`,
+* activations: the residuals every layer keeps for its backward (:func:`~jaxscale.analysis.activations.layer_residuals`,
   per token, by remat policy, in the dtypes and logical axes the model gives them: so TP,
   SP and CP divide exactly what they shard) times the layers this device holds; the
   scores mask of dot-product attention once (under PP one bool s x s); the batch;
 * under PP (:mod:`jaxscale.parallel.pipeline`) a layer runs one pipeline microbatch at a time; the
   loop keeps the stage inputs its schedule has in flight (``Table.act_slots``; ZB-H1 also, from a B to its W,
-  its layers' weight matmul inputs and output gradients, :func:`split_kept`, ``cot_slots``) and fp32 gradient
+  its layers' weight matmul inputs and output gradients, :func:`~jaxscale.analysis.activations.split_kept`,
+  ``cot_slots``) and fp32 gradient
   accumulators as its carry, and each backward slot recomputes one chunk from its stashed input
   with no remat inside (:func:`_pipeline`);
 * the transient peak: the larger of one layer's backward and the loss. The layer backward: its
   unreduced weight gradient and the larger of its MLP's peak (without remat the residuals copied
-  out of the stack, :func:`sliced_backward`; under full recomputation its recomputed residuals,
-  :func:`recomputed_backward`; both with the norms' recomputed pieces and SwiGLU's gradient buffers,
-  :func:`_mlp_backward_buffers`) and its attention's (its residuals' cotangents, with blockwise or
+  out of the stack, :func:`~jaxscale.analysis.activations.sliced_backward`; under full recomputation its recomputed
+  residuals,
+  :func:`~jaxscale.analysis.activations.recomputed_backward`; both with the norms' recomputed pieces and SwiGLU's
+  gradient buffers,
+  the MLP's backward buffers of :mod:`~jaxscale.analysis.activations`) and its attention's (its residuals' cotangents,
+  with blockwise or
   ring attention the kernel's score tiles, :func:`tile_buffers`, with ``dot`` the masked scores).
   The loss: the logits and their gradient in the compute dtype (of ``model.loss_chunk`` tokens per
   sequence when chunked; XLA fuses the fp32 upcast, exponentials and softmax into the reductions and the
@@ -62,219 +66,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxscale.analysis.blocks import attention, dense_per_token, mlp_per_token, moe_layers, projections
+from jaxscale.analysis.activations import (
+    FLASH_ATTENTION,
+    SCORES,
+    TILED_ATTENTION,
+    Activation,
+    attention_accumulators,
+    layer_residuals,
+    recomputed_backward,
+    saved_dots_backward,
+    sliced_backward,
+    split_kept,
+)
+from jaxscale.analysis.blocks import mlp_per_token, moe_layers
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
+from jaxscale.config.axes import LOGITS, MLP_AXES, RESIDUAL
 from jaxscale.config.read import ModelConfig
-from jaxscale.layout.axes import HIDDEN, LOGITS, MLP_AXES, Q_AXES, RESIDUAL
 from jaxscale.layout.rules import TOKENS, Layout
 from jaxscale.layout.stage_plan import assumed
-
-SCORES = ("batch", "length", "heads")  # attention scores and probabilities (and their statistics)
-REMAT_NAMES = {  # checkpoint_name in models/llama.py and deepseek.py -> (width per token, logical axes)
-    "query": ("q", Q_AXES),
-    "key": ("k", None),  # the keys' axes (grouped or per head: blocks.Attention.kv_axes)
-    "value": ("v", None),
-    "attention": ("out", Q_AXES),
-    "attention_out": ("h", RESIDUAL),
-    "mlp_hidden": ("f", MLP_AXES),
-    "mlp_out": ("h", RESIDUAL),
-}
-FLASH_ATTENTION = ("blockwise", "ring", "cudnn")  # no s x s scores kept
-TILED_ATTENTION = ("blockwise", "ring")  # ... their score tiles in device memory (cudnn keeps them on chip)
-
-
-@dataclasses.dataclass(frozen=True)
-class Activation:
-    """An activation kept for the backward: elements per token, logical axes, dtype ("fp32" or "compute")."""
-
-    name: str
-    per_token: int
-    axes: tuple[str, ...]
-    dtype: str = "compute"
-
-
-def _latents(m: ModelConfig, normed: bool) -> list[Activation]:
-    """Multi-head latent attention's latents per token (:func:`jaxscale.analysis.blocks.attention`): as its
-    norms' inputs and statistics (``normed`` False) or as normed (the second projections' inputs)."""
-    d = m.deepseek
-    if d is None:
-        return []
-    widths = [("q_lora", d.q_lora_rank)] * bool(d.q_lora_rank) + [("kv_lora", d.kv_lora_rank)]
-    if normed:
-        return [Activation(f"normed {n} latent", w, ("batch", "length", n)) for n, w in widths]
-    return [Activation(f"{n} latent", w, ("batch", "length", n)) for n, w in widths] + [
-        Activation("latent norm statistics", len(widths), RESIDUAL[:2], "fp32")]
-
-
-def split_kept(m: ModelConfig) -> list[Activation]:
-    """What a split schedule's B keeps of one layer for its W (:mod:`jaxscale.parallel.weight_split`): each distinct
-    weight matmul input (the normed input twice, the attention output, the MLP hidden) and each matmul's output
-    gradient (the attention projections', gate's and up's, and the two partial sums of the residual's width).
-    Routed experts' grouped matmuls take their gradients in B; MLA's latent inputs are not counted."""
-    h, att, fe = m.embed, attention(m), dense_per_token(m)
-    projected = sum(c * n for c, n, _, _, _ in projections(m))  # the attention projections' outputs, o's too
-    return [
-        Activation("normed inputs", 2 * h, HIDDEN),
-        Activation("attention output", att.out, Q_AXES),
-        Activation("hidden, gate's and up's gradients", 3 * fe, MLP_AXES),
-        Activation("attention projections' gradients", projected - h, Q_AXES),
-        Activation("o's and down's gradients", 2 * h, HIDDEN),
-    ]
-
-
-def layer_residuals(m: ModelConfig, policy: str, seq_len: int) -> list[Activation]:
-    """What one decoder layer keeps for its backward under a remat policy (what jax's autodiff saves).
-
-    ``none``: everything below (norms and SwiGLU as :mod:`jaxscale.ops.lean` keeps them; multi-head latent
-    attention's latents, :func:`_latents`); ``selective``: ``none`` less the attention core's own residuals;
-    ``full``: the layer input; ``save_dots``: the input and the outputs of the weight matmuls that the
-    recomputation needs (q, k, v or MLA's four projections, attention out, gate, up); ``save_named``: the input
-    and ``model.remat_names``. MoE layers' routers are counted by their share of the layers.
-    """
-    h, att = m.embed, attention(m)
-    fe = mlp_per_token(m)
-    sizes = {"h": h, "q": att.q, "k": att.k, "v": att.v, "out": att.out, "f": fe}
-    x = Activation("layer input", h, RESIDUAL)
-    if policy == "full":
-        return [x]
-    if policy == "save_dots":
-        projected = sum(c * n for c, n, _, _, _ in projections(m))  # the projections' outputs, the last's too
-        return [
-            x,
-            Activation("query, key, value (MLA: its projections)", projected - h, Q_AXES),
-            Activation("attention projection", h, HIDDEN),  # under SP: the partial sums, before the scatter
-            Activation("gate, up (dense and shared experts')", 2 * dense_per_token(m), MLP_AXES),
-        ]
-    if policy == "save_named":
-        named = [(n, *REMAT_NAMES[n]) for n in m.remat_names if n in REMAT_NAMES]
-        return [x] + [Activation(n, sizes[w], axes or att.kv_axes) for n, w, axes in named]
-    kept = [
-        Activation("norm inputs", 2 * h, RESIDUAL),
-        Activation("norm statistics", 2, RESIDUAL[:2], "fp32"),
-        Activation("normed inputs", 2 * h, HIDDEN),
-        *_latents(m, False),
-        *_latents(m, True),
-        Activation("query, attention out", att.q + att.out, Q_AXES),
-        Activation("key, value", att.k + att.v, att.kv_axes),
-        Activation("gate, up, hidden", 3 * fe, MLP_AXES),
-    ]
-    a = m.heads
-    if policy == "selective":
-        pass
-    elif m.attention in FLASH_ATTENTION:
-        kept += [Activation("kernel output", att.out, Q_AXES), Activation("softmax statistics", a, SCORES, "fp32")]
-    else:
-        kept += [
-            Activation("scores", a * seq_len, SCORES, "fp32"),
-            Activation("probabilities", a * seq_len, SCORES),
-            Activation("softmax statistics", 2 * a, SCORES, "fp32"),
-        ]
-    if m.moe is not None:
-        share = moe_layers(m) / m.layers
-        kept.append(Activation("router", round(2 * m.moe.experts * share), RESIDUAL[:2], "fp32"))
-        if m.moe.dispatch == "dropless":  # the grouped matmuls' rows, their outputs before the gates, the mask
-            kept.append(Activation("routed rows, their outputs", round(2.25 * m.moe.top_k * h * share), RESIDUAL))
-    return kept
-
-
-def _attention_accumulators(m: ModelConfig) -> list[Activation]:
-    """Blockwise and ring attention's backward's zero-initialised fp32 accumulators, which XLA schedules
-    early (before the MLP's backward; before the loss in a pipeline's last slot): ``dq`` and the per-tile
-    ``dk``, ``dv`` it sums after the loop (per token)."""
-    if m.attention not in TILED_ATTENTION:
-        return []
-    att = attention(m)
-    return [Activation("dq accumulator", att.q, Q_AXES, "fp32"),
-            Activation("per-tile dk, dv accumulators", att.k + att.v, att.kv_axes, "fp32")]
-
-
-def _mlp_backward_buffers(m: ModelConfig) -> list[Activation]:
-    """The buffers a layer's backward holds at its MLP's peak besides the layer's residuals (per token).
-
-    As compiled: each RMSNorm's backward recomputes its normalized input and materialises its statistic
-    broadcast to the width (fp32, 2h per norm; the attention norm's are made at the layer backward's start,
-    so both norms' are live: 4h); the block output's gradient and its copy transposed for the down
-    projection's weight gradient (gathered whole under SP); SwiGLU's backward: the hidden's gradient, the
-    gate's and the up's each in the layout of the matmul for the input's gradient and transposed for the
-    weight's, and the sigmoid recomputed (6f); and with blockwise or ring attention the attention
-    backward's accumulators (:func:`_attention_accumulators`, a·d_h + 2·g·d_h).
-    """
-    h, fe = m.embed, mlp_per_token(m)
-    held = [
-        Activation("norms' normalized inputs and broadcast statistics", 4 * h, RESIDUAL, "fp32"),
-        Activation("block output's gradient", h, RESIDUAL),
-        Activation("block output's gradient, transposed (gathered under SP)", h, HIDDEN),
-        Activation("hidden's, gate's and up's gradients, the latter two in two layouts", 5 * fe, MLP_AXES),
-        Activation("sigmoid of the gate", fe, MLP_AXES, "fp32"),
-    ]
-    return held + _attention_accumulators(m)
-
-
-def sliced_backward(m: ModelConfig, seq_len: int) -> list[Activation]:
-    """What the backward of a layer without remat (``model.remat: none``) holds at its MLP's peak beside
-    the scan's stack of residuals: the residuals XLA copies out of the stack for the layer, which are the
-    attention's own and the normed inputs (the norms' inputs and statistics, gate, up and hidden are read
-    in place), and :func:`_mlp_backward_buffers`.
-
-    On the test model with blockwise attention (h = 64, f = 128, a·d_h = 64, g·d_h = 32, a = 8) that is
-    2h + 3·a·d_h + 2·g·d_h + a + 4h + 2h + 6f + a·d_h + 2·g·d_h = 1672 elements per token, the
-    compiled step's 1608 and a transposed gradient XLA:CPU frees before the peak (dp, seq_len 2048).
-    """
-    in_place = {"norm inputs", "norm statistics", "gate, up, hidden"}
-    sliced = [r for r in layer_residuals(m, "none", seq_len) if r.name not in in_place]
-    return sliced + _mlp_backward_buffers(m)
-
-
-def saved_dots_backward(m: ModelConfig, seq_len: int) -> list[Activation]:
-    """What the backward of a layer under ``model.remat: save_dots`` holds at its MLP's peak beside the scan's
-    stack: :func:`recomputed_backward`'s MLP peak less what the stack holds beyond the layer input (q, k, v,
-    the attention projection, gate and up are read from it, not recomputed).
-
-    On the test model with blockwise attention: 2122 − 448 = 1674 elements per token against 1616 compiled
-    (dp, seq_len 2048: 6f of SwiGLU's, 10 buffers of h or a·d_h, 6 of g·d_h, the kernel's statistics)."""
-    saved = [r for r in layer_residuals(m, "save_dots", seq_len) if r.name != "layer input"]
-    return recomputed_backward(m, seq_len)[0] + [dataclasses.replace(r, per_token=-r.per_token) for r in saved]
-
-
-def recomputed_backward(m: ModelConfig, seq_len: int) -> list[list[Activation]]:
-    """What the backward of one fully recomputed layer (``model.remat: full``) holds at its two peaks,
-    besides its weight gradients: the layer's residuals of ``none``, recomputed, and the gradient buffers.
-
-    The backward runs the MLP first, then attention; a residual is freed after its last use. Per token:
-
-    - the MLP's peak: every residual of ``none`` (:func:`layer_residuals`) is alive but the layer input
-      (the remat stack's slice, read in place), with :func:`_mlp_backward_buffers`:
-      ``none − h + 4h + 2h + 6f (+ a·d_h + 2·g·d_h)``;
-    - the attention's peak: the MLP's residuals are gone (its norm's input, normed input and
-      statistic, gate, up, hidden: 2h + 1 + 3f); the gradients are the residual stream's (h), the
-      attention output's (a·d_h) and, with ``dot`` attention, the probabilities' turned into the
-      scores' in place (a·s, fp32): ``none − 2h − 1 − 3f + h + a·d_h (+ a·s)``.
-
-    The larger of the two is the layer's backward transient (plus its weight gradients, counted by
-    the caller). With blockwise attention on the tiny test model (h = 64, f = 128, a·d_h = 64,
-    g·d_h = 32, a = 8: ``none`` = 906 elements) the MLP's peak is 906 − 64 + 256 + 128 + 768 + 128 =
-    2122, against 2085 compiled (zero3, seq_len 2048: 9f of SwiGLU's, 12 buffers of h or a·d_h, 4 of
-    g·d_h); at Llama 3 8B's widths (h = 4096, f = 14336, a·d_h = 4096, g·d_h = 1024) it is 2.4x ``none``
-    (cudnn) to 2.5x (blockwise).
-    """
-    h = m.embed
-    fe = mlp_per_token(m)
-    residuals = layer_residuals(m, "none", seq_len)
-    mlp = [*residuals, Activation("layer input (the stack's)", -h, RESIDUAL), *_mlp_backward_buffers(m)]
-    attn = [
-        *residuals,
-        Activation("MLP norm input (freed)", -h, RESIDUAL),
-        Activation("MLP normed input (freed)", -h, HIDDEN),
-        Activation("MLP norm statistic (freed)", -1, RESIDUAL[:2], "fp32"),
-        Activation("gate, up, hidden (freed)", -3 * fe, MLP_AXES),
-        Activation("residual gradient", h, RESIDUAL),
-        Activation("attention output gradient", attention(m).out, Q_AXES),
-    ]
-    if m.attention not in FLASH_ATTENTION:
-        # The probabilities' gradient (a dot's output) becomes the scores' in place: the softmax
-        # backward is one elementwise fusion whose output XLA gives the dead operand's buffer.
-        attn.append(Activation("probabilities' then scores' gradient", m.heads * seq_len, SCORES, "fp32"))
-    return [mlp, attn]
 
 
 def attention_tile(m: ModelConfig, layout: Layout, seq_len: int) -> int:
@@ -289,8 +98,8 @@ def tile_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> flo
     """Bytes per device of the score tiles blockwise and ring attention hold at once, at their peak: the
     backward of one tile (:func:`jaxscale.parallel.ring_attention._grad_tile`) of ``rows`` sequences
     (of the whole mesh), ``[rows, heads, tile, tile]`` each, all query heads (a kv head's group
-    in one einsum), on the device's batch and head shards (TP splits heads; CP splits neither, the
-    tile is a chunk's).
+    in one einsum), on the device's batch and head shards (TP splits heads, and Ulysses' all-to-alls; the ring
+    splits neither, the tile is a chunk's).
 
     Four are live as the scores' gradient is written: the probabilities recomputed from the scores
     and the log-sum-exp (fp32; the scores' buffer is free by then), the probabilities' gradient
@@ -303,7 +112,7 @@ def tile_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> flo
     if m.attention not in TILED_ATTENTION:
         return 0.0
     tile = attention_tile(m, layout, step.seq_len)
-    per_tile = rows * m.heads * tile * tile / layout.ways(("batch", "heads"))
+    per_tile = rows * m.heads * tile * tile / layout.ways(("batch", "heads")) / layout.size(layout.ulysses_axes)
     return per_tile * (2 * 4 + 2 * dtype_bytes(m.dtype))
 
 
@@ -317,7 +126,8 @@ def _per_device(act: Activation, rows: float, step: Step, m: ModelConfig, layout
 
 
 def _recomputed_peak(m: ModelConfig, layout: Layout, step: Step, rows: float, select: float = 0.0) -> float:
-    """Bytes per device at the larger of :func:`recomputed_backward`'s peaks, the attention's with the
+    """Bytes per device at the larger of :func:`~jaxscale.analysis.activations.recomputed_backward`'s peaks, the
+    attention's with the
     kernel's score tiles (:func:`tile_buffers`) and ``select`` (dot attention's masked scores)."""
     mlp, attention = (sum(_per_device(r, rows, step, m, layout) for r in peak)
                       for peak in recomputed_backward(m, step.seq_len))
@@ -370,7 +180,8 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
         everything = _recomputed_peak(m, layout, step, rows, select)
     else:  # the tiles beside the layer's cotangents (an upper bound of the attention's peak), or the MLP's peak
         everything += tiles + select
-        mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": saved_dots_backward(m, step.seq_len)}
+        dots = saved_dots_backward(m, step.seq_len)  # offload_dots: a layer's outputs back on the device
+        mlp = {"none": sliced_backward(m, step.seq_len), "save_dots": dots, "offload_dots": dots}
         if m.remat in mlp:
             everything = max(everything, sum(_per_device(r, rows, step, m, layout) for r in mlp[m.remat]))
     # the exchange's buffers: in the backward, and kept by every MoE layer where it keeps its routed rows (none,
@@ -434,7 +245,8 @@ def _loss(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, m
 
 def _exchange_buffers(m: ModelConfig, layout: Layout, step: Step, rows: float) -> float:
     """Bytes per device that one MoE layer's dropless rows exchange (:mod:`jaxscale.parallel.exchange`) holds
-    beyond the routed rows :func:`layer_residuals` counts: its buffers are sized for the worst case (every choice
+    beyond the routed rows :func:`~jaxscale.analysis.activations.layer_residuals` counts: its buffers are sized for
+    the worst case (every choice
     to one shard), ``ep`` times the rows: the rows arriving, their SwiGLU's gate, up and hidden, their outputs.
     0 without expert parallelism or the exchange."""
     moe, ep = m.moe, layout.ways(("expert",))
@@ -466,7 +278,8 @@ def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
     per token. Its recomputed forward is linearized: each of its two norms keeps its normalized input (fp32,
     2h); the final norm keeps its input (the layer's output), normalized input and output (3h); SwiGLU the
     gate's sigmoid and silu (2f; 5f in all); the residual stream's cotangent is zero-initialised (h); and
-    blockwise and ring attention's backward accumulators (:func:`_attention_accumulators`).
+    blockwise and ring attention's backward accumulators
+    (:func:`~jaxscale.analysis.activations.attention_accumulators`).
 
     As compiled (pp; seq_len 32, 512: these; at 2048 XLA:CPU's YNNPACK reductions also materialise each of
     the three norms' statistic and scale broadcast to the width, 6h more, not counted)."""
@@ -477,7 +290,7 @@ def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
         Activation("gate's sigmoid and silu", 2 * fe, MLP_AXES, "fp32"),
         Activation("residual stream's zero cotangent", h, RESIDUAL),
     ]
-    return held + _attention_accumulators(m)
+    return held + attention_accumulators(m)
 
 
 def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float,
@@ -498,7 +311,8 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
     the head's loss (the last layer of the last stage: three logits-sized buffers, the exponentials,
     the gradient and its transpose, and :func:`_top_layer_at_loss`) or the layer backward's gradient
-    buffers (the larger of :func:`recomputed_backward`'s peaks, the attention's with blockwise or ring
+    buffers (the larger of :func:`~jaxscale.analysis.activations.recomputed_backward`'s peaks, the attention's with
+    blockwise or ring
     attention's score tiles, :func:`tile_buffers`), whichever is larger, and one layer's gathered
     weights or unreduced weight gradient.
 

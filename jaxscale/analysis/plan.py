@@ -30,12 +30,22 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxscale.analysis.blocks import attention
+from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, stacked
-from jaxscale.analysis.reasons import BLOCK_AXES, Candidate, expert_lines, fmt_time, kernel_line, reasons, unit_for
+from jaxscale.analysis.reasons import (
+    BLOCK_AXES,
+    Candidate,
+    context_line,
+    expert_lines,
+    fmt_time,
+    kernel_line,
+    reasons,
+    unit_for,
+)
 from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placement, step_for
-from jaxscale.analysis.timing import Cluster, step_time
+from jaxscale.analysis.timing import step_time
 from jaxscale.config.read import DEFAULT_SCHEDULE, ConfigError, ModelConfig
 from jaxscale.config.stage_layers import lighter_ends, unit
 from jaxscale.layout.rules import Layout
@@ -139,14 +149,24 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
         for f in _divisors(rest):
             d = rest // f
             # A stage applies no layer remat (its backward recomputes each chunk once): one policy there.
-            remats = ("none",) if p > 1 else REMATS
+            remats = ("none",) if p > 1 else REMATS + ("offload_dots",) * (cluster.host_bandwidth > 0)
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
                 one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
                 yield one
+                if c > 1 and p == 1 and _ulysses_splits(m, t, c):  # the all-to-alls in place of the ring
+                    yield dataclasses.replace(one, ulysses=True)
                 if p > 1 and f > 1 and not partitioner:  # FSDP in a stage per visit or every tick
                     # (less memory; a stage of partitioner experts leaves FSDP to the partitioner whatever
                     # pipeline.fsdp says)
                     yield from (dataclasses.replace(one, fsdp_gather=g) for g in FSDP_GATHERS[1:])
+
+
+def _ulysses_splits(m: ModelConfig, tensor: int, context: int) -> bool:
+    """Whether Ulysses over ``context`` splits each device's heads (``tensor`` split them first): the query heads
+    divide by it, the kv heads divide by it or into it (replicated; :mod:`jaxscale.parallel.ulysses`)."""
+    att = attention(m)
+    heads, kv = m.heads // tensor, att.k // att.qk_dim // tensor
+    return heads % context == 0 and (kv % context == 0 or context % kv == 0)
 
 
 def loss_chunk_for(seq_len: int) -> int:
@@ -288,7 +308,8 @@ def search(
     ranked = found[:top] if top else found
     piped = next((c for c in found if c.layout.stage > 1), None)
     why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "", m)
-    why += kernel_line(found, m) + expert_lines(found, m, cluster.ep_imbalance, cluster.devices_per_node)
+    why += context_line(found) + kernel_line(found, m)
+    why += expert_lines(found, m, cluster.ep_imbalance, cluster.devices_per_node)
     return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
 
 

@@ -14,10 +14,12 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxscale.analysis import host_link
+from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import EP_IMBALANCE, Flow, communication, summarize_flows
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
-from jaxscale.analysis.timing import Cluster, step_time
+from jaxscale.analysis.timing import step_time
 from jaxscale.config.read import ModelConfig
 from jaxscale.layout.rules import Layout
 
@@ -45,5 +47,9 @@ def predict(
 
 
 def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
-    """The prediction for a built :class:`jaxscale.training.trainer.Trainer`."""
-    return predict(trainer.config.model, *trainer_inputs(trainer), cluster)
+    """The prediction for a built :class:`jaxscale.training.trainer.Trainer` (``precision.offload_state``: the state's
+    bytes in host memory, :func:`jaxscale.analysis.host_link.state_on_host`)."""
+    prediction = predict(trainer.config.model, *trainer_inputs(trainer), cluster)
+    if trainer.config.precision.offload_state:
+        prediction.memory = host_link.state_on_host(prediction.memory)
+    return prediction

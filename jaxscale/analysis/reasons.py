@@ -150,6 +150,25 @@ def kernel_line(ranked: Sequence[Candidate], m: ModelConfig) -> list[str]:
             f"({100 * spent / best.time['total']:.0f}% of the step); {hint}"]
 
 
+def context_line(ranked: Sequence[Candidate]) -> list[str]:
+    """Where #1 splits the sequence: why its context parallelism (ring or Ulysses) beats the best of the other
+    kind on the same mesh: their exposed communication (the ring's hops hide behind attention's tiles, Ulysses'
+    all-to-alls sit on its critical path) and the bytes each moves."""
+    if not ranked or ranked[0].layout.context == 1:
+        return []
+    best = ranked[0].layout
+    other = next((c for c in ranked if c.layout.context > 1 and c.layout.ulysses != best.ulysses), None)
+    if other is None:
+        return []
+    kinds = {False: "the ring", True: "Ulysses"}
+    mine, theirs = kinds[best.ulysses], kinds[other.layout.ulysses]
+    t, o = ranked[0].time, other.time
+    return [f"#1 runs {mine} (context={best.context}): {fmt_time(t['exposed'])} of communication exposed against "
+            f"{fmt_time(o['exposed'])} for the best with {theirs} ({other.layout.describe()}, "
+            f"{fmt_time(o['total'])} a step): the ring's K/V hops hide behind attention's tiles, Ulysses' "
+            "all-to-alls of queries, keys, values and output sit on attention's critical path"]
+
+
 # The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.
 BLOCK_AXES = (("layers", "embed", "heads", "head_dim"), ("layers", "embed", "mlp"))
 

@@ -5,7 +5,7 @@ order ``none`` (nothing recomputed, fastest), ``save_dots`` (the weight matmuls'
 attention and SwiGLU recomputed: 262 vs 289 ms for ``full`` on llama-1b, one H100), ``full`` (the layer
 input only). The peak is the planner's (:func:`jaxscale.analysis.memory.memory`'s ``total``: model state,
 activations, the backward's transient), the usable memory the device's ``bytes_limit`` times the
-planner's ``usable_memory`` (0.9, :class:`jaxscale.analysis.timing.Cluster`). ``full`` is taken when
+planner's ``usable_memory`` (0.9, :class:`jaxscale.analysis.cluster.Cluster`). ``full`` is taken when
 nothing fits (the step then fails as it would have). Under pipeline parallelism a stage applies no
 layer remat (its backward recomputes each chunk once, as the planner has it): ``none``. A device that
 reports no memory limit (XLA:CPU) takes ``none``.
@@ -21,9 +21,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import Param, Step, trainer_inputs
-from jaxscale.analysis.timing import Cluster
 from jaxscale.config.read import Config, ModelConfig
 from jaxscale.layout.rules import Layout
 

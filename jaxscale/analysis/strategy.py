@@ -58,6 +58,7 @@ class Strategy:
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
     layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
     fsdp_gather: str = "step"  # pipeline.fsdp: a stage's FSDP gathers once a step, per layer visit, or every tick
+    ulysses: bool = False  # context parallelism by all-to-alls over context (rules' ulysses), not a ring
 
     def mesh(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
@@ -75,7 +76,7 @@ class Strategy:
         """The combination of strategies, e.g. ``ZeRO-3 + TP + SP``."""
         parts = [["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"][self.zero_stage]]
         parts += ["TP + SP" if self.sequence else "TP"] if self.tensor > 1 else []
-        parts += ["CP"] if self.context > 1 else []
+        parts += [("CP (Ulysses)" if self.ulysses else "CP")] if self.context > 1 else []
         parts += ["PP"] if self.stage > 1 else []
         parts += ["EP"] if self.expert > 1 else []
         return " + ".join(parts)
@@ -92,6 +93,7 @@ class Strategy:
 
     def describe(self) -> str:
         text = self.mesh_text + ("" if not self.sequence else " +sp") + (" +overlap" if self.tp_overlap else "")
+        text += " ulysses" if self.ulysses and self.context > 1 else ""
         if self.zero and self.data > 1:
             text += f" zero{self.zero}"
         if self.stage > 1:
@@ -126,6 +128,8 @@ def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str,
     rules["norm_length"] = norm[0] if len(norm) == 1 else norm or None
     if layout.context > 1:
         rules["length"] = "context"
+        if layout.ulysses:
+            rules["ulysses"] = "context"
     if layout.stage > 1:
         rules["layers"] = "stage"
     if layout.expert > 1 and "expert" in rules:
@@ -152,8 +156,14 @@ def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
     if layout.loss_chunk:
         out.loss_chunk = layout.loss_chunk
     if layout.context > 1:
-        out.attention = "ring"
+        out.attention = context_kernel(m, layout)
     return out
+
+
+def context_kernel(m: ModelConfig, layout: Strategy) -> str:
+    """The attention kernel under context parallelism: the ring's, or under Ulysses the model's fused kernel on
+    whole sequences (``cudnn`` if planned so, else ``blockwise``: no s x s scores)."""
+    return "cudnn" if layout.ulysses and m.attention == "cudnn" else "blockwise" if layout.ulysses else "ring"
 
 
 def step_for(layout: Strategy, seq_len: int) -> Step:
@@ -171,7 +181,8 @@ def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path
     if layout.loss_chunk:
         overrides["loss_chunk"] = layout.loss_chunk
     if layout.context > 1:
-        overrides["attention"] = "ring"
+        cudnn = layout.ulysses and model.get("attention") == "cudnn"
+        overrides["attention"] = "cudnn" if cudnn else "blockwise" if layout.ulysses else "ring"
     out: dict[str, Any] = {
         "run_dir": "runs/plan",
         "rules": rules_path,

@@ -368,6 +368,11 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> None:
     fp8.check_resume(saved, config.precision, step)
     precision.check_resume(saved, config, step)
     t = saved["train"]
+    if t.get("optimizer", "adamw") != config.train.optimizer:
+        raise ConfigError(
+            f"resume: checkpoint step {step} holds the state of train.optimizer={t.get('optimizer', 'adamw')}, the "
+            f"config asks for {config.train.optimizer} (checkpoint.init_from starts a new run from its parameters)"
+        )
     was = t["steps"] if t.get("schedule_steps") is None else t["schedule_steps"]
     now = schedule_length(config.train)
     if was != now and config.train.schedule_steps is None:

@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 import yaml
 
-from jaxscale.config import bounds, dtypes, interleave, stage_layers, strict
+from jaxscale.config import bounds, interleave, refusals, strict
+from jaxscale.config.axes import LOGICAL_AXES
 from jaxscale.config.schema import (  # the schema, importable from here
     DEFAULT_SCHEDULE,
     INTERLEAVED,
@@ -292,12 +293,6 @@ def validate_moe(m: ModelConfig) -> None:
             raise ConfigError(f"model.moe.{key} must be at least 1, got {getattr(moe, key)}")
     if moe.mlp is not None and moe.mlp < 1:
         raise ConfigError(f"model.moe.mlp must be positive, got {moe.mlp}")
-    if moe.top_k > moe.experts:
-        raise ConfigError(f"model.moe.top_k ({moe.top_k}) is more than model.moe.experts ({moe.experts})")
-    if m.layers % moe.every_n_layers:
-        raise ConfigError(
-            f"model.layers ({m.layers}) is not divisible by model.moe.every_n_layers ({moe.every_n_layers})"
-        )
     if moe.shared_experts < 0:
         raise ConfigError(f"model.moe.shared_experts must be at least 0, got {moe.shared_experts}")
     if moe.capacity_factor <= 0:
@@ -307,18 +302,6 @@ def validate_moe(m: ModelConfig) -> None:
             raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
     if not 0 <= moe.bias_ema < 1:
         raise ConfigError(f"model.moe.bias_ema must be in [0, 1), got {moe.bias_ema}")
-    if moe.groups < 1 or moe.experts % moe.groups:
-        raise ConfigError(f"model.moe.groups ({moe.groups}) must divide model.moe.experts ({moe.experts})")
-    if moe.groups > 1 and not (1 <= moe.top_groups <= moe.groups and moe.top_groups * moe.experts // moe.groups
-                               >= moe.top_k):
-        raise ConfigError(
-            f"model.moe.top_groups ({moe.top_groups}) must be in [1, groups] and hold top_k ({moe.top_k}) experts "
-            f"({moe.experts // moe.groups} per group)"
-        )
-    if moe.balance == "quantile" and moe.groups > 1:
-        raise ConfigError("model.moe.balance=quantile: not with group-limited routing (model.moe.groups > 1)")
-    if moe.balance == "quantile" and moe.top_k == moe.experts:
-        raise ConfigError("model.moe.balance=quantile needs top_k < experts (a token's cutoff is its (k+1)-th score)")
 
 
 def validate_deepseek(m: ModelConfig) -> None:
@@ -327,12 +310,6 @@ def validate_deepseek(m: ModelConfig) -> None:
     d = m.deepseek
     if d is None:
         return
-    if m.moe is None:
-        raise ConfigError("model.deepseek: needs model.moe (the blocks after model.deepseek.dense_layers are MoE)")
-    if m.moe.every_n_layers != 1:
-        raise ConfigError("model.deepseek: every block after the dense ones is MoE (model.moe.every_n_layers: 1)")
-    if d.dense_layers >= m.layers:
-        raise ConfigError(f"model.deepseek.dense_layers ({d.dense_layers}) must be below model.layers ({m.layers})")
     if d.qk_rope_head_dim % 2:
         raise ConfigError(f"model.deepseek.qk_rope_head_dim ({d.qk_rope_head_dim}) must be even for rotary embeddings")
 
@@ -355,10 +332,8 @@ def validate_mixture(d: DataConfig) -> None:
     """``data.mixture``: with ``data.source=tokens`` in place of ``data.path``, positive weights, distinct names."""
     if d.mixture is None:
         return
-    if d.source != "tokens" or d.path is not None:
-        raise ConfigError("data.mixture: needs data.source=tokens and no data.path (the mixture names the sources)")
     if not d.mixture:
-        raise ConfigError("data.mixture: an empty list (null: one source, data.path)")
+        raise ConfigError("data.mixture: an empty list (null: one source)")
     for i, part in enumerate(d.mixture):
         if not (part.weight > 0 and math.isfinite(part.weight)):
             raise ConfigError(f"data.mixture[{i}].weight must be positive, got {part.weight}")
@@ -373,58 +348,37 @@ def validate_mixture(d: DataConfig) -> None:
 
 
 def validate(config: Config) -> None:
-    """Checks that need no devices: value ranges and divisibility within the config."""
+    """Checks that need no devices: each setting's values here, then the rules that name two or more settings
+    (:mod:`jaxscale.config.refusals`)."""
     m, t = config.model, config.train
     for key in ("vocab_size", "embed", "layers", "heads", "kv_heads", "head_dim", "mlp"):
         if getattr(m, key) <= 0:
             raise ConfigError(f"model.{key} must be positive")
     if m.attention_block <= 0:
         raise ConfigError("model.attention_block must be positive")
-    if m.attention == "cudnn" and m.dtype == "float32":
-        raise ConfigError("model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got float32")
     if m.loss_chunk < 0:
         raise ConfigError(f"model.loss_chunk must be at least 0 (0: the plain loss), got {m.loss_chunk}")
-    if m.loss_chunk and t.seq_len % m.loss_chunk:
-        raise ConfigError(f"model.loss_chunk ({m.loss_chunk}) does not divide train.seq_len ({t.seq_len})")
-    if m.fused_projections and config.precision.fp8 != "off":
-        raise ConfigError("model.fused_projections: not supported with precision.fp8 (fp8 scales each projection)")
-    if m.heads % m.kv_heads:
-        raise ConfigError(f"model.heads ({m.heads}) is not divisible by model.kv_heads ({m.kv_heads})")
     if m.head_dim % 2:
         raise ConfigError(f"model.head_dim ({m.head_dim}) must be even for rotary embeddings")
     validate_moe(m)
     validate_deepseek(m)
     validate_rope(m.rope_scaling)
-    if config.data.source in ("builtin", "stdlib") and m.vocab_size < 256:
-        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is below the 256 byte tokens of "
-                          f"data.source={config.data.source}")
-    if (config.data.prompt_field is None) != (config.data.response_field is None):
-        raise ConfigError("data.prompt_field and data.response_field go together (prompt/response records)")
     validate_mixture(config.data)
-    if config.data.documents and config.data.source != "tokens":
-        raise ConfigError("data.documents: needs data.source=tokens (documents of a prepare-data directory)")
-    if config.data.packing == "first_fit" and not config.data.documents:
-        raise ConfigError("data.packing=first_fit: needs data.documents=true (the packed documents kept apart)")
-    if config.data.source == "tokens" and not config.data.path and not config.data.mixture:
-        raise ConfigError("data.path: required with data.source=tokens (a directory from jaxscale prepare-data)")
     _validate_loop(config)
     for key in ("steps", "global_batch", "seq_len", "microbatches", "log_every"):
         if getattr(t, key) < 1:
             raise ConfigError(f"train.{key} must be at least 1, got {getattr(t, key)}")
     if t.schedule_steps is not None and t.schedule_steps < 1:
-        raise ConfigError(f"train.schedule_steps must be at least 1 (or null: train.steps), got {t.schedule_steps}")
+        raise ConfigError(f"train.schedule_steps must be at least 1 (or null: the run's steps), got {t.schedule_steps}")
     if t.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("train.tensorboard: needs tensorboardX (pip install 'jaxscale[plot]')")
-    if t.global_batch % t.microbatches:
-        raise ConfigError(
-            f"train.global_batch ({t.global_batch}) is not divisible by train.microbatches ({t.microbatches})"
-        )
+    unknown = [a for a in t.muon.adamw_axes if a not in LOGICAL_AXES]
+    if unknown:
+        raise ConfigError(f"train.muon.adamw_axes: '{unknown[0]}' is not a logical axis ({', '.join(LOGICAL_AXES)})")
     validate_pipeline(config.pipeline)
     validate_stage_layers(config)
     validate_xla(config.xla)
     validate_precision(config.precision)
-    _validate_blockwise(config)
-    _validate_copies(config)
     sizes = config.mesh.sizes()
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
@@ -438,6 +392,7 @@ def validate(config: Config) -> None:
     outside = bounds.out_of_range(config) or strict.unread(config)
     if outside:
         raise ConfigError(outside)
+    refusals.check(refusals.Context(config))  # the rules naming two or more settings
 
 
 def _validate_loop(config: Config) -> None:
@@ -482,37 +437,26 @@ def validate_pipeline(p: PipelineConfig) -> None:
         raise ConfigError(f"pipeline.microbatches must be at least 1, got {p.microbatches}")
     if p.repeats < 1:
         raise ConfigError(f"pipeline.repeats must be at least 1, got {p.repeats}")
-    if p.schedule not in INTERLEAVED and p.repeats != 1:
-        raise ConfigError(
-            f"pipeline.repeats ({p.repeats}) needs pipeline.schedule=circular or interleaved_1f1b "
-            f"({p.schedule} runs each stage's layers once)"
-        )
-    if p.schedule in INTERLEAVED and p.repeats < 2:
-        raise ConfigError(f"pipeline.schedule={p.schedule} needs pipeline.repeats >= 2 (with 1 it is gpipe or 1f1b)")
 
 
 def validate_stage_layers(config: Config) -> None:
-    """``pipeline.layers_per_stage`` against the model: positive entries, multiples of the stacked unit
-    (:func:`jaxscale.config.stage_layers.unit`), summing to the layers. One entry per virtual stage is checked with
-    the resolved mesh (:meth:`jaxscale.layout.rules.Layout.validate`)."""
-    listed, model = config.pipeline.layers_per_stage, config.model
+    """``pipeline.layers_per_stage``: positive entries (their sum and unit against the model, and one entry per
+    virtual stage on the resolved mesh, are rows of :mod:`jaxscale.config.refusals`)."""
+    listed = config.pipeline.layers_per_stage
     if listed is None:
         return
     where = f"pipeline.layers_per_stage {listed}"
     if not listed or any(n < 1 for n in listed):
         raise ConfigError(f"{where}: every virtual stage needs at least one layer")
-    if sum(listed) != stage_layers.stacked(model):
-        raise ConfigError(f"{where}: sums to {sum(listed)}, not {stage_layers.stacked_named(model)}")
-    unit = stage_layers.unit(model)
-    if any(n % unit for n in listed):
-        raise ConfigError(f"{where}: each entry must be a multiple of model.moe.every_n_layers ({unit})")
 
 
 def validate_xla(xla: XlaConfig) -> None:
-    """Flags of the form ``--name`` or ``--name=value`` (XLA checks the names)."""
+    """Flags of the form ``--name`` or ``--name=value`` (XLA checks the names); a compile cache that names something."""
     for i, flag in enumerate(xla.flags):
         if not flag.startswith("--") or len(flag) < 3 or any(c.isspace() for c in flag):
             raise ConfigError(f"xla.flags[{i}]: '{flag}' is not one flag of the form --name or --name=value")
+    if not xla.compile_cache.strip():
+        raise ConfigError("xla.compile_cache: give auto, off or a directory, not an empty string")
 
 
 def validate_precision(p: PrecisionConfig) -> None:
@@ -523,29 +467,6 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.margin must be at least 0, got {p.margin}")
     if p.fp8_block < 1:
         raise ConfigError(f"precision.fp8_block must be at least 1, got {p.fp8_block}")
-    if p.fp8_head and p.fp8 == "off":
-        raise ConfigError("precision.fp8_head needs precision.fp8 on (delayed, current or blockwise)")
-
-
-def _validate_blockwise(config: Config) -> None:
-    """``precision.fp8: blockwise`` tiles every projection's dimensions (and the tokens) by ``fp8_block``."""
-    m, p = config.model, config.precision
-    dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
-            "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": config.train.seq_len}
-    if m.moe is not None:  # the routed experts' (and the shared experts') hidden width
-        dims["model.moe.mlp"] = m.moe.mlp or m.mlp
-    for name, size in (dims | ({"model.vocab_size": m.vocab_size} if p.fp8_head else {})).items():
-        if p.fp8 == "blockwise" and size % p.fp8_block:
-            raise ConfigError(f"precision.fp8=blockwise: {name} ({size}) is not divisible by precision.fp8_block "
-                              f"({p.fp8_block})")
-
-
-def _validate_copies(config: Config) -> None:
-    """The master may not be narrower than the compute copy (its update would be lost in the cast)."""
-    resolved, widths = dtypes.of(config), dtypes.WIDEST_FIRST
-    if widths.index(resolved.master) > widths.index(resolved.compute):
-        raise ConfigError(f"precision.master ({resolved.master}) is narrower than the compute copy precision.params "
-                          f"({resolved.compute})")
 
 
 def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:

@@ -12,7 +12,8 @@ from typing import Any, Literal
 MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
-Remat = Literal["none", "selective", "full", "save_dots", "save_named", "auto"]  # auto: jaxscale/analysis/remat.py
+# auto: jaxscale/analysis/remat.py; offload_dots: jaxscale/layout/offload.py
+Remat = Literal["none", "selective", "full", "save_dots", "offload_dots", "save_named", "auto"]
 # resolved at build (models/attention.py): auto -> the kernel the devices run
 Attention = Literal["dot", "blockwise", "ring", "cudnn", "auto"]
 MoEDispatch = Literal["capacity", "dropless"]
@@ -37,6 +38,8 @@ CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 RopeType = Literal["llama3"]
 Packing = Literal["concat", "first_fit"]  # jaxscale/data/packing.py
+Optimizer = Literal["adamw", "muon"]  # jaxscale/training/optim.py, jaxscale/training/muon.py
+MuonScale = Literal["rms", "shape"]  # rms: rms * sqrt(max(fan_in, fan_out)) (Moonlight); shape: sqrt(max(1, out/in))
 
 
 class ConfigError(ValueError):
@@ -117,6 +120,7 @@ class ModelConfig:
     param_dtype: DType = "float32"
     remat: Remat = "none"
     remat_names: list[str] = dataclasses.field(default_factory=list)
+    remat_offload: list[str] = dataclasses.field(default_factory=list)  # save_named: moved to host (offload.py)
     moe: MoEConfig | None = None
     deepseek: DeepSeekConfig | None = None  # None: Llama-style; set: DeepSeek-V3-style (MLA, MTP)
     attention: Attention = "dot"
@@ -158,6 +162,22 @@ class MeshConfig(AxisSizes):
 
 
 @dataclasses.dataclass
+class MuonConfig:
+    """Muon (``train.optimizer: muon``, :mod:`jaxscale.training.muon`): Nesterov momentum orthogonalised by the quintic
+    Newton-Schulz iteration on each hidden matrix, AdamW (``train.b1``, ``b2``, ``eps``) on the rest."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_dtype: ReduceDType = "bfloat16"  # the iteration's matmuls, and the moves to and from the owner devices
+    scale: MuonScale = "rms"
+    rms: float = 0.2  # scale: rms, the update's RMS (AdamW's, so that train.learning_rate carries over)
+    learning_rate: float | None = None  # the hidden matrices' peak rate (None: train.learning_rate)
+    weight_decay: float | None = None  # decoupled, times the rate (None: train.weight_decay)
+    adamw_axes: list[str] = dataclasses.field(default_factory=lambda: ["vocab"])  # a matrix with one: AdamW
+
+
+@dataclasses.dataclass
 class TrainConfig:
     """Optimisation and loop settings."""
 
@@ -177,6 +197,8 @@ class TrainConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 1.0
+    optimizer: Optimizer = "adamw"
+    muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)  # train.optimizer: muon
     peak_flops: float | None = None
     eval_every: int = 0
     eval_steps: int = 4
@@ -211,6 +233,7 @@ class DataConfig:
     documents: bool = False  # positions restart at each document, attention masked across them (model.attention dot)
     packing: Packing = "concat"  # first_fit (with documents): whole documents in padded sequences
     boundary_targets: bool = False  # with documents: train a document's first token, predicted from the one before
+    ring_balance: bool = False  # with documents and a ring: documents arranged per row to even the ring's tiles
     max_bytes: int = 8_000_000
     eval_bytes: int = 60_000
 
@@ -225,6 +248,9 @@ class CheckpointConfig:
     dir: str | None = None
     resume: Resume = "off"  # off | auto (the latest checkpoint if any) | required (--resume: fail without one)
     async_save: bool = True
+    continuous: bool = False  # a save starts as soon as the last one committed (jaxscale/checkpoint/continuous.py)
+    continuous_interval_s: float = 0.0  # and no sooner than this after the last one started
+    fast_dir: str | None = None  # with continuous: the continuous saves' tier (a fast directory all processes see)
     init_from: str | None = None  # params of a new run (fresh optimizer, step 0): a converted or a run checkpoint
 
 
@@ -234,6 +260,7 @@ class DistributedConfig:
 
     init_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
+    elastic: bool = False  # fewer devices than the mesh: shrink the data axis (jaxscale/runtime/elastic.py)
 
 
 @dataclasses.dataclass
@@ -268,11 +295,13 @@ class XlaConfig:
 
     preset: XlaPreset = "none"
     flags: list[str] = dataclasses.field(default_factory=list)
+    # auto: <run_dir>/compile_cache where safe; off; or a directory (jaxscale/runtime/compile_cache.py)
+    compile_cache: Literal["auto", "off"] | str = "auto"
 
 
 @dataclasses.dataclass
 class PrecisionConfig:
-    """Mixed precision (``jaxscale/precision/policy.py``) and low-precision matmuls (``jaxscale/precision/fp8.py``).
+    """Mixed precision (``jaxscale/precision/policy.py``) and low-precision matmuls (``jaxscale/precision/fp8/``).
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
@@ -289,6 +318,7 @@ class PrecisionConfig:
     margin: int = 0  # scales leave 2^margin of headroom
     fp8_head: bool = False
     fp8_block: int = 128
+    offload_state: bool = False  # the master and the optimizer's state in host memory (jaxscale/layout/offload.py)
 
 
 @dataclasses.dataclass

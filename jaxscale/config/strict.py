@@ -80,6 +80,12 @@ def unread(config: Any) -> str | None:
     if m.remat_names and m.remat != "save_named":
         return (f"model.remat_names: read only by model.remat=save_named, not {m.remat} "
                 f"(set model.remat=save_named, or leave model.remat_names out)")
+    if m.remat_offload and m.remat != "save_named":
+        return (f"model.remat_offload: read only by model.remat=save_named, not {m.remat} "
+                f"(set model.remat=save_named, or leave model.remat_offload out)")
+    if both := sorted(set(m.remat_names) & set(m.remat_offload)):
+        return (f"model.remat_names and model.remat_offload both name {', '.join(map(repr, both))}: an activation "
+                f"is kept on the device or offloaded to the host, not both")
     if not str(config.run_dir).strip():
         return "run_dir is empty: name a directory (run_dir=. for the working directory)"
     return None

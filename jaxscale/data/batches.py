@@ -55,7 +55,7 @@ from __future__ import annotations
 import abc
 import gzip
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,8 @@ class Loader(abc.ABC):
         # The order of each row's tokens, targets and positions (ring attention's zig-zag chunks).
         self.order = np.arange(seq_len, dtype=np.int32)
         self.boundary_targets = False  # data.boundary_targets: train a document's first token as a target
+        # data.ring_balance: [rows, s] positions -> each row's token order, documents arranged for the ring
+        self.balance: Callable[[np.ndarray], np.ndarray] | None = None
 
     def rows(self, step: int, start: int = 0, stop: int | None = None) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of the global batch of ``step``: inputs, targets (``IGNORE`` where a token is
@@ -134,12 +136,15 @@ class Loader(abc.ABC):
             windows = np.stack([windows, np.ones_like(windows), np.broadcast_to(np.arange(self.seq_len + 1),
                                                                                 windows.shape)], axis=1)
         tokens, trained, positions = windows[:, 0], windows[:, 1], windows[:, 2]
-        inputs, targets = tokens[:, self.order], tokens[:, self.order + 1]
-        keep = trained[:, self.order + 1] > 0
+        order = np.broadcast_to(self.order, (len(tokens), self.seq_len))
+        if self.balance is not None:  # each row's documents arranged to even the ring's tiles, then zig-zagged
+            order = np.take_along_axis(self.balance(positions[:, : self.seq_len]), order, 1)
+        inputs, targets = np.take_along_axis(tokens, order, 1), np.take_along_axis(tokens, order + 1, 1)
+        keep = np.take_along_axis(trained, order + 1, 1) > 0
         if not self.boundary_targets:  # a document's first token, predicted from the one before (packed documents)
-            keep &= positions[:, self.order + 1] != 0
+            keep &= np.take_along_axis(positions, order + 1, 1) != 0
         targets = np.where(keep, targets, IGNORE).astype(np.int32)
-        return {"inputs": inputs, "targets": targets, "positions": np.array(positions[:, self.order])}
+        return {"inputs": inputs, "targets": targets, "positions": np.take_along_axis(positions, order, 1)}
 
     @abc.abstractmethod
     def windows(self, step: int, rows: range) -> np.ndarray:
@@ -305,10 +310,13 @@ def mixture_loader(config: Config, split: str) -> MixtureBatches:
     return MixtureBatches(parts, [part.weight for part in config.data.mixture], identity)
 
 
-def make_loader(config: Config, split: str = "train", order: np.ndarray | None = None) -> Loader:
-    """The loader of ``split`` (``train``, or ``eval``: the held-out data) for ``config.data``, rows in ``order``."""
+def make_loader(config: Config, split: str = "train", order: np.ndarray | None = None,
+                balance: Callable[[np.ndarray], np.ndarray] | None = None) -> Loader:
+    """The loader of ``split`` (``train``, or ``eval``: the held-out data) for ``config.data``, rows in ``order``;
+    with ``balance`` (positions [rows, s] -> each row's token order: :func:`jaxscale.parallel.ring_balance.arranged`
+    for the ring) each row's documents first arranged for it (``data.ring_balance``)."""
     loader = _loader(config, split)
-    loader.boundary_targets = config.data.boundary_targets
+    loader.boundary_targets, loader.balance = config.data.boundary_targets, balance
     if order is not None:
         loader.order = np.asarray(order, np.int32)
     return loader

@@ -29,16 +29,16 @@ layout into jax shardings; nothing here imports jax.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from jaxscale.config import refusals
+from jaxscale.config.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.config.read import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
 from jaxscale.layout import stage_plan
-from jaxscale.layout.axes import LOGICAL_AXES, WHOLE_AXES
 from jaxscale.layout.stage_plan import STAGE, TOKENS, Blocks
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
@@ -77,16 +77,17 @@ class Rules:
     params: Table
     optimizer: Table = dataclasses.field(default_factory=dict)
     gradients: Table = dataclasses.field(default_factory=dict)
+    muon: Table = dataclasses.field(default_factory=dict)  # Muon's owner layout (jaxscale/training/muon_layout.py)
 
     @classmethod
     def from_dict(cls, name: str, data: Mapping[str, Any]) -> Rules:
-        unknown = set(data) - {"rules", "optimizer", "gradients", "description"}
+        unknown = set(data) - {"rules", "optimizer", "gradients", "muon", "description"}
         if unknown:
             raise ConfigError(f"rules '{name}': unknown section '{sorted(unknown)[0]}'")
         if not isinstance(data.get("rules"), dict):
             raise ConfigError(f"rules '{name}': a 'rules' mapping is required")
         sections = {}
-        for section in ("rules", "optimizer", "gradients"):
+        for section in ("rules", "optimizer", "gradients", "muon"):
             table = data.get(section) or {}
             if not isinstance(table, dict):
                 raise ConfigError(f"rules '{name}' {section}: expected a mapping of logical axes, got {table!r}")
@@ -98,11 +99,11 @@ class Rules:
             raise ConfigError(
                 f"rules '{name}' rules.{typos[0]}: not a logical axis (one of: {', '.join(LOGICAL_AXES)})"
             )
-        for section in ("optimizer", "gradients"):
+        for section in ("optimizer", "gradients", "muon"):
             for k in sections[section]:
                 if k not in sections["rules"]:
                     raise ConfigError(f"rules '{name}' {section}.{k}: not in the 'rules' section")
-        return cls(name, sections["rules"], sections["optimizer"], sections["gradients"])
+        return cls(name, sections["rules"], sections["optimizer"], sections["gradients"], sections["muon"])
 
     @classmethod
     def load(cls, name_or_path: str) -> Rules:
@@ -117,7 +118,7 @@ class Rules:
     def partition(self, axes: Axes, kind: str = "params") -> tuple[Part, ...]:
         """The PartitionSpec entries of an array whose dimensions have these logical names.
 
-        Raises for a name the table lacks (but :data:`~jaxscale.layout.axes.WHOLE_AXES`, whole where
+        Raises for a name the table lacks (but :data:`~jaxscale.config.axes.WHOLE_AXES`, whole where
         unmapped) and for a mesh axis that would split two dimensions.
         """
         table = self.table(kind)
@@ -160,6 +161,7 @@ class Stage:
     weights: Any = None  # in a split backward's unit, how weight matmuls run (:mod:`jaxscale.parallel.weight_split`)
     expert: tuple[str, ...] = ()  # of the row axes, EP's: each device keeps its experts, tokens exchanged over them
     expert_mlp: tuple[str, ...] = ()  # of ``tensor``, those splitting the experts' MLP (their outputs partial sums)
+    ulysses: tuple[str, ...] = ()  # of ``ring``, those attention all-to-alls over (the rules' ``ulysses``)
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -248,9 +250,19 @@ class Layout:
         return tuple(a for a in self.mesh_axes(("length",)) if a not in batch)
 
     @property
+    def ulysses_axes(self) -> tuple[str, ...]:
+        """The mesh axes of ``length`` over which attention trades the sequence for the heads (all-to-all)."""
+        return self.mesh_axes(("ulysses",))
+
+    @property
+    def ring_axes(self) -> tuple[str, ...]:
+        """The mesh axes of ``length`` that form the ring of ring attention (all of them but Ulysses')."""
+        return tuple(a for a in self.mesh_axes(("length",)) if a not in self.ulysses_axes)
+
+    @property
     def ring_size(self) -> int:
         """Devices that hold one sequence's blocks between them (the ring of ring attention)."""
-        return self.ways(("length",))
+        return self.size(self.ring_axes)
 
     @property
     def sequence_axes(self) -> tuple[str, ...]:
@@ -286,24 +298,19 @@ class Layout:
     # -- validation ----------------------------------------------------------------------
 
     def validate(self, config: Config, blocks: Blocks | None = None) -> None:
-        """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved); the
-        pipeline's (:func:`jaxscale.layout.stage_plan.check`) for the model's ``blocks`` (default: a built-in
-        model's, :meth:`~jaxscale.layout.stage_plan.Blocks.of`)."""
-        model, where = config.model, f"rules '{self.name}'"
-        chunk = config.train.seq_len // self.ways(("norm_length",))
-        if model.tp_overlap and config.precision.fp8 == "blockwise" and chunk % config.precision.fp8_block:
-            raise ConfigError(
-                f"precision.fp8=blockwise with model.tp_overlap: each device's part of the sequence ({chunk} "
-                f"tokens under {where}) must be a multiple of precision.fp8_block ({config.precision.fp8_block}): "
-                "the ring passes whole tiles"
-            )
-        if config.precision.fp8_head and model.loss_chunk:
-            raise ConfigError("precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)")
-        stage_plan.check(self, config, blocks or Blocks.of(model))
+        """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved): the refusal
+        table's rows (:mod:`jaxscale.config.refusals`, the config's and the layout's; a pipeline stage's plan for
+        the model's ``blocks``, default a built-in model's, :meth:`~jaxscale.layout.stage_plan.Blocks.of`, says
+        which axes explicit experts would leave to the partitioner), then the rules' own."""
+        plan = stage_plan.plan(self, config.pipeline, blocks or Blocks.of(config.model))
+        free = plan.free if self.pipelined and plan.experts == "shard_map" else ()
+        refusals.check(refusals.Context(config, self, experts_free=free))
+        if self.pipelined:
+            stage_plan.check(self, config)
         self._check_sequence(config)
-        if model.attention in ("blockwise", "ring"):
-            self._check_attention(config)
-        if model.moe is not None and model.moe.impl == "shard_map":
+        if config.model.attention in ("blockwise", "ring"):
+            self._check_attention()
+        if config.model.moe is not None and config.model.moe.impl == "shard_map":
             self._check_experts()
 
     def _check_sequence(self, config: Config) -> None:
@@ -313,12 +320,6 @@ class Layout:
             # Gathering the SP shards must give back the blocks of 'length' (context parallelism).
             raise ConfigError(
                 f"{where}: norm_length {list(outer)} must start with the mesh axes of length {list(inner)}"
-            )
-        if config.model.tp_overlap and not manual:
-            raise ConfigError(
-                f"model.tp_overlap needs sequence parallelism: {where} shard norm_length over no mesh axis "
-                "of size > 1 that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, "
-                "or model.tp_overlap=false)"
             )
         # Leaving a tensor-parallel region (attention; a dense or shared-expert MLP) reduce-scatters the
         # partial sums of its contracted dimensions onto the sequence.
@@ -330,8 +331,8 @@ class Layout:
                     "sharded over the same mesh axes (e.g. heads and mlp on tensor)"
                 )
 
-    def _check_attention(self, config: Config) -> None:
-        where, model = f"rules '{self.name}'", config.model
+    def _check_attention(self) -> None:
+        where = f"rules '{self.name}'"
         if self.axes_of("head_dim"):
             raise ConfigError(f"{where}: 'head_dim' must not be sharded for ring/blockwise attention")
         heads, kv_heads = self.partition(("heads",))[0], self.partition(("kv_heads",))[0]
@@ -339,19 +340,6 @@ class Layout:
             raise ConfigError(
                 f"{where}: 'heads' and 'kv_heads' must be sharded over the same mesh axes "
                 f"for ring/blockwise attention (got {heads} and {kv_heads})"
-            )
-        cp = self.ring_size if model.attention == "ring" else 1
-        seq_len, chunks = config.train.seq_len, 2 * cp if cp > 1 else 1
-        if seq_len % chunks:
-            raise ConfigError(
-                f"train.seq_len ({seq_len}) is not divisible by {chunks}: causal ring attention over "
-                f"{' x '.join(self.axes_of('length'))} cuts it into 2 x {cp} chunks"
-            )
-        chunk = seq_len // chunks
-        if chunk % min(model.attention_block, chunk):
-            raise ConfigError(
-                f"model.attention_block ({model.attention_block}) does not divide the {chunk}-token chunks of "
-                f"train.seq_len ({seq_len})"
             )
 
     def _check_experts(self) -> None:
@@ -372,8 +360,3 @@ class Layout:
                 f"{where}: the sequence ('norm_length' on {seq}) must be sharded over all or none "
                 f"of the axes of 'expert_mlp' ({mlp})"
             )
-
-
-# jaxscale's one trace-time state, the mesh and layout the code traced sees: set by
-# :func:`jaxscale.layout.sharding.use_layout`, here so that :mod:`jaxscale.precision.policy` reads it too.
-ACTIVE: contextvars.ContextVar[tuple[Any, Layout] | None] = contextvars.ContextVar("jaxscale_layout", default=None)

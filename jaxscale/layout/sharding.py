@@ -13,6 +13,7 @@ pipeline stage's loop, the :class:`~jaxscale.layout.rules.Stage` (:func:`stage`)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator
@@ -23,10 +24,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from jaxscale.config.axes import RESIDUAL
 from jaxscale.config.read import ConfigError, PipelineConfig
 from jaxscale.layout import collectives
 from jaxscale.layout import rules as layout
-from jaxscale.layout.axes import RESIDUAL
 from jaxscale.layout.rules import TOKENS, Axes, Layout, Stage, is_axes
 
 __all__ = ["Axes", "Layout", "Rules", "is_axes"]
@@ -43,7 +44,7 @@ class Rules(layout.Rules):
 def layout_of(mesh: Mesh | AbstractMesh, rules: layout.Rules) -> Layout:
     """``rules`` on the axis sizes of ``mesh``; its ``rules`` are :class:`Rules` (they give PartitionSpecs)."""
     if not isinstance(rules, Rules):
-        rules = Rules(rules.name, rules.params, rules.optimizer, rules.gradients)
+        rules = Rules(rules.name, rules.params, rules.optimizer, rules.gradients, rules.muon)
     return Layout(rules, dict(mesh.shape))
 
 
@@ -166,7 +167,11 @@ def check_divisible(name: str, shape: tuple[int, ...], axes: Axes, spec: Partiti
             )
 
 
-_ACTIVE = layout.ACTIVE
+# The one trace-time state: the mesh and layout the code traced sees. Entered and left by :func:`use_layout`
+# alone, read by :func:`active` alone (every reader, :mod:`jaxscale.precision.policy`'s included, asks it).
+_ACTIVE: contextvars.ContextVar[tuple[Mesh | AbstractMesh, Layout] | None] = contextvars.ContextVar(
+    "jaxscale_layout", default=None
+)
 
 
 def use_rules(
@@ -190,13 +195,14 @@ def use_layout(mesh: Mesh | AbstractMesh, place: Layout) -> Iterator[None]:
 
 
 def active() -> tuple[Mesh | AbstractMesh, Layout] | None:
-    """The mesh and layout set by :func:`use_rules` or :func:`use_layout`, if any."""
+    """The mesh and layout set by :func:`use_rules` or :func:`use_layout`, if any: the one reader of the
+    trace-time state."""
     return _ACTIVE.get()
 
 
 def stage() -> Stage | None:
     """The pipeline stage whose loop the code is traced in, if any (:class:`~jaxscale.layout.rules.Stage`)."""
-    current = _ACTIVE.get()
+    current = active()
     return current[1].stage if current is not None else None
 
 
@@ -204,7 +210,7 @@ def stated(axes: Axes) -> NamedSharding | None:
     """The layout of an activation with these logical names where it must be stated: on explicit mesh axes (a
     contraction's ``out_sharding`` when both operands are split over the axes it sums); None on auto axes or
     outside :func:`use_rules` (the partitioner decides)."""
-    current = _ACTIVE.get()
+    current = active()
     if current is None or not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
         return None
     return NamedSharding(current[0], spec(current[1], axes))
@@ -212,7 +218,7 @@ def stated(axes: Axes) -> NamedSharding | None:
 
 def constrain(x: jax.Array, axes: Axes) -> jax.Array:
     """Constrain an activation's sharding by the logical names of its dimensions."""
-    current = _ACTIVE.get()
+    current = active()
     if current is None:
         return x
     mesh, place = current

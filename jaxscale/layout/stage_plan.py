@@ -1,13 +1,16 @@
 """A pipeline stage's plan: one value, from the config's pipeline
-settings and the model's parts, and the pipeline's refusals (no jax).
+settings and the model's parts, and the pipeline's errors that are no
+row of the refusal table (no jax).
 
 The plan says what a stage's loop is manual over (``stage``, the row
 axes, TP's), what it gathers and how (FSDP's axes, ``pipeline.fsdp``),
 whether its idle slots are skipped or masked (``skip``: nothing left to
 the partitioner), and where an MoE model's experts run (by the
 partitioner, or by explicit collectives among the stage's devices).
-:meth:`jaxscale.layout.rules.Layout.validate` computes it, and raises
-every refusal here (:func:`check`), when the trainer is built;
+:meth:`jaxscale.layout.rules.Layout.validate` computes it when the
+trainer is built (the axes explicit experts would leave to the
+partitioner, for :mod:`jaxscale.config.refusals`) and raises the rest
+(:func:`check`);
 :func:`jaxscale.parallel.pipeline.build` computes the same plan from the
 same inputs at trace time, where nothing is refused any more.
 """
@@ -18,7 +21,6 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from jaxscale.config import stage_layers
 from jaxscale.config.read import Config, ConfigError, ModelConfig, PipelineConfig
 from jaxscale.config.schema import FsdpGather
 
@@ -57,6 +59,9 @@ class Place(Protocol):
 
     @property
     def expert_axes(self) -> tuple[str, ...]: ...
+
+    @property
+    def ulysses_axes(self) -> tuple[str, ...]: ...
 
     def axes_of(self, name: str, kind: str = "params") -> tuple[str, ...]: ...
 
@@ -99,6 +104,7 @@ class StagePlan:
     manual: tuple[str, ...]  # stage, the rows, TP's; all when none free
     rows: tuple[str, ...]  # stage, then each device's own rows' axes
     ring: tuple[str, ...]  # of the rows, the context axes
+    ulysses: tuple[str, ...]  # of ``ring``, Ulysses' (all-to-alls)
     tensor: tuple[str, ...]  # TP's (and SP's), each device its shard
     split: tuple[str, ...]  # the block dimensions' names ``tensor`` splits
     sequence: tuple[str, ...]  # of ``tensor``, SP's
@@ -185,9 +191,10 @@ def plan(place: Place, pipeline: PipelineConfig, parts: Blocks) -> StagePlan:
     named = (n for axes in blocks for n in axes if n != "expert")
     in_tensor = set(tensor)
     explicit = parts.experts == "shard_map"
+    ring = tuple(a for a in manual if a in _context(place))
     return StagePlan(
-        manual=manual, rows=rows,
-        ring=tuple(a for a in manual if a in _context(place)),
+        manual=manual, rows=rows, ring=ring,
+        ulysses=tuple(a for a in place.ulysses_axes if a in ring),
         tensor=tensor,
         split=tuple(dict.fromkeys(
             n for axes in blocks for n in axes
@@ -211,119 +218,45 @@ def assumed(place: Place, model: ModelConfig,
     return plan(place, pipeline, Blocks.of(model, axes))
 
 
-# -- the refusals -------------------------------------------------------------
+# -- what the refusal table does not hold ------------------------------------
 
 
-def check(place: Place, config: Config, parts: Blocks) -> None:
-    """Raise the first pipeline error of ``config`` under ``place``:
-    what a stage cannot run (its plan's among them), then the shapes."""
-    if place.pipelined:
-        _check_stage(place, config, parts)
-    check_layers(place, config)
-    if place.pipelined:
-        _check_shapes(place, config)
-
-
-def _check_stage(place: Place, config: Config, parts: Blocks) -> None:
-    where, precision = f"rules '{place.name}'", config.precision
+def check(place: Place, config: Config) -> None:
+    """Raise the first error of a pipeline under ``place`` that is no row
+    of :mod:`jaxscale.config.refusals`: the layers on ``stage`` and
+    another axis, the block parameters split over the stage's context
+    axes, a microbatch against the batch axes."""
+    where = f"rules '{place.name}'"
     if len(place.stage_axes) > 1:
         raise ConfigError(
             f"{where}: layers maps to {list(place.stage_axes)}; a pipeline "
             f"needs layers on '{STAGE}' alone")
-    # Collective matmuls are shard_maps of their own; XLA (Shardy and
-    # GSPMD alike) cannot lower them nested in the pipeline's partly
-    # manual loop. (SP and explicit experts write their collectives in
-    # the loop's manual axes: jaxscale.parallel.sequence, .expert.)
-    if config.model.tp_overlap:
-        raise ConfigError(
-            f"{where}: model.tp_overlap (collective matmuls) inside a "
-            "pipeline stage nests a shard_map in the pipeline's partly "
-            "manual loop, which XLA cannot lower yet; sequence "
-            "parallelism without it runs there (model.tp_overlap=false)")
-    _check_context(place, config)
-    fp8 = precision.fp8
-    if config.pipeline.fsdp == "visit" and fp8 in ("delayed", "current"):
-        raise ConfigError(
-            f"pipeline.fsdp=visit: not supported with precision.fp8={fp8} "
-            "(the e4m3 copies are made once a step of whole weights): "
-            "pipeline.fsdp=step or tick, or precision.fp8=blockwise")
-    if parts.experts != "shard_map":
-        return
-    free = plan(place, config.pipeline, parts).free
-    if free:
-        raise ConfigError(
-            f"{where}: model.moe.impl=shard_map inside a pipeline stage "
-            "needs the stage's loop manual over every mesh axis, but "
-            f"{list(free)} would stay with the partitioner (sequence "
-            "parallelism, pipeline.fsdp=tick, or an axis sharing a "
-            "parameter dimension with others); model.moe.impl=partitioner "
-            "runs the experts there (idle slots computed and masked)")
-    if fp8 != "off":
-        raise ConfigError(
-            f"{where}: precision.fp8={fp8} with model.moe.impl=shard_map "
-            "inside a pipeline stage is not supported (the experts' "
-            "scales are not split with them there); "
-            "model.moe.impl=partitioner runs fp8 experts in a stage")
+    _check_context(place)
+    _check_shapes(place, config)
 
 
-def _check_context(place: Place, config: Config) -> None:
+def _check_context(place: Place) -> None:
     """Context parallelism inside a stage: the loop is manual over the
-    context axes and runs ring attention's kernel there. (A ring's own
+    context axes and runs ring attention's kernel there (a dense model,
+    ``model.attention=ring``: rows of the table). (A ring's own
     shard_map nested in the partly manual loop does not lower: Shardy
     wants its residuals' manual axes before the loop's free ones.)"""
     context = _context(place)
-    if not context:
-        return
-    where = f"rules '{place.name}'"
-    cp = (f"context parallelism (length on {list(context)}) inside a "
-          "pipeline stage")
-    if config.model.moe is not None:
+    held = sorted({a for n in BLOCK_AXES for a in place.axes_of(n)} & set(context))
+    if held:
         raise ConfigError(
-            f"{where}: {cp} needs a dense model: the loop is manual over "
-            "the context axes, and an MoE layer's routing statistics "
-            "span the whole microbatch")
-    attention = config.model.attention
-    if attention != "ring":
-        raise ConfigError(
-            f"{where}: {cp} needs model.attention=ring: the loop is "
-            "manual over the context axes, so "
-            f"model.attention={attention} would see only each device's "
-            "blocks of the sequence")
-    held = {a for n in BLOCK_AXES for a in place.axes_of(n)}
-    if held & set(context):
-        raise ConfigError(
-            f"{where}: {cp} needs the block parameters unsplit over "
-            f"{sorted(held & set(context))}: the loop is manual over them "
+            f"rules '{place.name}': context parallelism (length on "
+            f"{list(context)}) inside a pipeline stage needs the block "
+            f"parameters unsplit over {held}: the loop is manual over them "
             "and would gather the parameters whole on entry")
 
 
 def _check_shapes(place: Place, config: Config) -> None:
-    """The schedule, the layers and the batch against the stages: p
-    stages, v chunks each, m microbatches."""
-    pipeline, p = config.pipeline, place.stages
-    v, m = pipeline.repeats, pipeline.microbatches or p
-    slots = stage_layers.stack_size(config)
-    if slots % (p * v) and pipeline.layers_per_stage is None:
-        raise ConfigError(
-            f"{stage_layers.stacked_named(config.model)} is not divisible "
-            f"by mesh.stage ({p}) x pipeline.repeats ({v}); "
-            "pipeline.layers_per_stage splits them unevenly")
-    if m < p:
-        raise ConfigError(
-            f"pipeline.microbatches ({m}) is fewer than the {p} pipeline "
-            "stages (mesh.stage)")
-    if pipeline.schedule == "interleaved_1f1b" and m % p:
-        raise ConfigError(
-            "pipeline.schedule=interleaved_1f1b sends microbatches in "
-            f"groups of mesh.stage ({p}): pipeline.microbatches ({m}) "
-            "must be a multiple of it")
-    rows = config.train.global_batch // config.train.microbatches
-    if rows % m:
-        raise ConfigError(
-            f"the batch of {rows} sequences (train.global_batch / "
-            "train.microbatches) is not divisible by "
-            f"pipeline.microbatches ({m})")
-    shape = (rows // m, config.train.seq_len)
+    """A pipeline microbatch against the batch axes (the schedule, the
+    layers and the batch against the stages are rows of the table)."""
+    m = config.pipeline.microbatches or place.stages
+    shape = (config.train.global_batch // config.train.microbatches // m,
+             config.train.seq_len)
     parts = place.partition(TOKENS)
     for dim, (size, name, part) in enumerate(zip(shape, TOKENS, parts, strict=True)):
         ways = place.size(place.axes_of(name))
@@ -332,21 +265,3 @@ def _check_shapes(place: Place, config: Config) -> None:
                 f"pipeline microbatch: dimension {dim} ('{name}', size "
                 f"{size}) is not divisible by mesh axes {part} of size "
                 f"{ways}")
-
-
-def check_layers(place: Place, config: Config) -> None:
-    """``pipeline.layers_per_stage`` needs the pipeline and one entry per
-    virtual stage."""
-    listed, v = config.pipeline.layers_per_stage, config.pipeline.repeats
-    if listed is None:
-        return
-    if not place.pipelined:
-        raise ConfigError(
-            f"pipeline.layers_per_stage: rules '{place.name}' on this mesh "
-            f"run no pipeline (layers on '{STAGE}' of size > 1)")
-    if len(listed) != place.stages * v:
-        entries = "entry" if len(listed) == 1 else "entries"
-        raise ConfigError(
-            f"pipeline.layers_per_stage has {len(listed)} {entries}; it "
-            f"needs one per virtual stage, mesh.stage ({place.stages}) x "
-            f"pipeline.repeats ({v}) = {place.stages * v}")

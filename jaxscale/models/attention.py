@@ -20,6 +20,9 @@
   and grouped-query k/v (``kv_heads`` dividing ``heads``) directly, as the XLA
   path does. Untested here: the tests run on CPU. Not with ``data.documents``
   (:data:`CUDNN_DOCUMENTS`; docs/attention.md).
+* **Ulysses / USP**: where the rules map ``ulysses`` (trailing mesh axes of ``length``), all-to-alls trade
+  the sequence for the heads around the kernel above (:mod:`jaxscale.parallel.ulysses`): ``dot``,
+  ``blockwise`` or ``cudnn`` on whole sequences, or ``ring`` over the rest of ``length``'s axes (USP).
 * ``auto``: one of the above, chosen once when the trainer is built
   (:func:`resolve_attention`), so the step, ``inspect`` and the analytic model
   all see the concrete kernel.
@@ -29,16 +32,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxscale.config import refusals
 from jaxscale.config.read import Config, ConfigError, ModelConfig
 from jaxscale.layout.rules import Rules
-from jaxscale.layout.sharding import Axes, active, layout_of
-from jaxscale.parallel import ring_attention, ring_tiles
+from jaxscale.layout.sharding import Axes, active, layout_of, stage
+from jaxscale.parallel import ring_attention, ring_schedule, ulysses
 
 
 def document_ids(positions: jax.Array) -> jax.Array:
@@ -60,15 +65,37 @@ def attention(
     kind = config.attention
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
         kind = resolve_attention(config, _platform(), q.shape[1], documents=documents is not None)
+    if documents is not None and kind == "cudnn":
+        raise ConfigError(CUDNN_DOCUMENTS)
+    if kind == "cudnn" and _platform() != "gpu":
+        raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {_platform()}")
+    inside, current = stage(), active()
+    if inside is not None and inside.ulysses:  # a pipeline stage's loop, manual over the context axes already
+        ring = tuple(a for a in inside.ring if a not in inside.ulysses)
+        return ulysses.manual(q, k, v, documents, inside.ulysses, _manual_kernel(kind, config, ring, gathered=True))
+    if inside is None and current is not None and current[1].ulysses_axes:
+        kernel = _manual_kernel(kind, config, current[1].ring_axes, gathered=False)
+        return ulysses.attention(q, k, v, documents, q_axes, kv_axes, kernel)
     if kind in ("blockwise", "ring"):
         return ring_attention.attention(
             q, k, v, q_axes, kv_axes, positions=documents, causal=True, block=config.attention_block,
             ring=kind == "ring",
         )
-    if documents is not None and kind != "dot":
-        raise ConfigError(CUDNN_DOCUMENTS)
-    if kind == "cudnn" and _platform() != "gpu":
-        raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {_platform()}")
+    return _xla(kind, q, k, v, documents)
+
+
+def _manual_kernel(kind: str, config: ModelConfig, ring: tuple[str, ...], gathered: bool) -> ulysses.Kernel:
+    """The kernel ``kind`` on each device's blocks inside Ulysses' all-to-alls: the tiled ones over the ``ring``
+    axes (``ring`` only; none under Ulysses alone: blockwise; ``gathered`` in a pipeline stage), XLA's or
+    cuDNN's on whole sequences."""
+    if kind in ("blockwise", "ring"):
+        ring = ring if kind == "ring" else ()
+        return partial(ring_attention.manual, axes=ring, causal=True, block=config.attention_block, gathered=gathered)
+    return partial(_xla, kind)
+
+
+def _xla(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None) -> jax.Array:
+    """``dot`` or ``cudnn``: ``jax.nn.dot_product_attention`` on whole sequences, masked across documents."""
     scale, d_v = 1.0 / math.sqrt(q.shape[-1]), v.shape[-1]
     width = max(q.shape[-1], d_v)
     q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])]) for x in (q, k, v))
@@ -91,9 +118,7 @@ def _platform() -> str:
     return device.platform if device is not None else jax.devices()[0].platform
 
 
-CUDNN_DOCUMENTS = ("data.documents: model.attention 'cudnn' does not mask across documents (jax's public "
-                   "cuDNN attention takes one length per sequence): use 'blockwise', flash-style with the tiles "
-                   "across documents skipped, or 'auto' (docs/attention.md)")
+CUDNN_DOCUMENTS = refusals.by_name("cudnn-documents").line  # (a row of the refusal table, no values in it)
 CUDNN_HEAD_DIM = 128  # the largest head_dim cuDNN's flash attention takes on every GPU (256 from Hopper on)
 BLOCKWISE_TILES = 4  # auto: blockwise once the sequence spans more than this many attention_block tiles
 
@@ -129,9 +154,10 @@ def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     platform = mesh.devices.flat[0].platform
     ring = layout_of(mesh, rules).ring_size
     kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents)
-    if config.data.documents and kind == "cudnn":
-        raise ConfigError(CUDNN_DOCUMENTS)
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
+    ulysses.check(layout_of(mesh, rules), config)
+    ring_tiles(config, mesh, rules)  # data.ring_balance refused here, before anything is compiled
+    return config
 
 
 def sequence_order(config: ModelConfig, seq_len: int, mesh: Mesh, rules: Rules) -> np.ndarray | None:
@@ -140,4 +166,14 @@ def sequence_order(config: ModelConfig, seq_len: int, mesh: Mesh, rules: Rules) 
     Under ``model.attention: ring`` the devices of the sequence's mesh axes form the ring.
     """
     cp = layout_of(mesh, rules).ring_size if config.attention == "ring" else 1
-    return ring_tiles.sequence_order(seq_len, cp) if cp > 1 else None
+    return ring_schedule.sequence_order(seq_len, cp) if cp > 1 else None
+
+
+def ring_tiles(config: Config, mesh: Mesh, rules: Rules) -> tuple[int, int] | None:
+    """``data.ring_balance``: the ring's size and its kernel's tile, for the data path to arrange each row's
+    documents by (:mod:`jaxscale.parallel.ring_balance`); None without it."""
+    if not config.data.ring_balance:
+        return None
+    ring = layout_of(mesh, rules).ring_size  # at least 2: refused by the table otherwise (ring-balance-ring)
+    return ring, min(config.model.attention_block, config.train.seq_len // (2 * ring))
+

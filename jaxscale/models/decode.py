@@ -15,6 +15,7 @@ tokens the decode keeps; dropless dispatch routes alike.)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -73,18 +74,20 @@ def step(
     """Logits ``[b, t, vocab]`` (the model's dtype) of the new ``tokens`` ``[b, t]`` at ``positions``
     (``index .. index + t - 1`` in every row) and the cache with their keys and values."""
 
-    def body(x: jax.Array, unit: Block | Group, k: jax.Array, v: jax.Array) -> tuple[jax.Array, Cache]:
+    def body(
+        x: jax.Array, unit: Block | Group, copies: fp8.Copies, k: jax.Array, v: jax.Array
+    ) -> tuple[jax.Array, Cache]:
         blocks = list(unit.blocks) if isinstance(unit, Group) else [unit]
         ks, vs = [], []
-        for i, block in enumerate(blocks):
-            x, k_i, v_i = _block(block, x, positions, k[i], v[i], index)
-            ks.append(k_i)
-            vs.append(v_i)
+        with fp8.using(unit, copies) if model.fp8_on else contextlib.nullcontext():
+            for i, block in enumerate(blocks):
+                x, k_i, v_i = _block(block, x, positions, k[i], v[i], index)
+                ks.append(k_i)
+                vs.append(v_i)
         return x, Cache(jnp.stack(ks), jnp.stack(vs))
 
-    scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
+    scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0),
                     transform_metadata={nnx.PARTITION_NAME: "layers"})
-    if model.fp8_on:
-        fp8.prepare(model.blocks)  # the fp8 weights quantized once, as the full forward does
-    x, cache = scan(model.embed(tokens), model.blocks, cache.k, cache.v)
+    copies = fp8.prepare(model.blocks) if model.fp8_on else {}  # the fp8 weights made once, as the forward does
+    x, cache = scan(model.embed(tokens), model.blocks, copies, cache.k, cache.v)
     return model.logits(model.final_norm(x)), cache

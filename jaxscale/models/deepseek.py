@@ -29,8 +29,9 @@ layouts by logical name), in the contract's richer form; ``model.deepseek`` sele
   objective with the MoE weights.
 
 Not here: YaRN rope scaling (DeepSeek-V3's long-context extension; jaxscale has no such option). Refused in one
-line when the model is built: MTP with documents under ring attention (the zig-zag row's logical order is read
-from positions, which restart at each document).
+line when the model is built (the config's rows of :mod:`jaxscale.config.refusals`, checked by the constructor
+too, for a model built outside a trainer): MTP with documents under ring attention (the zig-zag row's logical
+order is read from positions, which restart at each document).
 
 Recomputation (``model.remat``) as the built-in models': the layer policies of :func:`jaxscale.nn.remat_policy`,
 ``selective`` recomputing the attention core, ``save_named`` keeping the named ``query``, ``key``, ``value``,
@@ -54,8 +55,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale import nn
-from jaxscale.config import flops
-from jaxscale.config.read import Config, ConfigError, ModelConfig
+from jaxscale.config import flops, refusals
+from jaxscale.config.read import Config, ModelConfig
 
 Q_LATENT = ("batch", "length", "q_lora")
 KV_LATENT = ("batch", "length", "kv_lora")
@@ -78,6 +79,7 @@ class MLA(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = self.config = config.model
         d = c.deepseek
+        refusals.check(refusals.Context(config))  # what this config cannot run (MTP, documents, ring)
         self.grads = nn.weight_grads(config)
         self.documents = config.data.documents  # packed documents: attention masked across them
         h, qk = c.heads, d.qk_nope_head_dim + d.qk_rope_head_dim
@@ -198,14 +200,6 @@ def stack(config: Config, rngs: nnx.Rngs, n: int, moe: bool, axis: str | None) -
     return make(rngs)
 
 
-def check(config: Config) -> None:
-    """What this model cannot run, in one line: MTP over packed documents in ring attention's zig-zag order
-    (positions restart at each document, so the tokens' logical order is not to be read from them)."""
-    if config.data.documents and config.model.deepseek.mtp_depth and config.model.attention == "ring":
-        raise ConfigError("model.deepseek.mtp_depth: not with data.documents under ring attention (the tokens' "
-                          "logical order is not to be read from positions that restart at each document)")
-
-
 class DeepSeek(nnx.Module):
     """Token ids and positions [batch, length] -> logits [batch, length, vocab]; the richer form of the contract
     with its optional parts: the dense blocks are the ``prefix``, MTP is ``ahead``."""
@@ -213,7 +207,6 @@ class DeepSeek(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = self.config = config.model
         d = c.deepseek
-        check(config)
         self.grads = nn.weight_grads(config)
         self.documents = config.data.documents
         self.embedding = param(rngs, c, (c.vocab_size, c.embed), ("vocab", "embed"))

@@ -7,7 +7,7 @@ instead of three and two (the key and value GEMMs of grouped-query attention are
 x head_dim). The query heads sit under their key/value head (query head ``i`` uses key/value head
 ``i // q_per_kv``, as grouped-query attention groups them), so the fused weight splits on ``kv_heads``
 as the separate ones do: every rules table that shards ``heads`` and ``kv_heads`` over the same axes
-shards it. The fused dimensions are named ``qkv`` and ``gate_up`` (:mod:`jaxscale.layout.axes`), which
+shards it. The fused dimensions are named ``qkv`` and ``gate_up`` (:mod:`jaxscale.config.axes`), which
 no rules table maps: they stay whole on every device. The experts of an MoE block stay separate.
 
 :func:`fuse` and :func:`unfuse` convert a parameter tree (nested dicts of numpy or jax arrays, layers

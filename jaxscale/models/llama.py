@@ -7,7 +7,7 @@ carries the logical names of its dimensions (``out_sharding`` metadata) and
 the activations that decide communication are constrained by logical name
 through :func:`jaxscale.layout.sharding.constrain`.
 
-The logical axes are listed in :mod:`jaxscale.layout.axes`.
+The logical axes are listed in :mod:`jaxscale.config.axes`.
 
 The blocks are stacked (``nnx.vmap``, leading ``layers`` axis) and applied with
 ``nnx.scan`` so compile time does not grow with depth; each block is wrapped in
@@ -25,6 +25,7 @@ returns the losses' mean over the MoE layers, and the statistics per layer, next
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -36,8 +37,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.config import flops, stage_layers
+from jaxscale.config.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
 from jaxscale.config.read import Config, ModelConfig, RopeScaling
-from jaxscale.layout.axes import GATE_UP_AXES, KV_AXES, LOGITS, MLP_AXES, Q_AXES, QKV_AXES, RESIDUAL, W_GATE_UP, W_QKV
+from jaxscale.layout import offload
 from jaxscale.layout.sharding import constrain, lookup, stage
 from jaxscale.models import moe
 from jaxscale.models.attention import attention
@@ -72,9 +74,16 @@ def remat_policy(config: ModelConfig) -> Callable | None:
       namely input, q, k, v, output projection, gate, up; norms, attention and SwiGLU are
       recomputed.
     - ``full``: the layer input, B·h; the whole layer is recomputed.
-    - ``save_named``: the layer input and the ``checkpoint_name``s in ``model.remat_names``.
+    - ``save_named``: the layer input and the ``checkpoint_name``s in ``model.remat_names`` on the device,
+      those in ``model.remat_offload`` in host memory (:func:`jaxscale.layout.offload.remat_policy`).
+    - ``offload_dots``: ``save_dots``' matmul outputs in host memory, the layer input on the device, B·h
+      (:func:`jaxscale.layout.offload.dots_policy`); recomputed as ``save_dots``.
     """
     policies = jax.checkpoint_policies
+    if config.remat == "save_named" and config.remat_offload:
+        return offload.remat_policy(config.remat_names, config.remat_offload)
+    if config.remat == "offload_dots":
+        return offload.dots_policy(precision.WEIGHT_DOT)
     return {
         "none": None,
         "selective": None,
@@ -410,18 +419,18 @@ class Llama(nnx.Module):
         c = self.config
         x = self.embed(tokens)
 
-        def body(x: jax.Array, block: Block | Group) -> tuple[jax.Array, dict[str, jax.Array]]:
-            return block(x, positions)
+        def body(x: jax.Array, block: Block | Group, copies: fp8.Copies) -> tuple[jax.Array, dict[str, jax.Array]]:
+            with fp8.using(block, copies) if self.fp8_on else contextlib.nullcontext():
+                return block(x, positions)
 
         policy = remat_policy(c)
         if policy is not None:
             body = nnx.remat(body, policy=policy, prevent_cse=False)
         scan = nnx.scan(
-            body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
+            body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        if self.fp8_on:
-            fp8.prepare(self.blocks)  # the fp8 weights quantized once, outside the layers' remat
-        x, aux = scan(x, self.blocks)
+        # The fp8 weights made once (jaxscale.precision.fp8.prepare), outside the layers' remat: scanned inputs.
+        x, aux = scan(x, self.blocks, fp8.prepare(self.blocks) if self.fp8_on else {})
         return self.final_norm(x), self.stack_metrics(aux)
 
     def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, Any]:

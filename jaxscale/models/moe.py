@@ -73,8 +73,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.config.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config.read import Config, ModelConfig, MoEConfig
-from jaxscale.layout.axes import BUFFER, BUFFER_HIDDEN, RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.layout.sharding import active, constrain
 from jaxscale.models import balance
 from jaxscale.models.params import param

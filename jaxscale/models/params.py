@@ -1,6 +1,6 @@
 """The parameter initialisers: every parameter is created with the logical names of its dimensions.
 
-The names (``out_sharding`` metadata, :mod:`jaxscale.layout.axes`) are what the
+The names (``out_sharding`` metadata, :mod:`jaxscale.config.axes`) are what the
 rules table lays out; the model never names a device.
 """
 

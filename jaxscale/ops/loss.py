@@ -60,8 +60,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxscale.config.axes import HIDDEN
 from jaxscale.config.read import ConfigError
-from jaxscale.layout.axes import HIDDEN
 from jaxscale.layout.rules import TOKENS
 from jaxscale.layout.sharding import active, constrain, stated, vary
 from jaxscale.ops.routing import joined
@@ -73,7 +73,8 @@ SLICE_GRAD = ("embed", "vocab", None)  # ... its gradient, in the weight's own l
 BLOCK = ("batch", "length", "vocab", None)  # one block of logits [batch, length, shards, width]
 PER_SHARD = ("batch", "length", "vocab")  # running statistics, one per vocabulary shard [batch, length, shards]
 HIDDEN_PARTS = ("batch", "length", "vocab", None)  # the hidden states' gradient, one part per vocabulary shard
-HEAD_GRADIENT = "head_gradient"  # the named scope of the head gradient's instructions (hlo.scoped_bytes counts them)
+# The named scope of the head gradient's instructions (analysis/hlo_compute.py's scoped_bytes counts them).
+HEAD_GRADIENT = "head_gradient"
 
 
 def _vocab_shards() -> int:

@@ -7,10 +7,9 @@ this module sits below both ``models/`` and ``parallel/``.
 With ``precision.fp8`` on the experts' matmuls run in fp8: the weights are fp8 operands with a scale
 per expert (:class:`jaxscale.precision.fp8.Operand`), the buffers and hidden activations are quantized per tensor by
 ``f8`` (:class:`jaxscale.precision.fp8.Inputs`), the einsums of capacity dispatch by
-:func:`jaxscale.precision.fp8.einsum` and
-the grouped matmuls by :func:`jaxscale.precision.fp8_grouped.ragged`. Under ``blockwise`` the scales are per
-``1 x B`` tile and per ``B x B`` block of each expert's weight: :func:`jaxscale.precision.fp8_blockwise.einsum` (the
-expert a batch letter) and :func:`jaxscale.precision.fp8_blockwise_grouped.ragged`.
+their recipe's ``einsum`` and the grouped matmuls by its ``ragged`` (:func:`jaxscale.precision.fp8.kernels`).
+Under ``blockwise`` the scales are per ``1 x B`` tile and per ``B x B`` block of each expert's weight (the expert
+a batch letter of the capacity buffers' einsums).
 See :mod:`jaxscale.models.moe` for the routing rules (GShard's capacity
 priority, the auxiliary losses).
 """
@@ -28,7 +27,7 @@ from jax import lax
 from jaxscale.config.read import MoEConfig
 from jaxscale.layout.sharding import constrain
 from jaxscale.ops import lean
-from jaxscale.precision import fp8, fp8_blockwise_grouped, fp8_grouped
+from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
 
 METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # of route's statistics, the means over the MoE layers
@@ -203,10 +202,9 @@ def combine(out: jax.Array, routing: Routing) -> jax.Array:
 
 
 def _grouped_dot(f8: fp8.Inputs | None) -> Callable[..., jax.Array]:
-    """The grouped matmul ``(x, w, sizes) -> y``: ``lax.ragged_dot``, or in fp8 scaled per tensor or blockwise."""
-    if f8 is None:
-        return lax.ragged_dot
-    return fp8_blockwise_grouped.ragged if f8.recipe.mode == "blockwise" else fp8_grouped.ragged
+    """The grouped matmul ``(x, w, sizes) -> y``: ``lax.ragged_dot``, or its fp8 recipe's
+    (:func:`jaxscale.precision.fp8.kernels`)."""
+    return lax.ragged_dot if f8 is None else fp8.kernels(f8.recipe).ragged
 
 
 def grouped_swiglu(

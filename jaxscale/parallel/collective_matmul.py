@@ -43,39 +43,21 @@ Both functions run inside a ``jax.shard_map`` that is manual over ``axis``
 (one mesh axis or a tuple of them, ring-ordered as ``lax.all_gather`` orders
 them); the loop over steps is unrolled in Python (``t`` is a mesh size), so
 XLA sees every step and may schedule each transfer against the previous
-matmul. Per-tensor fp8 operands take :mod:`jaxscale.parallel.fp8_collective` (its own backward).
+matmul. fp8 operands take their recipe's rings (:func:`jaxscale.precision.fp8.kernels`, their own backward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.layout import collectives
+from jaxscale.layout.ring import AxisName, after, from_neighbour
 from jaxscale.precision import policy as precision
-
-AxisName = str | tuple[str, ...]
-T = TypeVar("T")
-
-
-def _from_neighbour(x: jax.Array, axis: AxisName, n: int, offset: int) -> jax.Array:
-    """Device ``i`` receives ``x`` of device ``i + offset`` (mod ``n``)."""
-    return lax.ppermute(x, axis, [(j, (j - offset) % n) for j in range(n)])
-
-
-def after(done: Any, then: T) -> T:
-    """``then`` unchanged, as a value XLA has only once ``done`` is computed: the ring's next partial matmul
-    reads it, so the ``t`` partial matmuls run one after another, each overlapping a transfer. Without it
-    XLA:GPU's dot merger joins them (they share the weight and none reads another) into one GEMM on the
-    whole gathered input that waits for every transfer; the collective-permutes, left nothing to overlap,
-    then run synchronously (``tests/test_compile_gpu_audit.py``). Autodiff transposes it into a barrier on
-    the cotangents, yet XLA:GPU 0.12 still merges the backward's partial matmuls here (the fp8 rings'
-    backward, written out in :mod:`jaxscale.parallel.fp8_collective`, keeps most of them apart)."""
-    return lax.optimization_barrier((done, then))[1]
+from jaxscale.precision.letters import letters
 
 
 def _varying_like(w: jax.Array, x: jax.Array, grads: jnp.dtype | None) -> jax.Array:
@@ -86,12 +68,6 @@ def _varying_like(w: jax.Array, x: jax.Array, grads: jnp.dtype | None) -> jax.Ar
     if not missing:
         return w
     return lax.pcast(w, missing, to="varying") if grads is None else collectives.vary(w, missing, jnp.dtype(grads))
-
-
-def _letters(equation: str) -> tuple[str, str, str]:
-    inputs, out = equation.replace(" ", "").split("->")
-    lhs, rhs = inputs.split(",")
-    return lhs, rhs, out
 
 
 def all_gather_matmul(
@@ -112,14 +88,14 @@ def all_gather_matmul(
     chunk = x.shape[dim]
     out_dims = []
     for eq, _ in weights:
-        lhs, _, out = _letters(eq)
+        lhs, _, out = letters(eq)
         out_dims.append(out.index(lhs[dim]))
     weights = [(eq, _varying_like(w, x, grads)) for eq, w in weights]
     outs: list[jax.Array | None] = [None] * len(weights)
     held = x
     for step in range(n):
         # Send on what this device holds before multiplying it, so the transfer can overlap the matmul.
-        following = _from_neighbour(held, axis, n, 1) if step < n - 1 else None
+        following = from_neighbour(held, axis, n, 1) if step < n - 1 else None
         start = ((me + step) % n) * chunk  # device i holds chunk (i + step) mod n
         parts = [precision.einsum(eq, held, w, grads) for eq, w in weights]
         for k, (part, d) in enumerate(zip(parts, out_dims, strict=True)):
@@ -143,7 +119,7 @@ def matmul_reduce_scatter(
     """
     n = lax.axis_size(axis)
     me = lax.axis_index(axis)
-    lhs, _, out = _letters(equation)
+    lhs, _, out = letters(equation)
     h_dim = lhs.index(out[dim])
     chunk = h.shape[h_dim] // n
     w = _varying_like(w, h, grads)
@@ -154,6 +130,6 @@ def matmul_reduce_scatter(
         part = precision.einsum(equation, lax.dynamic_slice_in_dim(h, start, chunk, h_dim), w, grads)
         acc = part if acc is None else acc + part
         if step < n - 1:
-            acc = _from_neighbour(acc, axis, n, -1)
+            acc = from_neighbour(acc, axis, n, -1)
             h = after(part, h)  # the next partial matmul after this one, while its sum travels
     return acc

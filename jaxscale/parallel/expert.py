@@ -68,8 +68,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxscale.config.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.config.read import MoEConfig
-from jaxscale.layout.axes import RESIDUAL, ROUTING, W_IN, W_OUT
 from jaxscale.layout.sharding import active, constrain, gather_shards, spec, stage
 from jaxscale.ops import routing as kernels
 from jaxscale.parallel import exchange
@@ -80,22 +80,17 @@ Weight = jax.Array | fp8.Operand
 
 def _specs(w: Weight, s: PartitionSpec) -> Weight:
     """The ``shard_map`` specs of an expert weight laid out as ``s``; of an fp8 one, its per-expert scales and
-    histories split as its experts, its output's history whole (blockwise: no e4m3 copy, quantized inside)."""
-    if not isinstance(w, fp8.Operand):
-        return s
+    histories split as its experts, its output's history whole."""
     experts = PartitionSpec(s[0])
-    q = None if w.quantized is None else fp8.Quantized(s, experts, experts)
-    return fp8.Operand(s, q, PartitionSpec(s[0], None), PartitionSpec(), w.recipe)
+    return fp8.mapped(
+        w, lambda _: s, scale=lambda _: experts, history=lambda _: PartitionSpec(s[0], None),
+        grad_history=lambda _: PartitionSpec(),
+    )
 
 
 def _gathered(w: Weight, s: PartitionSpec, keep: tuple[str, ...], grads: jnp.dtype | None) -> Weight:
     """:func:`gather_shards` of an expert weight; an fp8 one's float8 values gathered as they are (1 byte each)."""
-    if not isinstance(w, fp8.Operand):
-        return gather_shards(w, s, keep, grads)
-    if w.quantized is None:
-        return w.replace(value=gather_shards(w.value, s, keep, grads))
-    q = w.quantized._replace(q=gather_shards(w.quantized.q, s, keep))
-    return w.replace(value=gather_shards(w.value, s, keep, grads), quantized=q)
+    return fp8.mapped(w, lambda a: gather_shards(a, s, keep, grads), float8=lambda q: gather_shards(q, s, keep))
 
 
 class Exchange(NamedTuple):

@@ -219,7 +219,7 @@ def stage_of(plan: StagePlan) -> Stage:
     """What the code traced inside the stage's loop must know."""
     return Stage(plan.manual, plan.ring, plan.tensor, plan.split,
                  plan.sequence, expert=plan.expert,
-                 expert_mlp=plan.expert_mlp)
+                 expert_mlp=plan.expert_mlp, ulysses=plan.ulysses)
 
 
 def fsdp_of(place: Layout, plan: StagePlan, block_axes: list) -> Fsdp:
@@ -395,7 +395,7 @@ def differentiable(train: StageProgram, parts: Parts, mesh: Mesh,
     def pipelined_bwd(res: tuple, cotangents: tuple) -> tuple:
         # The gradients the loop computed, times the loss's cotangent (the
         # metrics are not differentiable); the histories' "gradients" are
-        # their updates (jaxscale/precision/fp8.py), as they are: the
+        # their updates (jaxscale/precision/fp8/state.py), as they are: the
         # blocks' and the head's.
         grads, new_histories = res
         g = cotangents[0]

@@ -32,7 +32,7 @@ early and one late chunk and does the same work: ``2c+1`` chunk-pair tiles
 against ``4i+3`` (up to ``4c−1``) with contiguous chunks. Fully masked tiles
 are skipped (``lax.switch``), the diagonal ones masked. The data path puts the
 tokens, targets and positions of each sequence in this order
-(:func:`~jaxscale.parallel.ring_tiles.sequence_order`), so the loss (a mean over tokens) is unchanged and
+(:func:`~jaxscale.parallel.ring_schedule.sequence_order`), so the loss (a mean over tokens) is unchanged and
 RoPE sees the true positions.
 
 **Packed documents** (``data.documents``: the positions restart at each document): a token's document is
@@ -74,10 +74,9 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale.layout.sharding import Axes, active, spec, spec_axes, stage
-from jaxscale.parallel.ring_tiles import ACROSS, FULL, SKIP, block_ids, tile_kind
+from jaxscale.parallel.ring_schedule import FULL, block_ids, document_starts, tile_kind, visible
 
 _NEG = float(np.finfo(np.float32).min)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
@@ -114,23 +113,6 @@ def _tile(x: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
 
 def _put(x: jax.Array, tile: jax.Array, i: jax.Array, block: int, axis: int) -> jax.Array:
     return lax.dynamic_update_slice_in_dim(x, tile, i * block, axis)
-
-
-def document_starts(positions: jax.Array, natural: jax.Array) -> jax.Array:
-    """The natural index where each token's document starts: ``natural`` (each token's index in the sequence's
-    natural order) less its ``positions`` [b, s] (restarting at 0 at each document, ``data.documents``)."""
-    return natural[None, :] - positions.astype(jnp.int32)
-
-
-def _visible(kind, q_starts: jax.Array, k_starts: jax.Array):
-    """``kind`` of a tile given its queries' and keys' document starts ([b, block] each; non-decreasing over
-    contiguous tokens, so a tile's documents are those between its least and greatest start): SKIP where no
-    query shares a document with a key, ``kind`` where every row's tile is in one document, else
-    ``kind + ACROSS`` (masked pair by pair)."""
-    q_lo, q_hi, k_lo, k_hi = q_starts.min(1), q_starts.max(1), k_starts.min(1), k_starts.max(1)
-    overlap = (q_lo <= k_hi) & (k_lo <= q_hi)
-    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
-    return jnp.where(overlap.any() & (kind != SKIP), jnp.where(one.all(), kind, kind + ACROSS), SKIP)
 
 
 def _branches(tile_fn, scale: float, documents: bool) -> list:
@@ -180,9 +162,9 @@ def _tile_docs(starts, i: jax.Array, j: jax.Array, block: int):
 
 def _kind(plan: _Ring, q_id, k_id, docs):
     """SKIP, DIAGONAL or FULL for a query tile against a key tile; with documents (``docs``) SKIP where none is
-    shared, and ``+ ACROSS`` where the tile spans a boundary (:func:`_visible`)."""
+    shared, and ``+ ACROSS`` where the tile spans a boundary (:func:`visible`)."""
     kind = tile_kind(q_id, k_id, plan.causal)
-    return kind if docs is None else _visible(kind, *docs)
+    return kind if docs is None else visible(kind, *docs)
 
 
 def _fold(q, k, v, q_ids, k_ids, state, plan: _Ring, starts=None):
@@ -406,12 +388,12 @@ def attention(
     manual over every mesh axis, with specs from the rules (``q_axes`` and
     ``kv_axes`` name the dimensions): the batch and heads stay where the rules
     put them, and with ``ring`` the sequence's mesh axes form the ring (their
-    sequence must be in :func:`~jaxscale.parallel.ring_tiles.sequence_order` when causal). Without ``ring``,
+    sequence must be in :func:`~jaxscale.parallel.ring_schedule.sequence_order` when causal). Without ``ring``,
     or outside ``use_rules``, it is blockwise attention over the whole sequence.
     """
     current, inside = active(), stage()
     if inside is not None:
-        return _in_manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
+        return manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
     if current is None:
         return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v, positions)
     mesh, place = current
@@ -427,12 +409,14 @@ def attention(
     return fn(q, k, v, positions)
 
 
-def _in_manual(
+def manual(
     q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None, axes: tuple[str, ...], *, causal: bool,
-    block: int, ring: bool, layout: str,
+    block: int, ring: bool = True, layout: str = "zigzag", gathered: bool = True,
 ) -> jax.Array:
     """:func:`attention` inside a ``shard_map`` manual over the ring's ``axes``: each device's blocks
-    are its own already (the sequence in :func:`~jaxscale.parallel.ring_tiles.sequence_order` when causal)."""
+    are its own already (the sequence in :func:`~jaxscale.parallel.ring_schedule.sequence_order` when causal).
+    With ``gathered`` (a pipeline stage's loop) the keys and values are all-gathered over the ring, else they
+    travel it by ``ppermute`` (USP's ring part: :mod:`jaxscale.parallel.ulysses`)."""
     if axes and not ring:
         raise ValueError(f"the sequence is split over the manual mesh axes {axes}: only ring attention sees all of it")
     mesh = jax.sharding.get_abstract_mesh()
@@ -442,4 +426,4 @@ def _in_manual(
     seq_len = q.shape[1] * cp
     varying = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))))
     plan = _plan(seq_len, cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
-    return _local(dataclasses.replace(plan, gathered=cp > 1), q, k, v, positions)
+    return _local(dataclasses.replace(plan, gathered=gathered and cp > 1), q, k, v, positions)

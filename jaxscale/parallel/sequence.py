@@ -36,8 +36,7 @@ With ``overlap=True`` (``model.tp_overlap``) the all-gather + einsums and the
 einsum + reduce-scatter become collective matmuls
 (:mod:`jaxscale.parallel.collective_matmul`): ring steps of ``ppermute``
 interleaved with partial matmuls, the same bytes, overlappable on GPU/TPU;
-on fp8 operands :mod:`jaxscale.parallel.fp8_collective`'s (per-tensor scales) or
-:mod:`jaxscale.parallel.fp8_blockwise_collective`'s (``blockwise``). It needs SP axes
+on fp8 operands their recipe's (:func:`jaxscale.precision.fp8.kernels`). It needs SP axes
 (:meth:`jaxscale.layout.rules.Layout.validate` says so at build); several SP axes form one ring over their product.
 
 **Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) no
@@ -56,9 +55,9 @@ Collective matmuls (``model.tp_overlap``) need the ``shard_map``: a stage refuse
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +66,6 @@ from jax.sharding import PartitionSpec
 
 from jaxscale.layout.rules import Stage
 from jaxscale.layout.sharding import Axes, active, constrain, gather_shards, is_axes, spec, stage
-from jaxscale.parallel import fp8_blockwise_collective, fp8_collective
 from jaxscale.parallel.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
@@ -100,41 +98,38 @@ def _shard_map(fn, args: Sequence[Any], in_axes: Sequence[Axes], out_axes: Axes 
 
 
 def _specs(x: Any, s: PartitionSpec) -> Any:
-    """The ``shard_map`` specs of an operand laid out as ``s``: an fp8 operand's scalars and histories whole."""
-    if not isinstance(x, fp8.Operand):
-        return s
+    """The ``shard_map`` specs of an operand laid out as ``s``: an fp8 operand's scales and histories whole."""
     whole = PartitionSpec()
-    q = None if x.quantized is None else fp8.Quantized(s, whole, whole)
-    history, grad_history = (None if h is None else whole for h in (x.history, x.grad_history))
-    return fp8.Operand(s, q, history, grad_history, x.recipe)
+    return fp8.mapped(x, lambda _: s, scale=lambda _: whole, history=lambda _: whole)
 
 
 def _arrays(fn: Callable[[jax.Array], jax.Array], x: Any) -> Any:
     """``fn`` applied to an operand's tensors: the array, or an fp8 operand's value and float8 values."""
-    if not isinstance(x, fp8.Operand):
-        return fn(x)
-    q = x.quantized
-    return x.replace(value=fn(x.value), quantized=None if q is None else q._replace(q=fn(q.q)))
+    return fp8.mapped(x, fn)
 
 
-def _readers(x: Any, n: int) -> list[Any]:
-    """``x`` for ``n`` projections that read it: an fp8 input's history updated by the first only
-    (:func:`jaxscale.precision.fp8.sharing`)."""
-    return fp8.sharing(x, n) if isinstance(x, fp8.Operand) else [x] * n
+class _Kind(NamedTuple):
+    """What an operand's kind runs: its collective matmuls and its readers."""
+
+    all_gather_matmul: Callable[..., Any]
+    matmul_reduce_scatter: Callable[..., Any]
+    readers: Callable[[Any, int], list[Any]]  # (x, n): x for n projections that read it
 
 
-def _fp8_ring(x: fp8.Operand) -> ModuleType:
-    """The collective matmuls of fp8 operand ``x``'s recipe: per-tensor scales, or blockwise."""
-    return fp8_blockwise_collective if x.recipe.mode == "blockwise" else fp8_collective
+def _kind(x: Any, grads: jnp.dtype | None) -> _Kind:
+    """Operand ``x``'s: its fp8 recipe's rings (:func:`jaxscale.precision.fp8.kernels`) and readers (the first
+    updates the history, :func:`jaxscale.precision.fp8.sharing`), or the plain rings (weight gradients in
+    ``grads``) and ``x`` itself ``n`` times."""
+    if isinstance(x, fp8.Operand):
+        ring = fp8.kernels(x.recipe)
+        return _Kind(ring.all_gather_matmul, ring.matmul_reduce_scatter, fp8.sharing)
+    gather, scatter = (functools.partial(f, grads=grads) for f in (all_gather_matmul, matmul_reduce_scatter))
+    return _Kind(gather, scatter, lambda x, n: [x] * n)
 
 
 def _gather_weight(w: Any, s: PartitionSpec, manual: tuple[str, ...], grads: jnp.dtype | None) -> Any:
     """:func:`gather_shards` of a weight; an fp8 weight's float8 values are gathered as they are (1 byte each)."""
-    if not isinstance(w, fp8.Operand):
-        return gather_shards(w, s, manual, grads)
-    q = w.quantized
-    q = None if q is None else q._replace(q=gather_shards(q.q, s, manual))
-    return w.replace(value=gather_shards(w.value, s, manual, grads), quantized=q)
+    return fp8.mapped(w, lambda a: gather_shards(a, s, manual, grads), float8=lambda q: gather_shards(q, s, manual))
 
 
 def column_parallel(
@@ -153,7 +148,7 @@ def column_parallel(
     if where is not None and where.sequence and any(_split(where, w_axes) for _, _, w_axes, _ in projections):
         x = _arrays(lambda a: lax.all_gather(a, where.sequence, axis=x_axes.index(SEQUENCE), tiled=True), x)
     if not manual:
-        pairs = zip(projections, _readers(x, len(projections)), strict=True)
+        pairs = zip(projections, _kind(x, grads).readers(x, len(projections)), strict=True)
         return [constrain(precision.einsum(eq, x, w, grads), out) for (eq, w, _, out), x in pairs]
     _, place = active()
     dim = x_axes.index(SEQUENCE)
@@ -162,12 +157,10 @@ def column_parallel(
     def body(x: Any, *ws: Any) -> tuple[jax.Array, ...]:
         pairs = zip(projections, ws, w_specs, strict=True)
         weights = [(eq, _gather_weight(w, s, manual, grads)) for (eq, *_), w, s in pairs]
-        if overlap and isinstance(x, fp8.Operand):
-            return tuple(_fp8_ring(x).all_gather_matmul(x, weights, manual, dim))
         if overlap:
-            return tuple(all_gather_matmul(x, weights, manual, dim, grads))
+            return tuple(_kind(x, grads).all_gather_matmul(x, weights, manual, dim))
         x = _arrays(lambda a: lax.all_gather(a, manual, axis=dim, tiled=True), x)
-        xs = _readers(x, len(weights))
+        xs = _kind(x, grads).readers(x, len(weights))
         return tuple(precision.einsum(eq, x, w, grads) for (eq, w), x in zip(weights, xs, strict=True))
 
     args = [_arrays(lambda a: constrain(a, x_axes), x), *(w for _, w, _, _ in projections)]
@@ -205,10 +198,8 @@ def row_parallel(
 
     def body(h: Any, w: Any) -> jax.Array:
         w = _gather_weight(w, w_spec, manual, grads)
-        if overlap and isinstance(h, fp8.Operand):
-            return _fp8_ring(h).matmul_reduce_scatter(equation, h, w, manual, dim)
         if overlap:
-            return matmul_reduce_scatter(equation, h, w, manual, dim, grads)
+            return _kind(h, grads).matmul_reduce_scatter(equation, h, w, manual, dim)
         y = precision.einsum(equation, h, w, grads)
         return lax.psum_scatter(y, manual, scatter_dimension=dim, tiled=True)
 

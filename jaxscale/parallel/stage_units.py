@@ -1,6 +1,8 @@
 """A pipeline stage's stacked units: one unit run on its input in a
-slot, a chunk of them, uneven stages' unused unit slots, the blocks' fp8
-copies, and each unit's gradient and amax history added where it is kept.
+slot (its fp8 weight copies in scope, :func:`jaxscale.precision.fp8.using`),
+a chunk of them, uneven stages' unused unit slots, the blocks' fp8 copies
+made once a step, and each unit's gradient and amax history added where it
+is kept.
 
 Uneven stages (``pipeline.layers_per_stage``) give every chunk as many
 unit slots as the largest; a chunk's unused slots are the identity
@@ -69,8 +71,8 @@ class Units:
         one of them, in fp32."""
         params = self.fsdp.gather(lp.params) if self.fsdp.visit else lp.params
         unit = nnx.merge(self.block_graph, params, lp.histories)
-        fp8.attach(unit, lp.copies)
-        y, metrics = unit(h, pos)
+        with fp8.using(unit, lp.copies):
+            y, metrics = unit(h, pos)
         return y, jax.tree.map(lambda a: jnp.asarray(a, F32), metrics)
 
     def layer(self, lp: Unit, h: jax.Array, pos: jax.Array) -> tuple:
@@ -138,14 +140,14 @@ class Units:
     def quantized(self, blocks: Unit) -> Any:
         """The e4m3 copies of the stage's fp8 weights, made once per step
         before the loop (:func:`jaxscale.precision.fp8.prepare`; none with
-        precision.fp8 off or blockwise), each varying over the loop's axes
-        as the weights do."""
+        precision.fp8 off), each varying over the loop's axes as the
+        weights do."""
         if not blocks.histories:
             return {}
         model = nnx.merge(self.block_graph, blocks.params, blocks.histories)
-        return jax.tree.map(
-            lambda q: q._replace(q=vary(q.q, self.rows)), fp8.prepare(model),
-            is_leaf=lambda q: isinstance(q, fp8.Quantized))
+        return {path: {name: q.mapped(lambda a: vary(a, self.rows), lambda a: a)
+                       for name, q in made.items()}
+                for path, made in fp8.prepare(model).items()}
 
     @staticmethod
     def add_unit_grad(acc: Any, chunk: jax.Array, k: jax.Array,

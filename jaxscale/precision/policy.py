@@ -50,11 +50,13 @@ import optax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-from jaxscale.config import dtypes
+from jaxscale.config import dtypes, selections
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.layout import rules as layout
+from jaxscale.layout import sharding
 from jaxscale.layout.collectives import lay_out
-from jaxscale.precision import fp8, fp8_blockwise
+from jaxscale.precision import fp8
+from jaxscale.precision.letters import letters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +96,7 @@ def takes_wide(config: Config) -> bool:
     (a gradient in :func:`weight_grads`, wider than the compute dtype, and the compute copy in the compute
     dtype: a wider weight can then only be the fp32 master the trainer differentiates,
     :attr:`jaxscale.training.trainer.Trainer.wide_grads`; a compute copy kept wider is cast before, as ever)."""
-    return weight_grads(config) is not None and policy(config).compute == jnp.dtype(config.model.dtype)
+    return selections.takes_wide(config)
 
 
 WEIGHT_DOT = "weight_dot"  # the name of an :func:`einsum` output that jax's dots_with_no_batch_dims policy saves
@@ -110,9 +112,8 @@ def einsum(
     that runs it, deferring the weight's gradient to the W slot, where the matmul is its weight gradient alone.
 
     With fp8 operands (:class:`jaxscale.precision.fp8.Operand`, ``precision.fp8`` on) the projection runs in fp8:
-    :func:`jaxscale.precision.fp8.einsum` (per-tensor scales) or :func:`jaxscale.precision.fp8_blockwise.einsum`; its
-    weight
-    gradient leaves the matmul in fp32. Its output is named :data:`WEIGHT_DOT` as below.
+    the einsum of its recipe's kernels (:func:`jaxscale.precision.fp8.kernels`); its weight gradient leaves the
+    matmul in fp32. Its output is named :data:`WEIGHT_DOT` as below.
 
     With ``grads``, a ``custom_vjp``: the input gradient as autodiff computes it, the weight gradient
     ``einsum(x, g, preferred_element_type=grads)``, summed over the mesh axes ``x`` varies over and
@@ -124,8 +125,8 @@ def einsum(
     A ``custom_vjp`` is one primitive to ``jax.checkpoint``'s policies: the output of an equation
     without batch letters is named :data:`WEIGHT_DOT`, which ``model.remat: save_dots`` saves.
     """
-    current = layout.ACTIVE.get()
-    split = current[1].stage.weights if current is not None and current[1].stage is not None else None
+    inside = sharding.stage()
+    split = inside.weights if inside is not None else None
     if split is not None:
         return split.einsum(equation, x, w, functools.partial(_projection, grads=grads))
     return _projection(equation, x, w, grads)
@@ -135,9 +136,9 @@ def _projection(
     equation: str, x: jax.Array | fp8.Operand, w: jax.Array | fp8.Operand, grads: jnp.dtype | None
 ) -> jax.Array:
     """:func:`einsum` as it runs outside a split slot."""
-    lhs, rhs, out = _letters(equation)
+    lhs, rhs, out = letters(equation)
     if isinstance(w, fp8.Operand):
-        y = (fp8.einsum if w.quantized is not None else fp8_blockwise.einsum)(equation, x, w)
+        y = fp8.kernels(w.recipe).einsum(equation, x, w)
     elif grads is None:
         return jnp.einsum(equation, x, w, out_sharding=out_sharding(equation, x, w))
     else:
@@ -153,23 +154,17 @@ def out_sharding(equation: str, x: jax.Array, w: jax.Array) -> PartitionSpec | N
     axes, or for an equation with an ellipsis: jax's own rules."""
     if "." in equation or not jax.sharding.get_abstract_mesh().are_all_axes_explicit:
         return None
-    lhs, rhs, out = _letters(equation)
+    lhs, rhs, out = letters(equation)
 
-    def axes(letters: str, a: jax.Array) -> dict[str, tuple[str, ...]]:
+    def axes(names: str, a: jax.Array) -> dict[str, tuple[str, ...]]:
         spec = tuple(jax.typeof(a).sharding.spec)
-        spec += (None,) * (len(letters) - len(spec))  # a spec may leave its last dimensions out
-        return {c: layout.part_axes(p) for c, p in zip(letters, spec, strict=True)}
+        spec += (None,) * (len(names) - len(spec))  # a spec may leave its last dimensions out
+        return {c: layout.part_axes(p) for c, p in zip(names, spec, strict=True)}
 
     mine = axes(lhs, x)
     used = {a for parts in mine.values() for a in parts}
     theirs = {c: tuple(a for a in parts if a not in used) for c, parts in axes(rhs, w).items()}
     return PartitionSpec(*(mine.get(c, theirs.get(c)) or None for c in out))
-
-
-def _letters(equation: str) -> tuple[str, str, str]:
-    inputs, out = equation.replace(" ", "").split("->")
-    lhs, rhs = inputs.split(",")
-    return lhs, rhs, out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -189,7 +184,7 @@ def _weight_einsum_backward(
     equation: str, grads: jnp.dtype, spec: PartitionSpec | None, saved: tuple, g: jax.Array
 ) -> tuple[jax.Array, ...]:
     x, w = saved
-    lhs, rhs, out = _letters(equation)
+    lhs, rhs, out = letters(equation)
     _, x_vjp = jax.vjp(lambda x: jnp.einsum(equation, x, w.astype(x.dtype), out_sharding=spec), x)
     # On explicit axes the weight's gradient is stated in the weight's layout (its contraction splits both sides).
     w_layout = None if spec is None else jax.typeof(w).sharding.spec

@@ -136,6 +136,9 @@ def hold(*directories: tuple[str | Path, str]) -> Iterator[None]:
 def run_directories(config: Config) -> list[tuple[Path, str]]:
     """What a run of ``config`` writes into and locks: ``run_dir``, and the checkpoint directory when used."""
     dirs = [(Path(config.run_dir).absolute(), "run_dir")]
-    if config.checkpoint.every or config.checkpoint.resume != "off":
+    ck = config.checkpoint
+    if ck.every or ck.continuous or ck.resume != "off":
         dirs.append((checkpoint_dir(config), "checkpoint.dir"))
+    if ck.fast_dir:
+        dirs.append((Path(ck.fast_dir).absolute(), "checkpoint.fast_dir"))
     return dirs

@@ -14,7 +14,9 @@ just dispatched is read too, then:
   Its ``{"step", "checkpoint"}`` record is logged once the save is committed
   (looked at every step, waited for at the end); a save that failed raises
   :class:`~jaxscale.checkpoint.store.CheckpointError` at the next step. The
-  directory is checked for writing before anything compiles;
+  directory is checked for writing before anything compiles. With ``checkpoint.continuous`` a save also starts
+  at every boundary where none is in flight, into ``checkpoint.fast_dir`` if set
+  (:mod:`jaxscale.checkpoint.continuous`);
 - SIGTERM or a first Ctrl-C (SIGINT): a checkpoint (when checkpointing is on), then a normal return
   (the ``preempted`` record names the signal; the command line exits 0 after SIGTERM, 130 after
   Ctrl-C); a second Ctrl-C exits at once (:class:`~jaxscale.checkpoint.store.Preemption`).
@@ -53,8 +55,8 @@ import jax
 import numpy as np
 
 from jaxscale.checkpoint import restack
+from jaxscale.checkpoint.continuous import Tiers
 from jaxscale.checkpoint.store import (
-    Checkpointer,
     CheckpointError,
     Preemption,
     Restored,
@@ -66,7 +68,8 @@ from jaxscale.config import flops
 from jaxscale.config.read import Config, ConfigError, check_writable, checkpoint_dir
 from jaxscale.config.stage_layers import Storage
 from jaxscale.data.batches import Loader
-from jaxscale.runtime import runlock
+from jaxscale.runtime import compile_cache, runlock
+from jaxscale.training import goodput
 from jaxscale.training import metrics as metrics_lib
 
 TrainState = Any  # jaxscale.training.trainer.TrainState: the loop only passes it on
@@ -118,16 +121,19 @@ def _fit(
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """:func:`fit` with the run's directories locked."""
     c, ck = trainer.config, trainer.config.checkpoint
-    if ck.every:
+    if ck.every or ck.continuous:
         check_writable(checkpoint_dir(c))  # before anything compiles, not at the first save
-    checkpointer = Checkpointer.from_config(c) if ck.every or ck.resume != "off" else None
+    checkpointer = Tiers.from_config(c) if ck.every or ck.continuous or ck.resume != "off" else None
     with Preemption() as preemption:  # from the start: a SIGTERM while compiling or saving waits for a boundary
         try:
-            given = state is not None
+            given, entered = state is not None, time.time()
             state, counters, resumed, removed, damaged = _start(trainer, checkpointer, state)
+            start_s = time.time() - entered
             last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
             run = _Run(trainer, checkpointer, counters, int(state.step), last, progress, resumed)
             run.fresh = not (given or resumed)
+            earlier = goodput.earlier(run.logger.path) if resumed and jax.process_index() == 0 else []
+            run.clock = goodput.Clock(entered, start_s, earlier, int(state.step))
             for line in damaged:
                 run.logger.log({"step": int(state.step), "event": "damaged_checkpoint", "message": line})
                 if jax.process_index() == 0:
@@ -155,7 +161,7 @@ def evaluate(
 
 
 def _start(
-    trainer: Trainer, checkpointer: Checkpointer | None, state: TrainState | None
+    trainer: Trainer, checkpointer: Tiers | None, state: TrainState | None
 ) -> tuple[Any, dict[str, int], bool, list[str], list[str]]:
     """The state to start from, the loop's counters, whether it was resumed, the uncommitted checkpoint
     directories removed, and a line for each damaged checkpoint passed over."""
@@ -194,7 +200,7 @@ class _Run:
     def __init__(
         self,
         trainer: Trainer,
-        checkpointer: Checkpointer | None,
+        checkpointer: Tiers | None,
         counters: dict[str, int],
         first: int,
         last: int,
@@ -215,7 +221,11 @@ class _Run:
             c.run_dir, t.steps, bar=progress, resume_step=resume_step, tensorboard=t.tensorboard
         )
         # Compiled only with a step to run: a finished run resumed says so without compiling.
+        before, start = compile_cache.counts(), time.perf_counter()
         self.step_fn, self.compile_s = trainer.compiled_guarded_step if first < last else (None, 0.0)
+        # This attempt's wait for its step (none where the trainer had it) and whether the persistent cache had it.
+        self.compile_wait_s, self.cache = time.perf_counter() - start, compile_cache.outcome(before)
+        self.clock: goodput.Clock | None = None  # set by _fit
         self.flops_per_step = trainer.flops_per_step if first < last else 0.0
         self.mark(first)
 
@@ -225,7 +235,7 @@ class _Run:
 
     def train(self, state: TrainState, preemption: Preemption) -> tuple[TrainState, list[dict[str, Any]]]:
         t, ck = self.trainer.config.train, self.trainer.config.checkpoint
-        saving = self.checkpointer is not None and ck.every > 0
+        saving = self.checkpointer is not None and (ck.every > 0 or ck.continuous)
         pending = None
         try:
             for step in range(self.first, self.last):
@@ -237,16 +247,17 @@ class _Run:
                 pending = (step, out)
                 done = step + 1
                 stop = preemption.reached(done)
-                save = saving and (done % ck.every == 0 or done == self.last or stop)
+                save = saving and ((ck.every and done % ck.every == 0) or done == self.last or stop)
+                quick = ck.continuous and not save and self.checkpointer.due(done)
                 evaluate = t.eval_every > 0 and (done % t.eval_every == 0 or done == t.steps)
-                if not (save or evaluate or stop or done == self.last):
+                if not (save or quick or evaluate or stop or done == self.last):
                     continue
                 self.account(*pending)
                 pending = None
                 if evaluate:
                     self.evaluate(done, state)
-                if save:
-                    self.save(done, state)
+                if save or quick:
+                    self.save(done, state, quick)
                 if stop:
                     self.log_committed(block=True)
                     self.logger.log({"step": done, "event": "preempted", "saved": save, "signal": preemption.signal})
@@ -296,6 +307,8 @@ class _Run:
             **{k: np.asarray(v).tolist() if np.ndim(v) else float(v)  # MoE load: a list, one per MoE layer
                for k, v in out.items() if k not in ("loss", "grad_norm", "finite")},
             **self.trainer.batches.metrics(self.last_step, step + 1),
+            **(self.clock.fields(step + 1 - self.last_step, step_time, self.compile_wait_s, self.cache)
+               if self.clock else {}),
         })
         self.last_time, self.last_step = now, step + 1
 
@@ -321,7 +334,7 @@ class _Run:
         self.logger.log({"step": done, "eval_loss": loss, **parts, "eval_s": time.perf_counter() - start})
         self.mark(done)
 
-    def save(self, done: int, state: TrainState) -> None:
+    def save(self, done: int, state: TrainState, quick: bool = False) -> None:
         assert self.checkpointer is not None
         if not all_finite(state):
             raise NonFiniteError(
@@ -333,7 +346,7 @@ class _Run:
         loop = {"skipped_updates": self.skipped, "skipped_in_a_row": self.in_a_row,
                 restack.KEY: self.trainer.storage.to_dict()}
         try:
-            self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict())
+            self.checkpointer.save(done, state, data, loop, self.trainer.config.to_dict(), quick)
         except CheckpointError:  # the save before failed (orbax waits for it first)
             self.log_saved(self.checkpointer.saved_before_failure)
             raise

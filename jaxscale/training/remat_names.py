@@ -43,13 +43,18 @@ def marked(jaxpr: Jaxpr | ClosedJaxpr) -> set[str]:
 
 
 def check(jaxpr: Jaxpr | ClosedJaxpr, model: ModelConfig) -> None:
-    """Raise a one-line :class:`ConfigError` if ``model.remat_names`` holds a name the step does not mark."""
-    if not model.remat_names:
+    """Raise a one-line :class:`ConfigError` if ``model.remat_names`` or ``model.remat_offload`` holds a name
+    the step does not mark."""
+    if not model.remat_names and not model.remat_offload:
         return
     names = marked(jaxpr)
-    unknown = [n for n in model.remat_names if n not in names]
+    for key, listed in (("remat_names", model.remat_names), ("remat_offload", model.remat_offload)):
+        _check(key, [n for n in listed if n not in names], names)
+
+
+def _check(key: str, unknown: list[str], names: set[str]) -> None:
     if unknown:
         raise ConfigError(
-            f"model.remat_names: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not the "
+            f"model.{key}: {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not the "
             f"checkpoint_name of any activation of this model (its names: {', '.join(sorted(names)) or 'none'})"
         )

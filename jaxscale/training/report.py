@@ -98,7 +98,12 @@ def current_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """:func:`current_records` of a ``metrics.jsonl``. A last line cut short (a run killed while writing
+    """:func:`current_records` of a ``metrics.jsonl`` (:func:`parse_records`)."""
+    return current_records(parse_records(path))
+
+
+def parse_records(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` as written. A last line cut short (a run killed while writing
     it) is left out; any other line that is not a JSON record is a :class:`ConfigError` naming it."""
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -117,7 +122,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
             records.append(record)
         elif number < len(lines):  # a complete line (a newline follows it)
             raise ConfigError(f"{path}: line {number} is not a metrics record: {line[:60]!r}")
-    return current_records(records)
+    return records
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

@@ -35,10 +35,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 
-from jaxscale.config import flops, stage_layers
+from jaxscale.config import flops, refusals, selections, stage_layers
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.data.batches import Loader, check_data, make_loader
-from jaxscale.layout import collectives, explicit, stage_plan
+from jaxscale.layout import collectives, offload, stage_plan
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import (
     Layout,
@@ -53,13 +53,13 @@ from jaxscale.layout.sharding import (
     use_rules,
 )
 from jaxscale.models import balance, builtin, contract, moe
-from jaxscale.models.attention import resolved, sequence_order
+from jaxscale.models.attention import resolved, ring_tiles, sequence_order
 from jaxscale.ops.loss import microbatch_weights, model_objective, stage_head_loss
-from jaxscale.parallel import pipeline
+from jaxscale.parallel import pipeline, ring_balance
 from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
 from jaxscale.runtime import xla_flags
-from jaxscale.training import forward, loop, remat_names
+from jaxscale.training import forward, loop, muon_layout, remat_names
 from jaxscale.training.optim import make_optimizer, schedule
 
 BATCH_AXES = ("batch", "length")
@@ -73,7 +73,7 @@ class TrainState(NamedTuple):
     step: jax.Array
     params: Any
     opt_state: Any
-    fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/precision/fp8.py); empty with precision.fp8=off
+    fp8: Any = {}  # noqa: RUF012  fp8 amax histories (jaxscale/precision/fp8/state.py); empty with precision.fp8=off
     master: Any = {}  # noqa: RUF012  the master weights (jaxscale/precision/policy.py); empty when params are the only copy
     balance: Any = {}  # noqa: RUF012  MoE routing biases (jaxscale/models/balance.py); empty with model.moe.balance=off
 
@@ -133,13 +133,14 @@ class Trainer:
         *,
         model: ModelFactory | None = None,
         objective: Objective | None = None,
-        optimizer: optax.GradientTransformation | None = None,
+        optimizer: optax.GradientTransformation | Callable[[Any], optax.GradientTransformation] | None = None,
     ) -> Trainer:
         """Validate the layout against the devices and build the trainer; compiles nothing.
 
         ``model``: ``factory(config, rngs) -> nnx.Module`` (docs/models.md; default: the built-in models).
         ``objective``: ``(model, batch) -> (loss, metrics)`` (default: :func:`jaxscale.ops.loss.model_objective`,
-        or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``); its
+        or the pipeline's). ``optimizer``: any optax transformation (default: AdamW of ``train.*``), or a function
+        of the parameters' logical axes that returns one (``functools.partial(jaxscale.training.muon.muon, 3e-3)``); its
         state is laid out by the rules' ``optimizer`` section.
         """
         if config.model.remat == "auto":
@@ -151,12 +152,13 @@ class Trainer:
         config = resolved(config, mesh, rules)  # model.attention: auto -> the kernel these devices run
         factory = model or builtin.build
         layout = layout_of(mesh, rules)
-        explicit.check(config, layout)  # what mesh.axis_types=explicit does not serve yet
-        stage_plan.check_layers(layout, config)  # before the stack's storage is laid out from the list
+        layout.validate(config)  # every layout error and refusal, before the stack's storage is laid out
         storage = stage_layers.storage(config, layout.stages)
         # No context mesh here: nnx.eval_shape would read the logical names as mesh axes (Trainer.scope sets it).
         graphdef, canonical, axes, parts = abstract_model(config, factory)
         abstract_params = jax.eval_shape(storage.place_params, canonical)
+        if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
+            optimizer = optimizer(axes)
         trainer = cls(
             config, mesh, rules, graphdef, abstract_params, axes, optimizer or make_optimizer(config.train, axes),
             factory, parts, objective, optimizer is not None,
@@ -176,12 +178,14 @@ class Trainer:
                     raise ConfigError(f"{where}: {e}") from None
                 check_divisible(where, leaf.shape, axes, part, self.mesh)
         self._check_contract()
+        if self.rules.muon:  # Muon's owner layouts named by the rules (jaxscale/training/muon_layout.py)
+            muon_layout.check(self.layout, named_params(self.abstract_params, self.axes))
         t = self.config.train
         micro = t.global_batch // t.microbatches
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
-        layout_of(self.mesh, self.rules).validate(self.config, self.blocks)
+        self.layout.validate(self.config, self.blocks)  # again, for this model's own blocks (a stage's plan)
         traced = jax.make_jaxpr(self.jit_step)(self.abstract_state(), self.abstract_batch())
         remat_names.check(traced, self.config.model)  # names the traced step marks
 
@@ -201,12 +205,8 @@ class Trainer:
                     "cross-entropy on the last stage"
                 )
             contract.require(self.parts, contract.PIPELINE, name, why)
-            fp8 = self.config.precision.fp8
-            if fp8 != "off" and {"prefix", "ahead"} & self.parts:
-                raise ConfigError(
-                    f"{why}: precision.fp8={fp8} with model {name}'s prefix or ahead, which run outside the "
-                    "pipeline's stack: the loop keeps fp8 amax histories for the stack only"
-                )
+        context = refusals.Context(self.config, self.layout, parts=frozenset(self.parts), model_name=name)
+        refusals.check(context, needs=("model",))
 
     @property
     def blocks(self) -> stage_plan.Blocks:
@@ -240,17 +240,12 @@ class Trainer:
     def wide_grads(self) -> bool:
         """Whether the step differentiates the fp32 master (``precision.grads_reduce`` wide, bf16 compute), not
         the bf16 compute copy (its cast): the weight-gradient matmuls' fp32 output
-        (:func:`jaxscale.precision.policy.einsum`
-        casts the weight inside) then reaches the optimizer as it is, where the compute copy's gradient would
-        round it to bf16 and the update widen it again. The layers read fp32 weights (their bf16 cast fused
-        into each use) and no bf16 gradient is held. Only where no cross-device sum touches a gradient and the
-        master is whole (no axis splits the tokens, no sequence parallelism, no pipeline: one device or
-        tensor parallelism only), for
-        the built-in model without fp8 (its projections cast inside that einsum)."""
-        config, place = self.config, self.layout
-        if not (self.policy.two_copies and precision.takes_wide(config) and self.builtin_model):
-            return False
-        return not (place.token_axes or place.sequence_axes or self.pipelined or config.precision.fp8 != "off")
+        (:func:`jaxscale.precision.policy.einsum` casts the weight inside) then reaches the optimizer as it is,
+        where the compute copy's gradient would round it to bf16 and the update widen it again. The layers read
+        fp32 weights (their bf16 cast fused into each use) and no bf16 gradient is held. A silent selection of
+        five conditions (:func:`jaxscale.config.selections.wide_grads`): no cross-device sum touches a gradient
+        and the master is whole, for the built-in model without fp8 (its projections cast inside that einsum)."""
+        return selections.wide_grads(self.config, self.layout, self.builtin_model)
 
     @cached_property
     def flops_per_step(self) -> float:
@@ -277,19 +272,24 @@ class Trainer:
 
         def map_state() -> None:
             # Traced, so that optax's placeholder init runs no eager op (nothing compiles here).
+            # A leaf masked by optax.partition or optax.masked (Muon's AdamW share) holds no state.
             found["opt"] = optax.tree_map_params(
                 self.optimizer,
-                lambda _, s: s,
+                lambda v, s: v if isinstance(v, optax.MaskedNode) else s,
                 self._shapes.opt_state,
                 self.param_shardings("optimizer"),
                 transform_non_params=lambda _: replicated,
+                is_leaf=lambda v: isinstance(v, optax.MaskedNode),
             )
 
         jax.eval_shape(map_state)
         fp8_state = jax.tree.map(lambda _: replicated, self._shapes.fp8)
         master = self.param_shardings("optimizer") if self.policy.two_copies else {}
+        opt = found["opt"]
+        if self.config.precision.offload_state:  # in host memory between steps (jaxscale/layout/offload.py)
+            opt, master = offload.on_host((opt, master))
         bias = jax.tree.map(lambda _: replicated, self._shapes.balance)
-        return TrainState(replicated, self.param_shardings("params"), found["opt"], fp8_state, master, bias)
+        return TrainState(replicated, self.param_shardings("params"), opt, fp8_state, master, bias)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
@@ -454,38 +454,50 @@ class Trainer:
         (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
         return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
 
-    def _train_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
+    def _train_step(
+        self, state: TrainState, batch: dict[str, jax.Array], guard: bool = False
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """One step; ``guard``: the master and optimizer state kept where the loss or gradient is not finite
+        (``finite`` in the metrics), decided on the device, before an offloaded state goes back to the host."""
         weights = state.master if self.wide_grads else state.params  # the compute copy is the master's cast
         loss, grads, aux, fp8_state = self._grads(weights, batch, state.fp8, state.balance)
+        held = (state.master, state.opt_state)
+        host = self.state_shardings.master, self.state_shardings.opt_state
+        if self.config.precision.offload_state:  # from host memory to the device, after the backward
+            held = offload.fetch(held, host)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
         params, master, opt_state, grads_o = precision.update(
-            self.policy, self.optimizer, grads, state.params, state.master, state.opt_state,
-            self.param_shardings("optimizer"),
+            self.policy, self.optimizer, grads, state.params, *held, self.param_shardings("optimizer"),
         )
+        grad_norm = optax.tree.norm(grads_o)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        if guard:
+            master, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (master, opt_state), held)
+        if self.config.precision.offload_state:
+            master, opt_state = offload.store((master, opt_state), host)
         if self.config.mesh.axis_types == "explicit":  # the new compute copy in its layout (auto: by out_shardings)
             params = collectives.lay_out(params, self.param_shardings("params"))
         layers = aux.pop("moe_layers", {})
         bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
         load = moe.load_metrics(layers) if layers else {}
-        out = {"loss": loss, "grad_norm": optax.tree.norm(grads_o), **aux, **load}
+        out = {"loss": loss, "grad_norm": grad_norm, **aux, **load}
         if not self.custom_optimizer:  # the rate of train.*'s schedule (a custom optimizer's is its own)
             out["lr"] = schedule(self.config.train)(state.step)
+        if guard:
+            out["finite"] = finite
         return TrainState(state.step + 1, params, opt_state, fp8_state, master, bias), out
 
     def _guarded_step(self, state: TrainState, batch: dict[str, jax.Array]) -> tuple[TrainState, dict[str, jax.Array]]:
         """The train step, keeping the old parameters and optimizer state where the loss or gradient is not finite."""
-        new, out = self._train_step(state, batch)
-        finite = jnp.isfinite(out["loss"]) & jnp.isfinite(out["grad_norm"])
+        new, out = self._train_step(state, batch, guard=True)
 
         def keep(n: jax.Array, o: jax.Array) -> jax.Array:
-            return jnp.where(finite, n, o)
+            return jnp.where(out["finite"], n, o)
 
         params = jax.tree.map(keep, new.params, state.params)
-        opt_state = jax.tree.map(keep, new.opt_state, state.opt_state)
         fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
-        master = jax.tree.map(keep, new.master, state.master)
         bias = jax.tree.map(keep, new.balance, state.balance)
-        return TrainState(new.step, params, opt_state, fp8_state, master, bias), {**out, "finite": finite}
+        return TrainState(new.step, params, new.opt_state, fp8_state, new.master, bias), out
 
     @cached_property
     def jit_step(self) -> Any:
@@ -546,11 +558,17 @@ class Trainer:
 
     @cached_property
     def batches(self) -> Loader:
-        return make_loader(self.config, "train", self.sequence_order)
+        return make_loader(self.config, "train", self.sequence_order, self.ring_balance)
 
     @cached_property
     def eval_batches(self) -> Loader:
-        return make_loader(self.config, "eval", self.sequence_order)
+        return make_loader(self.config, "eval", self.sequence_order, self.ring_balance)
+
+    @property
+    def ring_balance(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """``data.ring_balance``: each row's documents arranged for the ring's size and tile, or None."""
+        tiles = ring_tiles(self.config, self.mesh, self.rules)
+        return None if tiles is None else functools.partial(ring_balance.arranged, cp=tiles[0], block=tiles[1])
 
     @cached_property
     def sequence_order(self) -> np.ndarray | None:

@@ -2,7 +2,7 @@
 
 Rows ``x`` [m, K], sorted by expert, ``sizes`` [G] rows each, through per-expert weights ``w`` [G, K, N]
 (:func:`jaxscale.ops.routing.grouped_swiglu`), with ``B = precision.fp8_block``, as
-:mod:`jaxscale.precision.fp8_blockwise` reads a projection:
+:mod:`jaxscale.precision.fp8.blockwise` reads a projection:
 
 - forward: ``x`` in ``1 x B`` tiles along K (e4m3; a tile is one row's, so rows of two experts never
   share one, wherever the experts' boundaries fall), each expert's weight in ``B x B`` blocks (e4m3, a
@@ -16,12 +16,12 @@ Rows ``x`` [m, K], sorted by expert, ``sizes`` [G] rows each, through per-expert
   the contracted rows: ``[T, K, N]`` fp32 partial products (``T = ceil(m/B) + G`` bounds the tiles), each
   times its two tiles' scales, summed over each expert's tiles.
 
-The cost is :mod:`jaxscale.precision.fp8_blockwise`'s: fp32 partial products of ``4·K/B`` (forward), ``4·N/B`` (dx)
+The cost is :mod:`jaxscale.precision.fp8.blockwise`'s: fp32 partial products of ``4·K/B`` (forward), ``4·N/B`` (dx)
 and ``4·(m/B + G)/G`` (dw, per expert) bytes per output element, written and summed outside the GEMM.
 jax lowers ``ragged_dot_general`` to XLA's ragged dot on GPU (``chlo.ragged_dot``) and, on CPU, to a dense
 dot of the operands masked per group (G, or T, times the operand: the numerics are fp8's, not the speed).
 Rows past ``sum(sizes)`` (other devices' experts) give zeros and no weight gradient. Amaxes as
-:mod:`jaxscale.precision.fp8_blockwise`'s: current per tile; the per-tensor (per-expert for weights) amaxes pushed.
+:mod:`jaxscale.precision.fp8.blockwise`'s: current per tile; the per-tensor (per-expert for weights) amaxes pushed.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.precision.fp8 import E4M3, E5M2, Operand, Recipe, cast, pushed, scale_of
-from jaxscale.precision.fp8_blockwise import blocks, tiles
-from jaxscale.precision.fp8_grouped import WGRAD, Static
+from jaxscale.precision.fp8.blockwise import blocks, tiles
+from jaxscale.precision.fp8.grouped import WGRAD, Static
+from jaxscale.precision.fp8.operand import Deferred, Operand, pushed
+from jaxscale.precision.fp8.scaling import E4M3, E5M2, Recipe, cast, scale_of
 
 # [K/B, m, B] rows (ragged over m) times [K/B, G, B, N] experts' weights: the K/B slices a batch.
 _SLICED = lax.RaggedDotDimensionNumbers(
@@ -128,8 +129,9 @@ def _backward(static: Static, saved: tuple, g: jax.Array) -> tuple[Operand, Oper
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices the rows are split over
         dw = lax.psum(dw, summed)
-    dx_op = Operand(dx.astype(static.x_dtype), None, pushed(x_history, x_amax), None, recipe)
-    dw_op = Operand(dw.astype(static.w_dtype), None, pushed(w_history, qw.amax), pushed(g_history, qg.amax), recipe)
+    dx_op = Operand(dx.astype(static.x_dtype), Deferred(), pushed(x_history, x_amax), None, recipe)
+    dw_history, g_history = pushed(w_history, qw.amax), pushed(g_history, qg.amax)
+    dw_op = Operand(dw.astype(static.w_dtype), Deferred(), dw_history, g_history, recipe)
     return dx_op, dw_op, None
 
 

@@ -14,10 +14,10 @@ A batch letter (the routed experts' ``e`` of the capacity buffers, ``becd,edf->b
 stack of matrices, one per expert: tiles of that expert's rows, blocks and a weight amax per expert (its
 history ``[experts, steps]``), the tokens of the weight gradient's tiles padded with zero rows to a whole
 tile (a buffer holds ``batch x capacity`` rows). The dropless experts' grouped matmuls:
-:mod:`jaxscale.precision.fp8_blockwise_grouped`.
+:mod:`jaxscale.precision.fp8.blockwise_grouped`.
 
 Each scale maps its tile's amax (times ``2^margin``) to the format's largest value, as
-:func:`jaxscale.precision.fp8.scale_of`: scaling is current, per tile, so nothing waits on a history; the
+:func:`jaxscale.precision.fp8.scaling.scale_of`: scaling is current, per tile, so nothing waits on a history; the
 per-tensor amaxes are still pushed into the module's histories (the state keeps one shape for every mode).
 
 The matmul: ``dot_general`` of the float8 operands split into ``K/B`` slices of ``B`` (a batched fp8 GEMM,
@@ -43,12 +43,29 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.config.read import ConfigError
-from jaxscale.precision.fp8 import E4M3, E5M2, Operand, Quantized, Recipe, cast, letters, pushed, scale_of
+from jaxscale.precision.fp8.operand import Deferred, Operand, pushed
+from jaxscale.precision.fp8.scaling import E4M3, E5M2, Quantized, Recipe, cast, scale_of
+from jaxscale.precision.letters import letters, split
+
+
+def ahead(a: jax.Array, history: jax.Array, recipe: Recipe) -> Deferred:
+    """Nothing made ahead of the kernels: each tiles its operands itself (an activation or a weight)."""
+    return Deferred()
+
+
+def residual(x: Operand) -> jax.Array:
+    """What a weight gradient reads of input ``x``: its compute-dtype values (tiled along the tokens for it)."""
+    return x.value
+
+
+def restored(x: Operand, kept: jax.Array) -> Operand:
+    """Input ``x`` read from what was kept of it (:func:`residual`), without its history (pushed already)."""
+    return x.replace(value=kept, history=None)
 
 
 def tiles(a: jax.Array, block: int, fmt: Any, margin: int) -> Quantized:
     """``a`` [M, K] in ``fmt`` with one scale per ``1 x block`` tile (scale [M, K/block]); amax: the device's
-    part's (:func:`jaxscale.precision.fp8.pushed` takes the tensor's)."""
+    part's (:func:`jaxscale.precision.fp8.operand.pushed` takes the tensor's)."""
     m, k = a.shape
     amax = jnp.max(jnp.abs(a.astype(jnp.float32)).reshape(m, k // block, block), axis=-1)
     s = scale_of(amax, fmt, margin)
@@ -90,18 +107,6 @@ class _Shape(NamedTuple):
     w_dtype: Any
     x_shape: tuple[int, ...]
     w_shape: tuple[int, ...]
-
-
-def split(equation: str) -> tuple[str, str, str, str]:
-    """The letters of ``equation``: batch (in both operands and the output: the experts'), free in ``x``,
-    contracted, free in ``w``."""
-    lhs, rhs, out = letters(equation)
-    shared = [c for c in lhs if c in rhs]
-    if set(lhs + rhs) - set(out + "".join(shared)):
-        raise ValueError(f"blockwise fp8 einsum {equation!r}: a letter summed over in one operand only")
-    batch = "".join(c for c in shared if c in out)
-    contract = "".join(c for c in shared if c not in out)
-    return batch, "".join(c for c in lhs if c not in rhs), contract, "".join(c for c in rhs if c not in lhs)
 
 
 def matrix(a: jax.Array, have: str, batch: str, rows: str, cols: str) -> jax.Array:
@@ -189,8 +194,8 @@ def _backward(shape: _Shape, saved: tuple, g: jax.Array) -> tuple[Operand, Opera
     dx = tensor(dx, sizes, batch + free_x + contract, lhs).astype(shape.x_dtype)
     dw = tensor(dw, sizes, batch + contract + free_w, rhs).astype(shape.w_dtype)
     return (
-        Operand(dx, None, pushed(x_history, x_amax), None, shape.recipe),
-        Operand(dw, None, pushed(w_history, qw.amax), pushed(g_history, jnp.max(qg.amax)), shape.recipe),
+        Operand(dx, Deferred(), pushed(x_history, x_amax), None, shape.recipe),
+        Operand(dw, Deferred(), pushed(w_history, qw.amax), pushed(g_history, jnp.max(qg.amax)), shape.recipe),
     )
 
 

@@ -1,11 +1,11 @@
-"""Blockwise FP8 collective matmuls: the rings of :mod:`jaxscale.parallel.fp8_collective` with a scale per tile.
+"""Blockwise FP8 collective matmuls: the rings of :mod:`jaxscale.precision.fp8.collective` with a scale per tile.
 
-``precision.fp8: blockwise`` (:mod:`jaxscale.precision.fp8_blockwise`, tiles and blocks of ``B``) under
+``precision.fp8: blockwise`` (:mod:`jaxscale.precision.fp8.blockwise`, tiles and blocks of ``B``) under
 ``model.tp_overlap``. A tile is one token's ``B`` elements along the contraction (``1 x B``) or, for a
 weight gradient, ``B`` consecutive tokens of one sequence (``B x 1``); with ``B`` dividing each device's
 part of the sequence (:meth:`jaxscale.layout.rules.Layout.validate`) every tile lies in one device's chunk. Each
 device quantizes its own chunk, and the ring passes float8 chunks with their fp32 scales (a chunk's scales
-travel with it): the tiles are the plain collectives' (:func:`jaxscale.precision.fp8_blockwise.einsum` on the
+travel with it): the tiles are the plain collectives' (:func:`jaxscale.precision.fp8.blockwise.einsum` on the
 gathered arrays), so the step quantizes as theirs does. One ``custom_vjp`` around each collective matmul.
 
 - :func:`all_gather_matmul`: the input chunk in ``1 x B`` tiles along the contraction (the forward's t
@@ -19,7 +19,7 @@ gathered arrays), so the step quantizes as theirs does. One ``custom_vjp`` aroun
 
 Bytes: a chunk crosses the ring in two float8 tilings and their scales, ``2·(1 + 4/B)`` bytes an element
 (B = 128: 2.06), about the bf16 ring's 2. Each ring step's block dot is
-:func:`jaxscale.precision.fp8_blockwise.block_dot`
+:func:`jaxscale.precision.fp8.blockwise.block_dot`
 on the chunk (a batched fp8 GEMM over the K/B slices and its fp32 partial products, as there). The histories
 get one push per step each.
 """
@@ -34,10 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.parallel.collective_matmul import AxisName
-from jaxscale.parallel.fp8_collective import _chunk, _place, _reduce_scattered, _ring
-from jaxscale.precision.fp8 import E4M3, E5M2, Operand, Quantized, Recipe, letters, pushed
-from jaxscale.precision.fp8_blockwise import block_dot, blocks, matrix, split, tensor, tiles, transposed
+from jaxscale.layout.ring import AxisName, chunk, place, reduce_scattered, ring
+from jaxscale.precision.fp8.blockwise import block_dot, blocks, matrix, tensor, tiles, transposed
+from jaxscale.precision.fp8.operand import Deferred, Operand, pushed
+from jaxscale.precision.fp8.scaling import E4M3, E5M2, Quantized, Recipe
+from jaxscale.precision.letters import letters, split
 
 
 class _Static(NamedTuple):
@@ -75,7 +76,7 @@ class _Letters(NamedTuple):
         return self.sizes | {self.rows[-1]: length}
 
 
-def _letters(static: _Static, seq: str) -> list[_Letters]:
+def _equations(static: _Static, seq: str) -> list[_Letters]:
     found = []
     for equation, w_shape in zip(static.equations, static.w_shapes, strict=True):
         lhs, rhs, out = letters(equation)
@@ -127,10 +128,10 @@ def _pass_around(chunk: tuple, axis: AxisName, dim: int, use: Callable[..., Any]
 
     def one(index: jax.Array, held: tuple) -> Any:
         q, s, qt, st = held
-        gathered[:] = [_place(g, a, index, dim, n) for g, a in zip(gathered, (qt, st), strict=True)]
+        gathered[:] = [place(g, a, index, dim, n) for g, a in zip(gathered, (qt, st), strict=True)]
         return use(index, q, s)
 
-    _ring(chunk, axis, one)
+    ring(chunk, axis, one)
     return gathered
 
 
@@ -148,7 +149,7 @@ def _gather(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tuple[jax.A
 def _gather_forward(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tuple[tuple, tuple]:
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
     seq = letters(static.equations[0])[0][static.dim]
-    eqs = _letters(static, seq)
+    eqs = _equations(static, seq)
     first = eqs[0]
     if any((e.rows, e.contract) != (first.rows, first.contract) for e in eqs):
         raise ValueError(f"blockwise fp8 collective matmul {static.equations}: the input read two ways")
@@ -162,7 +163,7 @@ def _gather_forward(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tup
         parts = [tensor(_dot(q, s, qw, b), eq.sizes, eq.rows + eq.cols, eq.out).astype(static.x_dtype)
                  for eq, qw in zip(eqs, qws, strict=True)]
         for k, (eq, part) in enumerate(zip(eqs, parts, strict=True)):
-            outs[k] = _place(outs[k], part, index, eq.out.index(seq), n)
+            outs[k] = place(outs[k], part, index, eq.out.index(seq), n)
         return parts
 
     gathered = _pass_around((qx.q, qx.scale, qxt.q, qxt.scale), static.axis, len(dims), use)
@@ -174,7 +175,7 @@ def _gather_forward(static: _Static, x: Operand, ws: tuple[Operand, ...]) -> tup
 def _gather_backward(static: _Static, saved: tuple, gs: tuple[jax.Array, ...]) -> tuple:
     xt, x_amax, x_history, weights = saved
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
-    eqs = _letters(static, letters(static.equations[0])[0][static.dim])
+    eqs = _equations(static, letters(static.equations[0])[0][static.dim])
     tiled = [
         _tiled(matrix(g, e.out, "", e.rows, e.cols), [g.shape[e.out.index(c)] for c in e.rows], b, E5M2, margin)
         for e, g in zip(eqs, gs, strict=True)
@@ -183,17 +184,17 @@ def _gather_backward(static: _Static, saved: tuple, gs: tuple[jax.Array, ...]) -
     def dx_chunk(index: jax.Array) -> jax.Array:
         parts = []
         for eq, (qg, _), (qw, _, _) in zip(eqs, tiled, weights, strict=True):
-            q, s = (_chunk(a, index, len(eq.rows) - 1, n) for a in (qg.q, qg.scale))
+            q, s = (chunk(a, index, len(eq.rows) - 1, n) for a in (qg.q, qg.scale))
             dx = tensor(_dot(q, s, qw, b, transpose=True), eq.sizes, eq.rows + eq.contract, eq.lhs)
             parts.append(dx.astype(static.x_dtype))
         return sum(parts[1:], parts[0])
 
-    dx = _reduce_scattered(dx_chunk, static.axis)
+    dx = reduce_scattered(dx_chunk, static.axis)
     dws = []
     for eq, (qg, qgt), (qw, history, g_history), dtype in zip(eqs, tiled, weights, static.w_dtypes, strict=True):
         dw = _weight_grad(xt, qgt, qw, eq, b, dtype)
-        dws.append(Operand(dw, None, pushed(history, qw.amax), pushed(g_history, qg.amax), static.recipe))
-    return Operand(dx, None, pushed(x_history, x_amax), None, static.recipe), tuple(dws)
+        dws.append(Operand(dw, Deferred(), pushed(history, qw.amax), pushed(g_history, qg.amax), static.recipe))
+    return Operand(dx, Deferred(), pushed(x_history, x_amax), None, static.recipe), tuple(dws)
 
 
 _gather.defvjp(_gather_forward, _gather_backward)
@@ -211,7 +212,7 @@ def _scatter(static: _Static, h: Operand, w: Operand) -> jax.Array:
 
 def _scatter_forward(static: _Static, h: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
-    (eq,) = _letters(static, letters(static.equations[0])[2][static.dim])
+    (eq,) = _equations(static, letters(static.equations[0])[2][static.dim])
     h2 = matrix(h.value, eq.lhs, "", eq.rows, eq.contract)
     qh = tiles(h2, b, E4M3, margin)
     dims = [eq.sizes[c] for c in eq.rows]
@@ -219,32 +220,32 @@ def _scatter_forward(static: _Static, h: Operand, w: Operand) -> tuple[jax.Array
     qw = blocks(matrix(w.value, eq.rhs, "", eq.contract, eq.cols), b, E4M3, margin)
 
     def part(index: jax.Array) -> jax.Array:
-        qc, sc = (_chunk(a, index, len(dims) - 1, n) for a in (q, s))
+        qc, sc = (chunk(a, index, len(dims) - 1, n) for a in (q, s))
         y = tensor(_dot(qc, sc, qw, b), eq.chunk(dims[-1] // n), eq.rows + eq.cols, eq.out)
         return y.astype(static.x_dtype)
 
-    y = _reduce_scattered(part, static.axis)
+    y = reduce_scattered(part, static.axis)
     return y, (h2, qw, qh.amax, h.history, w.history, w.grad_history)
 
 
 def _scatter_backward(static: _Static, saved: tuple, g: jax.Array) -> tuple[Operand, Operand]:
     h2, qw, h_amax, h_history, w_history, g_history = saved
     n, b, margin = lax.axis_size(static.axis), static.recipe.block, static.recipe.margin
-    (eq,) = _letters(static, letters(static.equations[0])[2][static.dim])
+    (eq,) = _equations(static, letters(static.equations[0])[2][static.dim])
     dims = [g.shape[eq.out.index(c)] for c in eq.rows]  # this device's chunk of the sequence
     qg, qgt = _tiled(matrix(g, eq.out, "", eq.rows, eq.cols), dims, b, E5M2, margin)
     dh: list[jax.Array | None] = [None]
 
     def use(index: jax.Array, q: jax.Array, s: jax.Array) -> jax.Array:
         part = tensor(_dot(q, s, qw, b, transpose=True), eq.chunk(dims[-1]), eq.rows + eq.contract, eq.lhs)
-        dh[0] = _place(dh[0], part.astype(static.x_dtype), index, eq.lhs.index(eq.rows[-1]), n)
+        dh[0] = place(dh[0], part.astype(static.x_dtype), index, eq.lhs.index(eq.rows[-1]), n)
         return part
 
     gathered = _pass_around((qg.q, qg.scale, qgt.q, qgt.scale), static.axis, len(dims), use)
     qht = tiles(transposed(h2), b, E4M3, margin)  # B x 1 along the tokens: [K, M]
     dw = _weight_grad(qht, qgt._replace(q=gathered[0], scale=gathered[1]), qw, eq, b, static.w_dtypes[0])
-    dh_op = Operand(dh[0], None, pushed(h_history, h_amax), None, static.recipe)
-    dw_op = Operand(dw, None, pushed(w_history, qw.amax), pushed(g_history, qg.amax), static.recipe)
+    dh_op = Operand(dh[0], Deferred(), pushed(h_history, h_amax), None, static.recipe)
+    dw_op = Operand(dw, Deferred(), pushed(w_history, qw.amax), pushed(g_history, qg.amax), static.recipe)
     return dh_op, dw_op
 
 

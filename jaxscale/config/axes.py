@@ -12,7 +12,9 @@ dispatched buffers). Parameters: ``vocab, embed, heads, kv_heads, head_dim,
 mlp, expert, expert_mlp, layers``; multi-head latent attention's latent widths ``q_lora`` and
 ``kv_lora`` (the latents' activations, the down projections' outputs and the latent norms) and
 ``q_lora_up``, ``kv_lora_up`` (the up projections' latent input: parameters only, so FSDP can
-shard them where the down projections' ``embed`` already holds its axes).
+shard them where the down projections' ``embed`` already holds its axes). ``ulysses`` names no array's
+dimension: it names the trailing mesh axes of ``length`` over which attention trades the sequence for the heads
+by all-to-all (Ulysses; the rest of ``length``'s axes form the ring: :mod:`jaxscale.parallel.ulysses`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 LOGICAL_AXES = (
     "batch", "length", "norm_length", "act_embed", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
     "expert", "expert_mlp", "expert_batch", "layers", "qkv", "gate_up", "q_lora", "kv_lora", "q_lora_up",
-    "kv_lora_up",
+    "kv_lora_up", "ulysses",
 )
 RESIDUAL = ("batch", "norm_length", "act_embed")  # the residual stream, between the blocks
 HIDDEN = ("batch", "length", "act_embed")  # the final hidden states, whole sequences (the chunked loss)
@@ -32,7 +34,7 @@ LOGITS = ("batch", "length", "vocab")
 # Fused projections (model.fused_projections, jaxscale/models/fusion.py): ``qkv`` and ``gate_up`` index the
 # fused parts; MLA's up projections' latent inputs came after rules files were written: a rules table need not
 # map these (unmapped: whole on every device).
-WHOLE_AXES = ("qkv", "gate_up", "q_lora_up", "kv_lora_up")
+WHOLE_AXES = ("qkv", "gate_up", "q_lora_up", "kv_lora_up", "ulysses")
 W_QKV = ("embed", "kv_heads", "qkv", "head_dim")
 QKV_AXES = ("batch", "length", "kv_heads", "qkv", "head_dim")
 W_GATE_UP = ("embed", "gate_up", "mlp")

@@ -1,7 +1,11 @@
-"""Ring attention's tile schedule (:mod:`jaxscale.parallel.ring_attention`): which
-chunks of a sequence each device of a ring holds (zig-zag or contiguous), the global
-id of each tile, whether a query tile against a key tile is skipped, masked on its
-diagonal or computed in full, and how many of each a device runs.
+"""The ring's tile schedule: which chunks of a sequence each device of a ring holds, and which tiles of
+scores it skips, masks or computes in full (causally, and across packed documents).
+
+The sequence is cut into ``2·cp`` chunks; under ``zigzag`` device ``i`` holds chunks ``i`` and ``2cp−1−i``
+(one early, one late: the causal work is even), under ``contiguous`` chunks ``2i`` and ``2i+1``. A tile is
+``block`` tokens of one chunk, named by its index in the sequence's natural order; a query tile against a key
+tile is skipped (all in the future), masked (the diagonal) or full. With packed documents a tile's documents
+are named by where they start (:func:`document_starts`), and :func:`visible` refines the kind.
 """
 
 from __future__ import annotations
@@ -55,3 +59,20 @@ def tile_counts(cp: int, seq_len: int, block: int, causal: bool = True, layout: 
             kinds = tile_kind(ids[me][:, None], ids[(me - step) % cp][None, :], causal)
             counts[me] += np.bincount(np.broadcast_to(kinds, (ids.shape[1],) * 2).ravel(), minlength=3)
     return counts
+
+
+def document_starts(positions: jax.Array, natural: jax.Array) -> jax.Array:
+    """The natural index where each token's document starts: ``natural`` (each token's index in the sequence's
+    natural order) less its ``positions`` [b, s] (restarting at 0 at each document, ``data.documents``)."""
+    return natural[None, :] - positions.astype(jnp.int32)
+
+
+def visible(kind, q_starts: jax.Array, k_starts: jax.Array):
+    """``kind`` of a tile given its queries' and keys' document starts ([b, block] each; non-decreasing over
+    contiguous tokens, so a tile's documents are those between its least and greatest start): SKIP where no
+    query shares a document with a key, ``kind`` where every row's tile is in one document, else
+    ``kind + ACROSS`` (masked pair by pair)."""
+    q_lo, q_hi, k_lo, k_hi = q_starts.min(1), q_starts.max(1), k_starts.min(1), k_starts.max(1)
+    overlap = (q_lo <= k_hi) & (k_lo <= q_hi)
+    one = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    return jnp.where(overlap.any() & (kind != SKIP), jnp.where(one.all(), kind, kind + ACROSS), SKIP)

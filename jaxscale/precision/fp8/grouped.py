@@ -1,15 +1,15 @@
 """FP8 grouped matmuls: the dropless experts' ``lax.ragged_dot`` on float8 operands, forward and backward.
 
 Rows ``x`` [m, d], sorted by expert, with ``sizes`` [G] rows each, through per-expert weights ``w``
-[G, d, f]: ``y[r] = x[r] · w[g(r)]`` (:func:`jaxscale.models.routing.grouped_swiglu`). As
-:func:`jaxscale.precision.fp8.einsum`, one ``custom_vjp`` that hands float8 arrays to the matmuls:
+[G, d, f]: ``y[r] = x[r] · w[g(r)]`` (:func:`jaxscale.ops.routing.grouped_swiglu`). As
+:func:`jaxscale.precision.fp8.per_tensor.einsum`, one ``custom_vjp`` that hands float8 arrays to the matmuls:
 
 - forward: ``ragged_dot(q_x, q_w)`` on e4m3 operands in fp32, row ``r`` times ``s_x · s_w[g(r)]``: the
-  activation scaled per tensor, each expert's weight by its own scale (:func:`jaxscale.precision.fp8.stacked`);
+  activation scaled per tensor, each expert's weight by its own scale (:func:`jaxscale.precision.fp8.scaling.stacked`);
 - backward: the output gradient in e5m2 (per tensor); ``dx = ragged_dot(q_g, q_wᵀ)`` row ``r`` times
   ``s_g · s_w[g(r)]``, and ``dw[g] = Σ_{r in g} q_x[r]ᵀ q_g[r]`` (``ragged_dot_general``, ragged over
   the contracted rows) times ``s_x · s_g``: e5m2 against e4m3, never e5m2 x e5m2;
-- residuals: the e4m3 operands, the histories' pushes as :mod:`jaxscale.precision.fp8`'s.
+- residuals: the e4m3 operands, the histories' pushes as :mod:`jaxscale.precision.fp8.per_tensor`'s.
 
 Rows past ``sum(sizes)`` (other devices' experts) give zeros and no weight gradient.
 """
@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxscale.precision.fp8 import E5M2, Operand, Quantized, Recipe, pushed, quantize
+from jaxscale.precision.fp8.operand import Operand, pushed
+from jaxscale.precision.fp8.per_tensor import NONE
+from jaxscale.precision.fp8.scaling import E5M2, Recipe, quantize
 
 # dw[g] = x[rows of g]ᵀ · g[rows of g]: the rows contracted, ragged over the groups (blockwise's row tiles too).
 WGRAD = lax.RaggedDotDimensionNumbers(
@@ -33,7 +35,7 @@ WGRAD = lax.RaggedDotDimensionNumbers(
 
 class Static(NamedTuple):
     """What a grouped fp8 matmul's custom VJP fixes when traced (here and in
-    :mod:`jaxscale.precision.fp8_blockwise_grouped`)."""
+    :mod:`jaxscale.precision.fp8.blockwise_grouped`)."""
 
     recipe: Recipe
     x_dtype: Any
@@ -72,9 +74,9 @@ def _backward(static: Static, saved: tuple, g: jax.Array) -> tuple[Operand, Oper
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(qw.q).mat.varying))
     if summed:  # inside a shard_map: the partial weight gradients of the devices the rows are split over
         dw = lax.psum(dw, summed)
-    none, recipe = Quantized(None, None, None), static.recipe
-    dx_op = Operand(dx.astype(static.x_dtype), none, pushed(x_history, qx.amax), None, recipe)
-    dw_op = Operand(dw.astype(static.w_dtype), none, pushed(w_history, qw.amax), pushed(g_history, qg.amax), recipe)
+    recipe = static.recipe
+    dx_op = Operand(dx.astype(static.x_dtype), NONE, pushed(x_history, qx.amax), None, recipe)
+    dw_op = Operand(dw.astype(static.w_dtype), NONE, pushed(w_history, qw.amax), pushed(g_history, qg.amax), recipe)
     return dx_op, dw_op, None
 
 

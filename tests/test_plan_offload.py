@@ -1,0 +1,58 @@
+"""The planner's activation offload (``model.remat: offload_dots``, ``jaxscale/analysis/host_link.py``): the
+device keeps what ``full`` keeps, the backward recomputes what ``save_dots``' does, and the transfers over the
+cluster's host link cost what the compute does not hide."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxscale.analysis import host_link, plan, strategy
+from jaxscale.analysis.cluster import load_cluster
+from jaxscale.analysis.params import param_table
+from jaxscale.config.read import load_config
+
+SEQ = 8192
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    config = load_config(None, ["model=llama3-8b"])
+    return config.model, param_table(config)
+
+
+def evaluate(llama8b, remat: str, *cluster: str):
+    m, params = llama8b
+    link = ["host_bandwidth=55.0e9", *cluster]  # PCIe Gen5 (configs/clusters/h100.yaml)
+    return plan.evaluate(m, params, plan.Strategy(fsdp=8, remat=remat), SEQ, load_cluster("h100", link))
+
+
+def test_offload_dots_moves_save_dots_activations_off_the_device(llama8b):
+    """Llama 3 8B, fsdp=8, one sequence of 8192 a device: per layer and token q (4096), k and v (1024 each),
+    the attention projection (4096), gate and up (14336 each) in bf16 go to the host, 20.4 GB a step."""
+    m, params = llama8b
+    moved = m.layers * SEQ * (4096 + 2 * 1024 + 4096 + 2 * 14336) * 2
+    layout = plan.Strategy(fsdp=8, remat="offload_dots")
+    model, step = strategy.model_for(m, layout), strategy.step_for(layout, SEQ)
+    assert host_link.offloaded_bytes(model, params, strategy.placement(layout), step) == moved
+    dots, offload, full = (evaluate(llama8b, r) for r in ("save_dots", "offload_dots", "full"))
+    assert offload.memory["activations"] == full.memory["activations"]
+    assert dots.memory["activations"] - offload.memory["activations"] == moved
+    # 20.4 GB at 55 GB/s (0.37 s) each way hides behind the forward and the backward: save_dots' time.
+    assert offload.time["recompute"] == dots.time["recompute"] < full.time["recompute"]
+
+
+def test_a_slow_host_link_costs_what_the_compute_does_not_hide(llama8b):
+    dots, slow = evaluate(llama8b, "save_dots"), evaluate(llama8b, "offload_dots", "host_bandwidth=5.0e9")
+    assert slow.time["recompute"] > dots.time["recompute"]
+    assert host_link.exposed_seconds(10.0, 1.0, forward=4.0, backward=8.0) == (10 - 4) + (10 - 8)
+    assert host_link.exposed_seconds(10.0, 5.0, forward=4.0, backward=8.0) == 0.0
+
+
+def test_the_plan_considers_offload_only_over_a_known_host_link(llama8b):
+    m, _ = llama8b
+    without = load_cluster("h100")
+    with_link = dataclasses.replace(without, host_bandwidth=55.0e9)
+    assert "offload_dots" in {s.remat for s in plan.layouts(m, with_link, SEQ)}
+    assert "offload_dots" not in {s.remat for s in plan.layouts(m, without, SEQ)}
