@@ -8,8 +8,10 @@ import sys
 import pytest
 from helpers import tiny_config
 
-from jaxscale.config.read import MESH_AXES, ConfigError
+from jaxscale.config.read import MESH_AXES, ConfigError, PipelineConfig
+from jaxscale.layout import stage_plan
 from jaxscale.layout.rules import Layout, Rules, part_axes
+from jaxscale.layout.stage_plan import Blocks, StagePlan
 
 MOE = ("model.moe={experts: 8, top_k: 2}",)
 
@@ -125,6 +127,17 @@ def refuse(layout: Layout, match: str, *overrides: str) -> None:
     assert "\n" not in str(info.value)
 
 
+def plan(layout: Layout, blocks: list, experts: str | None = None, fsdp: str = "step") -> StagePlan:
+    """The stage plan of a model whose blocks' parameters have these logical axes."""
+    return stage_plan.plan(layout, PipelineConfig(fsdp=fsdp), Blocks(tuple(blocks), experts))
+
+
+def manual(layout: Layout, blocks: list, experts: str | None = None, fsdp: str = "step") -> tuple[str, ...]:
+    """The mesh axes of size > 1 (and ``stage``) a stage's loop is manual over."""
+    found = plan(layout, blocks, experts, fsdp)
+    return (*found.rows, *found.tensor)
+
+
 def test_what_a_stage_makes_manual_and_when_it_skips_idle_slots():
     """The loop is manual over stage, the batch axes, context and, where nothing else would be left to the
     partitioner, TP's axes: then idle slots are skipped. FSDP's fsdp, which splits block parameters on
@@ -132,39 +145,67 @@ def test_what_a_stage_makes_manual_and_when_it_skips_idle_slots():
     batch axis splitting a parameter dimension with tensor, leaves axes to the partitioner: masked slots."""
     blocks = [("layers", "embed", "heads", "head_dim")]
     layout = on("pp_tp_cp", stage=2, data=2, context=2)
-    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context")
-    assert not layout.stage_partitioned(blocks, moe=False)  # the ring gathers: no permute in a conditional
+    assert manual(layout, blocks) == ("stage", "data", "fsdp", "context")
+    assert plan(layout, blocks).skip  # the ring gathers: no permute in a conditional
     layout = on("pp_tp_cp", stage=2, context=2, tensor=2)
-    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context", "tensor")
-    assert layout.stage_tensor_axes(blocks, moe=False) == ("tensor",)
-    assert not layout.stage_partitioned(blocks, moe=False)
-    assert not on("pp", stage=2, data=4).stage_partitioned(blocks, moe=False)
+    assert manual(layout, blocks) == ("stage", "data", "fsdp", "context", "tensor")
+    assert plan(layout, blocks).tensor == ("tensor",)
+    assert plan(layout, blocks).skip
+    # Skipping, the size-1 axes are manual too, after the others.
+    assert plan(layout, blocks).manual == ("stage", "data", "fsdp", "context", "tensor", "expert")
+    assert plan(on("pp", stage=2, data=4), blocks).skip
     layout = on("pp_fsdp_tp_cp", stage=2, fsdp=2, context=2)
-    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "context")
-    assert layout.stage_gathered_axes(blocks, moe=False) == ("fsdp",)
-    assert on("pp_fsdp_tp", stage=2, context=2).stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp")
-    assert not on("pp_fsdp", stage=2, fsdp=4).stage_partitioned(blocks, moe=False)
+    assert manual(layout, blocks) == ("stage", "data", "fsdp", "context")
+    assert plan(layout, blocks).gathered == ("fsdp",)
+    assert manual(on("pp_fsdp_tp", stage=2, context=2), blocks) == ("stage", "data", "fsdp")
+    assert plan(on("pp_fsdp", stage=2, fsdp=4), blocks).skip
     layout = on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2)
-    assert layout.stage_manual_axes(blocks, moe=False) == ("stage", "data", "fsdp", "tensor")
-    assert layout.stage_gathered_axes(blocks, moe=False) == ("fsdp",)
-    assert layout.stage_free_axes(blocks, moe=False) == ()
+    assert manual(layout, blocks) == ("stage", "data", "fsdp", "tensor")
+    assert (plan(layout, blocks).gathered, plan(layout, blocks).free) == (("fsdp",), ())
+    # pipeline.fsdp=tick: fsdp left to the partitioner, and tensor with it; idle slots masked.
+    ticked = plan(layout, blocks, fsdp="tick")
+    assert (ticked.rows, ticked.gathered, ticked.free, ticked.skip) == (("stage", "data"), (), ("fsdp", "tensor"),
+                                                                        False)
     # A batch axis that splits a block parameter with an axis outside the batch stays with the partitioner,
     # and tensor with it.
     mixed = on(edited("pp_fsdp_tp", heads=["fsdp", "tensor"]), stage=2, fsdp=2, tensor=2)
-    assert mixed.stage_manual_axes(blocks, moe=False) == ("stage", "data")
-    assert mixed.stage_gathered_axes(blocks, moe=False) == ()
-    assert mixed.stage_free_axes(blocks, moe=False) == ("fsdp", "tensor")
-    assert on("pp_fsdp", stage=2, fsdp=4).stage_manual_axes(blocks, moe=True) == ("stage",)
-    assert on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2).stage_free_axes(blocks, moe=True) == ("fsdp", "tensor")
+    assert manual(mixed, blocks) == ("stage", "data")
+    assert plan(mixed, blocks).gathered == ()
+    assert plan(mixed, blocks).free == ("fsdp", "tensor")
+    assert manual(on("pp_fsdp", stage=2, fsdp=4), blocks, "partitioner") == ("stage",)
+    assert plan(on("pp_fsdp_tp", stage=2, fsdp=2, tensor=2), blocks, "partitioner").free == ("fsdp", "tensor")
+    # A model whose projections do not write TP's collectives (no explicit_tp) leaves tensor to the partitioner.
+    own = stage_plan.plan(layout, PipelineConfig(), Blocks(tuple(blocks), explicit_tp=False))
+    assert (own.tensor, own.free) == ((), ("tensor",))
     # Explicit experts (model.moe.impl=shard_map): as a dense model, the experts kept split over expert (never
     # gathered); FSDP's embed gathered; with SP (sequences split) tensor stays free.
     experts = [*blocks, ("layers", "expert", "embed", "expert_mlp")]
     ep = on(edited("pp_ep", embed="fsdp", expert_mlp="tensor", heads="tensor"), stage=2, expert=2, fsdp=2, tensor=2)
-    assert ep.stage_manual_axes(experts, moe=False, experts=True) == ("stage", "data", "fsdp", "expert", "tensor")
-    assert (ep.stage_expert_axes(experts, True), ep.stage_gathered_axes(experts, moe=False)) == (("expert",), ("fsdp",))
-    assert ep.stage_expert_axes(experts, False) == ()
-    assert on("pp_tp_sp", stage=2, tensor=2).stage_free_axes(experts, moe=False, experts=True) == ("tensor",)
-    assert on("pp_tp_sp", stage=2, tensor=2).stage_free_axes(experts, moe=False) == ()
+    assert manual(ep, experts, "shard_map") == ("stage", "data", "fsdp", "expert", "tensor")
+    assert (plan(ep, experts, "shard_map").expert, plan(ep, experts).gathered) == (("expert",), ("fsdp",))
+    assert plan(ep, experts, "shard_map").expert_mlp == ("tensor",)
+    assert plan(ep, experts).expert == ()
+    assert plan(on("pp_tp_sp", stage=2, tensor=2), experts, "shard_map").free == ("tensor",)
+    assert plan(on("pp_tp_sp", stage=2, tensor=2), experts).free == ()
+
+
+def test_validate_and_the_pipeline_plan_one_stage():
+    """Layout.validate reads the pipeline settings it is given: pipeline.fsdp=tick leaves fsdp to the
+    partitioner, which explicit experts cannot run beside, refused there (once read as step, it was refused
+    only when the step was traced); and the model's own parts (no explicit_tp: tensor left to the
+    partitioner), as the pipeline's build reads them."""
+    layout = on("pp_fsdp", stage=2, fsdp=4)
+    explicit = (*MOE, "model.moe.impl=shard_map")
+    layout.validate(tiny_config(*explicit))
+    refuse(layout, r"^rules 'pp_fsdp': model\.moe\.impl=shard_map inside a pipeline stage needs the stage's loop "
+           r"manual over every mesh axis, but \['fsdp'\] would stay with the partitioner \(sequence parallelism, "
+           r"pipeline\.fsdp=tick", *explicit, "pipeline.fsdp=tick")
+    layout.validate(tiny_config(*MOE, "model.moe.impl=partitioner", "pipeline.fsdp=tick"))
+    config = tiny_config(*explicit)
+    tp = on("pp_fsdp_tp", stage=2, tensor=2)
+    tp.validate(config)  # a built-in model's blocks: their projections write TP's collectives
+    with pytest.raises(ConfigError, match=r"^rules 'pp_fsdp_tp': .* but \['tensor'\] would stay with the partitioner"):
+        tp.validate(config, Blocks.of(config.model, explicit_tp=False))
 
 
 def test_pipeline_errors():

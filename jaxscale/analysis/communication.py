@@ -80,7 +80,8 @@ from jaxscale.analysis.flows import Flow, flow
 from jaxscale.analysis.param_flows import param_flows
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_ticks, stack_layers
 from jaxscale.config.read import ModelConfig, MoEConfig
-from jaxscale.layout.rules import Layout, stage_moe
+from jaxscale.layout.rules import Layout
+from jaxscale.layout.stage_plan import assumed
 
 # The max/mean rows a device sends an expert shard in the dropless exchange, as the planner assumes it: a router
 # balanced by its bias or auxiliary loss (measured per layer at run time: the moe load metrics).
@@ -115,12 +116,11 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     # uneven stages: the slots, as masked ones run; DeepSeek's prediction depths: one block each
     layers = (stack_layers(m, step) + layers_run(m) - m.layers) / layout.ways(("layers",))
     flows: list[Flow] = []
-    blocks = [p.axes for p in params if p.in_layers]
-    flags = stage_moe(m)
-    gathered = layout.stage_gathered_axes(blocks, flags["moe"])
-    stage_tensor = layout.stage_tensor_axes(blocks, **flags) if layout.pipelined else ()
+    stage = assumed(layout, m, [p.axes for p in params if p.in_layers])
+    gathered = stage.gathered
+    stage_tensor = stage.tensor if layout.pipelined else ()
     whole = bool(stage_tensor)  # the stage holds the embedding and head whole over its manual TP axes
-    masked = layout.stage_partitioned(blocks, **flags)
+    masked = not stage.skip
     for p in params:
         flows += param_flows(p, m, layout, step, bsh, gathered, stage_tensor, masked)
 

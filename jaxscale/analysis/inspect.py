@@ -26,8 +26,8 @@ from jaxscale.analysis.predict import predict
 from jaxscale.analysis.xla import compile_step, memory, state_bytes
 from jaxscale.config import selections
 from jaxscale.config.schema import Config
-from jaxscale.layout.rules import stage_moe
 from jaxscale.layout.sharding import named_params
+from jaxscale.layout.stage_plan import assumed
 from jaxscale.models import builtin
 
 
@@ -37,7 +37,7 @@ def branch_runs(trainer: Any) -> Taken | None:
     (their conditionals then run the head and the embedding's gradient on every stage where one needs them)."""
     params, layout, step = trainer_inputs(trainer)
     blocks = [p.axes for p in params if p.in_layers]
-    if not layout.pipelined or layout.stage_partitioned(blocks, **stage_moe(trainer.config.model)):
+    if not layout.pipelined or not assumed(layout, trainer.config.model, blocks).skip:
         return None
     return busy_slots(pipeline_table(layout, step))
 

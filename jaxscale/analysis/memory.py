@@ -82,7 +82,8 @@ from jaxscale.analysis.blocks import mlp_per_token, moe_layers
 from jaxscale.analysis.params import Param, Step, dtype_bytes, layer_elems, pipeline_table, split, stack_layers
 from jaxscale.config.axes import LOGITS, MLP_AXES, RESIDUAL
 from jaxscale.config.read import ModelConfig
-from jaxscale.layout.rules import TOKENS, Layout, stage_moe
+from jaxscale.layout.rules import TOKENS, Layout
+from jaxscale.layout.stage_plan import StagePlan, assumed
 
 
 def attention_tile(m: ModelConfig, layout: Layout, seq_len: int) -> int:
@@ -316,7 +317,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     gradients waiting for a backward (``Table.act_slots``, ``grad_slots``; XLA:CPU holds two buffers
     per slot across a tick, as compiled), and the backward slot's copy of its chunk's inputs; its
     accumulators and copies: :func:`_pipeline_state`. With FSDP inside a stage
-    (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`) and ``pipeline.fsdp=visit``, one layer gathered
+    (:attr:`~jaxscale.layout.stage_plan.StagePlan.gathered`) and ``pipeline.fsdp=visit``, one layer gathered
     at a time and its fp32 gradient before the reduce-scatter are transient.
     ``model.remat`` is not applied inside a stage: the backward slot recomputes one layer
     at a time from its input and holds that layer's ``none`` residuals for one microbatch, with either
@@ -354,41 +355,41 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     if m.loss_chunk:
         loss *= m.loss_chunk / step.seq_len
     loss += sum(_per_device(r, rows, step, m, layout) for r in _top_layer_at_loss(m))
-    block_axes, flags = [p.axes for p in params if p.in_layers], stage_moe(m)
+    stage = assumed(layout, m, [p.axes for p in params if p.in_layers])
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
     out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
                           + 2 * table.cot_slots * chunk * kept)
-    gathered = layout.stage_gathered_axes(block_axes, flags["moe"])
-    visit = bool(gathered) and layout.pipeline is not None and layout.pipeline.fsdp == "visit"
+    gathered = stage.gathered
+    visit = bool(gathered) and stage.visit
     layer = layer_elems(params, layout, reduced=False)
     out["transient"] = none + max(loss, cotangents) + layer * (pbytes + (4 if visit else 0))
-    out.update(_pipeline_state(m, params, layout, gathered, visit, pbytes))
+    out.update(_pipeline_state(params, layout, stage, pbytes))
     out["head"] = out["embedding"] = 0.0  # the stage's own copies, gathered before the loop: counted above
     if m.attention not in FLASH_ATTENTION:  # the causal mask: one bool s x s, fused into the select and its transpose
         out["mask"] = float(step.seq_len**2)
 
 
-def _pipeline_state(m: ModelConfig, params: Sequence[Param], layout: Layout, gathered: Sequence[str], visit: bool,
-                    pbytes: int) -> dict[str, float]:
+def _pipeline_state(params: Sequence[Param], layout: Layout, stage: StagePlan, pbytes: int) -> dict[str, float]:
     """A pipelined stage's loop state beside the parameters: ``pipeline accumulator`` and ``pipeline copies``.
 
     The fp32 gradient accumulators of the stage's blocks (handed on as the gradients where the stage has no
     partitioner axes; kept beside them where it has) and of its own copy of the embedding, final norm and head,
     and that copy, gathered over the stage's axes (the blocks' storage is the chunks' order: no copy of them).
-    With FSDP inside a stage over ``gathered`` the stage's blocks gathered whole over its FSDP axes once a step
-    and their fp32 accumulator, whole too (``pipeline.fsdp=step``); or (``visit``) the accumulator on the shards.
+    With FSDP inside a stage over its plan's ``gathered`` axes the stage's blocks gathered whole over its FSDP axes
+    once a step and their fp32 accumulator, whole too (``pipeline.fsdp=step``); or (``visit``) the accumulator on
+    the shards.
     """
+    gathered, visit = stage.gathered, bool(stage.gathered) and stage.visit
     held = sum(p.size / layout.ways(p.axes) for p in params)
     blocks = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)
-    block_axes, flags = [p.axes for p in params if p.in_layers], stage_moe(m)
     # the stage's copy of the embedding, final norm and head: whole over its manual TP axes too
-    tensor = layout.stage_tensor_axes(block_axes, **flags)
+    tensor = stage.tensor
     outer = sum(p.size / layout.size([a for a in layout.mesh_axes(p.axes) if a not in (*layout.token_axes, *tensor)])
                 for p in params if not p.in_layers)
     # A stage with no partitioner axes hands its accumulator on as the gradients (one buffer, fp32,
     # the parameters' layout); with FSDP/TP inside a stage XLA keeps both.
-    partitioned = layout.stage_free_axes(block_axes, **flags)
+    partitioned = stage.free
     # FSDP inside a stage, once a step: the stage's blocks gathered whole over its manual batch axes, their
     # fp32 gradients accumulated whole beside them and reduce-scattered after the loop.
     once = bool(gathered) and not visit

@@ -77,9 +77,9 @@ def param_flows(p: Param, m: ModelConfig, layout: Layout, step: Step, bsh: float
                  masked: bool = False) -> list[Flow]:
     """Gradient reduction, ZeRO gathers and the embedding's lookup traffic of one parameter; ``stage_gathered``:
     the axes over which a pipeline stage gathers its blocks itself
-    (:meth:`~jaxscale.layout.rules.Layout.stage_gathered_axes`), ``stage_tensor`` its manual TP axes
-    (:meth:`~jaxscale.layout.rules.Layout.stage_tensor_axes`); ``masked``: a stage computes its idle slots
-    (:meth:`~jaxscale.layout.rules.Layout.stage_partitioned`)."""
+    (:attr:`~jaxscale.layout.stage_plan.StagePlan.gathered`), ``stage_tensor`` its manual TP axes
+    (:attr:`~jaxscale.layout.stage_plan.StagePlan.tensor`); ``masked``: a stage computes its idle slots
+    (not :attr:`~jaxscale.layout.stage_plan.StagePlan.skip`)."""
     pbytes, gbytes = dtype_bytes(step.dtypes(m).compute), gradient_bytes(m, step)  # gathers move the compute copy
     sp = split(p, layout, step, stack_layers(m, step))  # uneven stages: every slot, as masked slots run
     sp_axes = layout.sequence_axes

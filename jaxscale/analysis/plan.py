@@ -49,7 +49,8 @@ from jaxscale.analysis.strategy import Strategy, base_rules, model_for, placemen
 from jaxscale.analysis.timing import step_time
 from jaxscale.config.read import DEFAULT_SCHEDULE, ConfigError, ModelConfig
 from jaxscale.config.stage_layers import lighter_ends, unit
-from jaxscale.layout.rules import Layout, stage_moe
+from jaxscale.layout.rules import Layout
+from jaxscale.layout.stage_plan import assumed
 
 REMATS = ("none", "save_dots", "full")
 
@@ -127,6 +128,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
     """Every combination of mesh sizes, ZeRO stage and remat policy for the cluster (micro-batch 1)."""
     devices = cluster.devices
     moe = m.moe
+    partitioner = moe is not None and moe.impl == "partitioner"  # a stage leaves FSDP to the partitioner
     heads = attention(m).k // attention(m).qk_dim  # the heads that split keys: kv_heads, or MLA's every head
     tensors = [t for t in _divisors(min(devices, cluster.devices_per_node)) if heads % t == 0]
     # Not modelled: a pipeline's first stage running DeepSeek's dense blocks, its last the prediction depths
@@ -154,7 +156,7 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
                 yield one
                 if c > 1 and p == 1 and _ulysses_splits(m, t, c):  # the all-to-alls in place of the ring
                     yield dataclasses.replace(one, ulysses=True)
-                if p > 1 and f > 1 and not stage_moe(m)["moe"]:  # FSDP in a stage per visit or every tick
+                if p > 1 and f > 1 and not partitioner:  # FSDP in a stage per visit or every tick
                     # (less memory; a stage of partitioner experts leaves FSDP to the partitioner whatever
                     # pipeline.fsdp says)
                     yield from (dataclasses.replace(one, fsdp_gather=g) for g in FSDP_GATHERS[1:])
@@ -314,7 +316,7 @@ def search(
     rejected = {fam: why for fam, (_, why) in sorted(closest.items()) if fam not in families}
     ranked = found[:top] if top else found
     piped = next((c for c in found if c.layout.stage > 1), None)
-    why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "", stage_moe(m))
+    why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "", m)
     why += context_line(found) + kernel_line(found, m)
     why += expert_lines(found, m, cluster.ep_imbalance, cluster.devices_per_node)
     return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
@@ -330,7 +332,7 @@ def gather_note(m: ModelConfig, params: Sequence[Param], c: Candidate, seq_len: 
     for mode in FSDP_GATHERS:
         lay = dataclasses.replace(c.layout, fsdp_gather=mode)
         alt = c if mode == c.layout.fsdp_gather else evaluate(m, params, lay, seq_len, cluster)
-        slots = "masked" if placement(lay).stage_partitioned(BLOCK_AXES, **stage_moe(m)) else "skipped"
+        slots = "skipped" if assumed(placement(lay), m, BLOCK_AXES).skip else "masked"
         fits = "" if alt.memory["total"] <= cluster.budget else ", does not fit"
         parts.append(f"{mode}{' (runs)' if alt is c else ''} {_gb(alt.memory['total'])} GB{fits}, "
                      f"{alt.comm['by_axes'].get('fsdp', 0.0) / 1e12:.2f} TB over fsdp, idle slots {slots}, "

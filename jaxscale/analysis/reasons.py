@@ -16,6 +16,7 @@ from typing import Any
 
 from jaxscale.analysis.strategy import Strategy, placement
 from jaxscale.config.read import ModelConfig
+from jaxscale.layout.stage_plan import assumed
 from jaxscale.parallel.schedules import formula_bubble
 
 
@@ -54,11 +55,11 @@ def fmt_time(x: float) -> str:
     return f"{x * scale:.3g} {unit}"
 
 
-def reasons(ranked: Sequence[Candidate], note: str = "", moe: dict[str, bool] | None = None) -> list[str]:
+def reasons(ranked: Sequence[Candidate], note: str = "", model: ModelConfig | None = None) -> list[str]:
     """One line each for the winner and the runner-up: what dominates its step, and why it beats the next; for
     the best pipeline outside the two, what it pays against the winner (:func:`versus`); ``note`` on the best
-    pipeline (:func:`jaxscale.analysis.plan.gather_note`); ``moe``: the model's experts inside a stage
-    (:func:`jaxscale.layout.rules.stage_moe`), for whether its idle slots are skipped."""
+    pipeline (:func:`jaxscale.analysis.plan.gather_note`); ``model``: whose stage plan says whether its idle
+    slots are skipped (:func:`jaxscale.layout.stage_plan.assumed`; none: a dense model)."""
     lines = []
     for i, c in enumerate(ranked[:2]):
         total = c.time["total"]
@@ -79,10 +80,10 @@ def reasons(ranked: Sequence[Candidate], note: str = "", moe: dict[str, bool] | 
                          f"({c.memory['total'] / 1e9:.2f} vs {nxt.memory['total'] / 1e9:.2f} GB)")
             else:
                 line += f"; ties #{i + 2} on time and memory, the simpler layout"
-        lines.append(line + _bubble_note(c, moe))
+        lines.append(line + _bubble_note(c, model))
     piped = next(((i, c) for i, c in enumerate(ranked) if c.layout.stage > 1), None)
     if piped and piped[0] >= 2:  # why the best pipeline lost to the winner
-        lines.append(versus("best pipeline", ranked, piped[0]) + _bubble_note(piped[1], moe)
+        lines.append(versus("best pipeline", ranked, piped[0]) + _bubble_note(piped[1], model)
                      + (f"; {note}" if note else ""))
     elif piped and note:
         lines.append(f"#{piped[0] + 1} {note}")
@@ -172,15 +173,15 @@ def context_line(ranked: Sequence[Candidate]) -> list[str]:
 BLOCK_AXES = (("layers", "embed", "heads", "head_dim"), ("layers", "embed", "mlp"))
 
 
-def _bubble_note(c: Candidate, moe: dict[str, bool] | None = None) -> str:
+def _bubble_note(c: Candidate, model: ModelConfig | None = None) -> str:
     """For a pipelined layout whose bubble is its largest cost beyond compute: the bubble, counted and by formula;
-    ``moe``: the model's experts inside a stage (:func:`jaxscale.layout.rules.stage_moe`; none: a dense model)."""
+    ``model``: whose stage plan says whether idle slots are skipped (none: a dense model)."""
     lay, t = c.layout, c.time
     if lay.stage == 1 or t["bubble"] < max(t["exposed"], t["contention"]):
         return ""
     p, m, v = lay.stage, lay.pipeline_microbatches, lay.repeats
     place = placement(lay)
-    free = place.stage_free_axes(BLOCK_AXES, **(moe or {"moe": False}))
+    free = assumed(place, model or ModelConfig(), BLOCK_AXES).free
     slots = f"idle slots computed masked: {', '.join(free)} inside a stage" if free else "idle slots skipped"
     return (f"; the {lay.schedule} bubble dominates: {100 * t['bubble'] / t['total']:.0f}% of the step "
             f"({100 * formula_bubble(p, m, v, lay.schedule):.0f}% by the schedule's formula, {slots})")

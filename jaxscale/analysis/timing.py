@@ -62,7 +62,8 @@ from jaxscale.analysis.flows import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
 from jaxscale.config.flops import flops_per_token
 from jaxscale.config.read import MESH_AXES, ModelConfig
-from jaxscale.layout.rules import Layout, stage_moe
+from jaxscale.layout.rules import Layout
+from jaxscale.layout.stage_plan import assumed
 from jaxscale.parallel import schedules
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST
 
@@ -369,8 +370,7 @@ def step_time(
     compute = comp["forward"] + comp["backward"] + comp["optimizer"]
     bubble, stretch = 0.0, 1.0
     if layout.pipelined:  # the loop's ticks against the work they hold: idle or masked slots
-        blocks = [p.axes for p in params or () if p.in_layers]
-        masked = layout.stage_partitioned(blocks, **stage_moe(m))
+        masked = not assumed(layout, m, [p.axes for p in params or () if p.in_layers]).skip
         loop = step.microbatches * pipeline_loop(pipeline_table(layout, step), comp, masked, step.layers_per_stage)
         bubble = max(0.0, loop - comp["forward"] - comp["backward"])
         if not masked and comp["forward"] + comp["backward"] > 0:

@@ -117,7 +117,8 @@ class Context:
 
     @property
     def context(self) -> list[str]:
-        return list(self.layout.stage_context_axes)
+        """The mesh axes of size > 1 that split ``length`` inside a pipeline stage."""
+        return list(self.layout.mesh_axes(("length",))) if self.pipelined else []
 
     @property
     def ring_chunk(self) -> int:

@@ -37,16 +37,14 @@ from typing import Any
 
 from jaxscale.config import refusals
 from jaxscale.config.axes import LOGICAL_AXES, WHOLE_AXES
-from jaxscale.config.read import MESH_AXES, Config, ConfigError, ModelConfig, PipelineConfig, read_yaml, resolve_named
+from jaxscale.config.read import MESH_AXES, Config, ConfigError, PipelineConfig, read_yaml, resolve_named
+from jaxscale.layout import stage_plan
+from jaxscale.layout.stage_plan import STAGE, TOKENS, Blocks
 
 Axes = tuple[str | None, ...]  # logical names of an array's dimensions (None: never sharded)
 Part = str | tuple[str, ...] | None  # one entry of a PartitionSpec: no mesh axis, one, or several
 Table = Mapping[str, tuple[str, ...]]  # logical name -> mesh axes
 KINDS = ("params", "optimizer", "gradients")
-TOKENS = ("batch", "length")  # the logical axes of a batch of token ids
-STAGE = "stage"  # the mesh axis a pipeline runs over
-BLOCK_AXES = ("layers", "embed", "heads", "kv_heads", "head_dim", "mlp")  # a dense block's parameters' axes
-MOE_BLOCK = (*BLOCK_AXES, "expert", "expert_mlp", "q_lora", "kv_lora", "q_lora_up", "kv_lora_up")  # (MLA's too)
 
 
 def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
@@ -59,13 +57,6 @@ def _mesh_axes(value: Any, where: str) -> tuple[str, ...]:
         if n not in MESH_AXES:
             raise ConfigError(f"{where}: '{n}' is not a mesh axis ({', '.join(MESH_AXES)})")
     return tuple(names)
-
-
-def stage_moe(model: ModelConfig) -> dict[str, bool]:
-    """The ``moe`` and ``experts`` flags of :class:`Layout`'s pipeline stage queries for ``model``: whether the
-    partitioner runs its experts (``model.moe.impl=partitioner``), or explicit collectives do (``shard_map``)."""
-    impl = None if model.moe is None else model.moe.impl
-    return {"moe": impl == "partitioner", "experts": impl == "shard_map"}
 
 
 def is_axes(x: Any) -> bool:
@@ -154,11 +145,11 @@ class Rules:
 class Stage:
     """Inside a pipeline stage's loop (:mod:`jaxscale.parallel.pipeline`): what the code traced there must know.
 
-    The loop recomputes each layer itself (no remat policy applies), ring attention runs its per-device
-    kernel over the ``ring`` axes, already manual, where the ``tensor`` axes are manual too
-    (:meth:`Layout.stage_tensor_axes`) the projections of :mod:`jaxscale.parallel.sequence` write TP's
-    and SP's collectives themselves, over the block parameters' logical names in ``split``, and an MoE layer
-    with explicit experts (``model.moe.impl=shard_map``) runs expert parallelism's per-device body over
+    The loop recomputes each layer itself (no remat policy applies), ring attention runs its per-device kernel
+    over the ``ring`` axes, already manual, where the ``tensor`` axes are manual too (these are fields of
+    :class:`jaxscale.layout.stage_plan.StagePlan`) the projections of :mod:`jaxscale.parallel.sequence` write
+    TP's and SP's collectives themselves, over the block parameters' logical names in ``split``, and an MoE
+    layer with explicit experts (``model.moe.impl=shard_map``) runs expert parallelism's per-device body over
     ``expert`` (:mod:`jaxscale.parallel.expert`). While a split schedule's B or W slot traces a unit,
     ``weights`` runs its weight matmuls (:func:`jaxscale.precision.policy.einsum`)."""
 
@@ -304,156 +295,23 @@ class Layout:
         """Pipeline stages: the size of ``stage`` when the layers are on it, else 1."""
         return self.mesh[STAGE] if self.pipelined else 1
 
-    def stage_manual_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
-                          experts: bool = False) -> tuple[str, ...]:
-        """The mesh axes the pipeline loop is manual over: ``stage`` and, unless the partitioner runs an MoE
-        model's experts (``moe``), the batch axes, the context axes, whose ring attention then runs inside the
-        loop (:mod:`jaxscale.parallel.pipeline`), and TP's axes where :meth:`stage_tensor_axes` says.
-        ``experts``: an MoE model whose experts run explicit collectives (``model.moe.impl=shard_map``): as a
-        dense model, its experts kept split over the EP axes (:meth:`stage_expert_axes`).
-
-        Batch axes that split ``blocks``' parameters (FSDP's) are manual too when every parameter dimension
-        they split is split by batch axes alone: the loop gathers the stage's blocks over them itself
-        (:meth:`stage_gathered_axes`: once per step, or layer by layer as slots run them, ``pipeline.fsdp``
-        ``step`` or ``visit``) unless ``pipeline.fsdp`` is ``tick``; else only the leading batch
-        axes that split no parameter are (:meth:`data_axes`), the rest left to the partitioner."""
-        blocks = list(blocks)
-        return (*self._stage_row_axes(blocks, moe), *self.stage_tensor_axes(blocks, moe, explicit_tp, experts))
-
-    def _stage_row_axes(self, blocks: list[Axes], moe: bool) -> tuple[str, ...]:
-        """``stage`` and the manual axes over which each device holds its own rows (data, FSDP, EP, context)."""
-        if moe:
-            return (STAGE,)
-        manual = self.pipeline is None or self.pipeline.fsdp != "tick"
-        return (STAGE, *(self.axes_of("batch") if manual and self._gatherable(blocks) else self.data_axes(blocks)),
-                *self.stage_context_axes)
-
-    def stage_tensor_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
-                          experts: bool = False) -> tuple[str, ...]:
-        """TP's (and SP's) mesh axes, manual in a pipeline stage's loop: for a model whose stage would
-        leave only them to the partitioner, and only where each block parameter dimension they split is split
-        by them alone. Each device then keeps its shard of the blocks and :mod:`jaxscale.parallel.sequence`
-        writes the collectives (explicit experts, :mod:`jaxscale.parallel.expert`, their partial sums), so idle
-        slots are skipped (:meth:`stage_partitioned`). ``explicit_tp``: whether the model's projections go through
-        those functions (the model contract's ``explicit_tp``).
-
-        This is the one place that says where a stage leaves axes to the partitioner, its idle slots then
-        computed on zeros and masked: an MoE model whose experts the partitioner runs (``moe``,
-        ``model.moe.impl=partitioner``: the loop manual over ``stage`` alone, routing statistics over the whole
-        microbatch, so FSDP, TP and experts stay free), FSDP gathered every tick (``pipeline.fsdp=tick``: the
-        batch axes that split parameters stay free, and TP's with them), TP axes that share a parameter
-        dimension with other axes, SP with explicit experts (``experts``: an MoE layer routes whole sequences),
-        and a model whose projections are its own einsums (no ``explicit_tp``: nothing would write TP's
-        collectives). Explicit experts (``model.moe.impl=shard_map``) in such a stage are refused
-        (:meth:`validate`, :func:`jaxscale.parallel.pipeline.build`)."""
-        blocks = list(blocks)
-        if moe or not explicit_tp or (experts and self.sequence_axes):
-            return ()
-        rows = self._stage_row_axes(blocks, moe)
-        free = tuple(a for a, n in self.mesh.items() if n > 1 and a not in rows)
-        if set(free) & set(self.batch_axes):
-            return ()
-        splits = [set(self.mesh_axes((name,))) for axes in blocks for name in axes if name]
-        if not all(axes <= set(free) or not axes & set(free) for axes in splits):
-            return ()
-        held = {a for axes in splits for a in axes}
-        return free if set(free) <= held and set(self.sequence_axes) <= set(free) else ()
-
-    def stage_expert_axes(self, blocks: Iterable[Axes], experts: bool) -> tuple[str, ...]:
-        """Expert parallelism's mesh axes, manual in a pipeline stage's loop with explicit experts: each device
-        keeps its shard of the experts (never gathered) and the exchange runs among the stage's devices."""
-        rows = self._stage_row_axes(list(blocks), moe=False)
-        return tuple(a for a in self.expert_axes if a in rows) if experts else ()
-
-    def _gatherable(self, blocks: Iterable[Axes]) -> bool:
-        batch = set(self.axes_of("batch"))
-        splits = [set(self.axes_of(name)) for axes in blocks for name in axes if name]
-        return all(axes <= batch or not axes & batch for axes in splits)
-
-    def stage_gathered_axes(self, blocks: Iterable[Axes], moe: bool) -> tuple[str, ...]:
-        """The mesh axes of size > 1 over which a pipeline stage gathers its blocks itself (once per step, or
-        each layer as a slot runs it: ``pipeline.fsdp`` step or visit): the manual batch axes that split a
-        block parameter (FSDP's, inside a stage) on a dimension other than ``expert`` (EP's stay split)."""
-        blocks = list(blocks)
-        rows = self._stage_row_axes(blocks, moe)
-        named = (n for axes in blocks for n in axes if n != "expert")
-        return tuple(a for a in self.mesh_axes(named) if a in rows and a != STAGE)
-
-    @property
-    def stage_context_axes(self) -> tuple[str, ...]:
-        """The mesh axes of size > 1 that split ``length`` in a pipeline (:meth:`_check_stage_context`)."""
-        return self.mesh_axes(("length",)) if self.pipelined else ()
-
-    def stage_partitioned(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
-                          experts: bool = False) -> bool:
-        """Whether a pipeline stage has mesh axes of size > 1 left to the partitioner (:meth:`stage_tensor_axes`
-        says where), so that the loop computes its idle slots and masks them instead of skipping them: XLA
-        cannot partition collectives in a conditional whose branch differs between stages. (A ring inside a
-        stage gathers its keys and values, no collective-permute: :mod:`jaxscale.parallel.ring_attention`.)"""
-        return bool(self.stage_free_axes(blocks, moe, explicit_tp, experts))
-
-    def stage_free_axes(self, blocks: Iterable[Axes], moe: bool, explicit_tp: bool = True,
-                        experts: bool = False) -> tuple[str, ...]:
-        """The mesh axes of size > 1 that a pipeline stage leaves to the partitioner (FSDP, TP, ...)."""
-        manual = self.stage_manual_axes(blocks, moe, explicit_tp, experts)
-        return tuple(a for a, n in self.mesh.items() if n > 1 and a not in manual)
-
     # -- validation ----------------------------------------------------------------------
 
-    def validate(self, config: Config) -> None:
+    def validate(self, config: Config, blocks: Blocks | None = None) -> None:
         """Raise the first layout error of ``config`` on this layout (``model.attention`` resolved): the refusal
-        table's rows (:mod:`jaxscale.config.refusals`, the config's and the layout's), then the rules' own."""
-        experts = stage_moe(config.model)["experts"] and self.pipelined
-        free = self.stage_free_axes([MOE_BLOCK], moe=False, experts=True) if experts else ()
+        table's rows (:mod:`jaxscale.config.refusals`, the config's and the layout's; a pipeline stage's plan for
+        the model's ``blocks``, default a built-in model's, :meth:`~jaxscale.layout.stage_plan.Blocks.of`, says
+        which axes explicit experts would leave to the partitioner), then the rules' own."""
+        plan = stage_plan.plan(self, config.pipeline, blocks or Blocks.of(config.model))
+        free = plan.free if self.pipelined and plan.experts == "shard_map" else ()
         refusals.check(refusals.Context(config, self, experts_free=free))
         if self.pipelined:
-            self._check_pipeline(config)
+            stage_plan.check(self, config)
         self._check_sequence(config)
         if config.model.attention in ("blockwise", "ring"):
             self._check_attention()
         if config.model.moe is not None and config.model.moe.impl == "shard_map":
             self._check_experts()
-
-    def _check_pipeline(self, config: Config) -> None:
-        if len(self.stage_axes) > 1:
-            raise ConfigError(
-                f"rules '{self.name}': layers maps to {list(self.stage_axes)}; a pipeline needs layers on '{STAGE}' "
-                "alone"
-            )
-        self._check_stage_context()
-        self._check_pipeline_shapes(config)
-
-    def check_stage_experts(self, free: tuple[str, ...]) -> None:
-        """Explicit experts (``model.moe.impl=shard_map``) in a pipeline stage need its loop manual over every
-        mesh axis (``free``: those it would leave to the partitioner): the exchange runs among its devices."""
-        if free:
-            raise ConfigError(refusals.STAGE_EXPERTS.format(rules=self.name, free=list(free)))
-
-    def _check_pipeline_shapes(self, config: Config) -> None:
-        """A pipeline microbatch against the batch axes (the schedule, layers and batch against the stages are
-        rows of :mod:`jaxscale.config.refusals`)."""
-        m = config.pipeline.microbatches or self.stages
-        shape = (config.train.global_batch // config.train.microbatches // m, config.train.seq_len)
-        for dim, (size, name, part) in enumerate(zip(shape, TOKENS, self.partition(TOKENS), strict=True)):
-            if size % self.size(part_axes(part)):
-                raise ConfigError(
-                    f"pipeline microbatch: dimension {dim} ('{name}', size {size}) is not divisible by "
-                    f"mesh axes {part} of size {self.size(part_axes(part))}"
-                )
-
-    def _check_stage_context(self) -> None:
-        """Context parallelism inside a pipeline stage: the loop is manual over the context axes and runs
-        ring attention's kernel there (a dense model, ``model.attention=ring``: rows of
-        :mod:`jaxscale.config.refusals`). (A ring's own shard_map nested in the partly manual loop does not
-        lower: Shardy wants its residuals' manual axes before the loop's free ones, e.g. fsdp.)"""
-        context = self.stage_context_axes
-        held = sorted({a for name in BLOCK_AXES for a in self.axes_of(name)} & set(context))
-        if held:
-            raise ConfigError(
-                f"rules '{self.name}': context parallelism (length on {list(context)}) inside a pipeline stage needs "
-                f"the block parameters unsplit over {held}: the loop is manual over them and would gather the "
-                "parameters whole on entry"
-            )
 
     def _check_sequence(self, config: Config) -> None:
         where, manual, moe = f"rules '{self.name}'", self.sequence_axes, config.model.moe

@@ -30,7 +30,7 @@ class Staged(Protocol):
     config: ModelConfig  # the shapes the pipeline's buffers take (embed, dtype, vocab_size, moe)
     # Optional, False when absent: every projection of the stacked unit goes through
     # jaxscale.parallel.sequence's column_parallel / row_parallel, which write TP's collectives where a
-    # pipeline stage's loop is manual over TP's axes (Layout.stage_tensor_axes): such a stage skips its idle
+    # pipeline stage's loop is manual over TP's axes (jaxscale.layout.stage_plan): such a stage skips its idle
     # slots. Without it TP inside a stage stays with the partitioner and idle slots are masked.
     explicit_tp: bool
     embedding: nnx.Param  # the token table [vocab, embed] that :meth:`embed` reads
@@ -108,9 +108,9 @@ OPTIONAL = ("hidden", "logits", "head_weight", "aux_loss", "flops_per_token", "e
 
 
 def parts(model: Any) -> frozenset[str]:
-    """The attributes of the richer form (and ``flops_per_token``) that ``model`` has."""
+    """The attributes of the richer form (and ``flops_per_token``) that ``model`` has (a flag set False: not)."""
     names = {name for names in NEEDS.values() for name in names} | set(OPTIONAL)
-    return frozenset(name for name in names if hasattr(model, name))
+    return frozenset(name for name in names if getattr(model, name, False) is not False)
 
 
 def require(have: frozenset[str], what: str, model: str, why: str) -> None:

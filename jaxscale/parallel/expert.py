@@ -46,7 +46,7 @@ under the partitioner, with whole-batch statistics, so every layout routes
 and drops exactly as one device does.
 
 **Inside a pipeline stage** no ``shard_map`` nests in the stage's loop; the loop
-is manual over every axis instead (:meth:`jaxscale.layout.rules.Layout.stage_expert_axes`):
+is manual over every axis instead (:attr:`jaxscale.layout.stage_plan.StagePlan.expert`):
 each device holds its rows and its experts' shard, routing sums its statistics
 over the stage's row axes (:func:`token_axes`, so they are each microbatch's),
 and the per-device body, :func:`local_experts`, runs as it is, its all-to-alls
@@ -161,7 +161,7 @@ def experts(
     then the whole batch's), with fp8 weights (:mod:`jaxscale.models.routing`).
 
     Inside a pipeline stage (:func:`jaxscale.layout.sharding.stage`) the loop is already manual over every axis
-    and each device holds its rows and its experts' shard (:meth:`jaxscale.layout.rules.Layout.stage_expert_axes`):
+    and each device holds its rows and its experts' shard (:attr:`jaxscale.layout.stage_plan.StagePlan.expert`):
     :func:`local_experts` runs there as it is, its collectives among the stage's devices."""
     mesh, place = active()
     current = stage()

@@ -41,7 +41,7 @@ on fp8 operands their recipe's (:func:`jaxscale.precision.fp8.kernels`). It need
 
 **Inside a pipeline stage** (the active layout's ``stage``, set by :mod:`jaxscale.parallel.pipeline`) no
 ``shard_map`` can nest in the loop's. Where the loop is manual over TP's axes too
-(:meth:`jaxscale.layout.rules.Layout.stage_tensor_axes`: :attr:`~jaxscale.layout.rules.Stage.tensor`), each device
+(:attr:`jaxscale.layout.stage_plan.StagePlan.tensor`: :attr:`~jaxscale.layout.rules.Stage.tensor`), each device
 holds its shard of the blocks' weights and both functions write the collectives themselves, over the
 devices of one stage: a projection whose weight is split (a TP region) gathers its input on the sequence
 over SP's axes first; leaving it, the partial sums are all-reduced over TP's axes, or reduce-scattered onto

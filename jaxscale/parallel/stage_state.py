@@ -34,14 +34,14 @@ class Unit(NamedTuple):
 
     params: Any  # its parameters
     histories: Any  # its fp8 amax histories (:mod:`jaxscale.precision.fp8`; empty with precision.fp8=off)
-    copies: Any  # its weights' e4m3 copies, made once per step (:meth:`StageProgram.quantized`)
+    copies: Any  # its weights' e4m3 copies, made once per step (:meth:`~jaxscale.parallel.stage_units.Units.quantized`)
 
 
 class Weights(NamedTuple):
     """What a stage reads, unchanged through the loop."""
 
     outer: Any  # its copy of the embedding, final norm and head (pure dict)
-    lookup: jax.Array  # the embedding table as the lookup reads it (:meth:`StageProgram.lookup_table`)
+    lookup: jax.Array  # the embedding table as the lookup reads it (:meth:`.stage_ends.Ends.lookup_table`)
     blocks: Unit  # its chunks of the stacked blocks, [v, slots, ...]
     xs: dict[str, jax.Array]  # inputs, positions, targets: [m, rows, length]
     total: jax.Array  # the batch's trained targets (targets ≥ 0; at least 1): :meth:`StageProgram.count_targets`

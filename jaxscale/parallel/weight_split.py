@@ -1,5 +1,5 @@
 """Zero bubble's W slot at the price of the weight-gradient matmuls: a unit's weight matmuls split between its
-B slot (:meth:`~jaxscale.parallel.stage_program.StageProgram.backward_slot`) and its W slot (``weight_slot``).
+B slot (:meth:`~jaxscale.parallel.stage_slots.Slots.backward_slot`) and its W slot (``weight_slot``).
 
 Every weight matmul of a unit goes through :func:`jaxscale.precision.policy.einsum`. While a split schedule's slot
 traces a unit (:func:`reap`), the stage's layout carries a :class:`Split` (:attr:`jaxscale.layout.rules.Stage.weights`)

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, use_abstract_mesh
 from jaxscale.config import flops, refusals, selections, stage_layers
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.data.batches import Loader, check_data, make_loader
-from jaxscale.layout import offload
+from jaxscale.layout import offload, stage_plan
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import (
     Layout,
@@ -173,6 +173,7 @@ class Trainer(TrainStep):
         for what, rows in (("train.global_batch", t.global_batch), ("train.global_batch / train.microbatches", micro)):
             check_divisible(what, (rows, t.seq_len), BATCH_AXES, self.rules.spec(BATCH_AXES), self.mesh)
         check_data(self.config)
+        self.layout.validate(self.config, self.blocks)  # again, for this model's own blocks (a stage's plan)
         traced = jax.make_jaxpr(self.jit_step)(self.abstract_state(), self.abstract_batch())
         remat_names.check(traced, self.config.model)  # names the traced step marks
 
@@ -194,6 +195,13 @@ class Trainer(TrainStep):
             contract.require(self.parts, contract.PIPELINE, name, why)
         context = refusals.Context(self.config, self.layout, parts=frozenset(self.parts), model_name=name)
         refusals.check(context, needs=("model",))
+
+    @property
+    def blocks(self) -> stage_plan.Blocks:
+        """The model's parts a pipeline stage's plan reads (:mod:`jaxscale.layout.stage_plan`): its blocks'
+        parameters' logical axes, its experts, its ``explicit_tp``."""
+        axes = jax.tree.leaves(self.axes.get("blocks", {}), is_leaf=is_axes)
+        return stage_plan.Blocks.of(self.config.model, axes or None, "explicit_tp" in self.parts)
 
     @property
     def layout(self) -> Layout:

@@ -19,7 +19,7 @@ amax is a ``pmax`` over the axes it varies over: every layout quantizes as one d
 (:mod:`jaxscale.parallel.stage_program`) each stage holds its own layers' histories and quantizes its weights
 once per step, before the loop of ticks; a history's update is the largest of the microbatches'
 (:func:`~jaxscale.precision.fp8.scaling.global_amax`,
-:meth:`~jaxscale.parallel.stage_program.StageProgram.add_amax`; the head's on the last stage). Per-tensor scales
+:meth:`~jaxscale.parallel.stage_units.Units.add_amax`; the head's on the last stage). Per-tensor scales
 there are per microbatch, as under ``train.microbatches``. Collective matmuls (``model.tp_overlap``) quantize as
 the plain collectives do: one scale per operand for the whole ring (``blockwise``: each chunk's tiles), a
 ``custom_vjp`` around it.
