@@ -20,6 +20,7 @@ from typing import Any
 from jaxscale.analysis import plan, strategy, target
 from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.params import param_table
+from jaxscale.config.mesh_size import requested_devices
 from jaxscale.config.read import (
     CONFIG_DIR,
     ConfigError,
@@ -28,7 +29,6 @@ from jaxscale.config.read import (
     checkpoint_dir,
     load_config,
     read_yaml,
-    requested_devices,
     resolve_named,
 )
 from jaxscale.data import prepare

@@ -29,7 +29,8 @@ from test_bad_input import one_line, sets, timed_main
 from jaxscale import cli
 from jaxscale.analysis import bench
 from jaxscale.checkpoint import params as checkpoint
-from jaxscale.config.read import ConfigError, MeshConfig, load_config, mesh_shape
+from jaxscale.config.mesh_size import mesh_shape
+from jaxscale.config.read import ConfigError, MeshConfig, load_config
 from jaxscale.config.schema import DataConfig
 from jaxscale.data.prepare import prepare_data
 from jaxscale.data.tokencache import cache_root

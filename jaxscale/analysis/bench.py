@@ -86,7 +86,8 @@ from jaxscale.analysis.predict import predict
 from jaxscale.analysis.remat import USABLE, resolved
 from jaxscale.analysis.xla import memory
 from jaxscale.config import flops
-from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config, requested_devices
+from jaxscale.config.mesh_size import requested_devices
+from jaxscale.config.read import CONFIG_DIR, ConfigError, load_config
 from jaxscale.runtime import xla_flags
 from jaxscale.training.trainer import Trainer
 

@@ -169,6 +169,16 @@ def collective_matmul_elements(m: ModelConfig, layout: Layout) -> tuple[float, f
     return per_layer, head
 
 
+def _memory_bound_bytes(m: ModelConfig, layout: Layout, token_layers: float) -> float:
+    """Bytes the memory-bound forward moves on one device for ``token_layers`` tokens through a layer each. Per
+    token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1 write), RoPE on q and k
+    (read, write), SwiGLU's silu·product (2 reads, 1 write)."""
+    att, sp = attention(m), layout.size(layout.sequence_axes)
+    elems = (10 * m.embed) / sp + 2 * (att.q / layout.ways(("heads",)) + att.k / layout.ways((att.kv_name,)))
+    elems += 3 * (m.moe.mlp or m.mlp if m.moe else m.mlp) / layout.ways(("mlp",))
+    return token_layers * elems * dtype_bytes(m.dtype)
+
+
 def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, step: Step,
              cluster: Cluster) -> dict[str, float]:
     """Seconds of the step's compute on one device: forward, backward and recomputation, by part."""
@@ -180,9 +190,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     layers = layers_run(m) / layout.ways(("layers",))  # DeepSeek's prediction depths: one block each
     depths = layers_run(m) - m.layers  # ... and the head again, after a projection of [embedding; hidden]
     s_block = step.seq_len / layout.ring_size  # the keys a device's queries meet at once (Ulysses: all of them)
-    t_q, t_v = layout.ways(("heads",)), layout.ways(("vocab",))
-    att = attention(m)
-    sp = layout.size(layout.sequence_axes)
+    t_v = layout.ways(("vocab",))
 
     fwd_mm = passes * layers * sum(matmul_seconds(cluster, *mm) for mm in _matmuls(m, layout, micro))
     r = 1 if m.loss_chunk else ring_steps(m, layout)  # the chunked loss runs the head outside the shard_map
@@ -190,16 +198,12 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     head = head * (1 + depths) + passes * matmul_seconds(cluster, depths, micro, m.embed, 2 * m.embed)
     fused = m.attention in ("blockwise", "ring", "cudnn")
     fwd_attn = _attention_seconds(m, layout, step, cluster, fused, tokens, micro, layers)
-    # Memory-bound forward per token and layer, in elements: 2 norms (read, write), 2 residual adds (2 reads, 1
-    # write), RoPE on q and k (read, write), SwiGLU's silu·product (2 reads, 1 write).
-    elems = (10 * m.embed) / sp + 2 * (att.q / t_q + att.k / layout.ways((att.kv_name,)))
-    elems += 3 * (m.moe.mlp or m.mlp if m.moe else m.mlp) / layout.ways(("mlp",))
-    fwd_mem = tokens * layers * elems * cbytes
+    fwd_mem = _memory_bound_bytes(m, layout, tokens * layers)
     cm_layer, cm_head = collective_matmul_elements(m, layout)
     cm_layers = tokens * layers * cm_layer * cbytes  # forward; the backward's transposes as much again
     fwd_cm = cm_layers + tokens * cm_head * cbytes
     if not fused:  # s x s fp32 scores written and read 4 times
-        fwd_mem += tokens * s_block * m.heads / t_q * layers * 4 * 4
+        fwd_mem += tokens * s_block * m.heads / layout.ways(("heads",)) * layers * 4 * 4
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
     update, weights = _update_bytes(m, params, layout, step, passes) if params is not None else (0.0, 0.0)
     bw = cluster.memory_bandwidth

@@ -28,6 +28,8 @@ import yaml
 
 from jaxscale.config import bounds, interleave, refusals, strict
 from jaxscale.config.axes import LOGICAL_AXES
+from jaxscale.config.mesh_size import mesh_shape, requested_devices
+from jaxscale.config.model_checks import validate_deepseek, validate_moe, validate_rope
 from jaxscale.config.schema import (  # the schema, importable from here
     DEFAULT_SCHEDULE,
     INTERLEAVED,
@@ -283,49 +285,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return config
 
 
-def validate_moe(m: ModelConfig) -> None:
-    """Checks of ``model.moe`` that need no devices."""
-    moe = m.moe
-    if moe is None:
-        return
-    for key in ("experts", "top_k", "every_n_layers"):
-        if getattr(moe, key) < 1:
-            raise ConfigError(f"model.moe.{key} must be at least 1, got {getattr(moe, key)}")
-    if moe.mlp is not None and moe.mlp < 1:
-        raise ConfigError(f"model.moe.mlp must be positive, got {moe.mlp}")
-    if moe.shared_experts < 0:
-        raise ConfigError(f"model.moe.shared_experts must be at least 0, got {moe.shared_experts}")
-    if moe.capacity_factor <= 0:
-        raise ConfigError(f"model.moe.capacity_factor must be positive, got {moe.capacity_factor}")
-    for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
-        if getattr(moe, key) < 0:
-            raise ConfigError(f"model.moe.{key} must be at least 0, got {getattr(moe, key)}")
-    if not 0 <= moe.bias_ema < 1:
-        raise ConfigError(f"model.moe.bias_ema must be in [0, 1), got {moe.bias_ema}")
 
 
-def validate_deepseek(m: ModelConfig) -> None:
-    """``model.deepseek`` (the DeepSeek-V3-style decoder): MoE blocks after the dense ones, an even rotary width
-    (the ranges of its numbers are :mod:`jaxscale.config.bounds`')."""
-    d = m.deepseek
-    if d is None:
-        return
-    if d.qk_rope_head_dim % 2:
-        raise ConfigError(f"model.deepseek.qk_rope_head_dim ({d.qk_rope_head_dim}) must be even for rotary embeddings")
 
 
-def validate_rope(s: RopeScaling | None) -> None:
-    """``model.rope_scaling``: a factor of at least 1, 0 < low_freq_factor < high_freq_factor, a positive context."""
-    if s is None:
-        return
-    if s.factor < 1:
-        raise ConfigError(f"model.rope_scaling.factor must be at least 1, got {s.factor}")
-    if not 0 < s.low_freq_factor < s.high_freq_factor:
-        raise ConfigError(f"model.rope_scaling: needs 0 < low_freq_factor ({s.low_freq_factor}) < high_freq_factor "
-                          f"({s.high_freq_factor})")
-    if s.original_max_position_embeddings < 1:
-        raise ConfigError("model.rope_scaling.original_max_position_embeddings must be positive, got "
-                          f"{s.original_max_position_embeddings}")
 
 
 def validate_mixture(d: DataConfig) -> None:
@@ -469,41 +432,7 @@ def validate_precision(p: PrecisionConfig) -> None:
         raise ConfigError(f"precision.fp8_block must be at least 1, got {p.fp8_block}")
 
 
-def _describe(sizes: dict[str, int], dcn: DcnConfig | None) -> str:
-    """``fsdp=4 x tensor=2``: the axes larger than 1, and the dcn factors if any."""
-    text = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all axes 1"
-    if dcn is not None:
-        text += " with dcn " + (" x ".join(f"{a}={s}" for a, s in dcn.sizes().items() if s != 1) or "all 1")
-    return text
 
 
-def mesh_shape(mesh: MeshConfig, device_count: int) -> dict[str, int]:
-    """Resolve -1 and check that the mesh covers exactly ``device_count`` devices."""
-    sizes = mesh.sizes()
-    dcn = mesh.dcn.sizes() if mesh.dcn else dict.fromkeys(MESH_AXES, 1)
-    known = math.prod(v for v in sizes.values() if v != -1) * math.prod(dcn.values())
-    for axis, size in sizes.items():
-        if size == -1:
-            if device_count % known:
-                others = _describe({a: s for a, s in sizes.items() if s != -1}, mesh.dcn)
-                raise ConfigError(
-                    f"mesh.{axis}=-1: {device_count} device{'s are' if device_count != 1 else ' is'} not divisible "
-                    f"by the other axes ({others}: {known} devices)"
-                )
-            sizes[axis] = device_count // known
-    total = math.prod(sizes.values()) * math.prod(dcn.values())
-    if total != device_count:
-        raise ConfigError(
-            f"mesh: {_describe(sizes, mesh.dcn)} needs {total} device{'s' * (total != 1)}, "
-            f"but {device_count} {'is' if device_count == 1 else 'are'} available"
-        )
-    return {axis: sizes[axis] * dcn[axis] for axis in MESH_AXES}
 
 
-def requested_devices(mesh: MeshConfig) -> int | None:
-    """Devices the mesh asks for, or None when an axis is -1 (fill what exists)."""
-    sizes = mesh.sizes()
-    if -1 in sizes.values():
-        return None
-    dcn = mesh.dcn.sizes() if mesh.dcn else {}
-    return math.prod(sizes.values()) * math.prod(dcn.values() or [1])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxscale.config import bounds
+from jaxscale.config.model_checks import validate_deepseek, validate_moe, validate_rope
 from jaxscale.config.read import (
     Config,
     ConfigError,
@@ -20,9 +21,6 @@ from jaxscale.config.read import (
     _build,
     read_yaml,
     resolve_named,
-    validate_deepseek,
-    validate_moe,
-    validate_rope,
 )
 from jaxscale.hf import convert_deepseek as deepseek
 from jaxscale.hf.weights import hf_int as _hf_int

@@ -26,7 +26,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from jaxscale.config.read import MESH_AXES, MeshConfig, mesh_shape
+from jaxscale.config.mesh_size import mesh_shape
+from jaxscale.config.read import MESH_AXES, MeshConfig
 
 
 def make_mesh(config: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -20,7 +20,8 @@ import dataclasses
 import math
 import sys
 
-from jaxscale.config.read import Config, ConfigError, requested_devices
+from jaxscale.config.mesh_size import requested_devices
+from jaxscale.config.read import Config, ConfigError
 
 
 def fit(config: Config, device_count: int) -> tuple[Config, str | None]:
