@@ -7,5 +7,5 @@ setup(
     packages=[*find_namespace_packages(include=["jaxscale", "jaxscale.*"], exclude=["*.__pycache__"]),
               "jaxscale.configs"],
     package_dir={"jaxscale.configs": "configs"},
-    package_data={"jaxscale.configs": ["*/*.yaml"], "jaxscale.corpus": ["*.txt.gz"]},
+    package_data={"jaxscale.configs": ["*/*.yaml"], "jaxscale.data.corpus": ["*.txt.gz"]},
 )

@@ -100,7 +100,7 @@ def test_a_picture_without_matplotlib_is_one_line_before_anything_runs(argv, mon
     def loaded(*args, **kwargs):
         pytest.fail("the config was read")
 
-    monkeypatch.setattr("jaxscale.cli.load_config", loaded)
+    monkeypatch.setattr("jaxscale.commands.load_config", loaded)
     assert main([*argv, "--png", str(tmp_path / "memory.png")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "jaxscale: error: pictures need matplotlib: pip install 'jaxscale[plot]' (from a checkout: '.[plot]')"

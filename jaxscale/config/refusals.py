@@ -306,12 +306,14 @@ RULES: tuple[Refusal, ...] = (
 )
 
 
-def check(context: Context, needs: tuple[Needs, ...] | None = None) -> None:
+def check(context: Context, needs: tuple[Needs, ...] | None = None, about: str = "") -> None:
     """Raise the one line of the first rule ``context`` breaks, among those of the stages ``needs`` (default:
-    every stage up to the context's own, e.g. config and layout rules when it has the layout)."""
+    every stage up to the context's own, e.g. config and layout rules when it has the layout) that name a
+    setting starting with ``about`` (``model.``: the rows a model's constructor checks)."""
     stages = needs or STAGES[: STAGES.index(context.needs) + 1]
     for rule in RULES:
-        if rule.needs in stages and rule.broken(context):
+        named = any(key.startswith(about) for key in rule.keys)
+        if rule.needs in stages and named and rule.broken(context):
             raise ConfigError(rule.message(context))
 
 

@@ -79,7 +79,7 @@ class MLA(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = self.config = config.model
         d = c.deepseek
-        refusals.check(refusals.Context(config))  # what this config cannot run (MTP, documents, ring)
+        refusals.check(refusals.Context(config), about="model.")  # the model's rows (MTP, documents, ring)
         self.grads = nn.weight_grads(config)
         self.documents = config.data.documents  # packed documents: attention masked across them
         h, qk = c.heads, d.qk_nope_head_dim + d.qk_rope_head_dim
