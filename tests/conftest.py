@@ -4,6 +4,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
@@ -33,6 +34,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 import jax
+import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -40,6 +42,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # After the devices are set up:
 from helpers import CURVE, CURVE_SEEDS, CURVE_STEPS, Curve, Run, Trainers, loss_curves, run_steps, tiny_config  # noqa: E402
 
+from jaxscale.data.prepare import prepare_data  # noqa: E402
 from jaxscale.training.trainer import Trainer  # noqa: E402
 
 
@@ -79,3 +82,14 @@ def bf16_curves(bf16_curve) -> list[Curve]:
     """The bf16 curves from :data:`helpers.CURVE_SEEDS` seeds (seed 0's is :func:`bf16_curve`): what test_fp8
     holds its variants to. A worker that runs test_precision alone makes seed 0's only."""
     return [bf16_curve, *loss_curves(seeds=range(1, CURVE_SEEDS))]
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory) -> Path:
+    """Byte tokens of 400 documents of 3 to 30 letters: a 32-token sequence holds several, whole or cut."""
+    rng = np.random.default_rng(0)
+    root = tmp_path_factory.mktemp("docs")
+    lines = ["".join(rng.choice(list("abcdefgh"), rng.integers(3, 31))) for _ in range(400)]
+    (root / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
+    prepare_data([root / "docs.jsonl"], root / "tokens", val_fraction=0.0)
+    return root / "tokens"

@@ -25,17 +25,6 @@ from jaxscale.parallel import ring_attention, ring_schedule
 from jaxscale.training.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> Path:
-    """Byte tokens of 400 documents of 3 to 30 letters: a 32-token sequence holds several, whole or cut."""
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("docs")
-    lines = ["".join(rng.choice(list("abcdefgh"), rng.integers(3, 31))) for _ in range(400)]
-    (root / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
-    prepare_data([root / "docs.jsonl"], root / "tokens", val_fraction=0.0)
-    return root / "tokens"
-
-
 def config(docs: Path, *overrides: str, **layout):
     return tiny_config("data.source=tokens", f"data.path={docs}", "model.vocab_size=264", *overrides, **layout)
 

@@ -4,15 +4,12 @@ largest device's tiles lowered on packed rows of short and of mixed documents.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
 from helpers import assert_trees_close, rel_err, tiny_config
 
 from jaxscale.config.read import ConfigError
-from jaxscale.data.prepare import prepare_data
 from jaxscale.parallel import ring_schedule
 from jaxscale.parallel.ring_balance import arrangement, device_work, documents, executed_tiles
 from jaxscale.training.trainer import Trainer
@@ -84,17 +81,6 @@ def test_arranged_rows_lower_the_largest_devices_tiles(cp, mean):
         after.append(moved.max() / moved.mean())
         assert moved.max() <= work.max()
     assert np.mean(after) <= np.mean(before) - 0.05
-
-
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> Path:
-    """Byte tokens of 400 documents of 3 to 30 letters: a 32-token sequence holds several, whole or cut."""
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("docs")
-    lines = ["".join(rng.choice(list("abcdefgh"), rng.integers(3, 31))) for _ in range(400)]
-    (root / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
-    prepare_data([root / "docs.jsonl"], root / "tokens", val_fraction=0.0)
-    return root / "tokens"
 
 
 @pytest.mark.slow

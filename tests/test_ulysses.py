@@ -23,7 +23,6 @@ from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.plan import layouts
 from jaxscale.analysis.strategy import Strategy, model_for, placement
 from jaxscale.config.read import ConfigError, MeshConfig, ModelConfig, load_config
-from jaxscale.data.prepare import prepare_data
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import Rules, layout_of, use_rules
 from jaxscale.models import attention
@@ -118,17 +117,6 @@ def test_ulysses_and_usp_attention_match_the_softmax_reference(name, documents):
     assert wire(hlo, mesh, "all-to-all") == 2 * (u - 1) / u * tokens * (2 * HEADS + 2 * g) * HEAD_DIM * 4
     block = BATCH * SEQ // ring * g // u * HEAD_DIM * 4
     assert wire(hlo, mesh, "collective-permute") == ((2 * (ring - 1) + 2 * ring) * block if ring > 1 else 0)
-
-
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory) -> Path:
-    """Byte tokens of 400 documents of 3 to 30 letters: a 32-token sequence holds several, whole or cut."""
-    rng = np.random.default_rng(0)
-    root = tmp_path_factory.mktemp("docs")
-    lines = ["".join(rng.choice(list("abcdefgh"), rng.integers(3, 31))) for _ in range(400)]
-    (root / "docs.jsonl").write_text("".join(f'{{"text": "{line}"}}\n' for line in lines))
-    prepare_data([root / "docs.jsonl"], root / "tokens", val_fraction=0.0)
-    return root / "tokens"
 
 
 def with_ulysses(tmp_path_factory, preset: str) -> Path:
