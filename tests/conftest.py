@@ -45,6 +45,16 @@ from helpers import CURVE, CURVE_SEEDS, CURVE_STEPS, Curve, Run, Trainers, loss_
 from jaxscale.data.prepare import prepare_data  # noqa: E402
 from jaxscale.training.trainer import Trainer  # noqa: E402
 
+MEASURED_SLOW = Path(__file__).with_name("measured_slow.txt")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests measured at 3 s or more (tests/measured_slow.txt): ``-m "not slow"`` leaves them out."""
+    listed = {line for line in MEASURED_SLOW.read_text().splitlines() if line and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def run_dir(tmp_path):
