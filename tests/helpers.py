@@ -99,6 +99,12 @@ def assert_trees_close(tree: Any, ref: Any, rtol: float = RTOL) -> None:
         assert err <= rtol, f"{jax.tree_util.keystr(path)}: relative error {err:.2e} > {rtol:.0e}"
 
 
+def assert_trees_equal(tree: Any, ref: Any) -> None:
+    """Every leaf of ``tree`` bit for bit that of ``ref``."""
+    for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(jax.device_get(ref)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def subprocess_env(xla_flags: str | None = "--xla_force_host_platform_device_count=8") -> dict[str, str]:
     """The environment for a jaxscale subprocess: this checkout's code, CPU devices as asked."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, tiny_config
+from helpers import TINY, assert_trees_equal, tiny_config
 
 from jaxscale.checkpoint.store import Checkpointer
 from jaxscale.config.read import ConfigError, load_config
@@ -59,11 +59,6 @@ def retarget(trainer: Trainer, run_dir: Path, **train: object) -> Trainer:
     for key, value in train.items():
         setattr(trainer.config.train, key, value)
     return trainer
-
-
-def assert_trees_equal(tree, ref) -> None:
-    for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(jax.device_get(ref)), strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 @pytest.fixture(scope="module")

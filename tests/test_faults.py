@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, subprocess_env, tiny_config
+from helpers import TINY, assert_trees_equal, subprocess_env, tiny_config
 
 from jaxscale import cli
 from jaxscale.checkpoint.store import Checkpointer, CheckpointError
@@ -36,11 +36,6 @@ def trainer(run_dir: Path, *overrides: str) -> Trainer:
 
 def records(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
-
-
-def assert_trees_equal(tree, ref) -> None:
-    for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(jax.device_get(ref)), strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 # -- 1. checkpoint storage that cannot be written -------------------------------------------------

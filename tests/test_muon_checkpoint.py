@@ -4,9 +4,8 @@ checkpoint restores onto fsdp_tp (resharded, the same state, the same next loss)
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
-from helpers import tiny_config
+from helpers import assert_trees_equal, tiny_config
 
 from jaxscale.checkpoint.store import Checkpointer
 from jaxscale.config.read import ConfigError
@@ -19,11 +18,6 @@ ZERO3 = {"rules": "zero3", "mesh": {"fsdp": 8}}
 
 def losses(history: list[dict]) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in history if "loss" in r}
-
-
-def assert_trees_equal(tree, ref) -> None:
-    for a, b in zip(jax.tree.leaves(jax.device_get(tree)), jax.tree.leaves(jax.device_get(ref)), strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 @pytest.fixture(scope="module")
