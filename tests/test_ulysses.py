@@ -4,7 +4,6 @@ heads, TP and MLA, the collectives of the compiled attention, and bad layouts re
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -13,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_trees_close, rel_err, tiny_config
+from helpers import assert_trees_close, fails_early, rel_err, tiny_config
 
 from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.communication import communication
@@ -193,11 +192,8 @@ def test_deepseek_mla_and_mtp_under_ulysses_give_the_loss_and_gradients_of_one_d
     ],
 )
 def test_bad_ulysses_layouts_fail_in_one_line_before_compiling(overrides, rules, mesh, match):
-    start = time.perf_counter()
-    with pytest.raises(ConfigError, match=match) as info:
+    with fails_early(match):
         Trainer.build(tiny_config(*overrides, rules=rules, mesh=mesh))
-    assert "\n" not in str(info.value)
-    assert time.perf_counter() - start < 10
 
 
 def test_ulysses_axes_must_close_the_sequence_axes(tmp_path):
