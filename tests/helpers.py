@@ -23,8 +23,6 @@ from jaxscale.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 RTOL = 1e-5  # fp32 agreement of a layout with one device
-# Known differences of the newest JAX (jax 0.12) under investigation: the tests marked with it say what was measured.
-ON_JAX_012 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 12)
 
 # A model small enough to compile in seconds, with every dimension divisible by 8.
 TINY = [

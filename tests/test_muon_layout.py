@@ -8,7 +8,7 @@ import math
 
 import jax
 import pytest
-from helpers import ON_JAX_012, fails_early, partitioned_hlo, tiny_config
+from helpers import fails_early, partitioned_hlo, tiny_config
 
 from jaxscale.analysis import hlo
 from jaxscale.layout.rules import Layout
@@ -72,8 +72,6 @@ def test_a_rules_muon_section_names_the_owners():
         owner_partition(Layout(whole, {"fsdp": 8, "tensor": 1}), (8, 64, 8, 8), WQ)
 
 
-@pytest.mark.xfail(ON_JAX_012, reason="jax 0.12 measured the 14 all-to-alls over fsdp of jax 0.10.2 plus one "
-                   "all-gather over fsdp of 57,344 wire bytes in the update (XLA 0.12 partitioner; not explained yet)")
 def test_zero3_moves_each_hidden_matrix_by_two_all_to_alls(trainers):
     """8 layers over fsdp = 8: each device owns one layer of every stack. The optimizer's collectives are two
     all-to-alls per stack, each of (n - 1) / n of the device's shard (fp32 here: XLA:CPU widens bf16 ones)."""

@@ -103,7 +103,7 @@ class Collective:
     computation: str
     loops: tuple[Loop, ...]  # enclosing while loops, outermost first
     runs: int  # executions per step: the product of the loops' trip counts
-    op_name: str  # the jax op(s) it came from (metadata)
+    op_name: str  # the jax op(s) it came from (metadata; an argument's gather: its first user's, _op_name)
     sliced_bytes: int = 0  # all-reduce operand bytes whose only use is each device's 1/n slice
 
     @property
@@ -267,6 +267,28 @@ def contexts(comps: dict[str, Computation], entry: str,
     return out
 
 
+def _op_name(comp: Computation, instr: Instr) -> str:
+    """The jax op a collective came from. jax 0.12 names the gather of a step argument (a ZeRO-3 weight) after
+    the argument (``state.params['lm_head']``), where jax 0.10.2 names it after the op using it: such a name is
+    read from its nearest user (up to four uses away) that names a jax op, so that
+    :attr:`Collective.phase` reads it as that op's pass on both."""
+    found = re.search(r'op_name="([^"]*)"', instr.attrs)
+    name = found.group(1) if found else ""
+    if not name or name.startswith("jit("):
+        return name
+    users = comp.users()
+    frontier = [instr.name]
+    for _ in range(4):
+        nxt = []
+        for user, _k in (pair for n in frontier for pair in users.get(n, [])):
+            used = re.search(r'op_name="(jit\([^"]*)"', user.attrs)
+            if used:
+                return used.group(1)
+            nxt.append(user.name)
+        frontier = nxt
+    return name
+
+
 def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[Collective]:
     """Every collective of a compiled (post-optimisation) HLO module, in text order; with ``taken`` those in a
     pipeline tick's conditionals run on its busy slots (:class:`Taken`), else at every tick."""
@@ -296,7 +318,6 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
             if (groups, exact) not in axes_of:
                 axes_of[groups, exact] = mesh_axes(groups, mesh, exact)
             sliced = _sliced_bytes(comps, comp, instr, n, groups) if kind == "all-reduce" and n > 1 else 0
-            op_name = re.search(r'op_name="([^"]*)"', instr.attrs)
             out.append(
                 Collective(
                     name=instr.name,
@@ -311,7 +332,7 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
                     computation=comp.name,
                     loops=loops,
                     runs=runs,
-                    op_name=op_name.group(1) if op_name else "",
+                    op_name=_op_name(comp, instr),
                     sliced_bytes=sliced,
                 )
             )
