@@ -11,6 +11,7 @@ import pytest
 from jaxscale.analysis import host_link, plan, strategy
 from jaxscale.analysis.cluster import load_cluster
 from jaxscale.analysis.params import param_table
+from jaxscale.config import flops
 from jaxscale.config.read import load_config
 
 SEQ = 8192
@@ -56,3 +57,23 @@ def test_the_plan_considers_offload_only_over_a_known_host_link(llama8b):
     with_link = dataclasses.replace(without, host_bandwidth=55.0e9)
     assert "offload_dots" in {s.remat for s in plan.layouts(m, with_link, SEQ)}
     assert "offload_dots" not in {s.remat for s in plan.layouts(m, without, SEQ)}
+
+
+def test_llama3_405b_on_1024_h100_fits_its_fastest_layout_only_with_offload():
+    """configs/models/llama3-405b.yaml holds Llama 3.1 405B's published shapes: 2·V·h for the untied embedding and
+    head, per layer q and o (h·h each), k and v (h·1024 each), SwiGLU (3·h·53248) and two norms, and the final norm.
+    On 128 nodes of 8 H100 at 2048 x 8192 tokens, fsdp=512 context=2 at two sequences per rank keeps ``full``'s
+    activations with ``offload_dots`` and fits the 72 GB; ``full`` (its peak) and ``save_dots`` (its kept
+    activations) do not, and offload's transfers hide behind the compute (save_dots' step time)."""
+    config = load_config(None, ["model=llama3-405b"])
+    h, v, layers = 16384, 128256, 126
+    layer = 2 * h * h + 2 * h * 1024 + 3 * h * 53248 + 2 * h
+    assert flops.param_count(config.model)["total"] == 2 * v * h + layers * layer + h == 405_853_388_800
+    cluster = load_cluster("h100", ["nodes=128", "host_bandwidth=55.0e9"])
+    m, params = config.model, param_table(config)
+    runs = {r: plan.evaluate(m, params, plan.Strategy(fsdp=512, context=2, remat=r, micro_batch=2, accumulation=2),
+                             SEQ, cluster) for r in ("full", "save_dots", "offload_dots")}
+    assert runs["offload_dots"].memory["total"] <= cluster.budget < runs["full"].memory["total"]
+    assert runs["save_dots"].memory["total"] > 4 * cluster.budget
+    assert runs["offload_dots"].memory["activations"] == runs["full"].memory["activations"]
+    assert runs["offload_dots"].time["total"] == runs["save_dots"].time["total"] < runs["full"].time["total"]
