@@ -5,6 +5,7 @@ here in numpy, every layout against one device (fp32, 1e-5), and optax.contrib.m
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +14,10 @@ import optax
 import pytest
 from helpers import assert_trees_close, rel_err, run_steps, tiny_config
 
-from jaxscale.layout.sharding import param_name
+from jaxscale.analysis import hlo
+from jaxscale.layout.sharding import named_params, param_name
 from jaxscale.training.muon import muon, newton_schulz
+from jaxscale.training.muon_layout import is_hidden_matrix
 from jaxscale.training.optim import schedule
 from jaxscale.training.trainer import Trainer
 
@@ -173,3 +176,17 @@ def test_optax_contrib_muon_where_the_definitions_meet(one_device):
             params = optax.apply_updates(params, updates)
         found.append(params)
     assert_trees_close(found[1], found[0])
+
+
+def test_a_stack_fsdp_does_not_divide_is_padded_to_owners_and_is_one_device(trainers):
+    """zero3, 6 layers over fsdp = 8: each stack is padded with 2 zero matrices so every device owns one; the update
+    moves each stack by two all-to-alls of 7/8 of the padded shard (8/6 of the shard) instead of gathering it
+    (7 shards), and the parameters after 3 steps are one device's."""
+    one = run_steps(*trainers.step(*MUON, "model.layers=6", devices=1), steps=STEPS)
+    trainer, compiled = trainers.step(*MUON, "model.layers=6", rules="zero3", mesh={"fsdp": 8})
+    assert_trees_close(run_steps(trainer, compiled, steps=STEPS).params, one.params)
+    update = [c for c in hlo.collectives(compiled.as_text(), trainer.mesh) if c.phase == "update"]
+    stacks = [leaf for _, leaf, axes in named_params(trainer.abstract_params, trainer.axes) if is_hidden_matrix(axes)]
+    assert {c.kind for c in update} == {"all-to-all"} and len(update) == 2 * len(stacks)
+    shard = sum(math.prod(leaf.shape) * 4 for leaf in stacks) / 8
+    assert sum(c.wire_bytes for c in update) == pytest.approx(2 * 7 / 8 * 8 / 6 * shard)

@@ -13,7 +13,7 @@ from helpers import fails_early, partitioned_hlo, tiny_config
 from jaxscale.analysis import hlo
 from jaxscale.layout.rules import Layout
 from jaxscale.layout.sharding import Rules, named_params
-from jaxscale.training.muon_layout import fans, is_hidden_matrix, owner_partition
+from jaxscale.training.muon_layout import fans, is_hidden_matrix, owner_layout, owner_partition
 from jaxscale.training.trainer import Trainer
 
 MUON = ("train.optimizer=muon", "train.muon.ns_dtype=float32", "train.steps=3")
@@ -56,6 +56,17 @@ W_GATE = ("layers", "expert", "embed", "expert_mlp")
 ])
 def test_owner_layouts_of_the_shipped_tables(rules, mesh, shape, axes, owner):
     assert owner_partition(Layout(Rules.load(rules), mesh), shape, axes) == owner
+
+
+@pytest.mark.parametrize("shape, owner, padded", [
+    ((6, 64, 8, 8), ("fsdp", None, None, None), (8, 64, 8, 8)),  # 2·7/8·8/6 = 2.33 shards moved against 7
+    ((3, 64, 8, 8), ("fsdp", None, None, None), (8, 64, 8, 8)),  # 2·7/8·8/3 = 4.67 against 7
+    ((4, 64, 8, 8), ("fsdp", None, None, None), (8, 64, 8, 8)),  # 2·7/8·8/4 = 3.5 against 7
+    ((2, 64, 8, 8), (None, None, None, None), (2, 64, 8, 8)),  # 2·7/8·8/2 = 7 against 7: gathered
+])
+def test_a_stack_fsdp_does_not_divide_is_padded_where_that_moves_fewer_bytes(shape, owner, padded):
+    """Padding L to L' costs 2·(k−1)/k·L'/L shards, gathering (k−1): padded where 2·L' < k·L."""
+    assert owner_layout(Layout(Rules.load("zero3"), {"fsdp": 8}), shape, WQ) == (owner, padded)
 
 
 def test_a_rules_muon_section_names_the_owners():

@@ -19,12 +19,14 @@ hidden matrix's Nesterov momentum is cast to ``ns_dtype`` and moved from its opt
 momentum state itself stays in the optimizer layout (ZeRO's shards). What that communicates per step, per
 hidden matrix: the mesh axes ``M`` that move from its matrix dimensions onto its stack dimensions cost one
 all-to-all over ``M`` there and one back, each sending ``(|M| - 1) / |M|`` of the device's shard (in
-``ns_dtype``); a mesh axis that splits a matrix dimension but divides no stack dimension is gathered there (an
-all-gather; each device keeps its own slice of the result: nothing moves back). Under ``zero3`` with ``layers``
-divisible by ``fsdp`` = n that is two all-to-alls of every stacked hidden matrix, ``2 (n - 1) / n`` of the
-device's share of the hidden matrices' bytes in ``ns_dtype`` (``zero1``'s state, split the same way, moves
-the same); under ``dp`` nothing moves, nor do experts split over ``expert`` or the layers of a pipeline stage
-when no other axis splits them. Outside a rules table (one device, a plain ``jax.jit``) it runs as written.
+``ns_dtype``); a mesh axis that splits a matrix dimension but divides no stack dimension pads the stack with zero
+matrices until it does where that moves fewer bytes (the moves then carry the padded shard), else is gathered
+there (an all-gather; each device keeps its own slice of the result: nothing moves back); see
+:func:`jaxscale.training.muon_layout.owner_layout`. Under ``zero3`` with ``layers`` divisible by ``fsdp`` = n
+that is two all-to-alls of every stacked hidden matrix, ``2 (n - 1) / n`` of the device's share of the hidden
+matrices' bytes in ``ns_dtype`` (``zero1``'s state, split the same way, moves the same); under ``dp`` nothing
+moves, nor do experts split over ``expert`` or the layers of a pipeline stage when no other axis splits them.
+Outside a rules table (one device, a plain ``jax.jit``) it runs as written.
 """
 
 from __future__ import annotations
@@ -73,20 +75,25 @@ def update_scale(shape: Sequence[int], axes: Axes, scale: Scale, rms: float) -> 
 
 
 def _on_owners(fn: Callable[[jax.Array], jax.Array], u: jax.Array, axes: Axes, dtype: Any) -> jax.Array:
-    """``fn`` applied to ``u`` cast to ``dtype``, on its owner layout; the result back on the optimizer layout
-    (module docstring). As written outside a rules table."""
+    """``fn`` applied to ``u`` cast to ``dtype``, on its owner layout (padded with zero matrices where that
+    layout pads the stack: the iteration keeps them zero); the result back on the optimizer layout (module
+    docstring). As written outside a rules table."""
     current = sharding.active()
     if current is None:
         return fn(u.astype(dtype))
     mesh, place = current
-    owner = NamedSharding(mesh, PartitionSpec(*muon_layout.owner_partition(place, u.shape, axes)))
+    parts, padded = muon_layout.owner_layout(place, u.shape, axes)
+    owner = NamedSharding(mesh, PartitionSpec(*parts))
     back = NamedSharding(mesh, PartitionSpec(*place.partition(axes, "optimizer")))
     # u and its cast pinned where the momentum is first: else the partitioner may move the gradient and the
     # momentum to the owners instead (the momentum computed there and moved back: four moves where two do), or
     # move u before its cast; the result pinned on the owners, else the iteration's last matmuls may run on the
     # optimizer layout (moving their operands).
     x = precision.lay_out(precision.lay_out(u, back).astype(dtype), back)
-    return precision.lay_out(precision.lay_out(fn(precision.lay_out(x, owner)), owner), back)
+    if padded != u.shape:
+        x = precision.lay_out(jnp.pad(x, [(0, padded[0] - u.shape[0])] + [(0, 0)] * (u.ndim - 1)), back)
+    o = precision.lay_out(precision.lay_out(fn(precision.lay_out(x, owner)), owner), back)
+    return precision.lay_out(o[: u.shape[0]], back) if padded != u.shape else o
 
 
 def orthogonalised(
@@ -95,10 +102,9 @@ def orthogonalised(
     """A hidden matrix's scaled update from its (Nesterov) momentum ``u``, in ``u``'s dtype and layout."""
     first = muon_layout.stack_dims(axes)
     fan_in, fan_out = muon_layout.fans(u.shape, axes)
-    stack = u.shape[:first]
 
-    def run(x: jax.Array) -> jax.Array:
-        o = newton_schulz(x.reshape(*stack, fan_in, fan_out), steps, dtype, eps)
+    def run(x: jax.Array) -> jax.Array:  # x: u, or u with its stack padded (owner_layout)
+        o = newton_schulz(x.reshape(*x.shape[:first], fan_in, fan_out), steps, dtype, eps)
         return o.reshape(x.shape)
 
     o = _on_owners(run, u, axes, dtype)
