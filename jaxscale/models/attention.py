@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -73,6 +74,22 @@ def attention_with_max(
     gradient: ``train.qk_clip``'s statistic, :mod:`jaxscale.parallel.logit_max`); not from ``cudnn`` (refused:
     the fused kernel hands out no scores) nor inside a pipeline stage (refused)."""
     return _attention(q, k, v, documents, q_axes, kv_axes, config, head_max=True)
+
+
+def core(config: ModelConfig, q_axes: Axes, kv_axes: Axes, head_max: bool, recompute: bool
+         ) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
+    """A layer's attention core ``(q, k, v, documents) -> (out, heads' largest logits or None)``: with
+    ``head_max`` :func:`attention_with_max`, else :func:`attention`; ``recompute``: checkpointed, nothing saved
+    (``model.remat: selective``: q, k, v kept, the core recomputed in the backward)."""
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None) -> tuple:
+        if head_max:
+            return attention_with_max(q, k, v, documents, q_axes, kv_axes, config)
+        return attention(q, k, v, documents, q_axes, kv_axes, config), None
+
+    if recompute:
+        return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    return run
 
 
 def _attention(

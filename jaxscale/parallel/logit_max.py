@@ -18,6 +18,8 @@ from jax.sharding import PartitionSpec
 
 from jaxscale.layout.sharding import spec_axes
 
+QK_LOGITS = "qk_logits"  # a model's metric of its layers' heads' largest logits [layers, heads]
+
 
 def dot_head_max(q: jax.Array, k: jax.Array, segments: jax.Array | None) -> jax.Array:
     """The largest causal logit of each query head [heads] (fp32) of q [b, s, heads, d] over k [b, s, kv heads, d]
