@@ -166,13 +166,15 @@ BLOCKWISE_TILES = 4  # auto: blockwise once the sequence spans more than this ma
 
 
 def resolve_attention(
-    config: ModelConfig, platform: str, seq_len: int, context: int = 1, documents: bool = False
+    config: ModelConfig, platform: str, seq_len: int, context: int = 1, documents: bool = False,
+    scores: bool = False,
 ) -> str:
     """The kernel ``model.attention`` runs on ``platform`` ("cpu", "gpu", "tpu") at ``seq_len`` tokens.
 
     Anything but ``auto`` is kept. ``auto`` is ``ring`` when the rules shard the sequence
     (``context`` > 1 devices); else ``cudnn`` on GPU for bf16/fp16 compute and a head_dim cuDNN
-    takes, unless packed ``documents`` are masked (cuDNN cannot: :data:`CUDNN_DOCUMENTS`); else
+    takes, unless packed ``documents`` are masked (cuDNN cannot: :data:`CUDNN_DOCUMENTS`) or the step reads the
+    heads' largest ``scores`` (``train.qk_clip``: cuDNN hands out none); else
     ``blockwise`` when ``seq_len > BLOCKWISE_TILES x attention_block`` (2048 tokens by default,
     where dot keeps fp32 ``s x s`` scores of 16 MiB per sequence and head in every layer, plus
     the probabilities, and the tiled kernel skips over 10 of its 25 or more tiles as fully
@@ -184,7 +186,7 @@ def resolve_attention(
         return "ring"
     cudnn_dtype = config.dtype in ("bfloat16", "float16")
     cudnn_shape = config.head_dim <= CUDNN_HEAD_DIM and config.head_dim % 8 == 0
-    if platform == "gpu" and cudnn_dtype and cudnn_shape and not documents:
+    if platform == "gpu" and cudnn_dtype and cudnn_shape and not documents and not scores:
         return "cudnn"
     if seq_len > BLOCKWISE_TILES * config.attention_block:
         return "blockwise"
@@ -195,7 +197,8 @@ def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     """``config`` with ``model.attention`` resolved for the mesh's devices and the rules' sequence axes."""
     platform = mesh.devices.flat[0].platform
     ring = layout_of(mesh, rules).ring_size
-    kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents)
+    kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents,
+                             config.train.qk_clip is not None)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
     ulysses.check(layout_of(mesh, rules), config)
     ring_tiles(config, mesh, rules)  # data.ring_balance refused here, before anything is compiled

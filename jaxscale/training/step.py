@@ -18,9 +18,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxscale.config.read import ConfigError
 from jaxscale.layout import collectives, offload
 from jaxscale.layout.sharding import constrain
-from jaxscale.models import balance, moe
+from jaxscale.models import balance, builtin, moe
 from jaxscale.ops.loss import microbatch_weights, model_objective, stage_head_loss
 from jaxscale.parallel import pipeline
 from jaxscale.parallel.logit_max import QK_LOGITS
@@ -30,6 +31,8 @@ from jaxscale.training import qk_clip
 from jaxscale.training.optim import schedule
 
 BATCH_AXES = ("batch", "length")
+QK_CLIP_MODELS = ("QK-clip scales the built-in models' attention weights by the heads' largest logits they report; "
+                  "a model of Trainer.build(model=...) or a custom objective has neither")
 
 
 class TrainState(NamedTuple):
@@ -129,6 +132,8 @@ class TrainStep:
         if self.config.precision.offload_state:  # from host memory to the device, after the backward
             held = offload.fetch(held, host)
         logits, tau = aux.pop(QK_LOGITS, None), self.config.train.qk_clip
+        if tau is not None and (logits is None or self.factory is not builtin.build):
+            raise ConfigError(f"train.qk_clip: {QK_CLIP_MODELS}")
         clip = None if logits is None else functools.partial(qk_clip.clip, logits=logits, tau=tau,
                                                              model=self.config.model)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device), then QK-clip.
