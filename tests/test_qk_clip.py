@@ -60,3 +60,30 @@ def test_clipped_steps_under_a_layout_are_one_device(trainers, name):
     for a, b in zip(run.metrics, one.metrics, strict=True):
         np.testing.assert_allclose(a["max_logit"], b["max_logit"], rtol=1e-5)
     assert_trees_close(run.params, one.params)
+
+
+DEEPSEEK = ("model=deepseek-v3-tiny", "train.seq_len=32")
+NOPE = 16  # configs/models/deepseek-v3-tiny.yaml: qk_nope_head_dim (then 8 rotary columns)
+
+
+@pytest.mark.slow
+def test_mla_scales_the_heads_own_parts_as_kimi_k2(trainers):
+    """Multi-head latent attention: each head's non-rotary query and key columns by sqrt(gamma), its rotary query
+    columns by gamma; the shared rotary key (wkv_a), the values and the MTP depth's attention untouched."""
+    clipped, clipped_step = trainers.step(*DEEPSEEK, "train.qk_clip=0.045", devices=1)
+    plain, plain_step = trainers.step(*DEEPSEEK, devices=1)
+    state, batch = clipped.init_state(), clipped.batch(0)
+    logits = np.asarray(jax.jit(clipped.loss_and_metrics)(state.params, batch)[1][QK_LOGITS], np.float64)
+    assert logits.shape == (3, 4) and (logits > 0.045).any() and (logits < 0.045).any()
+    gamma = np.minimum(1.0, 0.045 / logits)
+    got, ref = named(clipped_step(state, batch)[0].params), named(plain_step(plain.init_state(), batch)[0].params)
+    want = dict(ref)
+    for stack, rows in (("dense", gamma[:1]), ("blocks", gamma[1:])):  # the dense block is the model's first
+        root, full = np.sqrt(rows)[:, None, :, None], rows[:, None, :, None]
+        wq, wkv = ref[f"{stack}.attn.wq_b"].copy(), ref[f"{stack}.attn.wkv_b"].copy()
+        wq[..., :NOPE] *= root
+        wq[..., NOPE:] *= full
+        wkv[..., :NOPE] *= root
+        want[f"{stack}.attn.wq_b"], want[f"{stack}.attn.wkv_b"] = wq, wkv
+    for name in ref:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
