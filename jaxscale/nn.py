@@ -38,10 +38,11 @@ from jaxscale.models.moe import aux_objective as _aux_objective
 from jaxscale.models.moe import over_layers as moe_metrics
 from jaxscale.ops.lean import rms_norm, swiglu
 from jaxscale.ops.loss import chunked_cross_entropy, cross_entropy
+from jaxscale.parallel.logit_max import QK_LOGITS
 from jaxscale.precision.policy import einsum, weight_grads
 
 __all__ = [
-    "HIDDEN", "KV_AXES", "LOGITS", "MLP_AXES", "Q_AXES", "RESIDUAL", "MoE", "RMSNorm", "attention",
+    "HIDDEN", "KV_AXES", "LOGITS", "MLP_AXES", "QK_LOGITS", "Q_AXES", "RESIDUAL", "MoE", "RMSNorm", "attention",
     "chunked_cross_entropy", "constrain", "cross_entropy", "document_ids", "einsum", "moe_metrics", "moe_objective",
     "remat_policy", "rms_norm", "rope", "swiglu", "weight_grads",
 ]
@@ -56,7 +57,8 @@ def attention(
     q_axes: Axes = Q_AXES,
     kv_axes: Axes = KV_AXES,
     documents: jax.Array | None = None,
-) -> jax.Array:
+    head_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, head_dim];
     with ``documents``, the ``positions`` [batch, length] of packed documents (``data.documents``: restarting
     at 0 at each, in the order the trainer feeds them), a token attends only within its document.
@@ -64,10 +66,13 @@ def attention(
     The kernel is ``config.model.attention`` as the trainer resolved it for its devices and rules
     (``auto`` becomes ``ring`` where the rules split ``length``: the trainer then feeds each sequence
     in ring attention's zig-zag order, and ``positions`` follow it). ``heads`` of the two may differ:
-    grouped-query attention.
+    grouped-query attention. ``head_max``: also each query head's largest pre-softmax logit over the batch
+    [heads] (fp32, no gradient): a model's ``QK_LOGITS`` metric, stacked [layers, heads], is what
+    ``train.qk_clip`` reads (the built-in models').
     """
     model = config.model if isinstance(config, Config) else config
-    return _attention.attention(q, k, v, documents, q_axes, kv_axes, model)
+    kernel = _attention.attention_with_max if head_max else _attention.attention
+    return kernel(q, k, v, documents, q_axes, kv_axes, model)
 
 
 def moe_objective(metrics: dict[str, jax.Array], config: Config | ModelConfig) -> jax.Array:

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxscale.analysis import muon_cost
 from jaxscale.analysis.blocks import layers_run, moe_layers
 from jaxscale.analysis.context_flows import context_flows
 from jaxscale.analysis.flows import Flow, flow
@@ -154,6 +155,8 @@ def communication(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
         # routed rows; a pipeline's backward slot recomputes its chunk)
         again = stage_remat or m.remat not in ("none", "selective")
         flows += _expert_flows(m.moe, layout, bsh, micro * moe_runs, again, imbalance)
+    if step.muon is not None:  # the moves to and from Muon's owner devices
+        flows += muon_cost.flows(params, layout, step.muon)
     return flows
 
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from jaxscale.analysis import muon_cost
 from jaxscale.analysis.activations import (
     FLASH_ATTENTION,
     SCORES,
@@ -178,7 +179,7 @@ def memory(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step) 
     out = {
         "params": state("params", pbytes),
         "master": state("optimizer", mbytes) if compute != master else 0.0,
-        "optimizer": 2 * state("optimizer", mbytes),
+        "optimizer": muon_cost.optimizer_state(params, layout, step.muon, mbytes),  # Adam's two moments, Muon's one
         "gradients": state(grad_kind, pbytes) + (regathered * rbytes if step.microbatches > 1 else 0.0),
         "accumulator": state("optimizer", rbytes) if step.microbatches > 1 else 0.0,
         "pipeline accumulator": 0.0,

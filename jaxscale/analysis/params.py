@@ -83,6 +83,15 @@ def param_table(config: Config) -> list[Param]:
 
 
 @dataclasses.dataclass(frozen=True)
+class MuonCost:
+    """What the analytic model reads of ``train.muon``: Newton-Schulz steps, their dtype, AdamW's axes."""
+
+    ns_steps: int = 5
+    ns_dtype: str = "bfloat16"
+    adamw_axes: tuple[str, ...] = ("vocab",)
+
+
+@dataclasses.dataclass(frozen=True)
 class Step:
     """The batch side of a step: global batch in sequences, sequence length, accumulation, pipeline."""
 
@@ -96,14 +105,16 @@ class Step:
     master_dtype: str = "auto"  # precision.master: the weights the optimizer updates (auto: model.param_dtype)
     reduce_dtype: str = "float32"  # precision.grads_reduce: the accumulator's
     layers_per_stage: tuple[int, ...] | None = None  # pipeline.layers_per_stage: uneven virtual stages
+    muon: MuonCost | None = None  # train.optimizer: muon (jaxscale/analysis/muon_cost.py); None: AdamW
 
     @classmethod
     def from_config(cls, config: Config, stages: int = 1) -> Step:
         """The step of an experiment; ``stages`` is the resolved size of the ``stage`` mesh axis."""
         pipeline, t, p = config.pipeline, config.train, config.precision
         split = tuple(pipeline.layers_per_stage) if pipeline.layers_per_stage is not None else None
+        muon = MuonCost(t.muon.ns_steps, t.muon.ns_dtype, tuple(t.muon.adamw_axes)) if t.optimizer == "muon" else None
         return cls(t.global_batch, t.seq_len, t.microbatches, pipeline.microbatches or stages, pipeline.repeats,
-                   pipeline.schedule, p.params, p.master, p.grads_reduce, split)
+                   pipeline.schedule, p.params, p.master, p.grads_reduce, split, muon)
 
     def dtypes(self, m: ModelConfig) -> Dtypes:
         """The step's compute, master and reduce dtypes (:func:`jaxscale.config.dtypes.resolve`)."""

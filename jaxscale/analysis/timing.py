@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxscale.analysis import host_link
+from jaxscale.analysis import host_link, muon_cost
 from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projections, routed_per_token
 from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.flows import Flow
@@ -207,6 +207,8 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
     logits = tokens * m.vocab_size / t_v * 20  # fp32 logits, log-sum-exp, softmax gradient; bf16 copy
     update, weights = _update_bytes(m, params, layout, step, passes) if params is not None else (0.0, 0.0)
     bw = cluster.memory_bandwidth
+    newton_schulz = 0.0 if params is None or step.muon is None else muon_cost.seconds(
+        params, layout, step.muon, lambda *mm: matmul_seconds(cluster, *mm))
     forward = fwd_mm + head + fwd_attn + (fwd_mem + fwd_cm + logits / 4 + weights) / bw
     backward = 2 * (fwd_mm + head) + 2.5 * fwd_attn + (2 * fwd_mem + fwd_cm + 3 * logits / 4 + weights) / bw
     # save_dots and save_named keep no routed expert's matmul (a grouped or batched one): the backward runs the
@@ -233,7 +235,7 @@ def _compute(m: ModelConfig, params: Sequence[Param] | None, layout: Layout, ste
         "matmul": 3 * (fwd_mm + head),
         "attention": 3.5 * fwd_attn,
         "memory_bound": (3 * fwd_mem + 2 * fwd_cm + logits + 2 * weights) / bw,
-        "optimizer": update / bw,
+        "optimizer": update / bw + newton_schulz,
         **pipeline,
     }
 

@@ -106,6 +106,7 @@ RANGES: dict[str, Range] = {
     "train.eval_every": AT_LEAST_0,
     "train.eval_steps": AT_LEAST_1,
     "train.max_consecutive_skips": AT_LEAST_1,
+    "train.qk_clip": POSITIVE,
     "train.muon.momentum": BETA,
     "train.muon.ns_steps": AT_LEAST_1,
     "train.muon.rms": POSITIVE,

@@ -75,6 +75,10 @@ def _stage_explicit_experts(c: Context) -> bool:
     return c.pipelined and _moe(c) is not None and _moe(c).impl == "shard_map"
 
 
+def _qk_clip(c: Context) -> bool:
+    return c.config.train.qk_clip is not None
+
+
 def _explicit(c: Context) -> bool:
     return c.config.mesh.axis_types == "explicit"
 
@@ -127,6 +131,17 @@ RULES: tuple[Refusal, ...] = (
     R("cudnn-float32", ("model.attention", "model.dtype"), lambda c: c.config.model.attention == "cudnn"
       and c.config.model.dtype == "float32",
       "model.attention: 'cudnn' needs model.dtype bfloat16 or float16, got float32"),
+    R("qk-clip-cudnn", ("train.qk_clip", "model.attention"), lambda c: _qk_clip(c)
+      and c.config.model.attention == "cudnn",
+      "train.qk_clip: model.attention 'cudnn' hands out no attention scores, whose largest per head QK-clip reads: "
+      "use 'blockwise' (flash-style, the maxima for free), 'dot' or 'auto' (which then never picks cudnn)"),
+    R("qk-clip-qk-norm", ("train.qk_clip", "model.qk_norm"), lambda c: _qk_clip(c) and c.config.model.qk_norm,
+      "train.qk_clip: with model.qk_norm the heads' queries and keys are RMS-normed after their projections, so "
+      "scaling the projections' weights leaves the logits as they were"),
+    R("qk-clip-fused", ("train.qk_clip", "model.fused_projections"), lambda c: _qk_clip(c)
+      and c.config.model.fused_projections,
+      "train.qk_clip: not with model.fused_projections yet (QK-clip scales wq and wk; w_qkv holds them in one "
+      "tensor): model.fused_projections=false"),
     R("cudnn-documents", ("data.documents", "model.attention"), lambda c: c.config.data.documents
       and c.config.model.attention == "cudnn",
       "data.documents: model.attention 'cudnn' does not mask across documents (jax's public cuDNN attention takes "
@@ -223,6 +238,9 @@ RULES: tuple[Refusal, ...] = (
       "tiles", "layout"),
     # Collective matmuls are shard_maps of their own: XLA (Shardy and GSPMD alike) cannot lower them nested in the
     # pipeline's partly manual loop (SP and explicit experts write their collectives in the loop's manual axes).
+    R("qk-clip-pipeline", ("train.qk_clip", "rules"), lambda c: _qk_clip(c) and c.pipelined,
+      "train.qk_clip with rules '{rules}' (layers on stage: {stages} pipeline stages): not served yet, the "
+      "pipeline's stage program carries no per-head attention logits out of its loop", "layout"),
     R("pipeline-tp-overlap", ("rules", "model.tp_overlap"), lambda c: c.pipelined and c.config.model.tp_overlap,
       "rules '{rules}': model.tp_overlap (collective matmuls) inside a pipeline stage nests a shard_map in the "
       "pipeline's partly manual loop, which XLA cannot lower yet; sequence parallelism without it runs there "

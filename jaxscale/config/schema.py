@@ -199,6 +199,9 @@ class TrainConfig:
     clip_norm: float = 1.0
     optimizer: Optimizer = "adamw"
     muon: MuonConfig = dataclasses.field(default_factory=MuonConfig)  # train.optimizer: muon
+    # QK-clip (Kimi K2's MuonClip, with either optimizer): after each update, a head whose largest pre-softmax
+    # logit of the step exceeds this tau has its query and key weights scaled down to it (training/qk_clip.py)
+    qk_clip: float | None = None
     peak_flops: float | None = None
     eval_every: int = 0
     eval_steps: int = 4

@@ -80,11 +80,11 @@ def _wide(f: Facts) -> str | None:
 
 SELECTIONS: tuple[Selection, ...] = (
     Selection("attention-auto", ("model.attention", "rules", "data.documents", "model.dtype", "model.head_dim",
-                                 "train.seq_len"),
+                                 "train.seq_len", "train.qk_clip"),
               "`model.attention: auto` is one of four kernels, chosen once at build: `ring` when the rules split "
               "the sequence; else `cudnn` on GPU with a bf16/fp16 `model.dtype`, a `model.head_dim` cuDNN takes "
-              "and no `data.documents`; else `blockwise` above 4 `model.attention_block` tiles of "
-              "`train.seq_len`; else `dot`", _attention),
+              "and neither `data.documents` nor `train.qk_clip`; else `blockwise` above 4 `model.attention_block` "
+              "tiles of `train.seq_len`; else `dot`", _attention),
     Selection("remat-auto", ("model.remat", "mesh", "rules"),
               "`model.remat: auto` is the least recomputation whose predicted peak fits the device "
               "(`jaxscale/analysis/remat.py`), chosen before the trainer is built", _remat),

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -43,7 +44,7 @@ from jaxscale.config import refusals
 from jaxscale.config.read import Config, ConfigError, ModelConfig
 from jaxscale.layout.rules import Rules
 from jaxscale.layout.sharding import Axes, active, layout_of, stage
-from jaxscale.parallel import ring_attention, ring_schedule, ulysses
+from jaxscale.parallel import logit_max, ring_attention, ring_schedule, ulysses
 
 
 def document_ids(positions: jax.Array) -> jax.Array:
@@ -62,6 +63,39 @@ def attention(
     queries' (multi-head latent attention): the tiled kernels take it as it is, XLA's and cuDNN's see both padded
     with zeros to the wider (exact: zero columns of the values give zero outputs, cut off; zero query and key
     columns add nothing to the scores, scaled by the true ``1/sqrt(head_dim)``)."""
+    return _attention(q, k, v, documents, q_axes, kv_axes, config, head_max=False)
+
+
+def attention_with_max(
+    q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None, q_axes: Axes, kv_axes: Axes,
+    config: ModelConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`attention` and each query head's largest pre-softmax logit over the batch [heads] (fp32, no
+    gradient: ``train.qk_clip``'s statistic, :mod:`jaxscale.parallel.logit_max`); not from ``cudnn`` (refused:
+    the fused kernel hands out no scores) nor inside a pipeline stage (refused)."""
+    return _attention(q, k, v, documents, q_axes, kv_axes, config, head_max=True)
+
+
+def core(config: ModelConfig, q_axes: Axes, kv_axes: Axes, head_max: bool, recompute: bool
+         ) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
+    """A layer's attention core ``(q, k, v, documents) -> (out, heads' largest logits or None)``: with
+    ``head_max`` :func:`attention_with_max`, else :func:`attention`; ``recompute``: checkpointed, nothing saved
+    (``model.remat: selective``: q, k, v kept, the core recomputed in the backward)."""
+
+    def run(q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None) -> tuple:
+        if head_max:
+            return attention_with_max(q, k, v, documents, q_axes, kv_axes, config)
+        return attention(q, k, v, documents, q_axes, kv_axes, config), None
+
+    if recompute:
+        return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
+    return run
+
+
+def _attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None, q_axes: Axes, kv_axes: Axes,
+    config: ModelConfig, head_max: bool,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     kind = config.attention
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
         kind = resolve_attention(config, _platform(), q.shape[1], documents=documents is not None)
@@ -72,30 +106,36 @@ def attention(
     inside, current = stage(), active()
     if inside is not None and inside.ulysses:  # a pipeline stage's loop, manual over the context axes already
         ring = tuple(a for a in inside.ring if a not in inside.ulysses)
-        return ulysses.manual(q, k, v, documents, inside.ulysses, _manual_kernel(kind, config, ring, gathered=True))
+        kernel = _manual_kernel(kind, config, ring, gathered=True, head_max=head_max)
+        return ulysses.manual(q, k, v, documents, inside.ulysses, kernel, head_max=head_max)
     if inside is None and current is not None and current[1].ulysses_axes:
-        kernel = _manual_kernel(kind, config, current[1].ring_axes, gathered=False)
-        return ulysses.attention(q, k, v, documents, q_axes, kv_axes, kernel)
+        kernel = _manual_kernel(kind, config, current[1].ring_axes, gathered=False, head_max=head_max)
+        return ulysses.attention(q, k, v, documents, q_axes, kv_axes, kernel, head_max=head_max)
     if kind in ("blockwise", "ring"):
         return ring_attention.attention(
             q, k, v, q_axes, kv_axes, positions=documents, causal=True, block=config.attention_block,
-            ring=kind == "ring",
+            ring=kind == "ring", head_max=head_max,
         )
-    return _xla(kind, q, k, v, documents)
+    return _xla(kind, q, k, v, documents, head_max=head_max)
 
 
-def _manual_kernel(kind: str, config: ModelConfig, ring: tuple[str, ...], gathered: bool) -> ulysses.Kernel:
+def _manual_kernel(kind: str, config: ModelConfig, ring: tuple[str, ...], gathered: bool, head_max: bool = False
+                   ) -> ulysses.Kernel:
     """The kernel ``kind`` on each device's blocks inside Ulysses' all-to-alls: the tiled ones over the ``ring``
     axes (``ring`` only; none under Ulysses alone: blockwise; ``gathered`` in a pipeline stage), XLA's or
-    cuDNN's on whole sequences."""
+    cuDNN's on whole sequences; with ``head_max`` it returns its local heads' largest logits too."""
     if kind in ("blockwise", "ring"):
         ring = ring if kind == "ring" else ()
-        return partial(ring_attention.manual, axes=ring, causal=True, block=config.attention_block, gathered=gathered)
-    return partial(_xla, kind)
+        return partial(ring_attention.manual, axes=ring, causal=True, block=config.attention_block, gathered=gathered,
+                       head_max=head_max)
+    return partial(_xla, kind, head_max=head_max)
 
 
-def _xla(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None) -> jax.Array:
-    """``dot`` or ``cudnn``: ``jax.nn.dot_product_attention`` on whole sequences, masked across documents."""
+def _xla(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Array | None, head_max: bool = False
+         ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """``dot`` or ``cudnn``: ``jax.nn.dot_product_attention`` on whole sequences, masked across documents; with
+    ``head_max`` (``dot``) the heads' largest logits too (:func:`jaxscale.parallel.logit_max.dot_head_max`)."""
+    unpadded = q, k
     scale, d_v = 1.0 / math.sqrt(q.shape[-1]), v.shape[-1]
     width = max(q.shape[-1], d_v)
     q, k, v = (jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])]) for x in (q, k, v))
@@ -105,6 +145,8 @@ def _xla(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Arr
         mask = segments[:, None, :, None] == segments[:, None, None, :]  # [batch, 1, q, k]
     implementation = "cudnn" if kind == "cudnn" else None
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=True, implementation=implementation)
+    if head_max:
+        return out[..., :d_v], logit_max.dot_head_max(*unpadded, None if documents is None else segments)
     return out[..., :d_v]
 
 
@@ -124,13 +166,15 @@ BLOCKWISE_TILES = 4  # auto: blockwise once the sequence spans more than this ma
 
 
 def resolve_attention(
-    config: ModelConfig, platform: str, seq_len: int, context: int = 1, documents: bool = False
+    config: ModelConfig, platform: str, seq_len: int, context: int = 1, documents: bool = False,
+    scores: bool = False,
 ) -> str:
     """The kernel ``model.attention`` runs on ``platform`` ("cpu", "gpu", "tpu") at ``seq_len`` tokens.
 
     Anything but ``auto`` is kept. ``auto`` is ``ring`` when the rules shard the sequence
     (``context`` > 1 devices); else ``cudnn`` on GPU for bf16/fp16 compute and a head_dim cuDNN
-    takes, unless packed ``documents`` are masked (cuDNN cannot: :data:`CUDNN_DOCUMENTS`); else
+    takes, unless packed ``documents`` are masked (cuDNN cannot: :data:`CUDNN_DOCUMENTS`) or the step reads the
+    heads' largest ``scores`` (``train.qk_clip``: cuDNN hands out none); else
     ``blockwise`` when ``seq_len > BLOCKWISE_TILES x attention_block`` (2048 tokens by default,
     where dot keeps fp32 ``s x s`` scores of 16 MiB per sequence and head in every layer, plus
     the probabilities, and the tiled kernel skips over 10 of its 25 or more tiles as fully
@@ -142,7 +186,7 @@ def resolve_attention(
         return "ring"
     cudnn_dtype = config.dtype in ("bfloat16", "float16")
     cudnn_shape = config.head_dim <= CUDNN_HEAD_DIM and config.head_dim % 8 == 0
-    if platform == "gpu" and cudnn_dtype and cudnn_shape and not documents:
+    if platform == "gpu" and cudnn_dtype and cudnn_shape and not documents and not scores:
         return "cudnn"
     if seq_len > BLOCKWISE_TILES * config.attention_block:
         return "blockwise"
@@ -153,7 +197,8 @@ def resolved(config: Config, mesh: Mesh, rules: Rules) -> Config:
     """``config`` with ``model.attention`` resolved for the mesh's devices and the rules' sequence axes."""
     platform = mesh.devices.flat[0].platform
     ring = layout_of(mesh, rules).ring_size
-    kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents)
+    kind = resolve_attention(config.model, platform, config.train.seq_len, ring, config.data.documents,
+                             config.train.qk_clip is not None)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention=kind))
     ulysses.check(layout_of(mesh, rules), config)
     ring_tiles(config, mesh, rules)  # data.ring_balance refused here, before anything is compiled

@@ -94,6 +94,7 @@ class MLA(nnx.Module):
         self.wkv_b = param(rngs, c, (d.kv_lora_rank, h, d.qk_nope_head_dim + d.v_head_dim),
                            ("kv_lora_up", "heads", "head_dim"))
         self.wo = param(rngs, c, (h, d.v_head_dim, c.embed), ("heads", "head_dim", "embed"))
+        self.head_max = config.train.qk_clip is not None  # QK-clip's statistic (jaxscale/training/qk_clip.py)
 
     def _w(self, p: nnx.Param) -> jax.Array:
         return p[...].astype(self.config.dtype)
@@ -106,6 +107,10 @@ class MLA(nnx.Module):
         return nn.einsum("bsr,rhd->bshd", self.q_norm(latent), self._w(self.wq_b), self.grads)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return self.forward(x, positions)[0]
+
+    def forward(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The output and, under ``train.qk_clip``, each head's largest pre-softmax logit [heads] (or None)."""
         c, d = self.config, self.config.deepseek
         nope, rank = d.qk_nope_head_dim, d.kv_lora_rank
         rope = functools.partial(nn.rope, positions=positions, theta=c.rope_theta, scaling=c.rope_scaling)
@@ -119,12 +124,14 @@ class MLA(nnx.Module):
         q, k, v = (checkpoint_name(a, name) for a, name in ((q, "query"), (nn.constrain(k, nn.Q_AXES), "key"),
                                                               (v, "value")))
         documents = positions if self.documents else None
-        core = functools.partial(nn.attention, config=c, kv_axes=nn.Q_AXES, documents=documents)
+        core = functools.partial(nn.attention, config=c, kv_axes=nn.Q_AXES, documents=documents,
+                                 head_max=self.head_max)
         if c.remat == "selective":  # keep q, k, v; recompute the attention core in the backward
             core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        out = checkpoint_name(nn.constrain(core(q, k, v), nn.Q_AXES), "attention")
+        out, most = core(q, k, v) if self.head_max else (core(q, k, v), None)
+        out = checkpoint_name(nn.constrain(out, nn.Q_AXES), "attention")
         y = nn.einsum("bshd,hde->bse", out, self._w(self.wo), self.grads)
-        return checkpoint_name(nn.constrain(y, nn.RESIDUAL), "attention_out")
+        return checkpoint_name(nn.constrain(y, nn.RESIDUAL), "attention_out"), most
 
 
 class MLP(nnx.Module):
@@ -158,13 +165,14 @@ class Block(nnx.Module):
         self.routed_scale = c.deepseek.routed_scale
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
-        """The block's output and its MoE metrics (none for a dense block)."""
-        x = nn.constrain(x + self.attn(self.attn_norm(x), positions), nn.RESIDUAL)
+        """The block's output and its MoE metrics (none for a dense block; ``train.qk_clip``: ``QK_LOGITS``)."""
+        out, most = self.attn.forward(self.attn_norm(x), positions)
+        x = nn.constrain(x + out, nn.RESIDUAL)
         h = self.mlp_norm(x)
-        y, metrics = jnp.zeros_like(x), {}
+        y, metrics = jnp.zeros_like(x), {} if most is None else {nn.QK_LOGITS: most}
         if self.routed is not None:
-            routed, metrics = self.routed(h)
-            y = self.routed_scale * routed
+            routed, routing = self.routed(h)
+            y, metrics = self.routed_scale * routed, {**metrics, **routing}
         if self.mlp is not None:
             y = y + self.mlp(h)
         return nn.constrain(x + y, nn.RESIDUAL), metrics
@@ -251,13 +259,21 @@ class DeepSeek(nnx.Module):
         return x if self.dense is None else self.run(self.dense, x, positions, None)[0]
 
     def trunk(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
-        """The MoE stack's output (before the final norm) and its metrics (:func:`jaxscale.nn.moe_metrics`)."""
-        x, stats = self.run(self.blocks, self.prefix(self.embed(tokens), positions), positions, "layers")
-        return x, self.stack_metrics(stats)
+        """The MoE stack's output (before the final norm) and its metrics (:func:`jaxscale.nn.moe_metrics`; under
+        ``train.qk_clip`` ``QK_LOGITS`` [layers, heads] of the dense blocks then the MoE ones)."""
+        x, dense = self.embed(tokens), {}
+        if self.dense is not None:  # the prefix, its QK-clip statistic kept
+            x, dense = self.run(self.dense, x, positions, None)
+        x, stats = self.run(self.blocks, x, positions, "layers")
+        metrics = self.stack_metrics(stats)
+        if nn.QK_LOGITS in dense:
+            metrics[nn.QK_LOGITS] = jnp.concatenate([dense[nn.QK_LOGITS], metrics[nn.QK_LOGITS]])
+        return x, metrics
 
     def stack_metrics(self, stacked: Metrics) -> Metrics:
         """The MoE blocks' metrics [layers, ...] as :meth:`trunk` returns them (:func:`jaxscale.nn.moe_metrics`)."""
-        return nn.moe_metrics(stacked)
+        most = stacked.pop(nn.QK_LOGITS, None)
+        return nn.moe_metrics(stacked) if most is None else {**nn.moe_metrics(stacked), nn.QK_LOGITS: most}
 
     def hidden(self, tokens: jax.Array, positions: jax.Array) -> tuple[jax.Array, Metrics]:
         """The final-normed hidden states and the MoE metrics (MTP is :meth:`ahead`, which needs the targets)."""

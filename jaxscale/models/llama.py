@@ -42,10 +42,11 @@ from jaxscale.config.read import Config, ModelConfig, RopeScaling
 from jaxscale.layout import offload
 from jaxscale.layout.sharding import constrain, lookup, stage
 from jaxscale.models import moe
-from jaxscale.models.attention import attention
+from jaxscale.models.attention import core
 from jaxscale.models.params import ones, param
 from jaxscale.ops.lean import rms_norm, swiglu
 from jaxscale.parallel import sequence
+from jaxscale.parallel.logit_max import QK_LOGITS
 from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
 from jaxscale.precision.fp8 import Fp8, Operand
@@ -208,13 +209,18 @@ class Attention(nnx.Module):
         self.fp8 = make_fp8(config, ("x", "out"), {"wq": "q", "wk": "k", "wv": "v", "wo": "o"})
         if c.qk_norm:
             self.q_norm, self.k_norm = HeadNorm(config), HeadNorm(config)
+        self.head_max = config.train.qk_clip is not None  # QK-clip's statistic (jaxscale/training/qk_clip.py)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        return self.forward(x, positions)[0]
+
+    def forward(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """The output and, under ``train.qk_clip``, each query head's largest pre-softmax logit [heads] (or None)."""
         q, k, v = self.project(x, positions)
-        core = functools.partial(attention, q_axes=Q_AXES, kv_axes=KV_AXES, config=self.config)
-        if self.config.remat == "selective" and stage() is None:  # keep q, k, v; recompute the core in the backward
-            core = jax.checkpoint(core, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)
-        return self.output(core(q, k, v, positions if self.documents else None))
+        selective = self.config.remat == "selective" and stage() is None  # keep q, k, v; recompute the core
+        out, most = core(self.config, Q_AXES, KV_AXES, self.head_max, selective)(
+            q, k, v, positions if self.documents else None)
+        return self.output(out), most
 
     def project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q, k and v of ``x`` at ``positions``: the projections, the heads' norms (``model.qk_norm``), RoPE."""
@@ -324,10 +330,11 @@ class Block(nnx.Module):
             self.mlp = MLP(config, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The block's output and its MoE metrics (none for a dense block)."""
-        x = constrain(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
+        """The block's output and its MoE metrics (none for a dense block; ``train.qk_clip``: ``qk_logits``)."""
+        out, most = self.attn.forward(self.attn_norm(x), positions)
+        x = constrain(x + out, RESIDUAL)
         y, aux = self.mlp(self.mlp_norm(x)) if self.moe_layer else (self.mlp(self.mlp_norm(x)), {})
-        return constrain(x + y, RESIDUAL), aux
+        return constrain(x + y, RESIDUAL), aux if most is None else {**aux, QK_LOGITS: most}
 
 
 class Group(nnx.Module):
@@ -338,9 +345,11 @@ class Group(nnx.Module):
         self.blocks = nnx.List([Block(config, rngs, i == n - 1) for i in range(n)])
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        most = []  # every block's qk_logits (train.qk_clip), stacked [blocks, heads]; the last block's MoE metrics
         for block in self.blocks:
             x, aux = block(x, positions)
-        return x, aux
+            most.append(aux.pop(QK_LOGITS, None))
+        return x, aux if most[0] is None else {**aux, QK_LOGITS: jnp.stack(most)}
 
 
 class Llama(nnx.Module):
@@ -435,5 +444,7 @@ class Llama(nnx.Module):
 
     def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, Any]:
         """The blocks' metrics [layers, ...] as :meth:`hidden` returns them (:func:`jaxscale.models.moe.over_layers`;
-        none when dense)."""
-        return moe.over_layers(stacked) if self.config.moe else {}
+        none when dense; ``train.qk_clip``: ``qk_logits`` [layers, heads])."""
+        most = stacked.pop(QK_LOGITS, None)
+        out = moe.over_layers(stacked) if self.config.moe else {}
+        return out if most is None else {**out, QK_LOGITS: most.reshape(-1, most.shape[-1])}

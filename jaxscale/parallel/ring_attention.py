@@ -74,6 +74,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxscale.layout.sharding import Axes, active, spec, spec_axes, stage
+from jaxscale.parallel.logit_max import head_max_spec, per_device
 from jaxscale.parallel.ring_schedule import FULL, block_ids, document_starts, tile_kind, visible
 
 _NEG = float(np.finfo(np.float32).min)
@@ -231,8 +232,9 @@ def _grad(q, do, lse, delta, k, v, q_ids, k_ids, dq, plan: _Ring, starts=None):
 
 def _forward(q, k, v, starts, plan: _Ring):
     """Local blocks q [b, s/c, kv heads, group, d], k [b, s/c, kv heads, d] and v [b, s/c, kv heads, d_v]
-    -> (out [b, s/c, kv heads, group, d_v], log-sum-exp); ``starts`` [b, s/c]: the tokens' document starts
-    (travelling with K and V), or None."""
+    -> (out [b, s/c, kv heads, group, d_v], log-sum-exp, each head's largest score [kv heads, group]: the online
+    softmax's row maxima's); ``starts`` [b, s/c]: the tokens' document starts (travelling with K and V), or
+    None."""
     me = plan.index()
     ids = jnp.asarray(plan.ids, jnp.int32)
     b, s, h, g, _ = q.shape
@@ -266,12 +268,14 @@ def _forward(q, k, v, starts, plan: _Ring):
         (state, kv), _ = lax.scan(ring_step, (state, kv), jnp.arange(plan.cp - 1))
     o, m, total = visit(state, kv, plan.cp - 1)
     out = o / jnp.transpose(total, (0, 3, 1, 2))[..., None]
-    return out.astype(q.dtype), m + jnp.log(total)
+    return out.astype(q.dtype), m + jnp.log(total), m.max(axis=(0, 3))
 
 
-def _backward(plan: _Ring, residuals, do):
-    """The ring again: K, V (with their document starts) and their fp32 gradient accumulators travel; dq stays."""
+def _backward(plan: _Ring, residuals, cotangents):
+    """The ring again: K, V (with their document starts) and their fp32 gradient accumulators travel; dq stays.
+    The heads' largest scores are a statistic: their cotangent is dropped."""
     q, k, v, starts, out, lse = residuals
+    do = cotangents[0]
     me = plan.index()
     ids = jnp.asarray(plan.ids, jnp.int32)
     delta = jnp.einsum("bqhgd,bqhgd->bhgq", do.astype(jnp.float32), out.astype(jnp.float32))
@@ -324,29 +328,31 @@ def _gathered_backward(plan: _Ring, q, do, lse, delta, kv, dq):
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attend(plan: _Ring, q, k, v, starts):
-    return _forward(q, k, v, starts, plan)[0]
+    out, _, head_max = _forward(q, k, v, starts, plan)
+    return out, head_max
 
 
 def _attend_fwd(plan: _Ring, q, k, v, starts):
-    out, lse = _forward(q, k, v, starts, plan)
-    return out, (q, k, v, starts, out, lse)
+    out, lse, head_max = _forward(q, k, v, starts, plan)
+    return (out, head_max), (q, k, v, starts, out, lse)
 
 
 _attend.defvjp(_attend_fwd, _backward)
 
 
-def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None) -> jax.Array:
+def _local(plan: _Ring, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None
+           ) -> tuple[jax.Array, jax.Array]:
     """[b, s, heads, d] queries against [b, s, kv heads, d] keys and [b, s, kv heads, d_v] values, on this
-    device's blocks: [b, s, heads, d_v]; ``positions`` [b, s] of packed documents (attention kept within each),
-    or None."""
+    device's blocks: [b, s, heads, d_v] and each head's largest pre-softmax logit on them [heads] (fp32);
+    ``positions`` [b, s] of packed documents (attention kept within each), or None."""
     b, s, heads, d = q.shape
     kv_heads = k.shape[2]
     starts = None
     if positions is not None:  # this device's tokens' natural indices, from its tiles' global ids
         ids = jnp.asarray(plan.ids, jnp.int32)[plan.index()]
         starts = document_starts(positions, (ids[:, None] * plan.block + jnp.arange(plan.block)).reshape(-1))
-    out = _attend(plan, q.reshape(b, s, kv_heads, heads // kv_heads, d), k, v, starts)
-    return out.reshape(b, s, heads, v.shape[-1])
+    out, head_max = _attend(plan, q.reshape(b, s, kv_heads, heads // kv_heads, d), k, v, starts)
+    return out.reshape(b, s, heads, v.shape[-1]), head_max.reshape(heads)
 
 
 def _plan(
@@ -379,10 +385,13 @@ def attention(
     block: int = 512,
     ring: bool = True,
     layout: str = "zigzag",
-) -> jax.Array:
+    head_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of q [batch, length, heads, head_dim] over k [batch, length, kv_heads, head_dim] and v
     [batch, length, kv_heads, v_head_dim] (the values' width may differ: multi-head latent attention); with
-    ``positions`` [batch, length] of packed documents (restarting at 0 at each) within each document.
+    ``positions`` [batch, length] of packed documents (restarting at 0 at each) within each document. With
+    ``head_max`` also each query head's largest pre-softmax logit [heads] (fp32; the online softmax's running
+    row maxima, their largest over the batch and the sequence: QK-clip's statistic), no gradient.
 
     Under :func:`jaxscale.layout.sharding.use_rules` this is a ``jax.shard_map``
     manual over every mesh axis, with specs from the rules (``q_axes`` and
@@ -393,9 +402,11 @@ def attention(
     """
     current, inside = active(), stage()
     if inside is not None:
-        return manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout)
+        return manual(q, k, v, positions, inside.ring, causal=causal, block=block, ring=ring, layout=layout,
+                      head_max=head_max)
     if current is None:
-        return _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v, positions)
+        out = _local(_plan(q.shape[1], 1, (), (), q.shape[-1], causal, block, layout), q, k, v, positions)
+        return out if head_max else out[0]
     mesh, place = current
     q_spec, kv_spec = spec(place, q_axes), spec(place, kv_axes)
     axes = spec_axes(q_spec[1]) if ring else ()
@@ -405,18 +416,26 @@ def attention(
     varying = tuple(a for part in q_spec for a in spec_axes(part))
     plan = _plan(q.shape[1], cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
     in_specs = (q_spec, kv_spec, kv_spec, PartitionSpec(*q_spec[:2]))  # positions (or None)
-    fn = jax.shard_map(partial(_local, plan), mesh=mesh, in_specs=in_specs, out_specs=q_spec)
-    return fn(q, k, v, positions)
+    if not head_max:
+        fn = jax.shard_map(lambda *a: _local(plan, *a)[0], mesh=mesh, in_specs=in_specs, out_specs=q_spec)
+        return fn(q, k, v, positions)
+    fn = jax.shard_map(lambda *a: per_device(*_local(plan, *a)), mesh=mesh, in_specs=in_specs,
+                       out_specs=(q_spec, head_max_spec(q_spec)))
+    out, most = fn(q, k, v, positions)
+    return out, most.max(axis=(0, 1))
+
 
 
 def manual(
     q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None, axes: tuple[str, ...], *, causal: bool,
-    block: int, ring: bool = True, layout: str = "zigzag", gathered: bool = True,
-) -> jax.Array:
+    block: int, ring: bool = True, layout: str = "zigzag", gathered: bool = True, head_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """:func:`attention` inside a ``shard_map`` manual over the ring's ``axes``: each device's blocks
     are its own already (the sequence in :func:`~jaxscale.parallel.ring_schedule.sequence_order` when causal).
     With ``gathered`` (a pipeline stage's loop) the keys and values are all-gathered over the ring, else they
-    travel it by ``ppermute`` (USP's ring part: :mod:`jaxscale.parallel.ulysses`)."""
+    travel it by ``ppermute`` (USP's ring part: :mod:`jaxscale.parallel.ulysses`). ``head_max``: also the
+    largest logit of each local head [heads] over this device's queries (the caller takes the largest over the
+    devices)."""
     if axes and not ring:
         raise ValueError(f"the sequence is split over the manual mesh axes {axes}: only ring attention sees all of it")
     mesh = jax.sharding.get_abstract_mesh()
@@ -426,4 +445,5 @@ def manual(
     seq_len = q.shape[1] * cp
     varying = tuple(sorted(set().union(*(jax.typeof(x).manual_axis_type.varying for x in (q, k, v)))))
     plan = _plan(seq_len, cp, axes if cp > 1 else (), varying, q.shape[-1], causal, block, layout)
-    return _local(dataclasses.replace(plan, gathered=gathered and cp > 1), q, k, v, positions)
+    out = _local(dataclasses.replace(plan, gathered=gathered and cp > 1), q, k, v, positions)
+    return out if head_max else out[0]

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec
 from jaxscale.config.read import Config, ConfigError
 from jaxscale.layout.rules import Layout
 from jaxscale.layout.sharding import Axes, active, spec
+from jaxscale.parallel import logit_max
 
 Kernel = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]  # q, k, v, positions -> out
 
@@ -75,38 +76,52 @@ def replicated(kv: jax.Array, ways: int) -> jax.Array:
     return jnp.repeat(kv, ways // g, axis=2) if g < ways else kv
 
 
-def _local(over: tuple[str, ...], ways: int, kernel: Kernel, q, k, v, positions):
-    """One device's part: exchange, attend on the gathered sequence for this device's heads, exchange back."""
+def _local(over: tuple[str, ...], ways: int, kernel: Kernel, q, k, v, positions, head_max: bool = False):
+    """One device's part: exchange, attend on the gathered sequence for this device's heads, exchange back.
+    ``head_max``: the kernel returns its heads' largest logits too, returned beside the output (for its heads
+    after the exchange: the device's share of its heads over ``over``)."""
     q, k, v = (to_heads(x, over) for x in (q, replicated(k, ways), replicated(v, ways)))
     if positions is not None:
         positions = lax.all_gather(positions, over, axis=1, tiled=True)
+    if head_max:
+        out, most = kernel(q, k, v, positions)
+        return to_sequence(out, over), most
     return to_sequence(kernel(q, k, v, positions), over)
 
 
 def manual(
     q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None, over: tuple[str, ...], kernel: Kernel,
+    head_max: bool = False,
 ) -> jax.Array:
     """:func:`attention` inside a ``shard_map`` manual over the all-to-all's axes ``over`` already (a pipeline
     stage's loop): each device's blocks are its own."""
     mesh = jax.sharding.get_abstract_mesh()
-    return _local(over, math.prod(mesh.shape[a] for a in over), kernel, q, k, v, positions)
+    return _local(over, math.prod(mesh.shape[a] for a in over), kernel, q, k, v, positions, head_max)
 
 
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array | None, q_axes: Axes, kv_axes: Axes,
     kernel: Kernel,
-) -> jax.Array:
+    head_max: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Attention of q [batch, length, heads, head_dim] over k, v [batch, length, kv_heads, ...] under the active
     rules, whose ``ulysses`` axes carry the all-to-alls: a ``jax.shard_map`` manual over every mesh axis, in
     which ``kernel`` (called manual, on [b, s/r, heads/u, ...] blocks and the positions gathered to match) is
     the attention on what the all-to-alls leave each device: whole sequences under Ulysses, a ring's blocks
-    under USP."""
+    under USP. ``head_max``: the kernel returns its heads' largest logits too, and so does this [heads]
+    (:mod:`jaxscale.parallel.logit_max`)."""
     mesh, place = active()
     q_spec, kv_spec = spec(place, q_axes), spec(place, kv_axes)
     over = place.ulysses_axes
-    body = partial(_local, over, place.size(over), kernel)
     in_specs = (q_spec, kv_spec, kv_spec, PartitionSpec(*q_spec[:2]))  # positions (or None)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec)(q, k, v, positions)
+    if not head_max:
+        body = partial(_local, over, place.size(over), kernel)
+        return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec)(q, k, v, positions)
+    body = partial(_local, over, place.size(over), kernel, head_max=True)
+    fn = jax.shard_map(lambda *a: logit_max.per_device(*body(*a)), mesh=mesh, in_specs=in_specs,
+                       out_specs=(q_spec, logit_max.head_max_spec(q_spec, over)))
+    out, most = fn(q, k, v, positions)
+    return out, most.max(axis=(0, 1))
 
 
 def check(place: Layout, config: Config) -> None:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -223,9 +223,11 @@ def update(
     master: Any,
     opt_state: Any,
     opt_layout: Any,
+    after: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Any, Any, Any]:
     """One optimizer step on the optimizer's layout; the new (compute copy, master, optimizer state) and the
-    gradients as the optimizer saw them (master dtype, optimizer layout).
+    gradients as the optimizer saw them (master dtype, optimizer layout). ``after``: applied to the updated
+    weights (the master, or the parameters when they are the only copy) before the compute copy is cast.
 
     The new compute copy is returned cast on the master's shard and is laid out by the caller's
     output shardings (the parameter rules): the all-gather, where there is one, moves the compute dtype.
@@ -234,6 +236,8 @@ def update(
     weights = lay_out(updated(params, master), opt_layout)
     updates, opt_state = optimizer.update(grads, opt_state, weights)
     weights = optax.apply_updates(weights, updates)
+    if after is not None:
+        weights = after(weights)
     if not p.two_copies:
         return weights, {}, opt_state, grads
     return cast(weights, p.compute), weights, opt_state, grads

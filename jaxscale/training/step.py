@@ -18,16 +18,21 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxscale.config.read import ConfigError
 from jaxscale.layout import collectives, offload
 from jaxscale.layout.sharding import constrain
-from jaxscale.models import balance, moe
+from jaxscale.models import balance, builtin, moe
 from jaxscale.ops.loss import microbatch_weights, model_objective, stage_head_loss
 from jaxscale.parallel import pipeline
+from jaxscale.parallel.logit_max import QK_LOGITS
 from jaxscale.precision import fp8
 from jaxscale.precision import policy as precision
+from jaxscale.training import qk_clip
 from jaxscale.training.optim import schedule
 
 BATCH_AXES = ("batch", "length")
+QK_CLIP_MODELS = ("QK-clip scales the built-in models' attention weights by the heads' largest logits they report; "
+                  "a model of Trainer.build(model=...) or a custom objective has neither")
 
 
 class TrainState(NamedTuple):
@@ -97,7 +102,7 @@ class TrainStep:
             micro, weight = xs  # its trained targets' share of the batch's (jaxscale/ops/loss.py: loss masks)
             (loss, aux), (grads, new_fp8) = weighed_grad(params, micro, fp8_state, weight)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, grads)
-            aux_sum = jax.tree.map(jnp.add, aux_sum, aux)
+            aux_sum = qk_clip.accumulate(aux_sum, aux)
             fp8_max = fp8.combine(fp8_max, new_fp8)
             return (loss_sum + loss, collectives.lay_out(grad_sum, grad_shardings), aux_sum, fp8_max), None
 
@@ -109,11 +114,11 @@ class TrainStep:
         micro = jax.tree.map(split, batch)
         aux_shapes = jax.eval_shape(self.loss_and_metrics, params, jax.tree.map(lambda x: x[0], micro), fp8_state,
                                     bias)[1]
-        aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), aux_shapes)
+        aux_zeros = qk_clip.start(aux_shapes)
         init = (jnp.zeros((), jnp.float32), zeros, aux_zeros, jax.tree.map(jnp.zeros_like, fp8_state))
         xs = (micro, microbatch_weights(micro["targets"]))
         (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
-        return loss_sum, grads, jax.tree.map(lambda a: a / m, aux_sum), fp8_max
+        return loss_sum, grads, qk_clip.mean(aux_sum, m), fp8_max
 
     def _train_step(
         self, state: TrainState, batch: dict[str, jax.Array], guard: bool = False
@@ -126,9 +131,14 @@ class TrainStep:
         host = self.state_shardings.master, self.state_shardings.opt_state
         if self.config.precision.offload_state:  # from host memory to the device, after the backward
             held = offload.fetch(held, host)
-        # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device).
+        logits, tau = aux.pop(QK_LOGITS, None), self.config.train.qk_clip
+        if tau is not None and (logits is None or self.factory is not builtin.build):
+            raise ConfigError(f"train.qk_clip: {QK_CLIP_MODELS}")
+        clip = None if logits is None else functools.partial(qk_clip.clip, logits=logits, tau=tau,
+                                                             model=self.config.model)
+        # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device), then QK-clip.
         params, master, opt_state, grads_o = precision.update(
-            self.policy, self.optimizer, grads, state.params, *held, self.param_shardings("optimizer"),
+            self.policy, self.optimizer, grads, state.params, *held, self.param_shardings("optimizer"), clip,
         )
         grad_norm = optax.tree.norm(grads_o)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -142,6 +152,8 @@ class TrainStep:
         bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
         load = moe.load_metrics(layers) if layers else {}
         out = {"loss": loss, "grad_norm": grad_norm, **aux, **load}
+        if logits is not None:
+            out["max_logit"] = qk_clip.layer_max(logits)
         if not self.custom_optimizer:  # the rate of train.*'s schedule (a custom optimizer's is its own)
             out["lr"] = schedule(self.config.train)(state.step)
         if guard:
