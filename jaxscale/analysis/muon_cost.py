@@ -6,11 +6,11 @@ Newton-Schulz work and its moves to and from the owner devices, per device and s
 * **FLOPs**: each Newton-Schulz step on a matrix with sides ``a <= b`` is three matmuls: ``X X^T`` (``2 a^2 b``),
   its square (``2 a^3``) and the polynomial times ``X`` (``2 a^2 b``): ``ns_steps · (4 a^2 b + 2 a^3)`` per matrix
   (:func:`ns_flops`), run where the matrix is owned: a stack of ``L`` matrices whose owner layout splits its stack
-  dimensions over ``o`` devices costs each of them ``L / o`` matrices (every device of an axis that gathers
-  rather than owns does the same work: replicated).
+  dimensions over ``o`` devices costs each of them ``L / o`` matrices (``L' / o`` where the owner layout pads the
+  stack to ``L'`` with zero matrices; every device of an axis that gathers rather than owns does the same work).
 * **Bytes**: the mesh axes ``M`` that move from a hidden matrix's dimensions onto its stack dimensions cost one
-  all-to-all over ``M`` there and one back, each of the device's shard in ``ns_dtype`` (the wire sends
-  ``(|M| - 1) / |M|`` of it); an axis that splits a matrix dimension but no stack dimension is all-gathered once
+  all-to-all over ``M`` there and one back, each of the device's shard in ``ns_dtype`` (``L' / L`` of it where
+  padded; the wire sends ``(|M| - 1) / |M|`` of it); an axis that splits a matrix dimension but no stack dimension is all-gathered once
   (nothing moves back). Phase ``update``, not overlapped.
 
 The planner adds the state to ``optimizer`` (:mod:`jaxscale.analysis.memory`), the flows to the step's
@@ -49,26 +49,28 @@ def ns_flops(fan_in: int, fan_out: int, steps: int) -> float:
     return steps * (4 * a * a * b + 2 * a**3)
 
 
-def _owners(p: Param, layout: Layout) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def _owners(p: Param, layout: Layout) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], float]:
     """The hidden matrix's mesh axes that split its stack on the owner layout, those that move there from its
-    matrix dimensions (all-to-all) and those that are gathered (split a matrix dimension, no stack dimension)."""
+    matrix dimensions (all-to-all), those that are gathered (split a matrix dimension, no stack dimension), and
+    the matrices of its stack on the owner layout (padded with zero matrices where that layout pads it:
+    :func:`jaxscale.training.muon_layout.owner_layout`)."""
     first = muon_layout.stack_dims(p.axes)
     given = [part_axes(x) for x in layout.partition(p.axes, "optimizer")]
-    owner = [part_axes(x) for x in muon_layout.owner_partition(layout, p.shape, p.axes)]
+    parts, padded = muon_layout.owner_layout(layout, p.shape, p.axes)
+    owner = [part_axes(x) for x in parts]
     stack = tuple(a for d in owner[:first] for a in d if layout.size((a,)) > 1)
     was = {a for d in given[first:] for a in d}
     moved = tuple(a for a in stack if a in was)
     gathered = tuple(a for a in sorted(was) if a not in stack and layout.size((a,)) > 1)
-    return stack, moved, gathered
+    return stack, moved, gathered, math.prod(padded[:first])
 
 
 def flops(params: Sequence[Param], layout: Layout, muon: MuonCost) -> float:
     """Newton-Schulz FLOPs one device runs a step (module docstring)."""
     total = 0.0
     for p in hidden(params, muon):
-        stack, _, _ = _owners(p, layout)
-        count = math.prod(p.shape[:muon_layout.stack_dims(p.axes)]) / layout.size(stack)
-        total += count * ns_flops(*muon_layout.fans(p.shape, p.axes), muon.ns_steps)
+        stack, _, _, matrices = _owners(p, layout)
+        total += matrices / layout.size(stack) * ns_flops(*muon_layout.fans(p.shape, p.axes), muon.ns_steps)
     return total
 
 
@@ -76,9 +78,11 @@ def flows(params: Sequence[Param], layout: Layout, muon: MuonCost) -> list[Flow]
     """The moves to and from the owner devices, per hidden matrix (module docstring)."""
     nbytes, out = dtype_bytes(muon.ns_dtype), []
     for p in hidden(params, muon):
-        _, moved, gathered = _owners(p, layout)
+        _, moved, gathered, matrices = _owners(p, layout)
         shard = p.size / layout.ways(p.axes, "optimizer") * nbytes
-        out += flow(f"Muon: {p.path} to its owners and back", "all-to-all", moved, shard, 2, layout, "update", False)
+        padded = shard * matrices / math.prod(p.shape[:muon_layout.stack_dims(p.axes)])
+        out += flow(f"Muon: {p.path} to its owners and back", "all-to-all", moved, padded, 2, layout, "update",
+                    False)
         out += flow(f"Muon: {p.path} gathered", "all-gather", gathered, shard * layout.size(gathered), 1, layout,
                     "update", False)
     return out
@@ -90,8 +94,8 @@ def seconds(params: Sequence[Param], layout: Layout, muon: MuonCost,
     (M, N, K) matmuls (:func:`jaxscale.analysis.timing.matmul_seconds` on a cluster)."""
     total = 0.0
     for p in hidden(params, muon):
-        stack, _, _ = _owners(p, layout)
-        count = muon.ns_steps * math.prod(p.shape[:muon_layout.stack_dims(p.axes)]) / layout.size(stack)
+        stack, _, _, matrices = _owners(p, layout)
+        count = muon.ns_steps * matrices / layout.size(stack)
         a, b = sorted(muon_layout.fans(p.shape, p.axes))
         total += 2 * matmul(count, a, a, b) + matmul(count, a, a, a)
     return total
