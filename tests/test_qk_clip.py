@@ -7,10 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import assert_trees_close, run_steps
+from helpers import assert_trees_close, fails_early, run_steps, tiny_config
 
 from jaxscale.layout.sharding import param_name
 from jaxscale.parallel.logit_max import QK_LOGITS
+from jaxscale.training.trainer import Trainer
 
 TAU = 0.08  # the test model's largest logits at its initial weights: 0.067 to 0.104 (some heads over, some under)
 CLIP = (f"train.qk_clip={TAU}",)
@@ -87,3 +88,14 @@ def test_mla_scales_the_heads_own_parts_as_kimi_k2(trainers):
         want[f"{stack}.attn.wq_b"], want[f"{stack}.attn.wkv_b"] = wq, wkv
     for name in ref:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
+
+
+def test_what_qk_clip_cannot_serve_is_one_line():
+    from test_own_model import factory
+
+    with fails_early(r"^train\.qk_clip must be positive, got 0\.0$"):
+        tiny_config("train.qk_clip=0")
+    with fails_early(r"^train\.qk_clip: with model\.qk_norm "):
+        tiny_config(*CLIP, "model.qk_norm=true")
+    with fails_early(r"^train\.qk_clip: QK-clip scales the built-in models' attention weights"):
+        Trainer.build(tiny_config(*CLIP), jax.devices()[:1], model=factory)
