@@ -47,17 +47,19 @@ def test_a_step_scales_the_heads_over_tau(trainers, kv_heads):
     np.testing.assert_allclose(again, unclipped * gamma[0], rtol=1e-5)
 
 
-LAYOUTS = {
-    "fsdp_tp": ((), "fsdp_tp", {"fsdp": 4, "tensor": 2}),
-    "cp_ring": (("model.attention=ring", "model.attention_block=16"), "fsdp_cp", {"fsdp": 2, "context": 4}),
+MUON = ("train.optimizer=muon", "train.muon.ns_dtype=float32")  # MuonClip
+LAYOUTS = {  # name -> (the run's settings, the layout's own, rules, mesh)
+    "muon_fsdp_tp": (MUON, (), "fsdp_tp", {"fsdp": 4, "tensor": 2}),
+    "cp_ring": ((), ("model.attention=ring", "model.attention_block=16"), "fsdp_cp", {"fsdp": 2, "context": 4}),
 }
 
 
-@pytest.mark.parametrize("name", [n if n == "fsdp_tp" else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "muon_fsdp_tp" else pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_clipped_steps_under_a_layout_are_one_device(trainers, name):
-    extra, rules, mesh = LAYOUTS[name]
-    one = run_steps(*trainers.step(*CLIP, devices=1), steps=3)
-    run = run_steps(*trainers.step(*CLIP, *extra, rules=rules, mesh=mesh), steps=3)
+    settings, extra, rules, mesh = LAYOUTS[name]
+    one = run_steps(*trainers.step(*CLIP, *settings, devices=1), steps=3)
+    run = run_steps(*trainers.step(*CLIP, *settings, *extra, rules=rules, mesh=mesh), steps=3)
     for a, b in zip(run.metrics, one.metrics, strict=True):
         np.testing.assert_allclose(a["max_logit"], b["max_logit"], rtol=1e-5)
     assert_trees_close(run.params, one.params)
