@@ -51,6 +51,7 @@ MUON = ("train.optimizer=muon", "train.muon.ns_dtype=float32")  # MuonClip
 LAYOUTS = {  # name -> (the run's settings, the layout's own, rules, mesh)
     "muon_fsdp_tp": (MUON, (), "fsdp_tp", {"fsdp": 4, "tensor": 2}),
     "cp_ring": ((), ("model.attention=ring", "model.attention_block=16"), "fsdp_cp", {"fsdp": 2, "context": 4}),
+    "explicit_zero3": ((), ("mesh.axis_types=explicit",), "zero3", {"fsdp": 8}),
 }
 
 

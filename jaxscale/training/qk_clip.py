@@ -26,8 +26,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config.read import ModelConfig
+from jaxscale.layout import collectives, sharding
 from jaxscale.parallel.logit_max import QK_LOGITS
 
 
@@ -40,8 +42,9 @@ def factors(logits: jax.Array, tau: float) -> jax.Array:
 
 def _scaled(w: jax.Array, gamma: jax.Array, columns: slice = slice(None)) -> jax.Array:
     """``w [layers, in, heads, d]`` with its ``columns`` of head ``h`` in layer ``l`` times ``gamma[l, h]``."""
-    f = jnp.ones((*gamma.shape, w.shape[-1]), jnp.float32).at[..., columns].set(gamma[..., None])
-    return (w.astype(jnp.float32) * f[:, None]).astype(w.dtype)
+    chosen = jnp.zeros(w.shape[-1], bool).at[columns].set(True)
+    f = jnp.where(chosen, gamma[:, None, :, None], 1.0)  # [layers, 1, heads, d]
+    return (w.astype(jnp.float32) * f).astype(w.dtype)
 
 
 def _gqa(attn: dict, gamma: jax.Array) -> dict:
@@ -78,6 +81,8 @@ def clip(weights: dict, logits: jax.Array, tau: float, model: ModelConfig) -> di
     """The built-in models' weights (the parameters' tree) after QK-clip at ``tau`` with the step's largest
     logits [layers, heads] (the module docstring)."""
     gamma = factors(logits, tau)
+    if sharding.active() is not None:  # the factors whole on every device: they scale every layout's weights
+        gamma = collectives.lay_out(gamma, NamedSharding(sharding.active()[0], PartitionSpec()))
     if model.deepseek is None:
         return {**weights, "blocks": _stack(weights["blocks"], gamma, _gqa)}
     per_block = _mla(model.deepseek.qk_nope_head_dim)
