@@ -7,10 +7,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import assert_trees_close, run_steps
+from helpers import assert_trees_close, fails_early, run_steps, tiny_config
 
 from jaxscale.layout.sharding import param_name
 from jaxscale.parallel.logit_max import QK_LOGITS
+from jaxscale.training.trainer import Trainer
 
 TAU = 0.08  # the test model's largest logits at its initial weights: 0.067 to 0.104 (some heads over, some under)
 CLIP = (f"train.qk_clip={TAU}",)
@@ -46,17 +47,20 @@ def test_a_step_scales_the_heads_over_tau(trainers, kv_heads):
     np.testing.assert_allclose(again, unclipped * gamma[0], rtol=1e-5)
 
 
-LAYOUTS = {
-    "fsdp_tp": ((), "fsdp_tp", {"fsdp": 4, "tensor": 2}),
-    "cp_ring": (("model.attention=ring", "model.attention_block=16"), "fsdp_cp", {"fsdp": 2, "context": 4}),
+MUON = ("train.optimizer=muon", "train.muon.ns_dtype=float32")  # MuonClip
+LAYOUTS = {  # name -> (the run's settings, the layout's own, rules, mesh)
+    "muon_fsdp_tp": (MUON, (), "fsdp_tp", {"fsdp": 4, "tensor": 2}),
+    "cp_ring": ((), ("model.attention=ring", "model.attention_block=16"), "fsdp_cp", {"fsdp": 2, "context": 4}),
+    "explicit_zero3": ((), ("mesh.axis_types=explicit",), "zero3", {"fsdp": 8}),
 }
 
 
-@pytest.mark.parametrize("name", [n if n == "fsdp_tp" else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "muon_fsdp_tp" else pytest.mark.slow)
+                                  for n in LAYOUTS])
 def test_clipped_steps_under_a_layout_are_one_device(trainers, name):
-    extra, rules, mesh = LAYOUTS[name]
-    one = run_steps(*trainers.step(*CLIP, devices=1), steps=3)
-    run = run_steps(*trainers.step(*CLIP, *extra, rules=rules, mesh=mesh), steps=3)
+    settings, extra, rules, mesh = LAYOUTS[name]
+    one = run_steps(*trainers.step(*CLIP, *settings, devices=1), steps=3)
+    run = run_steps(*trainers.step(*CLIP, *settings, *extra, rules=rules, mesh=mesh), steps=3)
     for a, b in zip(run.metrics, one.metrics, strict=True):
         np.testing.assert_allclose(a["max_logit"], b["max_logit"], rtol=1e-5)
     assert_trees_close(run.params, one.params)
@@ -87,3 +91,14 @@ def test_mla_scales_the_heads_own_parts_as_kimi_k2(trainers):
         want[f"{stack}.attn.wq_b"], want[f"{stack}.attn.wkv_b"] = wq, wkv
     for name in ref:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, err_msg=name)
+
+
+def test_what_qk_clip_cannot_serve_is_one_line():
+    from test_own_model import factory
+
+    with fails_early(r"^train\.qk_clip must be positive, got 0\.0$"):
+        tiny_config("train.qk_clip=0")
+    with fails_early(r"^train\.qk_clip: with model\.qk_norm "):
+        tiny_config(*CLIP, "model.qk_norm=true")
+    with fails_early(r"^train\.qk_clip: QK-clip scales the built-in models' attention weights"):
+        Trainer.build(tiny_config(*CLIP), jax.devices()[:1], model=factory)

@@ -1,8 +1,8 @@
 """QK-clip (``train.qk_clip: tau``; Kimi K2's MuonClip, here with either optimizer): after each update, every
 attention head whose largest pre-softmax logit of the step ``S`` (over the whole batch, every microbatch) exceeds
-``tau`` has its query and key weights scaled so that the same inputs would give at most ``tau``:
-``gamma = min(1, tau / S)`` per head and layer (the model's ``qk_logits`` metric [layers, heads], from every
-attention kernel: :mod:`jaxscale.parallel.logit_max`).
+``tau`` has its query and key weights scaled so that the same inputs would give ``tau`` at most: its logits
+times ``gamma = tau / S`` (1 for the other heads), per head and layer (the model's ``qk_logits`` metric
+[layers, heads], from every attention kernel: :mod:`jaxscale.parallel.logit_max`).
 
 - **Grouped-query attention** (``kv_heads < heads``): a key head is shared by several query heads, so the
   whole ``gamma`` goes to the query head's weights and the keys are left (every head's logits scaled by its own
@@ -10,7 +10,8 @@ attention kernel: :mod:`jaxscale.parallel.logit_max`).
   the key weights are each scaled by ``sqrt(gamma)``, as Kimi K2.
 - **Multi-head latent attention** (DeepSeek): as Kimi K2 does, the heads' own parts only: the query's and
   key's non-rotary columns (``wq_b`` or ``wq``, ``wkv_b``'s key columns) by ``sqrt(gamma)``, the query's rotary
-  columns by ``gamma``; the rotary key, shared by every head (``wkv_a``'s last columns), is left.
+  columns by ``gamma``; the rotary key, shared by every head (``wkv_a``'s last columns), is left. The MTP
+  depths' attention is not clipped.
 
 The scaling is applied to the weights the optimizer updates (the master where there is one; the compute copy
 is its cast), where the optimizer state lives, once per step. RoPE is linear and the query and key come
@@ -25,20 +26,25 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxscale.config.read import ModelConfig
+from jaxscale.layout import collectives, sharding
 from jaxscale.parallel.logit_max import QK_LOGITS
 
 
 def factors(logits: jax.Array, tau: float) -> jax.Array:
-    """``min(1, tau / S)`` per layer and head of the largest logits ``S`` [layers, heads]."""
-    return jnp.minimum(1.0, tau / logits.astype(jnp.float32))
+    """``tau / S`` where the largest logit ``S`` exceeds ``tau``, else 1, per layer and head of ``S`` [layers,
+    heads] (a head whose logits are all negative is left, not flipped)."""
+    logits = logits.astype(jnp.float32)
+    return jnp.where(logits > tau, tau / logits, 1.0)
 
 
 def _scaled(w: jax.Array, gamma: jax.Array, columns: slice = slice(None)) -> jax.Array:
     """``w [layers, in, heads, d]`` with its ``columns`` of head ``h`` in layer ``l`` times ``gamma[l, h]``."""
-    f = jnp.ones((*gamma.shape, w.shape[-1]), jnp.float32).at[..., columns].set(gamma[..., None])
-    return (w.astype(jnp.float32) * f[:, None]).astype(w.dtype)
+    chosen = jnp.zeros(w.shape[-1], bool).at[columns].set(True)
+    f = jnp.where(chosen, gamma[:, None, :, None], 1.0)  # [layers, 1, heads, d]
+    return (w.astype(jnp.float32) * f).astype(w.dtype)
 
 
 def _gqa(attn: dict, gamma: jax.Array) -> dict:
@@ -75,6 +81,8 @@ def clip(weights: dict, logits: jax.Array, tau: float, model: ModelConfig) -> di
     """The built-in models' weights (the parameters' tree) after QK-clip at ``tau`` with the step's largest
     logits [layers, heads] (the module docstring)."""
     gamma = factors(logits, tau)
+    if sharding.active() is not None:  # the factors whole on every device: they scale every layout's weights
+        gamma = collectives.lay_out(gamma, NamedSharding(sharding.active()[0], PartitionSpec()))
     if model.deepseek is None:
         return {**weights, "blocks": _stack(weights["blocks"], gamma, _gqa)}
     per_block = _mla(model.deepseek.qk_nope_head_dim)
