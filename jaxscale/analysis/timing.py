@@ -264,7 +264,8 @@ def _update_bytes(m: ModelConfig, params: Sequence[Param], layout: Layout, step:
     opt = sum(p.size / layout.ways(p.axes, "optimizer") for p in params)
     grads = sum(p.size / layout.ways(p.axes, "gradients") for p in params)
     held = sum(p.size / layout.ways(p.axes) for p in params if p.in_layers)  # cast before any gather
-    update = opt * (2 * pbytes + 4 * 4 + pbytes + cbytes)  # master and moments read+write, gradient read
+    moments = muon_cost.optimizer_state(params, layout, step.muon, 4)  # Adam's two, Muon's one (fp32)
+    update = opt * (2 * pbytes + pbytes + cbytes) + 2 * moments  # master and moments read+write, gradient read
     update += grads * 2 * pbytes * max(0, step.microbatches - 1)  # the accumulator
     weights = passes * held * (pbytes + cbytes) if names.two_copies else 0.0
     return update, weights
