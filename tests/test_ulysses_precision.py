@@ -17,7 +17,7 @@ from jaxscale.training.trainer import Trainer
 # a ring of 2.
 LAYOUTS = {
     "ulysses": ("ulysses", {"fsdp": 2, "context": 4}, "model.attention=blockwise"),
-    "usp": ("usp", {"fsdp": 2, "context": 2, "expert": 2}, "model.attention=ring"),
+    "usp": ("usp", {"fsdp": 2, "context": 2, "ulysses": 2}, "model.attention=ring"),
 }
 FP8 = {"delayed": ("precision.fp8=delayed",), "blockwise": ("precision.fp8=blockwise", "precision.fp8_block=16")}
 
