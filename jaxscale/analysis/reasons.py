@@ -166,22 +166,27 @@ def context_line(ranked: Sequence[Candidate]) -> list[str]:
             continue
         t, o = ranked[0].time, other.time
         lines.append(f"#1 runs {best.cp_kind} (context degree {best.cp}): {fmt_time(t['exposed'])} of communication "
-                     f"exposed against {fmt_time(o['exposed'])} for the best with {kind} ({other.layout.describe()}, "
+                     f"exposed and {fmt_time(t['attention'])} of attention against {fmt_time(o['exposed'])} and "
+                     f"{fmt_time(o['attention'])} for the best with {kind} ({other.layout.describe()}, "
                      f"{fmt_time(o['total'])} a step): the ring's K/V hops hide behind attention's tiles, the "
                      "all-to-alls of queries, keys, values and output sit on attention's critical path")
     return lines
 
 
 def balance_line(ranked: Sequence[Candidate]) -> list[str]:
-    """Where #1 runs a ring over packed documents: its busiest device's attention work over the mean with
-    ``data.ring_balance`` (planned) and without (:mod:`jaxscale.analysis.ring_imbalance`)."""
-    if not ranked or not ranked[0].layout.documents or ranked[0].layout.context == 1:
+    """With packed documents: the ring's busiest device's attention work over the mean with ``data.ring_balance``
+    (planned) and without (:mod:`jaxscale.analysis.ring_imbalance`), for #1's ring or, where #1 runs Ulysses
+    alone, the best layout with a ring."""
+    if not ranked or not ranked[0].layout.documents or ranked[0].layout.cp == 1:
         return []
-    best = ranked[0].layout
-    before, after = (busiest(best.documents, best.context, b) for b in (False, True))
-    return [f"#1's ring of {best.context} over rows packed with {best.documents} documents: its busiest device "
-            f"computes {after:.2f}x the mean attention tiles with data.ring_balance (planned), {before:.2f}x "
-            "without (benchmarks/ring_balance.py); Ulysses' devices attend whole sequences, equal work"]
+    ring = next((c for c in ranked if c.layout.context > 1), None)
+    if ring is None:
+        return []
+    layout, who = ring.layout, "#1" if ring is ranked[0] else f"the best with a ring ({ring.layout.describe()})"
+    before, after = (busiest(layout.documents, layout.context, b) for b in (False, True))
+    return [f"{who}: its ring of {layout.context} over rows packed with {layout.documents} documents has its "
+            f"busiest device compute {after:.2f}x the mean attention tiles with data.ring_balance (planned), "
+            f"{before:.2f}x without (benchmarks/ring_balance.py); Ulysses' devices attend whole sequences, equal work"]
 
 
 # The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.
