@@ -4,7 +4,7 @@ and its step time on 8 simulated devices, as JSON.
 The tiny experiment (configs/experiments/tiny.yaml: 4 layers, 8 heads of 16, 4 kv heads, fp32) at ``--seq-len``
 tokens, ``fsdp`` 2 x context 4 (batch 2 rows per fsdp shard): ``ring`` (rules ``cp``, ring attention over
 context), ``ulysses`` (rules ``ulysses``: all-to-alls over context, blockwise attention on whole sequences)
-and ``usp`` (rules ``usp``: all-to-alls over expert 2, the ring over context 2). Each step is compiled once,
+and ``usp`` (rules ``usp``: all-to-alls over ulysses 2, the ring over context 2). Each step is compiled once,
 then ``--steps`` steps are timed after one warm-up (least and median); the wire bytes per device of the
 compiled step's all-to-alls and collective-permutes are read from its HLO
 (:func:`jaxscale.analysis.inspect.step_collectives`) next to the analytic model's
@@ -39,14 +39,14 @@ from jaxscale.training.trainer import Trainer
 STRATEGIES = {
     "ring": ("cp", {"fsdp": 2, "context": 4}, "ring"),
     "ulysses": ("ulysses", {"fsdp": 2, "context": 4}, "blockwise"),
-    "usp": ("usp", {"fsdp": 2, "context": 2, "expert": 2}, "ring"),
+    "usp": ("usp", {"fsdp": 2, "context": 2, "ulysses": 2}, "ring"),
 }
 KINDS = ("all-to-all", "collective-permute")
 
 
 def run(name: str, args: argparse.Namespace) -> dict:
     rules, mesh, attention = STRATEGIES[name]
-    sizes = {"data": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **mesh}
+    sizes = {"data": 1, "fsdp": 1, "context": 1, "ulysses": 1, "expert": 1, "tensor": 1, **mesh}
     config = load_config(CONFIG_DIR / "experiments" / "tiny.yaml", [
         f"rules={rules}", *(f"mesh.{a}={n}" for a, n in sizes.items()), f"model.attention={attention}",
         f"model.attention_block={args.block}", f"train.seq_len={args.seq_len}", "train.global_batch=4",

@@ -9,7 +9,7 @@ kernel's own schedule (:func:`jaxscale.parallel.ring_balance.executed_tiles`: ca
 where no query shares a document with a key, in every row of the batch, skipped), for ``--batches`` batches of
 ``--rows`` rows (a device's rows of one sequence-parallel step), before and after arranging each row.
 
-    python benchmarks/ring_balance.py [--seq-len 16384] [--block 128] [--rows 1] [--batches 32]
+    python benchmarks/ring_balance.py [--seq-len 16384] [--block 128] [--rows 1] [--batches 32] [--cp 4 8]
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--batches", type=int, default=32)
+    parser.add_argument("--cp", type=int, nargs="+", default=[4, 8], help="ring sizes")
     args = parser.parse_args()
-    results = [measure(kind, cp, args) for kind in ("short", "mixed") for cp in (4, 8)]
+    results = [measure(kind, cp, args) for kind in ("short", "mixed") for cp in args.cp]
     print(json.dumps({"seq_len": args.seq_len, "block": args.block, "results": results}, indent=1))
 
 

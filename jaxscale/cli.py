@@ -118,6 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     plan_.add_argument("--attention", choices=_choices(Attention),
                        help="attention to assume (dot keeps s x s scores, the others do not; auto: what the "
                        "cluster's devices would run); default: the model's")
+    plan_.add_argument("--documents", choices=("short", "mixed"),
+                       help="rows packed with documents of this corpus (short: mean 300 tokens; mixed: median 1500): "
+                       "the ring's attention waits for its busiest device, data.ring_balance planned "
+                       "(jaxscale/analysis/ring_imbalance.py)")
     plan_.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     plan_.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_.add_argument("--png", metavar="FILE", help="write a picture of the memory of the ranked layouts")

@@ -230,7 +230,8 @@ def plan_command(args: argparse.Namespace) -> int:
         platform = "tpu" if "tpu" in cluster.device.lower() else "gpu"
         config.model.attention = resolve_attention(config.model, platform, args.seq_len)
     params = param_table(config)
-    result = plan.search(config.model, params, cluster, args.global_batch_tokens, args.seq_len, top=args.top)
+    result = plan.search(config.model, params, cluster, args.global_batch_tokens, args.seq_len, top=args.top,
+                         documents=args.documents or "")
     if not args.json:
         print(plan.table(result))
     if args.png and result.candidates:

@@ -44,7 +44,7 @@ TINY = [
 
 def tiny_config(*overrides: str, rules: str = "dp", mesh: dict[str, int] | None = None) -> Config:
     """The test model with a rules preset and mesh sizes (unnamed axes are 1)."""
-    sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **(mesh or {})}
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "ulysses": 1, "expert": 1, "tensor": 1, **(mesh or {})}
     mesh_args = [f"mesh.{k}={v}" for k, v in sizes.items()]
     return load_config(None, [*TINY, f"rules={rules}", *mesh_args, *overrides])
 

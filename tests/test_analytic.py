@@ -67,7 +67,7 @@ LAYOUTS = [
     ("ep", {"expert": 8}, "model.moe={experts: 8, top_k: 2}"),
     ("cp", {"data": 2, "context": 4}, "model.attention=ring"),
     ("ulysses", {"data": 2, "context": 4}, "model.attention=blockwise"),  # all-to-alls over context
-    ("usp", {"data": 2, "context": 2, "expert": 2}, "model.attention=ring"),  # all-to-alls over expert, ring
+    ("usp", {"data": 2, "context": 2, "ulysses": 2}, "model.attention=ring"),  # all-to-alls over ulysses, ring
     ("pp", {"stage": 2, "data": 4}, "model.layers=4"),
     ("pp_fsdp", {"stage": 2, "fsdp": 4}, "model.layers=4", "model.remat=full"),
     ("pp_fsdp_tp", {"stage": 2, "fsdp": 2, "tensor": 2}, "model.layers=4"),
@@ -224,7 +224,7 @@ def test_the_ring_passes_the_kv_heads_of_its_tensor_shard():
 
 
 def test_groups_cross_nodes_from_the_inner_axes_out():
-    mesh = {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "expert": 1, "tensor": 8}
+    mesh = {"data": 4, "stage": 1, "fsdp": 2, "context": 1, "ulysses": 1, "expert": 1, "tensor": 8}
     assert not crosses_nodes(["tensor"], mesh, 8)
     assert crosses_nodes(["fsdp"], mesh, 8)
     assert not crosses_nodes(["fsdp", "tensor"], mesh, 16)

@@ -68,7 +68,7 @@ def tokens(rows: int = 4, length: int = 16) -> np.ndarray:
 
 def layout(case: str, ckpt: Path, *overrides: str) -> list[str]:
     _, _, _, rules, mesh = CASES[case]
-    sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **mesh}
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "ulysses": 1, "expert": 1, "tensor": 1, **mesh}
     return [f"model={ckpt / 'model.yaml'}", f"rules={rules}", *(f"mesh.{k}={v}" for k, v in sizes.items()),
             *overrides]
 

@@ -27,8 +27,8 @@ from jaxscale.training.trainer import Trainer
 # -- the parser, on hand-made HLO --------------------------------------------------
 
 # data=2, fsdp=2, tensor=2: device id (position in mesh.devices.flat) = 4·data + 2·fsdp + tensor.
-MESH_222 = jax.make_mesh((2, 1, 2, 1, 1, 2), MESH_AXES)
-MESH_FSDP8 = jax.make_mesh((1, 1, 8, 1, 1, 1), MESH_AXES)
+MESH_222 = jax.make_mesh((2, 1, 2, 1, 1, 1, 2), MESH_AXES)
+MESH_FSDP8 = jax.make_mesh((1, 1, 8, 1, 1, 1, 1), MESH_AXES)
 
 
 def one_all_reduce(groups: str) -> str:

@@ -152,7 +152,7 @@ def test_what_a_stage_makes_manual_and_when_it_skips_idle_slots():
     assert plan(layout, blocks).tensor == ("tensor",)
     assert plan(layout, blocks).skip
     # Skipping, the size-1 axes are manual too, after the others.
-    assert plan(layout, blocks).manual == ("stage", "data", "fsdp", "context", "tensor", "expert")
+    assert plan(layout, blocks).manual == ("stage", "data", "fsdp", "context", "tensor", "ulysses", "expert")
     assert plan(on("pp", stage=2, data=4), blocks).skip
     layout = on("pp_fsdp_tp_cp", stage=2, fsdp=2, context=2)
     assert manual(layout, blocks) == ("stage", "data", "fsdp", "context")

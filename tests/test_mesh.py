@@ -11,7 +11,7 @@ from jaxscale.layout.mesh import make_mesh
 def test_axes_in_order_and_minus_one_fills_the_rest():
     mesh = make_mesh(tiny_config(mesh={"data": -1, "tensor": 2}).mesh)
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"data": 4, "stage": 1, "fsdp": 1, "context": 1, "ulysses": 1, "expert": 1, "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 

@@ -258,7 +258,7 @@ PRESET_MESHES = {
     "fsdp_tp_sp": {"fsdp": 2, "tensor": 4}, "ep": {"expert": 8}, "ep_fsdp": {"expert": 4, "fsdp": 2},
     "ep_fsdp_tp": {"expert": 2, "fsdp": 2, "tensor": 2}, "cp": {"context": 8}, "fsdp_cp": {"fsdp": 2, "context": 4},
     "fsdp_tp_cp": {"fsdp": 2, "context": 2, "tensor": 2}, "ulysses": {"fsdp": 2, "context": 4},
-    "usp": {"fsdp": 2, "context": 2, "expert": 2},
+    "usp": {"fsdp": 2, "context": 2, "ulysses": 2},
 }
 # A pipeline runs MoE blocks with the partitioner experts (idle slots masked) or explicit ones (the loop manual over
 # every axis, idle slots skipped), but under sequence parallelism inside a stage (pp_tp_sp).

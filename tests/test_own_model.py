@@ -97,8 +97,8 @@ LAYOUTS = {
     "zero3": ("zero3", {"fsdp": 8}, ()),
     "fsdp_tp_sp": ("fsdp_tp_sp", {"fsdp": 4, "tensor": 2}, ()),
     "fsdp_cp": ("fsdp_cp", {"fsdp": 4, "context": 2}, ("model.attention=ring",)),
-    # USP: jaxscale.nn.attention's all-to-alls over expert, the ring over context
-    "usp": ("usp", {"fsdp": 2, "context": 2, "expert": 2}, ("model.attention=ring",)),
+    # USP: jaxscale.nn.attention's all-to-alls over ulysses, the ring over context
+    "usp": ("usp", {"fsdp": 2, "context": 2, "ulysses": 2}, ("model.attention=ring",)),
 }
 
 

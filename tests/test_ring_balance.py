@@ -4,11 +4,18 @@ largest device's tiles lowered on packed rows of short and of mixed documents.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 import pytest
 from helpers import assert_trees_close, rel_err, tiny_config
 
+from jaxscale.analysis.cluster import load_cluster
+from jaxscale.analysis.params import param_table
+from jaxscale.analysis.plan import evaluate
+from jaxscale.analysis.ring_imbalance import BUSIEST
+from jaxscale.analysis.strategy import Strategy, experiment
 from jaxscale.config.read import ConfigError
 from jaxscale.parallel import ring_schedule
 from jaxscale.parallel.ring_balance import arrangement, device_work, documents, executed_tiles
@@ -109,3 +116,19 @@ def test_ring_balance_without_documents_or_a_ring_is_refused_in_one_line(docs, o
     with pytest.raises(ConfigError, match=match):
         Trainer.build(tiny_config("data.source=tokens", f"data.path={docs}", "model.vocab_size=264",
                                   "data.ring_balance=true", *overrides, rules="cp", mesh={"fsdp": 2, "context": 4}))
+
+
+def test_the_planner_waits_for_the_rings_busiest_device_with_packed_documents():
+    """``jaxscale plan --documents``: a ring's attention time grows by its busiest device's share of the tiles
+    (benchmarks/ring_balance.py's figures; data.ring_balance planned, and written into the experiment), USP's
+    by its ring's part, Ulysses' not at all; and the figures say balancing helps."""
+    config = tiny_config("model.attention=blockwise")
+    model, params, cluster = config.model, param_table(config), load_cluster("h100")
+    cases = {(4, 1): BUSIEST["mixed", 4][1], (2, 2): BUSIEST["mixed", 2][1], (1, 4): 1.0}
+    for (ring, u), stretch in cases.items():
+        plain = Strategy(data=2, context=ring, ulysses=u)
+        packed = replace(plain, documents="mixed")
+        times = [evaluate(model, params, s, 1024, cluster).time["attention"] for s in (plain, packed)]
+        assert times[1] == pytest.approx(stretch * times[0], rel=1e-9), (ring, u)
+        assert experiment(packed, {}, 1024, "r.yaml")["data"] == {"documents": True, "ring_balance": ring > 1}
+    assert all(after < before for before, after in BUSIEST.values())

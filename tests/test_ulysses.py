@@ -20,7 +20,7 @@ from jaxscale.analysis.hlo import collectives
 from jaxscale.analysis.inspect import step_collectives
 from jaxscale.analysis.params import Step, param_table
 from jaxscale.analysis.plan import layouts
-from jaxscale.analysis.strategy import Strategy, model_for, placement
+from jaxscale.analysis.strategy import Strategy, model_for, placement, rules_for
 from jaxscale.config.read import ConfigError, MeshConfig, ModelConfig, load_config
 from jaxscale.layout.mesh import make_mesh
 from jaxscale.layout.sharding import Rules, layout_of, use_rules
@@ -54,8 +54,8 @@ KERNELS = {
     "ulysses_dot": ("ulysses", {"context": 4}, "dot", 4),
     "ulysses_blockwise_kv2": ("ulysses", {"context": 4}, "blockwise", 2),
     "ulysses_ring_kv1": ("ulysses", {"context": 4}, "ring", 1),
-    "usp_kv2": ("usp", {"context": 2, "expert": 2}, "ring", 2),
-    "usp_kv1": ("usp", {"context": 2, "expert": 2}, "ring", 1),
+    "usp_kv2": ("usp", {"context": 2, "ulysses": 2}, "ring", 2),
+    "usp_kv1": ("usp", {"context": 2, "ulysses": 2}, "ring", 1),
 }
 
 
@@ -137,7 +137,9 @@ DOCS = ("data.documents=true", "model.attention_block=4")
 STEPS = {
     "ulysses4_dot_kv2": (("model.kv_heads=2", "model.attention=dot"), "ulysses", {"fsdp": 2, "context": 4}),
     "ulysses4_blockwise": (("model.attention=blockwise",), "ulysses", {"fsdp": 2, "context": 4}),
-    "usp2x2_ring_kv1": (("model.kv_heads=1", "model.attention=ring"), "usp", {"fsdp": 2, "context": 2, "expert": 2}),
+    # as the planner writes pure Ulysses: rules usp with the ring's axis of size 1, over the ulysses mesh axis
+    "ulysses4_own_axis_blockwise": (("model.attention=blockwise",), "usp", {"fsdp": 2, "ulysses": 4}),
+    "usp2x2_ring_kv1": (("model.kv_heads=1", "model.attention=ring"), "usp", {"fsdp": 2, "context": 2, "ulysses": 2}),
     "ulysses2_tp2_fsdp2_kv2": (("model.kv_heads=2", "model.attention=blockwise"), "tp", {"fsdp": 2, "context": 2,
                                                                                          "tensor": 2}),
     # in 1F1B stages: the loop manual over context, the all-to-alls written there, blockwise on whole sequences
@@ -155,21 +157,27 @@ def test_a_step_under_ulysses_gives_the_loss_and_gradients_of_one_device(name, d
     params = jax.device_get(one.init_state().params)
     ref_loss, ref_grads = one.loss_and_grads(params, one.batch(0))
     trainer = Trainer.build(tiny_config(*data, rules=str(rules_files.get(rules, rules)), mesh=mesh))
-    assert (trainer.sequence_order is not None) == (rules == "usp")  # the ring part's zig-zag order, if any
+    assert (trainer.sequence_order is not None) == (mesh.get("context", 1) > 1 and rules == "usp")  # USP's zig-zag
     loss, grads = trainer.loss_and_grads(jax.device_put(params, trainer.param_shardings()), trainer.batch(0))
     assert rel_err(loss, ref_loss) <= 1e-5
     assert_trees_close(grads, ref_grads)
 
 
 @pytest.mark.slow
-def test_deepseek_mla_and_mtp_under_ulysses_give_the_loss_and_gradients_of_one_device():
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+def test_deepseek_mla_and_mtp_under_ulysses_give_the_loss_and_gradients_of_one_device(documents, docs):
     """Multi-head latent attention (queries and keys 24 wide, values 16) with its multi-token prediction, Ulysses
-    over 4 devices (one head each), blockwise on the whole sequences."""
+    over 4 devices (one head each), blockwise on the whole sequences; with packed documents under
+    model.attention=ring (blockwise under Ulysses alone: the rows stay in order, so MTP reads its targets as on
+    one device, where a ring of 2 or more is refused)."""
+    data = (("data.source=tokens", f"data.path={docs}", "model.vocab_size=264", "data.documents=true",
+             "model.attention=ring") if documents else ("data.max_bytes=200000", "model.attention=blockwise"))
+
     def config(rules: str, **mesh: int):
-        sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "expert": 1, "tensor": 1, **mesh}
+        sizes = {"data": 1, "stage": 1, "fsdp": 1, "context": 1, "ulysses": 1, "expert": 1, "tensor": 1, **mesh}
         return load_config(None, ["model=deepseek-v3-tiny", "train.global_batch=8", "train.seq_len=32",
-                                  "data.max_bytes=200000", "model.attention=blockwise", "model.attention_block=8",
-                                  f"rules={rules}", *(f"mesh.{k}={v}" for k, v in sizes.items())])
+                                  "model.attention_block=8", *data, f"rules={rules}",
+                                  *(f"mesh.{k}={v}" for k, v in sizes.items())])
 
     one = Trainer.build(config("dp"), jax.devices()[:1])
     params = jax.device_get(one.init_state().params)
@@ -183,8 +191,8 @@ def test_deepseek_mla_and_mtp_under_ulysses_give_the_loss_and_gradients_of_one_d
 @pytest.mark.parametrize(
     "overrides, rules, mesh, match",
     [
-        (["model.attention=dot"], "usp", {"fsdp": 2, "context": 2, "expert": 2},
-         r"rules 'usp': USP \(all-to-all over \['expert'\], a ring over \['context'\]\) needs model\.attention=ring"),
+        (["model.attention=dot"], "usp", {"fsdp": 2, "context": 2, "ulysses": 2},
+         r"rules 'usp': USP \(all-to-all over \['ulysses'\], a ring over \['context'\]\) needs model\.attention=ring"),
         (["model.kv_heads=3", "model.heads=6"], "ulysses", {"fsdp": 2, "context": 4},
          r"Ulysses over \['context'\] \(4 devices\) splits each device's heads: its 6 query heads must divide by 4"),
         (["model.kv_heads=2", "model.heads=12", "model.attention=dot"], "ulysses", {"data": 1, "context": 8},
@@ -199,26 +207,31 @@ def test_bad_ulysses_layouts_fail_in_one_line_before_compiling(overrides, rules,
 def test_ulysses_axes_must_close_the_sequence_axes(tmp_path):
     text = (Path(__file__).parent.parent / "configs/rules/usp.yaml").read_text()
     path = tmp_path / "usp_inverted.yaml"
-    path.write_text(text.replace("length: [context, expert]", "length: [expert, context]"))
-    with pytest.raises(ConfigError, match=r"ulysses \['expert'\] must be the last mesh axes of length "
-                                          r"\['expert', 'context'\]"):
+    path.write_text(text.replace("length: [context, ulysses]", "length: [ulysses, context]"))
+    with pytest.raises(ConfigError, match=r"ulysses \['ulysses'\] must be the last mesh axes of length "
+                                          r"\['ulysses', 'context'\]"):
         Trainer.build(tiny_config("model.attention=ring", rules=str(path), mesh={"fsdp": 2, "context": 2,
-                                                                                  "expert": 2}))
+                                                                                  "ulysses": 2}))
 
 
-# The same shape under the three strategies: context 4 (fsdp 2), tiny model with 4 kv heads.
+# The same shape under the three strategies: context 4 (fsdp 2), tiny model with 4 kv heads; and as the planner
+# writes each (Ulysses over its own mesh axis).
 STRATEGIES = {
     "ring": ("cp", {"fsdp": 2, "context": 4}, "model.attention=ring"),
     "ulysses": ("ulysses", {"fsdp": 2, "context": 4}, "model.attention=dot"),
-    "usp": ("usp", {"fsdp": 2, "context": 2, "expert": 2}, "model.attention=ring"),
+    "usp": ("usp", {"fsdp": 2, "context": 2, "ulysses": 2}, "model.attention=ring"),
 }
+# (data 2 for fsdp 2: the planner's fsdp is ZeRO-3, which the presets here do not shard)
+PLANNED = {"ring": Strategy(data=2, context=4), "ulysses": Strategy(data=2, ulysses=4),
+           "usp": Strategy(data=2, context=2, ulysses=2)}
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_a_steps_context_bytes_equal_the_formula(name, trainers):
     """The compiled step's all-to-all and collective-permute wire bytes per device against the formula written
     here (fp32, 2 layers, per device b = 8 rows of s/c = 8 tokens, 8 heads and 4 kv heads of 8; a layer's
-    collectives once forward, once backward: no remat), and the analytic model's (jaxscale.analysis) the same."""
+    collectives once forward, once backward: no remat), and the analytic model's (jaxscale.analysis) the same,
+    on the trainer's rules and on the planner's (:data:`PLANNED`)."""
     rules, mesh, kernel = STRATEGIES[name]
     trainer, step = trainers.step(kernel, rules=rules, mesh=mesh)
     compiled = {}
@@ -233,22 +246,34 @@ def test_a_steps_context_bytes_equal_the_formula(name, trainers):
     assert compiled.get("all-to-all", 0) == layers * a2a
     assert compiled.get("collective-permute", 0) == layers * ring
     config = trainer.config
-    flows = communication(config.model, param_table(config), layout_of(trainer.mesh, trainer.rules),
-                          Step.from_config(config))
-    for kind, want in (("all-to-all", a2a), ("collective-permute", ring)):
-        assert sum(f.wire_bytes for f in flows if f.kind == kind) == layers * want
+    for layout in (layout_of(trainer.mesh, trainer.rules), placement(PLANNED[name])):
+        flows = communication(config.model, param_table(config), layout, Step.from_config(config))
+        for kind, want in (("all-to-all", a2a), ("collective-permute", ring)):
+            assert sum(f.wire_bytes for f in flows if f.kind == kind) == layers * want
 
 
-def test_the_planner_tries_ulysses_where_it_splits_the_heads():
-    """Each context degree's layouts come with Ulysses where a device's heads divide by it (kv heads replicated
-    where fewer), never in a pipeline; its rules name the all-to-all's axis and its kernel runs whole sequences."""
+def test_the_planner_tries_ulysses_and_usp_where_they_split_the_heads():
+    """Each context degree's layouts come with Ulysses over all of it and USP (the all-to-all's u devices inside
+    the node, the ring's r across) where a device's heads divide by u (kv heads replicated where fewer), never in a
+    pipeline; their rules name the all-to-all's mesh axis, Ulysses' kernel runs whole sequences, USP's the ring's."""
     model = load_config(None, ["model=llama3-8b"]).model  # 32 heads, 8 kv heads
-    cluster = load_cluster("h100")
-    found = [s for s in layouts(model, cluster, 131072) if s.context > 1]
-    ulysses = {(s.tensor, s.context) for s in found if s.ulysses}
-    assert ulysses == {(t, c) for t in (1, 2, 4, 8) for c in (2, 4, 8) if 32 // t % c == 0 and t * c <= 8}
-    assert not any(s.ulysses and s.stage > 1 for s in found)
-    one = Strategy(fsdp=2, context=4, ulysses=True)
-    assert placement(one).ulysses_axes == ("context",) and placement(one).ring_size == 1
-    assert model_for(model, one).attention == "blockwise" and model_for(model, replace(one, ulysses=False)).attention \
-        == "ring"
+    cluster = load_cluster("h100")  # one node of 8
+
+    def splits(t: int, u: int) -> bool:  # a device's 32/t query heads divide by u; its 8/t kv heads divide or fit u
+        return 32 // t % u == 0 and (8 // t % u == 0 or u % (8 // t) == 0)
+
+    found = [s for s in layouts(model, cluster, 131072) if s.cp > 1]
+    ulysses = {(s.tensor, s.ulysses) for s in found if s.cp_kind == "Ulysses"}
+    assert ulysses == {(t, c) for t in (1, 2, 4, 8) for c in (2, 4, 8) if splits(t, c) and t * c <= 8}
+    usp = {(s.tensor, s.ulysses, s.context) for s in found if s.cp_kind == "USP"}
+    assert usp == {(t, u, r) for t in (1, 2, 4) for u in (2, 4) for r in (2, 4) if splits(t, u) and t * u * r <= 8}
+    assert {(s.tensor, s.context) for s in found if s.cp_kind == "ring"} >= {(1, 8), (2, 4)}
+    assert not any(s.ulysses > 1 and s.stage > 1 for s in found)
+    one, usp2 = Strategy(fsdp=2, ulysses=4), Strategy(fsdp=2, context=2, ulysses=2)
+    assert placement(one).ulysses_axes == ("ulysses",) and placement(one).ring_size == 1
+    assert placement(usp2).ulysses_axes == ("ulysses",) and placement(usp2).ring_axes == ("context",)
+    written, preset = rules_for(usp2)["rules"], Rules.load("usp").params  # the planner's rules: the preset's
+    assert all(tuple(written[name]) == preset[name] for name in ("length", "norm_length")) and written["ulysses"] == \
+        "ulysses"
+    assert [model_for(model, s).attention for s in (one, usp2, replace(one, ulysses=1, context=4))] == \
+        ["blockwise", "ring", "ring"]

@@ -106,6 +106,8 @@ class Step:
     reduce_dtype: str = "float32"  # precision.grads_reduce: the accumulator's
     layers_per_stage: tuple[int, ...] | None = None  # pipeline.layers_per_stage: uneven virtual stages
     muon: MuonCost | None = None  # train.optimizer: muon (jaxscale/analysis/muon_cost.py); None: AdamW
+    documents: str = ""  # rows packed with documents of this corpus (jaxscale.analysis.ring_imbalance), or none
+    ring_balance: bool = False  # data.ring_balance: the ring's documents arranged to even its devices' tiles
 
     @classmethod
     def from_config(cls, config: Config, stages: int = 1) -> Step:

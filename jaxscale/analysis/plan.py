@@ -38,6 +38,7 @@ from jaxscale.analysis.params import Param, stacked
 from jaxscale.analysis.reasons import (
     BLOCK_AXES,
     Candidate,
+    balance_line,
     context_line,
     expert_lines,
     fmt_time,
@@ -154,12 +155,22 @@ def layouts(m: ModelConfig, cluster: Cluster, seq_len: int, max_stages: int = 16
             for zero, remat in itertools.product((0, 1, 2) if d > 1 and f == 1 else (0,), remats):
                 one = Strategy(d, f, t, sp, ov, c, p, e, zero, remat, 1, 1, mb, v, schedule, 0, split)
                 yield one
-                if c > 1 and p == 1 and _ulysses_splits(m, t, c):  # the all-to-alls in place of the ring
-                    yield dataclasses.replace(one, ulysses=True)
+                if c > 1 and p == 1:  # all-to-alls in place of all or part of the ring
+                    yield from _all_to_alls(m, one, cluster.devices_per_node)
                 if p > 1 and f > 1 and not partitioner:  # FSDP in a stage per visit or every tick
                     # (less memory; a stage of partitioner experts leaves FSDP to the partitioner whatever
                     # pipeline.fsdp says)
                     yield from (dataclasses.replace(one, fsdp_gather=g) for g in FSDP_GATHERS[1:])
+
+
+def _all_to_alls(m: ModelConfig, ring: Strategy, per_node: int) -> Iterator[Strategy]:
+    """Beside ``ring`` (context parallelism by a ring alone): Ulysses over its whole context degree, and USP with
+    the all-to-all's ``u`` devices inside a node (with TP's and EP's, inner to it in the mesh) and the ring of
+    the rest across, wherever ``u`` splits each device's heads."""
+    c, inner = ring.context, ring.tensor * ring.expert
+    for u in _divisors(c):
+        if u > 1 and _ulysses_splits(m, ring.tensor, u) and (u == c or inner * u <= per_node):
+            yield dataclasses.replace(ring, context=c // u, ulysses=u)
 
 
 def _ulysses_splits(m: ModelConfig, tensor: int, context: int) -> bool:
@@ -274,10 +285,12 @@ def search(
     global_batch_tokens: int,
     seq_len: int,
     top: int = 10,
+    documents: str = "",
 ) -> Plan:
     """Steps 1-3: the layouts that fit and reach the batch, fastest first; why the other families fail.
 
     A layout that does not fit with the plain loss is tried with a chunked one (:func:`loss_chunk_for`).
+    ``documents``: rows packed with that corpus's documents (:mod:`jaxscale.analysis.ring_imbalance`).
     """
     if global_batch_tokens % seq_len:
         raise ConfigError(f"--global-batch-tokens ({global_batch_tokens}) is not a multiple of --seq-len ({seq_len})")
@@ -294,6 +307,7 @@ def search(
 
     for layout in layouts(m, cluster, seq_len, sequences=sequences):
         searched += 1
+        layout = dataclasses.replace(layout, documents=documents)
         place = placement(layout, base)
         padded = stacked(params, m, step_for(layout, seq_len))  # the layer stack of uneven stages
         problem = shape_problem(padded, place, model_for(m, layout), seq_len)
@@ -317,7 +331,7 @@ def search(
     ranked = found[:top] if top else found
     piped = next((c for c in found if c.layout.stage > 1), None)
     why = reasons(found, gather_note(m, params, piped, seq_len, cluster) if piped else "", m)
-    why += context_line(found) + kernel_line(found, m)
+    why += context_line(found) + balance_line(found) + kernel_line(found, m)
     why += expert_lines(found, m, cluster.ep_imbalance, cluster.devices_per_node)
     return Plan(ranked, rejected, searched, sequences, seq_len, cluster, why, m.dtype)
 

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from jaxscale.analysis.ring_imbalance import busiest
 from jaxscale.analysis.strategy import Strategy, placement
 from jaxscale.config.read import ModelConfig
 from jaxscale.layout.stage_plan import assumed
@@ -136,12 +137,13 @@ def kernel_line(ranked: Sequence[Candidate], m: ModelConfig) -> list[str]:
     if not ranked or m.attention != "dot":
         return []
     best, hint = ranked[0], "--attention cudnn (or auto) plans every layout on a fused kernel"
-    if best.layout.context > 1:
-        flat = next((c for c in ranked if c.layout.context == 1), None)
+    if best.layout.cp > 1:
+        flat = next((c for c in ranked if c.layout.cp == 1), None)
         spent = (f": the best without CP ({flat.layout.describe()}) spends {fmt_time(flat.time['memory_bound'])} "
                  "on memory-bound ops, most of it dot's s x s scores" if flat else "")
-        return [f"#1 splits the sequence (context={best.layout.context}) and so runs ring attention, a fused "
-                f"kernel, where layouts without CP run the model's dot attention{spent}; {hint}"]
+        return [f"#1 splits the sequence (context degree {best.layout.cp}) and so runs a fused attention kernel "
+                "(the ring's, or blockwise on whole sequences under Ulysses), where layouts without CP run the "
+                f"model's dot attention{spent}; {hint}"]
     spent = best.time["attention"] + best.time["memory_bound"]
     if spent <= 0.05 * best.time["total"]:
         return []
@@ -151,22 +153,40 @@ def kernel_line(ranked: Sequence[Candidate], m: ModelConfig) -> list[str]:
 
 
 def context_line(ranked: Sequence[Candidate]) -> list[str]:
-    """Where #1 splits the sequence: why its context parallelism (ring or Ulysses) beats the best of the other
-    kind on the same mesh: their exposed communication (the ring's hops hide behind attention's tiles, Ulysses'
-    all-to-alls sit on its critical path) and the bytes each moves."""
-    if not ranked or ranked[0].layout.context == 1:
+    """Where #1 splits the sequence: why its context parallelism (ring, Ulysses or USP) beats the best of each
+    other kind: their exposed communication (the ring's hops hide behind attention's tiles, the all-to-alls sit
+    on its critical path) and step time."""
+    if not ranked or ranked[0].layout.cp == 1:
         return []
     best = ranked[0].layout
-    other = next((c for c in ranked if c.layout.context > 1 and c.layout.ulysses != best.ulysses), None)
-    if other is None:
+    lines = []
+    for kind in ("ring", "Ulysses", "USP"):
+        other = next((c for c in ranked if c.layout.cp_kind == kind), None)
+        if kind == best.cp_kind or other is None:
+            continue
+        t, o = ranked[0].time, other.time
+        lines.append(f"#1 runs {best.cp_kind} (context degree {best.cp}): {fmt_time(t['exposed'])} of communication "
+                     f"exposed and {fmt_time(t['attention'])} of attention against {fmt_time(o['exposed'])} and "
+                     f"{fmt_time(o['attention'])} for the best with {kind} ({other.layout.describe()}, "
+                     f"{fmt_time(o['total'])} a step): the ring's K/V hops hide behind attention's tiles, the "
+                     "all-to-alls of queries, keys, values and output sit on attention's critical path")
+    return lines
+
+
+def balance_line(ranked: Sequence[Candidate]) -> list[str]:
+    """With packed documents: the ring's busiest device's attention work over the mean with ``data.ring_balance``
+    (planned) and without (:mod:`jaxscale.analysis.ring_imbalance`), for #1's ring or, where #1 runs Ulysses
+    alone, the best layout with a ring."""
+    if not ranked or not ranked[0].layout.documents or ranked[0].layout.cp == 1:
         return []
-    kinds = {False: "the ring", True: "Ulysses"}
-    mine, theirs = kinds[best.ulysses], kinds[other.layout.ulysses]
-    t, o = ranked[0].time, other.time
-    return [f"#1 runs {mine} (context={best.context}): {fmt_time(t['exposed'])} of communication exposed against "
-            f"{fmt_time(o['exposed'])} for the best with {theirs} ({other.layout.describe()}, "
-            f"{fmt_time(o['total'])} a step): the ring's K/V hops hide behind attention's tiles, Ulysses' "
-            "all-to-alls of queries, keys, values and output sit on attention's critical path"]
+    ring = next((c for c in ranked if c.layout.context > 1), None)
+    if ring is None:
+        return []
+    layout, who = ring.layout, "#1" if ring is ranked[0] else f"the best with a ring ({ring.layout.describe()})"
+    before, after = (busiest(layout.documents, layout.context, b) for b in (False, True))
+    return [f"{who}: its ring of {layout.context} over rows packed with {layout.documents} documents has its "
+            f"busiest device compute {after:.2f}x the mean attention tiles with data.ring_balance (planned), "
+            f"{before:.2f}x without (benchmarks/ring_balance.py); Ulysses' devices attend whole sequences, equal work"]
 
 
 # The logical axes of a block's parameters, for what a pipeline stage leaves to the partitioner.

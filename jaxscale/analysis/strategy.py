@@ -58,7 +58,8 @@ class Strategy:
     loss_chunk: int = 0  # > 0: chunked cross-entropy (model.loss_chunk)
     layers_per_stage: tuple[int, ...] | None = None  # uneven virtual stages (pipeline.layers_per_stage)
     fsdp_gather: str = "step"  # pipeline.fsdp: a stage's FSDP gathers once a step, per layer visit, or every tick
-    ulysses: bool = False  # context parallelism by all-to-alls over context (rules' ulysses), not a ring
+    ulysses: int = 1  # context parallelism's all-to-all part (mesh.ulysses); ``context`` is the ring's
+    documents: str = ""  # rows packed with this corpus's documents (the ring then runs data.ring_balance), or none
 
     def mesh(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
@@ -66,6 +67,18 @@ class Strategy:
     @property
     def devices(self) -> int:
         return math.prod(self.mesh().values())
+
+    @property
+    def cp(self) -> int:
+        """The context degree: the ring's devices times the all-to-all's (USP; either alone: ring, Ulysses)."""
+        return self.context * self.ulysses
+
+    @property
+    def cp_kind(self) -> str:
+        """``ring``, ``Ulysses`` or ``USP`` (both), or ``""`` without context parallelism."""
+        if self.cp == 1:
+            return ""
+        return "USP" if self.context > 1 and self.ulysses > 1 else "Ulysses" if self.ulysses > 1 else "ring"
 
     @property
     def zero_stage(self) -> int:
@@ -76,7 +89,7 @@ class Strategy:
         """The combination of strategies, e.g. ``ZeRO-3 + TP + SP``."""
         parts = [["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"][self.zero_stage]]
         parts += ["TP + SP" if self.sequence else "TP"] if self.tensor > 1 else []
-        parts += [("CP (Ulysses)" if self.ulysses else "CP")] if self.context > 1 else []
+        parts += [f"CP ({self.cp_kind})" if self.ulysses > 1 else "CP"] if self.cp > 1 else []
         parts += ["PP"] if self.stage > 1 else []
         parts += ["EP"] if self.expert > 1 else []
         return " + ".join(parts)
@@ -93,7 +106,6 @@ class Strategy:
 
     def describe(self) -> str:
         text = self.mesh_text + ("" if not self.sequence else " +sp") + (" +overlap" if self.tp_overlap else "")
-        text += " ulysses" if self.ulysses and self.context > 1 else ""
         if self.zero and self.data > 1:
             text += f" zero{self.zero}"
         if self.stage > 1:
@@ -124,12 +136,13 @@ def rules_for(layout: Strategy, base: dict[str, Any] | None = None) -> dict[str,
         for name in TP_NAMES:
             if name in rules:
                 rules[name] = "tensor"
-    norm = (["context"] if layout.context > 1 else []) + (["tensor"] if layout.sequence else [])
+    length = [a for a in ("context", "ulysses") if getattr(layout, a) > 1]  # the ring's axis, then the a2a's
+    norm = length + (["tensor"] if layout.sequence else [])
     rules["norm_length"] = norm[0] if len(norm) == 1 else norm or None
-    if layout.context > 1:
-        rules["length"] = "context"
-        if layout.ulysses:
-            rules["ulysses"] = "context"
+    if length:
+        rules["length"] = length[0] if len(length) == 1 else length
+    if layout.ulysses > 1:
+        rules["ulysses"] = "ulysses"
     if layout.stage > 1:
         rules["layers"] = "stage"
     if layout.expert > 1 and "expert" in rules:
@@ -155,22 +168,25 @@ def model_for(m: ModelConfig, layout: Strategy) -> ModelConfig:
     out.tp_overlap = layout.tp_overlap
     if layout.loss_chunk:
         out.loss_chunk = layout.loss_chunk
-    if layout.context > 1:
-        out.attention = context_kernel(m, layout)
+    if layout.cp > 1:
+        out.attention = context_kernel(m.attention, layout)
     return out
 
 
-def context_kernel(m: ModelConfig, layout: Strategy) -> str:
-    """The attention kernel under context parallelism: the ring's, or under Ulysses the model's fused kernel on
-    whole sequences (``cudnn`` if planned so, else ``blockwise``: no s x s scores)."""
-    return "cudnn" if layout.ulysses and m.attention == "cudnn" else "blockwise" if layout.ulysses else "ring"
+def context_kernel(attention: str, layout: Strategy) -> str:
+    """The attention kernel under context parallelism: the ring's (ring, USP), or under Ulysses alone the model's
+    fused kernel on whole sequences (``cudnn`` if planned so, else ``blockwise``: no s x s scores)."""
+    if layout.context > 1:
+        return "ring"
+    return "cudnn" if attention == "cudnn" else "blockwise"
 
 
 def step_for(layout: Strategy, seq_len: int) -> Step:
     rows = layout.micro_batch * layout.pipeline_microbatches * layout.accumulation
     return Step(rows * layout.data * layout.fsdp * layout.expert, seq_len, layout.accumulation,
                 layout.pipeline_microbatches, layout.repeats, layout.schedule,
-                layers_per_stage=layout.layers_per_stage)
+                layers_per_stage=layout.layers_per_stage, documents=layout.documents,
+                ring_balance=bool(layout.documents) and layout.context > 1)
 
 
 def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path: str) -> dict[str, Any]:
@@ -180,9 +196,8 @@ def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path
         overrides["tp_overlap"] = True
     if layout.loss_chunk:
         overrides["loss_chunk"] = layout.loss_chunk
-    if layout.context > 1:
-        cudnn = layout.ulysses and model.get("attention") == "cudnn"
-        overrides["attention"] = "cudnn" if cudnn else "blockwise" if layout.ulysses else "ring"
+    if layout.cp > 1:
+        overrides["attention"] = context_kernel(model.get("attention", "dot"), layout)
     out: dict[str, Any] = {
         "run_dir": "runs/plan",
         "rules": rules_path,
@@ -195,6 +210,8 @@ def experiment(layout: Strategy, model: dict[str, Any], seq_len: int, rules_path
             "microbatches": layout.accumulation,
         },
     }
+    if layout.documents:
+        out["data"] = {"documents": True, "ring_balance": layout.context > 1}
     if layout.stage > 1:
         out["pipeline"] = {
             "microbatches": layout.pipeline_microbatches,

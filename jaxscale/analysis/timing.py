@@ -60,6 +60,7 @@ from jaxscale.analysis.blocks import attention, layers_run, moe_layers, projecti
 from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.flows import Flow
 from jaxscale.analysis.params import Param, Step, dtype_bytes, pipeline_table
+from jaxscale.analysis.ring_imbalance import busiest
 from jaxscale.config.flops import flops_per_token
 from jaxscale.config.read import MESH_AXES, ModelConfig
 from jaxscale.layout.rules import Layout
@@ -248,6 +249,8 @@ def _attention_seconds(m: ModelConfig, layout: Layout, step: Step, cluster: Clus
     s_block = step.seq_len / layout.ways(("length",))
     t_q, att = layout.ways(("heads",)), attention(m)
     attn_flops = 2 * tokens * step.seq_len * m.heads / t_q * att.score_dim * layers  # causal: half of QK and PV
+    ring = layout.ring_size if m.attention == "ring" else 1  # packed documents: each hop waits for the busiest
+    attn_flops *= busiest(step.documents, ring, step.ring_balance)
     if fused:
         return attn_flops / (cluster.peak_flops * cluster.attention_eff(s_block))
     side = (micro * s_block * m.heads / t_q * att.score_dim) ** (1 / 3)

@@ -85,6 +85,7 @@ RANGES: dict[str, Range] = {
     "mesh.dcn.stage": AT_LEAST_1,
     "mesh.dcn.fsdp": AT_LEAST_1,
     "mesh.dcn.context": AT_LEAST_1,
+    "mesh.dcn.ulysses": AT_LEAST_1,
     "mesh.dcn.expert": AT_LEAST_1,
     "mesh.dcn.tensor": AT_LEAST_1,
     "train.steps": AT_LEAST_1,

@@ -94,6 +94,12 @@ class Context:
         return list(self.layout.context_axes)
 
     @property
+    def unmapped(self) -> list[str]:
+        """The mesh axes of size > 1 that no rule of the parameters' table maps."""
+        used = {axis for axes in self.layout.rules.params.values() for axis in axes}
+        return [axis for axis, size in self.layout.mesh.items() if size > 1 and axis not in used]
+
+    @property
     def per_group(self) -> int:
         return self.config.model.moe.experts // self.config.model.moe.groups
 

@@ -142,6 +142,9 @@ RULES: tuple[Refusal, ...] = (
       and c.config.model.fused_projections,
       "train.qk_clip: not with model.fused_projections yet (QK-clip scales wq and wk; w_qkv holds them in one "
       "tensor): model.fused_projections=false"),
+    # Checked on jax 0.12.0.1: jax.nn.dot_product_attention(implementation="cudnn") takes query_seq_lengths and
+    # key_value_seq_lengths ([batch]: one document a row) or a dense mask (an s x s bias); the packed form (segment
+    # offsets, q_offsets/kv_offsets) is only in the private jax._src.cudnn.fused_attention_stablehlo.
     R("cudnn-documents", ("data.documents", "model.attention"), lambda c: c.config.data.documents
       and c.config.model.attention == "cudnn",
       "data.documents: model.attention 'cudnn' does not mask across documents (jax's public cuDNN attention takes "
@@ -155,9 +158,10 @@ RULES: tuple[Refusal, ...] = (
       "{model.attention}, a ring of {attention_ring} under rules '{rules}')", "layout"),
     R("mtp-documents-ring", ("model.deepseek.mtp_depth", "data.documents", "model.attention"),
       lambda c: bool(c.config.data.documents and c.config.model.deepseek and c.config.model.deepseek.mtp_depth
-                     and c.config.model.attention == "ring"),
-      "model.deepseek.mtp_depth: not with data.documents under model.attention=ring (the tokens' logical order is "
-      "not to be read from positions that restart at each document)"),
+                     and c.attention_ring > 1),
+      "model.deepseek.mtp_depth: not with data.documents under model.attention=ring over a ring of "
+      "{attention_ring} (rules '{rules}': the rows zig-zagged over it, and their logical order is not to be read "
+      "from positions that restart at each document); Ulysses alone keeps the rows in order", "layout"),
     R("loss-chunk", ("model.loss_chunk", "train.seq_len"), lambda c: c.config.model.loss_chunk > 0
       and c.config.train.seq_len % c.config.model.loss_chunk > 0,
       "model.loss_chunk ({model.loss_chunk}) does not divide train.seq_len ({train.seq_len})"),
@@ -292,6 +296,14 @@ RULES: tuple[Refusal, ...] = (
       and not c.layout.sequence_axes,
       "model.tp_overlap needs sequence parallelism: rules '{rules}' shard norm_length over no mesh axis of size > 1 "
       "that does not shard length (use tp_sp or fsdp_tp_sp with mesh.tensor > 1, or model.tp_overlap=false)",
+      "layout"),
+    R("ulysses-mesh-axis", ("mesh.ulysses", "rules"), lambda c: c.layout.mesh.get("ulysses", 1) > 1
+      and "ulysses" not in c.layout.ulysses_axes,
+      "mesh.ulysses ({mesh.ulysses}) is the all-to-all part of context parallelism: rules '{rules}' must map length "
+      "and ulysses to it (rules usp), or mesh.ulysses=1", "layout"),
+    R("ulysses-unmapped", ("rules", "mesh.expert"), lambda c: bool(c.layout.axes_of("ulysses")) and bool(c.unmapped),
+      "rules '{rules}' map nothing to mesh axes {unmapped} of size > 1 (each of their devices would repeat the "
+      "others' work): USP's all-to-all part is mesh.ulysses (it was mesh.expert before), mesh.expert splits experts",
       "layout"),
     R("ring-chunks", ("train.seq_len", "model.attention", "rules"), lambda c: c.config.model.attention == "ring"
       and c.layout.ring_size > 1 and not c.ring_divides,

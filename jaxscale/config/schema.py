@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-MESH_AXES = ("data", "stage", "fsdp", "context", "expert", "tensor")
+MESH_AXES = ("data", "stage", "fsdp", "context", "ulysses", "expert", "tensor")
 
 DType = Literal["float32", "bfloat16", "float16"]
 # auto: jaxscale/analysis/remat.py; offload_dots: jaxscale/layout/offload.py
@@ -138,6 +138,7 @@ class AxisSizes:
     stage: int = 1
     fsdp: int = 1
     context: int = 1
+    ulysses: int = 1  # USP's all-to-all part of context parallelism (rules usp)
     expert: int = 1
     tensor: int = 1
 

@@ -1,4 +1,4 @@
-"""The device mesh: axes ``data, stage, fsdp, context, expert, tensor``.
+"""The device mesh: axes ``data, stage, fsdp, context, ulysses, expert, tensor``.
 
 Axes run from the outermost (slowest link: across hosts or slices) to the
 innermost (fastest link: within a node), so tensor parallelism, which talks

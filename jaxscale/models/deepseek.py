@@ -29,9 +29,9 @@ layouts by logical name), in the contract's richer form; ``model.deepseek`` sele
   objective with the MoE weights.
 
 Not here: YaRN rope scaling (DeepSeek-V3's long-context extension; jaxscale has no such option). Refused in one
-line when the model is built (the config's rows of :mod:`jaxscale.config.refusals`, checked by the constructor
-too, for a model built outside a trainer): MTP with documents under ring attention (the zig-zag row's logical
-order is read from positions, which restart at each document).
+line when the trainer is built (a row of :mod:`jaxscale.config.refusals`, on the rules' layout): MTP with documents
+under ring attention over a ring of 2 or more (the zig-zag row's logical order is read from positions, which
+restart at each document); Ulysses alone keeps the rows in order, and runs it.
 
 Recomputation (``model.remat``) as the built-in models': the layer policies of :func:`jaxscale.nn.remat_policy`,
 ``selective`` recomputing the attention core, ``save_named`` keeping the named ``query``, ``key``, ``value``,
@@ -79,7 +79,7 @@ class MLA(nnx.Module):
     def __init__(self, config: Config, rngs: nnx.Rngs):
         c = self.config = config.model
         d = c.deepseek
-        refusals.check(refusals.Context(config), about="model.")  # the model's rows (MTP, documents, ring)
+        refusals.check(refusals.Context(config), about="model.")  # the config's rows naming the model
         self.grads = nn.weight_grads(config)
         self.documents = config.data.documents  # packed documents: attention masked across them
         h, qk = c.heads, d.qk_nope_head_dim + d.qk_rope_head_dim
