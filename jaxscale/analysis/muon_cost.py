@@ -10,8 +10,8 @@ Newton-Schulz work and its moves to and from the owner devices, per device and s
   stack to ``L'`` with zero matrices; every device of an axis that gathers rather than owns does the same work).
 * **Bytes**: the mesh axes ``M`` that move from a hidden matrix's dimensions onto its stack dimensions cost one
   all-to-all over ``M`` there and one back, each of the device's shard in ``ns_dtype`` (``L' / L`` of it where
-  padded; the wire sends ``(|M| - 1) / |M|`` of it); an axis that splits a matrix dimension but no stack dimension is all-gathered once
-  (nothing moves back). Phase ``update``, not overlapped.
+  padded; the wire sends ``(|M| - 1) / |M|`` of it); an axis that splits a matrix dimension but no stack
+  dimension is all-gathered once (nothing moves back). Phase ``update``, not overlapped.
 
 The planner adds the state to ``optimizer`` (:mod:`jaxscale.analysis.memory`), the flows to the step's
 (:mod:`jaxscale.analysis.communication`) and the FLOPs to the optimizer's time (:mod:`jaxscale.analysis.timing`).
