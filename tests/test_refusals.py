@@ -153,6 +153,8 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
     "fp8-head-loss-chunk": (("precision.fp8=delayed", "precision.fp8_head=true", "model.loss_chunk=16"), None),
     "blockwise-dims": (("precision.fp8=blockwise",), None),
     "master-narrower": (("precision.master=bfloat16",), None),
+    "offload-params-gradients": (("precision.offload_params=true",), ("zero2", {"data": 8})),
+    "offload-params-pipeline": (("precision.offload_params=true",), PP),
     "explicit-pipeline": (("mesh.axis_types=explicit",), PP),
     "explicit-context": (("mesh.axis_types=explicit", "model.attention=ring"), ("cp", {"context": 2})),
     "explicit-moe": (("mesh.axis_types=explicit", MOE), ("dp", {})),

@@ -8,8 +8,9 @@ duplex): the writes hide behind the forward's compute, the reads behind the back
 than the compute it hides behind is exposed (:func:`exposed_seconds`). The link's speed is the cluster file's
 ``host_bandwidth`` (bytes/s per device, one way); a cluster without one leaves offload out of the plan.
 
-``precision.offload_state`` (the master and Adam's moments in host memory between steps) in the predicted
-memory: :func:`state_on_host`.
+``precision.offload_state`` (the master and Adam's moments in host memory between steps) and
+``precision.offload_params`` (the compute copy there) in the predicted memory: :func:`state_on_host`,
+:func:`params_on_host`.
 """
 
 from __future__ import annotations
@@ -50,4 +51,13 @@ def state_on_host(mem: dict[str, float]) -> dict[str, float]:
     out.pop("total")
     out["total"] = sum(out.values())
     out["host_state"] = held
+    return out
+
+
+def params_on_host(mem: dict[str, float]) -> dict[str, float]:
+    """Predicted device memory with the compute copy in host memory (``host_params``, not in ``total``): the
+    device holds a layer's shard at a time while the layer scan fetches it (within the layer's transient)."""
+    out = dict(mem)
+    out["host_params"], out["params"] = out["params"], 0.0
+    out["total"] -= out["host_params"]
     return out

@@ -49,8 +49,11 @@ def predict(
 
 def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
     """The prediction for a built :class:`jaxscale.training.trainer.Trainer` (``precision.offload_state``: the state's
-    bytes in host memory, :func:`jaxscale.analysis.host_link.state_on_host`)."""
+    bytes in host memory, :func:`jaxscale.analysis.host_link.state_on_host`; ``precision.offload_params``: the
+    compute copy's, :func:`~jaxscale.analysis.host_link.params_on_host`)."""
     prediction = predict(trainer.config.model, *trainer_inputs(trainer), cluster)
     if trainer.config.precision.offload_state:
         prediction.memory = host_link.state_on_host(prediction.memory)
+    if trainer.config.precision.offload_params:
+        prediction.memory = host_link.params_on_host(prediction.memory)
     return prediction

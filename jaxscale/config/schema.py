@@ -319,6 +319,7 @@ class PrecisionConfig:
     fp8_head: bool = False
     fp8_block: int = 128
     offload_state: bool = False  # the master and the optimizer's state in host memory (jaxscale/layout/offload.py)
+    offload_params: bool = False  # the compute copy in host memory, fetched layer by layer (jaxscale/layout/offload.py)
 
 
 @dataclasses.dataclass
