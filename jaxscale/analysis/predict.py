@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxscale.analysis import host_link
+from jaxscale.analysis import host_state
 from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import EP_IMBALANCE, communication
 from jaxscale.analysis.flows import Flow, summarize_flows
@@ -48,12 +48,17 @@ def predict(
 
 
 def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
-    """The prediction for a built :class:`jaxscale.training.trainer.Trainer` (``precision.offload_state``: the state's
-    bytes in host memory, :func:`jaxscale.analysis.host_link.state_on_host`; ``precision.offload_params``: the
-    compute copy's, :func:`~jaxscale.analysis.host_link.params_on_host`)."""
+    """The prediction for a built :class:`jaxscale.training.trainer.Trainer`; ``precision.offload_state`` and
+    ``precision.offload_params``: their bytes in host memory and, over the cluster's host link, their transfers'
+    seconds (:mod:`jaxscale.analysis.host_state`)."""
     prediction = predict(trainer.config.model, *trainer_inputs(trainer), cluster)
-    if trainer.config.precision.offload_state:
-        prediction.memory = host_link.state_on_host(prediction.memory)
-    if trainer.config.precision.offload_params:
-        prediction.memory = host_link.params_on_host(prediction.memory)
+    p = trainer.config.precision
+    on_device = prediction.memory
+    if p.offload_state:
+        prediction.memory = host_state.state_on_host(prediction.memory)
+    if p.offload_params:
+        prediction.memory = host_state.params_on_host(prediction.memory)
+    if prediction.time is not None and (p.offload_state or p.offload_params):
+        seconds = host_state.transfer_seconds(on_device, prediction.time, cluster, p.offload_state, p.offload_params)
+        prediction.time = host_state.with_transfers(prediction.time, seconds)
     return prediction
