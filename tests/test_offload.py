@@ -253,3 +253,19 @@ def test_offload_params_on_a_model_of_its_own_is_refused_in_one_line():
     rules, mesh, extra = LAYOUTS["zero3"]
     with pytest.raises(ConfigError, match=r"^precision\.offload_params: model .*mine is not a built-in one; "):
         Trainer.build(tiny_config(*extra, PARAMS, rules=rules, mesh=mesh), model=mine)
+
+
+# -- inside pipeline stages: the stage's stash of kept layer inputs in host memory (pipeline.offload_stash)
+
+PP_1F1B = ("train.global_batch=32", "model.layers=8", "pipeline.schedule=1f1b", "pipeline.microbatches=4")
+
+
+def test_a_stash_in_host_memory_equals_the_stash_on_the_device_in_a_1f1b_pipeline():
+    """2 stages x 4 data, 1F1B over 4 microbatches: the stage program reads and writes its kept layer inputs
+    (and the arrivals waiting beside them) in host memory, each choice made on the device; nothing else moves."""
+    runs_ = [run_steps(Trainer.build(tiny_config(*PP_1F1B, f"pipeline.offload_stash={on}", rules="pp",
+                                                 mesh={"stage": 2, "data": 4}))) for on in ("false", "true")]
+    assert_same(*runs_)
+    traced = [str(jax.make_jaxpr(r.trainer.jit_step)(r.trainer.abstract_state(), r.trainer.abstract_batch()))
+              for r in runs_]
+    assert "<host>" not in traced[0] and "<host>" in traced[1]

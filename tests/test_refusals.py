@@ -155,6 +155,7 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
     "master-narrower": (("precision.master=bfloat16",), None),
     "offload-params-gradients": (("precision.offload_params=true",), ("zero2", {"data": 8})),
     "offload-params-pipeline": (("precision.offload_params=true",), PP),
+    "offload-stash-pipeline": (("pipeline.offload_stash=true",), ("dp", {})),
     "explicit-pipeline": (("mesh.axis_types=explicit",), PP),
     "explicit-context": (("mesh.axis_types=explicit", "model.attention=ring"), ("cp", {"context": 2})),
     "explicit-moe": (("mesh.axis_types=explicit", MOE), ("dp", {})),

@@ -212,6 +212,10 @@ RULES: tuple[Refusal, ...] = (
       "precision.offload_params: rules '{rules}' run {stages} pipeline stages, whose program holds its slots' "
       "layers on the device (it fetches none from host memory); precision.offload_state moves the state there",
       "layout"),
+    R("offload-stash-pipeline", ("pipeline.offload_stash", "rules"), lambda c: c.config.pipeline.offload_stash
+      and not c.pipelined,
+      "pipeline.offload_stash: rules '{rules}' on this mesh run no pipeline (layers on 'stage' of size > 1), so "
+      "there is no stage stash; model.remat_offload or offload_dots move a layer scan's activations", "layout"),
     # -- what mesh.axis_types: explicit does not serve yet (its code leaves layouts jax's rules cannot decide)
     R("explicit-pipeline", ("mesh.axis_types", "rules"), lambda c: _explicit(c) and c.pipelined,
       "mesh.axis_types=explicit with rules '{rules}' (layers on stage: {stages} pipeline stages): not served yet, "

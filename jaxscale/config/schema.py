@@ -287,6 +287,7 @@ class PipelineConfig:
     schedule: Schedule = DEFAULT_SCHEDULE
     layers_per_stage: list[int] | None = None
     fsdp: FsdpGather = "step"
+    offload_stash: bool = False  # the stage's kept layer inputs in host memory (jaxscale/parallel/stage_state.py)
 
 
 @dataclasses.dataclass
