@@ -69,3 +69,4 @@ def test_a_pipeline_stages_stash_lives_in_host_memory_moved_asynchronously():
     assert moved["memory"]["host_temp"] == 2 * STASH_BYTES
     assert kept["memory"]["temp"] - moved["memory"]["temp"] >= STASH_BYTES
     assert moved["host_transfers"]["overlapped"] >= 2
+    assert kept["planner_memory"] - moved["planner_memory"] == 2 * STASH_BYTES  # the planner's host_stash

@@ -269,3 +269,8 @@ def test_a_stash_in_host_memory_equals_the_stash_on_the_device_in_a_1f1b_pipelin
     traced = [str(jax.make_jaxpr(r.trainer.jit_step)(r.trainer.abstract_state(), r.trainer.abstract_batch()))
               for r in runs_]
     assert "<host>" not in traced[0] and "<host>" in traced[1]
+    # The planner moves the stash off the device: 1F1B's 2p = 4 act slots x 4 layers a stage x 2 rows (32 / 4 data
+    # / 4 microbatches) x 32 tokens x 64 wide x 4 bytes, two buffers of each.
+    on_device, on_host = (predict_trainer(r.trainer).memory for r in runs_)
+    assert on_host["host_stash"] == 2 * 4 * 4 * 2 * 32 * 64 * 4
+    assert on_device["total"] - on_host["total"] == on_host["host_stash"]

@@ -4,7 +4,8 @@
 **Memory.** ``offload_state``: the master and the moments leave the device between steps; the device holds them
 only for the update, after the backward has freed the activations (:func:`state_on_host`). ``offload_params``:
 the compute copy leaves it; the layer scan holds a layer's shard at a time, within the layer's transient
-(:func:`params_on_host`).
+(:func:`params_on_host`). ``pipeline.offload_stash``: a stage's stash of kept layer inputs leaves it
+(:func:`stash_on_host`).
 
 **Time**, over the cluster's ``host_bandwidth`` (bytes/s per device, each way; PCIe and C2C are full duplex),
 what the compute does not hide (:func:`transfer_seconds`):
@@ -46,6 +47,16 @@ def params_on_host(mem: dict[str, float]) -> dict[str, float]:
     out = dict(mem)
     out["host_params"], out["params"] = out["params"], 0.0
     out["total"] -= out["host_params"]
+    return out
+
+
+def stash_on_host(mem: dict[str, float], stash: float) -> dict[str, float]:
+    """Predicted device memory with a pipeline stage's ``stash`` bytes (:func:`jaxscale.analysis.memory.stash`) in
+    host memory (``pipeline.offload_stash``; ``host_stash``, not in ``total``)."""
+    out = dict(mem)
+    out["activations"] -= stash
+    out["total"] -= stash
+    out["host_stash"] = stash
     return out
 
 
