@@ -260,6 +260,7 @@ def test_offload_params_on_a_model_of_its_own_is_refused_in_one_line():
 PP_1F1B = ("train.global_batch=32", "model.layers=8", "pipeline.schedule=1f1b", "pipeline.microbatches=4")
 
 
+@pytest.mark.slow  # 60 s on 2 cores; tests/test_compile_offload.py shows the stash's moves in the compile stage
 def test_a_stash_in_host_memory_equals_the_stash_on_the_device_in_a_1f1b_pipeline():
     """2 stages x 4 data, 1F1B over 4 microbatches: the stage program reads and writes its kept layer inputs
     (and the arrivals waiting beside them) in host memory, each choice made on the device; nothing else moves."""
