@@ -61,6 +61,11 @@ def _experiment_args(parser: argparse.ArgumentParser, default: str, help_set: st
                         help=help_set)
 
 
+def _remat_cluster(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cluster", help="a cluster YAML (path, or a name in configs/clusters/) whose host link "
+                        "(host_bandwidth) lets model.remat: auto take offload_dots where the planner has it faster")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxscale", description=__doc__.split("\n")[0],
@@ -72,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     train = _command(commands, "train", do.train, "train a model")
     _experiment_args(train, do.DEFAULT_EXPERIMENT,
                      "override config keys, e.g. --set train.steps=20 model.dtype=bfloat16 (repeatable)")
+    _remat_cluster(train)
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--coordinator", help="host:port of process 0 (multi-process; or JAXSCALE_COORDINATOR)")
     train.add_argument("--num-processes", type=int, help="processes in the job (or JAXSCALE_NUM_PROCESSES)")
@@ -97,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect = _command(commands, "inspect", do.inspect,
                        "compile the train step without running it and report its layout")
     _experiment_args(inspect, do.DEFAULT_EXPERIMENT, "override config keys (several after one --set, or repeated)")
+    _remat_cluster(inspect)
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.add_argument("--png", metavar="FILE", help="write a picture of the memory per device")
     inspect.add_argument("--target", help="compile for this GPU or TPU instead (h100, h200, b200, a100, ..., or a "

@@ -48,8 +48,14 @@ def simulate_cpu_devices(count: int) -> None:
 # -- train -----------------------------------------------------------------------------
 
 
+def remat_cluster(args: argparse.Namespace) -> Any:
+    """The ``--cluster`` file ``model.remat: auto`` weighs ``offload_dots`` on (read before jax starts), or None."""
+    return load_cluster(args.cluster) if getattr(args, "cluster", None) else None
+
+
 def train(args: argparse.Namespace) -> int:
     config = load_config(args.config, [*args.overrides, *(["checkpoint.resume=required"] if args.resume else [])])
+    args.remat_cluster = remat_cluster(args)
     if config.checkpoint.every or config.checkpoint.continuous:
         check_writable(checkpoint_dir(config))  # before jax starts: a one-line error in a second
     cluster = distributed.detect(None, args.coordinator, args.num_processes, args.process_id)
@@ -75,7 +81,7 @@ def train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
 
     config = elastic.apply(config, jax.device_count())  # distributed.elastic: a lost host's data replicas
     try:
-        trainer = Trainer.build(resolved(config))  # model.remat: auto -> by the predicted memory
+        trainer = Trainer.build(resolved(config, cluster=args.remat_cluster))  # model.remat: auto -> by memory
         with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
             state, history = fit(trainer, progress=not args.no_progress)
             distributed.finish(config.distributed.init_timeout_s)
@@ -150,6 +156,7 @@ def inspect(args: argparse.Namespace) -> int:
     if args.png:
         report.check_pyplot()
     config = load_config(args.config, args.overrides)
+    args.remat_cluster = remat_cluster(args)
     if args.target or args.target_spec:
         return inspect_target(args, config)
     simulate_cpu_devices(requested_devices(config.mesh) or DEFAULT_CPU_DEVICES)
@@ -159,7 +166,7 @@ def inspect(args: argparse.Namespace) -> int:
     from jaxscale.analysis.remat import resolved
     from jaxscale.training.trainer import Trainer
 
-    trainer = Trainer.build(resolved(config))
+    trainer = Trainer.build(resolved(config, cluster=args.remat_cluster))
     out = inspect_report(trainer, asked=config)
     print(json.dumps(out, indent=1) if args.json else format_inspect(out))
     if args.png:
@@ -184,10 +191,13 @@ def inspect_target(args: argparse.Namespace, config: Any) -> int:
     xla_flags.apply(config.xla)
     # Imports jax: after JAX_PLATFORMS and the XLA flags are in the environment.
     from jaxscale.analysis.accelerator import format_target, target_report
+    from jaxscale.analysis.remat import USABLE, resolved
     from jaxscale.training.trainer import Trainer
 
     devices = args.devices or requested_devices(config.mesh) or DEFAULT_CPU_DEVICES
     compile_only = target.compile_only(name, devices, args.hosts, args.target_spec)
+    # model.remat: auto by the target's memory (its devices report none), offload_dots by --cluster's host link
+    config = resolved(config, list(compile_only.devices), compile_only.hbm_bytes * USABLE, args.remat_cluster)
     trainer = Trainer.build(config, list(compile_only.devices))
     out = target_report(trainer, compile_only)
     print(json.dumps(out, indent=1) if args.json else format_target(out))

@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from jaxscale.analysis import host_link, plan, strategy
+from jaxscale.analysis import host_link, plan, remat, strategy
 from jaxscale.analysis.cluster import load_cluster
+from jaxscale.analysis.memory import memory
 from jaxscale.analysis.params import param_table
 from jaxscale.config import flops
 from jaxscale.config.read import load_config
@@ -77,3 +78,36 @@ def test_llama3_405b_on_1024_h100_fits_its_fastest_layout_only_with_offload():
     assert runs["save_dots"].memory["total"] > 4 * cluster.budget
     assert runs["offload_dots"].memory["activations"] == runs["full"].memory["activations"]
     assert runs["offload_dots"].time["total"] == runs["save_dots"].time["total"] < runs["full"].time["total"]
+
+
+def test_remat_auto_takes_offload_dots_over_full_where_the_host_link_makes_it_faster(llama8b):
+    """Llama 3 8B, fsdp=8, one 8192-token sequence a device, a budget between full's peak and save_dots': auto
+    takes save_dots where it fits, else offload_dots (on the device what full keeps) over a fast link, full without
+    a link or over one too slow to hide 20.4 GB behind the forward and the backward."""
+    m, params = llama8b
+    layout = plan.Strategy(fsdp=8, remat="full")
+    model, place, step = strategy.model_for(m, layout), strategy.placement(layout), strategy.step_for(layout, SEQ)
+    peak = {r: memory(dataclasses.replace(model, remat=r), params, place, step)["total"]
+            for r in ("save_dots", "offload_dots", "full")}
+    # 44.5 GB, 50.3 GB, more: full's backward recomputes a whole layer at once, offload_dots save_dots' part
+    assert peak["offload_dots"] < peak["full"] < peak["save_dots"]
+    between = (peak["full"] + peak["save_dots"]) / 2
+
+    def auto(budget: float, *cluster: str) -> str:
+        return remat.choose(model, params, place, step, budget, load_cluster("h100", list(cluster)))
+
+    assert auto(between, "host_bandwidth=55.0e9") == "offload_dots"
+    assert auto(peak["save_dots"], "host_bandwidth=55.0e9") == "save_dots"
+    assert auto(between) == "full"
+    assert auto(between, "host_bandwidth=1.0e9") == "full"  # 20.4 s each way: longer than the recomputation
+    assert remat.choose(model, params, place, step, between) == "full"  # no cluster: as before
+    # Where full does not fit but offload_dots does, a slow link still takes offload_dots.
+    assert auto(peak["offload_dots"], "host_bandwidth=1.0e9") == "offload_dots"
+
+
+def test_a_cluster_file_for_remat_auto_is_read_before_jax_starts(capsys):
+    from jaxscale.cli import main
+
+    assert main(["train", "--cluster", "bogus"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("jaxscale: error: no cluster named 'bogus'") and "\n" not in err

@@ -21,7 +21,9 @@ they share the host's cores). Each figure is the best of a few runs of a compile
 * collectives: all-reduce, all-gather, reduce-scatter, all-to-all and a ring permute over the
   devices of this process (``intra``) and, with several processes, across them (``inter``),
   at a small and a large size: the small one gives the latency per step, the difference the
-  bandwidth (wire bytes as :func:`jaxscale.analysis.hlo.wire_bytes` counts them).
+  bandwidth (wire bytes as :func:`jaxscale.analysis.hlo.wire_bytes` counts them);
+* the host link (on accelerators): copies to pinned host memory and back, all local devices at once
+  (:mod:`jaxscale.analysis.host_measure`): ``host_bandwidth``, which lets the plan try ``offload_dots``.
 
 The file records where its figures come from (``source``); :func:`jaxscale.analysis.cluster.load_cluster`
 reads it like a hand-written preset.
@@ -44,6 +46,7 @@ import numpy as np
 import yaml
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxscale.analysis import host_measure
 from jaxscale.analysis.cluster import KINDS
 from jaxscale.analysis.hlo import wire_bytes
 from jaxscale.config.flops import PEAK_FLOPS, peak_flops
@@ -227,6 +230,8 @@ def calibrate(repeats: int = 0) -> dict[str, Any]:
         "matmul_efficiency": _table(mm, peak),
         "attention_efficiency": _table(att, peak),
         "collectives": measured,
+        # the host link (offload; XLA:CPU's pinned_host is its one memory: no link to write)
+        **({} if cpu else {"host_bandwidth": host_measure.host_bandwidth(local)["host_bandwidth"]}),
         "source": f"measured by jaxscale plan --calibrate on {len(devices)} x {first.device_kind}, {when}"
         + (" (simulated CPU devices sharing the host's cores; peak = the best measured matmul)" if cpu else ""),
     }

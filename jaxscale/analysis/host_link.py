@@ -8,8 +8,7 @@ duplex): the writes hide behind the forward's compute, the reads behind the back
 than the compute it hides behind is exposed (:func:`exposed_seconds`). The link's speed is the cluster file's
 ``host_bandwidth`` (bytes/s per device, one way); a cluster without one leaves offload out of the plan.
 
-``precision.offload_state`` (the master and Adam's moments in host memory between steps) in the predicted
-memory: :func:`state_on_host`.
+The state and the compute copy in host memory: :mod:`jaxscale.analysis.host_state`.
 """
 
 from __future__ import annotations
@@ -37,17 +36,3 @@ def exposed_seconds(nbytes: float, host_bandwidth: float, forward: float, backwa
     move = nbytes / host_bandwidth
     return max(0.0, move - forward) + max(0.0, move - backward)
 
-
-def state_on_host(mem: dict[str, float]) -> dict[str, float]:
-    """Predicted device memory (:func:`jaxscale.analysis.memory.memory`'s parts) with the master and the
-    moments in host memory (``host_state``, not in ``total``): on the device only for the update, after the
-    backward has freed the activations, so the peak is the larger of the backward's (activations and their
-    transient) and the update's (the state)."""
-    out = dict(mem)
-    held = out["master"] + out["optimizer"]
-    out["master"] = out["optimizer"] = 0.0
-    out["transient"] = max(out["transient"], held - out["activations"])
-    out.pop("total")
-    out["total"] = sum(out.values())
-    out["host_state"] = held
-    return out

@@ -310,6 +310,14 @@ def _top_layer_at_loss(m: ModelConfig) -> list[Activation]:
     return held + attention_accumulators(m)
 
 
+def stash(m: ModelConfig, layout: Layout, step: Step, rows: float | None = None) -> float:
+    """A pipelined stage's stash: its chunk's layer inputs for each microbatch in flight (``Table.act_slots``),
+    two buffers of each (``rows``: the sequences through a layer at once; default, a pipeline microbatch's)."""
+    rows = step.global_batch / step.microbatches / step.pipeline_microbatches if rows is None else rows
+    x = _per_device(Activation("stage input", m.embed, RESIDUAL), rows, step, m, layout)
+    return 2 * pipeline_table(layout, step).act_slots * _layers_here(m, layout, step) / step.repeats * x
+
+
 def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Step, rows: float,
               out: dict[str, float]) -> None:
     """A pipelined stage's activations, transient and loop state (:mod:`jaxscale.parallel.pipeline`), into ``out``.
@@ -359,7 +367,7 @@ def _pipeline(m: ModelConfig, params: Sequence[Param], layout: Layout, step: Ste
     stage = assumed(layout, m, [p.axes for p in params if p.in_layers])
     # the backward slot copies its chunk's inputs out of the stash, held through the slot
     kept = sum(_per_device(a, rows, step, m, layout) for a in split_kept(m))  # a layer's, from its B to its W
-    out["activations"] = ((2 * (table.act_slots * chunk + table.grad_slots) + chunk) * x
+    out["activations"] = (stash(m, layout, step, rows) + (2 * table.grad_slots + chunk) * x
                           + 2 * table.cot_slots * chunk * kept)
     gathered = stage.gathered
     visit = bool(gathered) and stage.visit

@@ -14,11 +14,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from jaxscale.analysis import host_link
+from jaxscale.analysis import host_state
 from jaxscale.analysis.cluster import Cluster
 from jaxscale.analysis.communication import EP_IMBALANCE, communication
 from jaxscale.analysis.flows import Flow, summarize_flows
-from jaxscale.analysis.memory import memory
+from jaxscale.analysis.memory import memory, stash
 from jaxscale.analysis.params import Param, Step, trainer_inputs
 from jaxscale.analysis.timing import step_time
 from jaxscale.config.read import ModelConfig
@@ -48,9 +48,20 @@ def predict(
 
 
 def predict_trainer(trainer: Any, cluster: Cluster | None = None) -> Prediction:
-    """The prediction for a built :class:`jaxscale.training.trainer.Trainer` (``precision.offload_state``: the state's
-    bytes in host memory, :func:`jaxscale.analysis.host_link.state_on_host`)."""
+    """The prediction for a built :class:`jaxscale.training.trainer.Trainer`; ``precision.offload_state`` and
+    ``precision.offload_params``: their bytes in host memory and, over the cluster's host link, their transfers'
+    seconds; ``pipeline.offload_stash``: the stage's stash in host memory (:mod:`jaxscale.analysis.host_state`)."""
     prediction = predict(trainer.config.model, *trainer_inputs(trainer), cluster)
-    if trainer.config.precision.offload_state:
-        prediction.memory = host_link.state_on_host(prediction.memory)
+    p = trainer.config.precision
+    on_device = prediction.memory
+    if p.offload_state:
+        prediction.memory = host_state.state_on_host(prediction.memory)
+    if p.offload_params:
+        prediction.memory = host_state.params_on_host(prediction.memory)
+    model, layout, step = trainer.config.model, *trainer_inputs(trainer)[1:]
+    if trainer.config.pipeline.offload_stash and layout.pipelined:
+        prediction.memory = host_state.stash_on_host(prediction.memory, stash(model, layout, step))
+    if prediction.time is not None and (p.offload_state or p.offload_params):
+        seconds = host_state.transfer_seconds(on_device, prediction.time, cluster, p.offload_state, p.offload_params)
+        prediction.time = host_state.with_transfers(prediction.time, seconds)
     return prediction

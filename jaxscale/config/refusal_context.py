@@ -133,6 +133,13 @@ class Context:
         return self.config.train.seq_len // (2 * ring if ring > 1 else 1)
 
     @property
+    def gradients_apart(self) -> str:
+        """The logical axes whose gradients the rules split over other mesh axes (of size > 1) than the
+        parameters (ZeRO-2's ``gradients`` section), comma-separated; empty when none."""
+        names = self.layout.rules.gradients
+        return ", ".join(n for n in names if self.layout.mesh_axes((n,), "gradients") != self.layout.mesh_axes((n,)))
+
+    @property
     def blockwise_misfit(self) -> tuple[str, int] | None:
         """The first dimension ``precision.fp8: blockwise`` tiles that ``precision.fp8_block`` does not divide."""
         m, p = self.config.model, self.config.precision

@@ -220,6 +220,21 @@ RULES: tuple[Refusal, ...] = (
         dtypes.of(c.config).master) > dtypes.WIDEST_FIRST.index(dtypes.of(c.config).compute),
       "precision.master ({precision.master}) is narrower than the compute copy precision.params "
       "({precision.params})"),
+    R("offload-params-gradients", ("precision.offload_params", "rules"), lambda c: c.config.precision.offload_params
+      and bool(c.gradients_apart),
+      "precision.offload_params: rules '{rules}' lay the gradients of {gradients_apart} out apart from the "
+      "parameters (ZeRO-2): a gradient goes to host memory in its parameter's layout, so it would be all-reduced, "
+      "not reduce-scattered; rules splitting the parameters as their gradients (ZeRO-3: zero3, fsdp_tp) hold them",
+      "layout"),
+    R("offload-params-pipeline", ("precision.offload_params", "rules"), lambda c: c.config.precision.offload_params
+      and c.pipelined,
+      "precision.offload_params: rules '{rules}' run {stages} pipeline stages, whose program holds its slots' "
+      "layers on the device (it fetches none from host memory); precision.offload_state moves the state there",
+      "layout"),
+    R("offload-stash-pipeline", ("pipeline.offload_stash", "rules"), lambda c: c.config.pipeline.offload_stash
+      and not c.pipelined,
+      "pipeline.offload_stash: rules '{rules}' on this mesh run no pipeline (layers on 'stage' of size > 1), so "
+      "there is no stage stash; model.remat_offload or offload_dots move a layer scan's activations", "layout"),
     # -- what mesh.axis_types: explicit does not serve yet (its code leaves layouts jax's rules cannot decide)
     R("explicit-pipeline", ("mesh.axis_types", "rules"), lambda c: _explicit(c) and c.pipelined,
       "mesh.axis_types=explicit with rules '{rules}' (layers on stage: {stages} pipeline stages): not served yet, "

@@ -291,6 +291,7 @@ class PipelineConfig:
     schedule: Schedule = DEFAULT_SCHEDULE
     layers_per_stage: list[int] | None = None
     fsdp: FsdpGather = "step"
+    offload_stash: bool = False  # the stage's kept layer inputs in host memory (jaxscale/parallel/stage_state.py)
 
 
 @dataclasses.dataclass
@@ -323,6 +324,7 @@ class PrecisionConfig:
     fp8_head: bool = False
     fp8_block: int = 128
     offload_state: bool = False  # the master and the optimizer's state in host memory (jaxscale/layout/offload.py)
+    offload_params: bool = False  # the compute copy in host memory, fetched layer by layer (jaxscale/layout/offload.py)
 
 
 @dataclasses.dataclass

@@ -38,8 +38,9 @@ def wide_grads(config: Config, layout: Any, builtin: bool) -> bool:
     """Whether the step differentiates the fp32 master, not the compute copy (its cast): a master apart from the
     compute copy, weight gradients wider than ``model.dtype`` (``precision.grads_reduce``) with the compute copy in
     ``model.dtype``, the built-in model, no axis splitting the tokens, no sequence parallelism, no pipeline and no
-    fp8 (:attr:`jaxscale.training.trainer.Trainer.wide_grads`)."""
-    if not (dtypes.of(config).two_copies and takes_wide(config) and builtin):
+    fp8, and neither copy in host memory (:attr:`jaxscale.training.trainer.Trainer.wide_grads`)."""
+    p = config.precision
+    if not (dtypes.of(config).two_copies and takes_wide(config) and builtin) or p.offload_params or p.offload_state:
         return False
     return not (layout.token_axes or layout.sequence_axes or layout.pipelined or config.precision.fp8 != "off")
 
@@ -92,11 +93,12 @@ SELECTIONS: tuple[Selection, ...] = (
               "inside a pipeline stage `model.remat` is not applied: each layer runs forward twice already (the "
               "forward slot, then the backward slot's `vjp`), so no layer is recomputed twice", _stage_remat),
     Selection("wide-grads", ("precision.master", "precision.params", "precision.grads_reduce", "model.dtype",
-                             "precision.fp8", "rules"),
-              "the step differentiates the fp32 master instead of the compute copy when five things hold: a "
+                             "precision.fp8", "precision.offload_params", "precision.offload_state", "rules"),
+              "the step differentiates the fp32 master instead of the compute copy when six things hold: a "
               "master apart from the compute copy, `precision.grads_reduce` wider than `model.dtype` with the "
               "compute copy in `model.dtype`, the built-in model, no pipeline, sequence parallelism or axis "
-              "splitting the tokens, and `precision.fp8: off`", _wide),
+              "splitting the tokens, `precision.fp8: off`, and neither copy in host memory "
+              "(`precision.offload_params`, `precision.offload_state`)", _wide),
 )
 
 

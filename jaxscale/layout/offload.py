@@ -21,6 +21,16 @@ and :func:`store` puts the new state back. XLA schedules each leaf's copy on its
 overlaps the next leaf's transfer; the device holds the state only while the update runs, after the
 backward has freed the activations. The device's arguments shrink by the state's bytes
 (:func:`argument_bytes` reads them from the compiled program).
+
+**Parameters** (``precision.offload_params``): the compute copy lives in ``pinned_host`` memory between steps,
+laid out by the parameter rules (under ZeRO-3 each device's shard). The parameters outside the layer stack
+(embedding, head, final norm) come to the device whole at the top of the objective (:func:`fetch_outside`); the
+model's layer scan brings each layer's shard to the device inside the scan's body (:func:`to_device`), where
+the all-gather reads it, so the device holds a layer or two of weights at a time. The layer's remat policy
+never saves a fetched weight (:func:`fetching`): the backward fetches the layer again. The transpose of a
+fetch is a store: each layer's gradient, reduce-scattered on the device as ever, is written to host memory in
+the backward, and the step brings the gradients back for the update, which runs on the device and stores the
+new parameters.
 """
 
 from __future__ import annotations
@@ -31,7 +41,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import NamedSharding
+
+from jaxscale.layout.rules import is_axes
 
 HOST = "pinned_host"
 DEVICE = "device"
@@ -60,6 +73,36 @@ def dots_policy(weight_dot: str) -> Callable:
         return out if out is not recompute else named(prim, *args, **params)
 
     return policy
+
+
+def to_device(tree: Any) -> Any:
+    """Inside a trace: ``tree`` (in host memory) moved to device memory, each leaf's layout kept."""
+    return jax.device_put(tree, jax.memory.Space.Device)
+
+
+def layer_to_device(layer: nnx.Module) -> nnx.Module:
+    """Inside a layer scan's body: the layer (its slice of the stack, in host memory) on the device."""
+    graphdef, state = nnx.split(layer)
+    return nnx.merge(graphdef, to_device(state))
+
+
+def fetch_outside(params: Any, axes: Any, stacked: str = "layers") -> Any:
+    """Inside a trace: the parameters whose logical ``axes`` do not name the ``stacked`` axis moved to device
+    memory; the stack's stay in host memory for the layer scan to fetch layer by layer."""
+    return jax.tree.map(lambda a, x: x if stacked in a else to_device(x), axes, params,
+                        is_leaf=is_axes)
+
+
+def fetching(policy: Callable | None) -> Callable:
+    """A layer's remat ``policy`` (None: everything saved) that never saves a weight fetched from host memory
+    (:func:`to_device`): the backward fetches it again rather than keep every layer's weights on the device."""
+
+    def fetched(prim: Any, *args: Any, **params: Any) -> Any:
+        if prim.name == "device_put":
+            return False
+        return True if policy is None else policy(prim, *args, **params)
+
+    return fetched
 
 
 def _in(shardings: Any, kind: str) -> Any:

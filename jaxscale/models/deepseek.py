@@ -57,6 +57,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxscale import nn
 from jaxscale.config import flops, refusals
 from jaxscale.config.read import Config, ModelConfig
+from jaxscale.layout import offload
 
 Q_LATENT = ("batch", "length", "q_lora")
 KV_LATENT = ("batch", "length", "kv_lora")
@@ -217,6 +218,7 @@ class DeepSeek(nnx.Module):
         d = c.deepseek
         self.grads = nn.weight_grads(config)
         self.documents = config.data.documents
+        self.host_params = config.precision.offload_params  # each block fetched from host memory in the scan
         self.embedding = param(rngs, c, (c.vocab_size, c.embed), ("vocab", "embed"))
         # The dense stack's leading axis is never split: under a pipeline it runs with the embedding.
         self.dense = stack(config, rngs, d.dense_layers, False, None) if d.dense_layers else None
@@ -245,9 +247,10 @@ class DeepSeek(nnx.Module):
         """A stack of blocks (leading axis ``axis``) scanned over ``x``, each recomputed by ``model.remat``'s policy."""
 
         def body(x: jax.Array, block: Block) -> tuple[jax.Array, Metrics]:
-            return block(x, positions)
+            return (offload.layer_to_device(block) if self.host_params else block)(x, positions)
 
         policy = nn.remat_policy(self.config)
+        policy = offload.fetching(policy) if self.host_params else policy  # precision.offload_params
         if policy is not None:
             body = nnx.remat(body, policy=policy, prevent_cse=False)
         scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0),

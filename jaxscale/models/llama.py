@@ -384,6 +384,7 @@ class Llama(nnx.Module):
             self.lm_head = param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
         self.head_fp8 = Fp8(config.precision, ("x",), {"head": "logits"}) if config.precision.fp8_head else None
         self.fp8_on = config.precision.fp8 != "off"
+        self.host_params = config.precision.offload_params  # each layer fetched from host memory in the scan
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
         return self.forward(tokens, positions)[0]
@@ -429,10 +430,11 @@ class Llama(nnx.Module):
         x = self.embed(tokens)
 
         def body(x: jax.Array, block: Block | Group, copies: fp8.Copies) -> tuple[jax.Array, dict[str, jax.Array]]:
+            block = offload.layer_to_device(block) if self.host_params else block  # precision.offload_params
             with fp8.using(block, copies) if self.fp8_on else contextlib.nullcontext():
                 return block(x, positions)
 
-        policy = remat_policy(c)
+        policy = offload.fetching(remat_policy(c)) if self.host_params else remat_policy(c)
         if policy is not None:
             body = nnx.remat(body, policy=policy, prevent_cse=False)
         scan = nnx.scan(

@@ -263,6 +263,7 @@ def build(mesh: Mesh, place: Layout, parts: Parts, model: Any,
         outer_histories=parts.outer_histories, head_loss=head_loss,
         head_metrics=head_metrics,
         channel=Channel(model.aux_loss, reduction(model), sum(counts)),
+        stash_on_host=config.offload_stash,
     )
 
 

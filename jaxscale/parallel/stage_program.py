@@ -95,6 +95,7 @@ class StageProgram(Slots, SlotMetrics):
     head_metrics: Any  # the shapes of the head's metrics
     channel: Channel  # the model's aux_loss of its metrics, in shares
     metric_shapes: Any = None  # the prefix's, a unit's, the head's: run
+    stash_on_host: bool = False  # pipeline.offload_stash: the kept layer inputs in host memory
 
     @property
     def manual(self) -> tuple[str, ...]:
@@ -193,7 +194,10 @@ class StageProgram(Slots, SlotMetrics):
             metrics=self.zero_metrics((self.repeats, self.slots)),
             head=(self.zero_head(PREFIX), self.zero_head()),
         )
-        return vary(state, self.rows)
+        state = vary(state, self.rows)
+        if self.stash_on_host and train:  # pipeline.offload_stash: read and written there (stage_state.put)
+            state = state._replace(acts=jax.device_put(state.acts, jax.memory.Space.Host))
+        return state
 
     def run(self, outer: Any, blocks: Any, histories: Any,
             xs: dict[str, jax.Array]) -> Result:

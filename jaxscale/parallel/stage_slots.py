@@ -31,7 +31,7 @@ from jaxscale.parallel import weight_split
 from jaxscale.parallel.schedules import FIRST, IDLE, LAST, Table
 from jaxscale.parallel.stage_ends import Ends
 from jaxscale.parallel.stage_metrics import PREFIX, Metrics
-from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, take
+from jaxscale.parallel.stage_state import Loop, Slot, Unit, Weights, read, take
 from jaxscale.parallel.stage_units import Units
 
 F32 = jnp.float32
@@ -95,7 +95,7 @@ class Slots(Ends, Units):
         pos = w.xs["positions"][slot.micro]
 
         def run() -> Forward:
-            first = (acts[slot.src, 0], self.zero_head(PREFIX))
+            first = (read(acts, (slot.src, 0)), self.zero_head(PREFIX))
             h, pre = self.gate.when(
                 slot.kind == FIRST,
                 lambda: self.embedded(w, w.outer, slot.micro), first)
@@ -114,7 +114,7 @@ class Slots(Ends, Units):
             return Forward(chunk.y, chunk.inputs, obj, met, pre, head)
 
         zeros = Forward(
-            jnp.zeros(acts.shape[2:], acts.dtype), acts[0],
+            jnp.zeros(acts.shape[2:], acts.dtype), read(acts, 0),
             jnp.zeros((), F32), self.zero_metrics((self.repeats, self.slots)),
             self.zero_head(PREFIX), self.zero_head())
         return self.gate.when(slot.kind > IDLE, run, vary(zeros, self.rows))
@@ -164,7 +164,7 @@ class Slots(Ends, Units):
         as it comes; split, all but its weight matmuls'."""
         pc, on = take(w.blocks, slot.chunk), slot.kind > IDLE
         pos, n = w.xs["positions"][slot.micro], self.units(slot.chunk, stage)
-        inputs, split = state.acts[slot.src], self.table.split
+        inputs, split = read(state.acts, slot.src), self.table.split
         types = self.split_types(w) if split else ((), ())
         cot = on.astype(F32)  # the aux objective's: 0 in a masked slot
 

@@ -16,12 +16,24 @@ from jax import lax
 from jaxscale.parallel.schedules import FIRST, LAST
 
 
+def on_host(buf: jax.Array) -> bool:
+    """Whether ``buf`` lives in host memory (``pipeline.offload_stash``'s buffer of kept layer inputs)."""
+    return jax.typeof(buf).memory_space == jax.memory.Space.Host
+
+
+def read(buf: jax.Array, i: Any) -> jax.Array:
+    """``buf[i]`` on the device (brought from host memory where ``buf`` lives there)."""
+    return jax.device_put(buf[i], jax.memory.Space.Device) if on_host(buf) else buf[i]
+
+
 def put(buf: jax.Array, slot: jax.Array, x: jax.Array, whole: bool = True) -> jax.Array:
-    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part."""
+    """``buf`` with ``x`` in ``slot`` (unchanged for slot −1): the whole slot, or its leading part; a buffer in
+    host memory is read and written there (the choice between ``x`` and the old entry made on the device)."""
     i = jnp.maximum(slot, 0)
-    old = buf[i] if whole else lax.dynamic_slice_in_dim(buf[i], 0, x.shape[0])
+    old = read(buf, i) if whole else lax.dynamic_slice_in_dim(read(buf, i), 0, x.shape[0])
+    new = jnp.where(slot >= 0, x, old)[None]
     start = (i, *([0] * (buf.ndim - 1)))
-    return lax.dynamic_update_slice(buf, jnp.where(slot >= 0, x, old)[None], start)
+    return lax.dynamic_update_slice(buf, jax.device_put(new, jax.memory.Space.Host) if on_host(buf) else new, start)
 
 
 def take(tree: Any, i: jax.Array) -> Any:

@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.config.read import ConfigError
+from jaxscale.layout import offload
 from jaxscale.layout.sharding import check_divisible
 from jaxscale.models.attention import sequence_order
 
@@ -51,6 +52,8 @@ def merged(trainer: Any, params: Any, fp8_state: Any, bias: Any) -> nnx.Module:
     """The trainer's model holding ``params``, ``fp8_state`` and the routing biases ``bias``, its layer stack in
     the model's own order (read from the pipeline's storage)."""
     canonical = trainer.storage.canonical_params
+    if trainer.config.precision.offload_params:  # the stack's layers stay in host memory for the layer scan
+        params = offload.fetch_outside(params, trainer.axes)
     return nnx.merge(trainer.graphdef, canonical(params), canonical(fp8_state), canonical(bias))
 
 

@@ -54,6 +54,8 @@ class TrainStep:
         metrics; under pipeline parallelism the pipeline's loop computes it (:mod:`jaxscale.parallel.pipeline`).
         ``bias``: the MoE routing biases (``TrainState.balance``; None: a fresh start's)."""
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
+        if self.config.precision.offload_params:  # the stack's layers stay in host memory for the layer scan
+            params = offload.fetch_outside(params, self.axes)
         model = nnx.merge(self.graphdef, params, fp8_state, self.fresh_balance() if bias is None else bias)
         chunk = self.config.model.loss_chunk
         if self.custom_objective is not None:
@@ -75,7 +77,7 @@ class TrainStep:
         m = self.config.train.microbatches
         fp8_state = self.fresh_fp8() if fp8_state is None else fp8_state
         grad_shardings = self.param_shardings("gradients")
-        value_and_grad = jax.value_and_grad(self.loss_and_metrics, argnums=(0, 2), has_aux=True)
+        value_and_grad = self._on_device(jax.value_and_grad(self.loss_and_metrics, argnums=(0, 2), has_aux=True))
         if self.wide_grads:  # differentiated at fp32 weights (the master; given the compute copy, its exact cast)
             params = precision.cast(params, self.policy.reduce)
         if m == 1:
@@ -95,7 +97,7 @@ class TrainStep:
             loss, aux = self.loss_and_metrics(params, micro, fp8_state, bias)
             return loss * weight, aux
 
-        weighed_grad = jax.value_and_grad(weighed, argnums=(0, 2), has_aux=True)
+        weighed_grad = self._on_device(jax.value_and_grad(weighed, argnums=(0, 2), has_aux=True))
 
         def body(carry: tuple[Any, ...], xs: tuple[dict[str, jax.Array], jax.Array]) -> tuple[tuple[Any, ...], None]:
             loss_sum, grad_sum, aux_sum, fp8_max = carry
@@ -120,6 +122,19 @@ class TrainStep:
         (loss_sum, grads, aux_sum, fp8_max), _ = jax.lax.scan(body, init, xs)
         return loss_sum, grads, qk_clip.mean(aux_sum, m), fp8_max
 
+    def _on_device(self, value_and_grad: Any) -> Any:
+        """``value_and_grad`` with its gradients on the device: under ``precision.offload_params`` the gradient of
+        a parameter in host memory is written there (a fetch's transpose), and comes back for the update."""
+        if not self.config.precision.offload_params:
+            return value_and_grad
+        params = self.param_shardings("params")
+
+        def fetched(*args: Any) -> Any:
+            out, (grads, new_fp8) = value_and_grad(*args)
+            return out, (offload.fetch(grads, params), new_fp8)
+
+        return fetched
+
     def _train_step(
         self, state: TrainState, batch: dict[str, jax.Array], guard: bool = False
     ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -127,10 +142,11 @@ class TrainStep:
         (``finite`` in the metrics), decided on the device, before an offloaded state goes back to the host."""
         weights = state.master if self.wide_grads else state.params  # the compute copy is the master's cast
         loss, grads, aux, fp8_state = self._grads(weights, batch, state.fp8, state.balance)
-        held = (state.master, state.opt_state)
-        host = self.state_shardings.master, self.state_shardings.opt_state
-        if self.config.precision.offload_state:  # from host memory to the device, after the backward
-            held = offload.fetch(held, host)
+        held = (state.params, state.master, state.opt_state)
+        host = self.param_shardings("params"), self.state_shardings.master, self.state_shardings.opt_state
+        p = self.config.precision
+        held = tuple(offload.fetch(x, h) if on else x  # from host memory to the device, after the backward
+                     for x, h, on in zip(held, host, (p.offload_params, p.offload_state, p.offload_state), strict=True))
         logits, tau = aux.pop(QK_LOGITS, None), self.config.train.qk_clip
         if tau is not None and (logits is None or self.factory is not builtin.build):
             raise ConfigError(f"train.qk_clip: {QK_CLIP_MODELS}")
@@ -138,16 +154,19 @@ class TrainStep:
                                                              model=self.config.model)
         # The update runs where the optimizer state lives (ZeRO-1/2/3: a shard per device), then QK-clip.
         params, master, opt_state, grads_o = precision.update(
-            self.policy, self.optimizer, grads, state.params, *held, self.param_shardings("optimizer"), clip,
+            self.policy, self.optimizer, grads, *held, self.param_shardings("optimizer"), clip,
         )
         grad_norm = optax.tree.norm(grads_o)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         if guard:
-            master, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (master, opt_state), held)
-        if self.config.precision.offload_state:
-            master, opt_state = offload.store((master, opt_state), host)
+            params, master, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), (params, master, opt_state),
+                                                     held)
         if self.config.mesh.axis_types == "explicit":  # the new compute copy in its layout (auto: by out_shardings)
             params = collectives.lay_out(params, self.param_shardings("params"))
+        if p.offload_state:
+            master, opt_state = offload.store((master, opt_state), host[1:])
+        if p.offload_params:
+            params = offload.store(params, host[0])
         layers = aux.pop("moe_layers", {})
         bias = balance.updated(state.balance, layers, self.config.model.moe) if state.balance else state.balance
         load = moe.load_metrics(layers) if layers else {}
@@ -167,10 +186,9 @@ class TrainStep:
         def keep(n: jax.Array, o: jax.Array) -> jax.Array:
             return jnp.where(out["finite"], n, o)
 
-        params = jax.tree.map(keep, new.params, state.params)
-        fp8_state = jax.tree.map(keep, new.fp8, state.fp8)
+        fp8_state = jax.tree.map(keep, new.fp8, state.fp8)  # the parameters kept by the step (before a store)
         bias = jax.tree.map(keep, new.balance, state.balance)
-        return TrainState(new.step, params, new.opt_state, fp8_state, new.master, bias), out
+        return TrainState(new.step, new.params, new.opt_state, fp8_state, new.master, bias), out
 
     @cached_property
     def jit_step(self) -> Any:

@@ -193,6 +193,9 @@ class Trainer(TrainStep):
                     "cross-entropy on the last stage"
                 )
             contract.require(self.parts, contract.PIPELINE, name, why)
+        if self.config.precision.offload_params and self.factory is not builtin.build:
+            raise ConfigError(f"precision.offload_params: model {name} is not a built-in one; the built-in models "
+                              "fetch each layer from host memory in their layer scan (jaxscale/layout/offload.py)")
         context = refusals.Context(self.config, self.layout, parts=frozenset(self.parts), model_name=name)
         refusals.check(context, needs=("model",))
 
@@ -277,7 +280,10 @@ class Trainer(TrainStep):
         if self.config.precision.offload_state:  # in host memory between steps (jaxscale/layout/offload.py)
             opt, master = offload.on_host((opt, master))
         bias = jax.tree.map(lambda _: replicated, self._shapes.balance)
-        return TrainState(replicated, self.param_shardings("params"), opt, fp8_state, master, bias)
+        params = self.param_shardings("params")
+        if self.config.precision.offload_params:  # the compute copy in host memory between steps (offload.py)
+            params = offload.on_host(params)
+        return TrainState(replicated, params, opt, fp8_state, master, bias)
 
     @cached_property
     def batch_sharding(self) -> NamedSharding:
