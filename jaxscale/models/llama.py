@@ -98,8 +98,7 @@ def remat_policy(config: ModelConfig) -> Callable | None:
 
 def make_fp8(config: Config, inputs: tuple[str, ...], weights: dict[str, str]) -> Fp8 | None:
     """The fp8 state of a module's projections (:class:`jaxscale.precision.fp8.Fp8`), or None with ``precision.fp8``
-    off:
-    decided here, once, so an fp32 or bf16 step never calls into :mod:`jaxscale.precision.fp8`."""
+    off: decided here, once, so an fp32 or bf16 step never calls into :mod:`jaxscale.precision.fp8`."""
     return None if config.precision.fp8 == "off" else Fp8(config.precision, inputs, weights)
 
 
@@ -131,13 +130,12 @@ class RMSNorm(nnx.Module):
         return rms_norm(x.astype(self.dtype), self.scale[...], self.eps)
 
 
-# -- rotary position embeddings ----------------------------------------------------------------------------
-# Pair j of a head (dimensions j and j + d/2) turns by position · f_j, f_j = θ^(-j/(d/2)). Llama 3.1
-# (``model.rope_scaling``, rope_type llama3) stretches the context by ``factor`` without touching the short
-# wavelengths: with L the original context (original_max_position_embeddings) and λ_j = 2π / f_j,
-# λ_j < L / high_freq_factor keeps f_j; λ_j > L / low_freq_factor gives f_j / factor; between them
-# (1 - t)·f_j/factor + t·f_j with t = (L/λ_j - low_freq_factor) / (high_freq_factor - low_freq_factor).
-# No attention factor: Llama 3.1 has none.
+# -- rotary position embeddings: pair j of a head (dimensions j and j + d/2) turns by position · f_j, with
+# f_j = θ^(-j/(d/2)). Llama 3.1 (``model.rope_scaling``, rope_type llama3) stretches the context by ``factor``
+# without touching the short wavelengths: with L the original context (original_max_position_embeddings) and
+# λ_j = 2π / f_j, λ_j < L / high_freq_factor keeps f_j; λ_j > L / low_freq_factor gives f_j / factor; between
+# them (1 - t)·f_j/factor + t·f_j, t = (L/λ_j - low_freq_factor) / (high_freq_factor - low_freq_factor); no
+# attention factor (Llama 3.1 has none).
 
 
 def llama3_scaled(freq: jax.Array, s: RopeScaling) -> jax.Array:
