@@ -127,7 +127,7 @@ def test_zb_h1_memory_matches_compiled(layout, trainers):
     assert predict_trainer(trainer).memory["total"] == pytest.approx(xla.memory(step)["total"], rel=MEMORY_RTOL)
 
 
-def test_bf16_gathers_move_the_compute_copy(tmp_path):
+def test_bf16_gathers_move_the_compute_copy(tmp_path, trainers):
     """ZeRO-3 of a bf16 model (fp32 master) gathers the bf16 compute copy: the analytic all-gather bytes within
     5% of the partitioned HLO's, and half the fp32 model's (they were counted in model.param_dtype: 1.97x)."""
     def gathered(trainer: Trainer) -> float:
@@ -136,7 +136,7 @@ def test_bf16_gathers_move_the_compute_copy(tmp_path):
     bf16 = Trainer.build(tiny_config("model.dtype=bfloat16", rules="zero3", mesh={"fsdp": 8}))
     found = hlo.summarize(hlo.collectives(partitioned_hlo(bf16, tmp_path), bf16.mesh))["by_kind"]["all-gather"]
     assert gathered(bf16) == pytest.approx(found["wire_bytes"], rel=COMM_RTOL)
-    fp32 = Trainer.build(tiny_config(rules="zero3", mesh={"fsdp": 8}))  # compiled in LAYOUTS
+    fp32 = trainers.get(rules="zero3", mesh={"fsdp": 8})  # LAYOUTS' trainer, built once
     assert gathered(bf16) == pytest.approx(gathered(fp32) / 2, rel=0.02)
 
 

@@ -114,6 +114,14 @@ def test_bad_lists_fail_in_the_config(overrides, mesh, match):
         tiny_config(*BASE, *overrides, rules="pp", mesh=mesh)
 
 
+@pytest.fixture(scope="module")
+def warm() -> None:
+    """A pipelined trainer built once before the failures below are timed (fails_early): the imports and jax's
+    first traces are behind them."""
+    Trainer.build(tiny_config("pipeline.microbatches=2", rules="pp", mesh={"stage": 2, "data": 4}))
+
+
+@pytest.mark.usefixtures("warm")
 @pytest.mark.parametrize(
     "overrides, rules, mesh, match",
     [
@@ -129,7 +137,6 @@ def test_bad_lists_fail_in_the_config(overrides, mesh, match):
     ],
 )
 def test_bad_lists_fail_before_compiling(overrides, rules, mesh, match):
-    Trainer.build(tiny_config("pipeline.microbatches=2", rules="pp", mesh={"stage": 2, "data": 4}))  # warm
     config = tiny_config(*BASE, *overrides, rules=rules, mesh=mesh)
     with fails_early(match):
         Trainer.build(config)
