@@ -179,6 +179,6 @@ _einsum.defvjp(_forward, _backward)
 
 
 def ragged(x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
-    """The dropless experts' grouped matmul: none block-scaled (refused by the config first)."""
-    raise ConfigError(f"precision.fp8={x.recipe.mode} with model.moe.dispatch=dropless: no block-scaled grouped "
-                      "GEMM yet; model.moe.dispatch=capacity runs the experts block-scaled")
+    """The dropless experts' grouped matmul: there is no block-scaled one (the refusal table's
+    ``block-scaled-dropless`` row stops such a config before anything runs)."""
+    raise NotImplementedError(f"{x.recipe.mode}: no block-scaled grouped GEMM (rule block-scaled-dropless)")
