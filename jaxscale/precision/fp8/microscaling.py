@@ -55,10 +55,11 @@ def _blocked(a: jax.Array, block: int) -> jax.Array:
 
 
 def e8m0_up(ratio: jax.Array) -> jax.Array:
-    """``2^ceil(log2(ratio))`` (E8M0's range, ``2^-127`` for 0): a power of two at least ``ratio``."""
+    """``2^ceil(log2(ratio))``, a power of two at least ``ratio``, within ``[2^-126, 2^127]`` (E8M0's range less
+    its smallest value, an fp32 subnormal that XLA flushes to 0; a block of zeros takes ``2^-126``)."""
     mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa · 2^exponent, mantissa in [0.5, 1)
     exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
-    return jnp.exp2(jnp.clip(jnp.where(ratio > 0, exponent, -127), -127, 127).astype(jnp.float32))
+    return jnp.ldexp(jnp.float32(1.0), jnp.clip(jnp.where(ratio > 0, exponent, -126), -126, 127))
 
 
 def mxfp8(a: jax.Array) -> Blocks:
