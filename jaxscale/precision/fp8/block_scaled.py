@@ -50,7 +50,11 @@ BLOCK = {"mxfp8": mx.MX_BLOCK, "nvfp4": mx.NV_BLOCK}
 
 
 def _cudnn(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
-    return jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    """``jax.nn.scaled_matmul``, typed as varying over the manual mesh axes its operands vary over (inside a
+    ``shard_map``: its result is typed as varying over none)."""
+    y = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    missing = tuple(sorted((jax.typeof(a).mat.varying | jax.typeof(b).mat.varying) - jax.typeof(y).mat.varying))
+    return lax.pcast(y, missing, to="varying") if missing else y
 
 
 def _dequantized(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> jax.Array:
