@@ -17,7 +17,8 @@ transform and stochastic rounding NVIDIA's NVFP4 recipe applies before it.
 :func:`hadamard` is the 16 x 16 random Hadamard transform (fixed random signs, ``H_16 / 4``) applied along the
 contraction of the weight-gradient GEMM to both operands: orthogonal, so the product is unchanged, and it spreads a
 block's outliers. Stochastic rounding (:func:`e2m1`) draws its uniform numbers from a hash of each element's fp32
-bits (deterministic, the same for a value wherever it is computed: every layout rounds as one device does).
+bits less the last 8 (deterministic, the same for a value wherever it is computed: every layout rounds as one
+device does, and values that differ only in their last bits mostly alike).
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def encode_scale(amax: jax.Array) -> jax.Array:
 
 
 def _hash_uniform(x: jax.Array) -> jax.Array:
-    """A uniform number in [0, 1) for each element, from a hash of its fp32 bits (lowbias32)."""
-    h = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    """A uniform number in [0, 1) for each element, from a hash (lowbias32) of its fp32 bits less the last 8:
+    values a few ulps apart (two layouts' sums in other orders) mostly draw the same number."""
+    h = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) >> 8
     for shift, multiplier in ((16, 0x7FEB352D), (15, 0x846CA68B)):
         h = (h ^ (h >> shift)) * jnp.uint32(multiplier)
     h = h ^ (h >> 16)
