@@ -5,8 +5,8 @@ projection's three GEMMs (forward, input gradient, weight gradient) are cuDNN bl
 The tiny model (4 layers, 7 projections each; ``model.head_dim=32``: whole 32-blocks in each tensor-parallel share)
 under ``fsdp_tp``. Unlike cuBLASLt's GEMMs (tests/test_compile_gpu.py), XLA:GPU's dot merger leaves cuDNN's
 custom calls apart: q, k and v's forward GEMMs stay three. The LM head and attention stay bf16 cuBLASLt GEMMs;
-NVFP4 adds one fp32 cuBLASLt GEMM a layer: its random Hadamard transforms (each weight gradient's inputs times
-the one 16 x 16 matrix, merged by the dot merger as they share it; measured, 4 on 4 layers).
+NVFP4 adds one fp32 cuBLASLt GEMM a layer (measured: 4 on 4 layers; by their fp32 operands, the random Hadamard
+transforms of the weight gradients' inputs, all multiplying the one 16 x 16 matrix).
 Run by ``.ci/run``'s compile stage; skipped, with the reason, where the CUDA plugin is not installed.
 """
 
