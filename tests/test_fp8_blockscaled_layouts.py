@@ -77,7 +77,7 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.slow
-def test_nvfp4_rounding_to_nearest_matches_one_device(one_device):
+def test_nvfp4_rounding_to_nearest_matches_one_device():
     """NVFP4 without stochastic rounding under fsdp_tp: as one device to summation order (measured: loss 2.6e-7,
     histories 2.6e-7, parameters 1.2e-7), the Hadamard transform and 2-D weight blocks included."""
     nearest = ("precision.fp8=nvfp4", "precision.nvfp4.stochastic_rounding=false")
