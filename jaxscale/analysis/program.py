@@ -5,7 +5,8 @@ compile-only device: :mod:`jaxscale.analysis.target`), counting every operation 
 ``while`` body's operations times its trip count, a conditional's branches once each):
 
 * **GEMMs by kind**: cuBLAS and cuBLASLt custom calls by operand dtype (``cublasLt f8`` is
-  ``__cublas$lt$matmul$f8``: both operands float8), Triton GEMM fusions, and on TPU the fusions holding a
+  ``__cublas$lt$matmul$f8``: both operands float8), cuDNN's block-scaled GEMMs (``cudnn block-scaled`` with
+  the operands' type: MXFP8's f8e4m3fn, NVFP4's f4e2m1fn), Triton GEMM fusions, and on TPU the fusions holding a
   ``convolution`` or ``dot`` (the MXU's matmuls);
 * **fused attention**: cuDNN's ``__cudnn$fmha*`` calls, forward and backward;
 * **collectives**: each as asynchronous (a ``*-start``/``*-done`` pair, or an ``async-start`` wrapping
@@ -30,7 +31,8 @@ _COMPUTE = ("fusion", "custom-call", "convolution", "dot", "while", "conditional
 _WRAPPERS = ("async-start", "fusion-start")  # a collective run by its called computation (GPU: collective fusions)
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _FUSION_KIND = re.compile(r'"kind":"(__[\w$]+)"')
-_GEMM_CALLS = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublasLt", "__cublas$lt$matmul$f8": "cublasLt"}
+_GEMM_CALLS = {"__cublas$gemm": "cublas", "__cublas$lt$matmul": "cublasLt", "__cublas$lt$matmul$f8": "cublasLt",
+               "__cudnn$blockScaledDot": "cudnn block-scaled"}  # MXFP8 / NVFP4 (jax.nn.scaled_matmul, Blackwell)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -142,6 +142,19 @@ class Context:
     @property
     def blockwise_misfit(self) -> tuple[str, int] | None:
         """The first dimension ``precision.fp8: blockwise`` tiles that ``precision.fp8_block`` does not divide."""
+        return self._misfit(self.config.precision.fp8_block)
+
+    @property
+    def format_block(self) -> int:
+        """The block of ``precision.fp8: mxfp8`` (32) or ``nvfp4`` (16); 1 for the other modes."""
+        return {"mxfp8": 32, "nvfp4": 16}.get(self.config.precision.fp8, 1)
+
+    @property
+    def block_scaled_misfit(self) -> tuple[str, int] | None:
+        """The first dimension the block-scaled formats scale in blocks that their block does not divide."""
+        return self._misfit(self.format_block)
+
+    def _misfit(self, block: int) -> tuple[str, int] | None:
         m, p = self.config.model, self.config.precision
         dims = {"model.embed": m.embed, "model.heads x model.head_dim": m.heads * m.head_dim, "model.mlp": m.mlp,
                 "model.kv_heads x model.head_dim": m.kv_heads * m.head_dim, "train.seq_len": self.config.train.seq_len}
@@ -149,4 +162,4 @@ class Context:
             dims["model.moe.mlp"] = m.moe.mlp or m.mlp
         if p.fp8_head:
             dims["model.vocab_size"] = m.vocab_size
-        return next(((name, size) for name, size in dims.items() if size % p.fp8_block), None)
+        return next(((name, size) for name, size in dims.items() if size % block), None)

@@ -87,6 +87,15 @@ def _blockwise(c: Context) -> bool:
     return c.config.precision.fp8 == "blockwise"
 
 
+def _block_scaled(c: Context) -> bool:
+    return c.config.precision.fp8 in ("mxfp8", "nvfp4")
+
+
+def _nvfp4_changed(c: Context) -> bool:
+    nv = c.config.precision.nvfp4
+    return not (nv.hadamard and nv.weight_2d and nv.stochastic_rounding)
+
+
 STAGE_EXPERTS = (
     "rules '{rules}': model.moe.impl=shard_map inside a pipeline stage needs the stage's loop manual over every mesh "
     "axis, but {free} would stay with the partitioner (sequence parallelism, pipeline.fsdp=tick, or an axis "
@@ -208,7 +217,7 @@ RULES: tuple[Refusal, ...] = (
       "model.fused_projections: not supported with precision.fp8 (fp8 scales each projection)"),
     R("fp8-head-off", ("precision.fp8_head", "precision.fp8"), lambda c: c.config.precision.fp8_head
       and c.config.precision.fp8 == "off",
-      "precision.fp8_head needs precision.fp8 on (delayed, current or blockwise)"),
+      "precision.fp8_head needs precision.fp8 on (delayed, current, blockwise, mxfp8 or nvfp4)"),
     R("fp8-head-loss-chunk", ("precision.fp8_head", "model.loss_chunk"), lambda c: c.config.precision.fp8_head
       and c.config.model.loss_chunk > 0,
       "precision.fp8_head: not supported with model.loss_chunk (it reads the head in bf16)"),
@@ -216,6 +225,18 @@ RULES: tuple[Refusal, ...] = (
       and c.blockwise_misfit is not None,
       "precision.fp8=blockwise: {blockwise_misfit[0]} ({blockwise_misfit[1]}) is not divisible by "
       "precision.fp8_block ({precision.fp8_block})"),
+    R("block-scaled-dims", ("precision.fp8", "model.embed"), lambda c: _block_scaled(c)
+      and c.block_scaled_misfit is not None,
+      "precision.fp8={precision.fp8}: {block_scaled_misfit[0]} ({block_scaled_misfit[1]}) is not a whole number of "
+      "the format's {format_block}-element blocks"),
+    R("block-scaled-dropless", ("precision.fp8", "model.moe.dispatch"), lambda c: _block_scaled(c)
+      and _moe(c) is not None and _moe(c).dispatch == "dropless",
+      "precision.fp8={precision.fp8} with model.moe.dispatch=dropless: no block-scaled grouped GEMM yet; "
+      "model.moe.dispatch=capacity runs the routed experts block-scaled"),
+    R("nvfp4-settings", ("precision.nvfp4", "precision.fp8"), lambda c: _nvfp4_changed(c)
+      and c.config.precision.fp8 != "nvfp4",
+      "precision.nvfp4 (the NVFP4 recipe's parts) changed with precision.fp8={precision.fp8}: it applies to "
+      "precision.fp8=nvfp4 only"),
     R("master-narrower", ("precision.master", "precision.params"), lambda c: dtypes.WIDEST_FIRST.index(
         dtypes.of(c.config).master) > dtypes.WIDEST_FIRST.index(dtypes.of(c.config).compute),
       "precision.master ({precision.master}) is narrower than the compute copy precision.params "

@@ -33,7 +33,7 @@ SPLIT: tuple[Schedule, ...] = ("zb_h1",)  # the schedules that split the backwar
 DEFAULT_SCHEDULE: Schedule = "1f1b"
 FsdpGather = Literal["step", "visit", "tick"]  # when a pipeline stage gathers its FSDP-split blocks (pipeline.py)
 XlaPreset = Literal["none", "gpu", "tpu"]
-Fp8Mode = Literal["off", "delayed", "current", "blockwise"]
+Fp8Mode = Literal["off", "delayed", "current", "blockwise", "mxfp8", "nvfp4"]
 CopyDType = Literal["auto", "float32", "bfloat16", "float16"]
 ReduceDType = Literal["float32", "bfloat16"]
 RopeType = Literal["llama3"]
@@ -305,14 +305,26 @@ class XlaConfig:
 
 
 @dataclasses.dataclass
+class Nvfp4Config:
+    """NVIDIA's NVFP4 pretraining recipe's parts (``precision.fp8: nvfp4``, ``jaxscale/precision/fp8/block_scaled.py``),
+    each on by default as published: the 16 x 16 random Hadamard transform of the weight-gradient GEMM's inputs,
+    the weights in 16 x 16 blocks (the same values forward and backward), the gradients rounded stochastically."""
+
+    hadamard: bool = True
+    weight_2d: bool = True
+    stochastic_rounding: bool = True
+
+
+@dataclasses.dataclass
 class PrecisionConfig:
     """Mixed precision (``jaxscale/precision/policy.py``) and low-precision matmuls (``jaxscale/precision/fp8/``).
 
     ``params``: the compute copy's dtype (auto: ``model.dtype``); ``master``: the dtype the optimizer
     updates (auto: ``model.param_dtype``); ``grads_reduce``: the dtype of the weight gradients'
     cross-device sums and of the accumulator under ``train.microbatches``. ``fp8: off | delayed | current |
-    blockwise`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``: the tile
-    and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks).
+    blockwise | mxfp8 | nvfp4`` scaling of the block projections; ``fp8_head``: the LM head in fp8 too; ``fp8_block``:
+    the tile and block size of ``blockwise`` (1 x block activation tiles, block x block weight blocks); ``nvfp4``:
+    the NVFP4 recipe's parts.
     """
 
     params: CopyDType = "auto"
@@ -323,6 +335,7 @@ class PrecisionConfig:
     margin: int = 0  # scales leave 2^margin of headroom
     fp8_head: bool = False
     fp8_block: int = 128
+    nvfp4: Nvfp4Config = dataclasses.field(default_factory=Nvfp4Config)
     offload_state: bool = False  # the master and the optimizer's state in host memory (jaxscale/layout/offload.py)
     offload_params: bool = False  # the compute copy in host memory, fetched layer by layer (jaxscale/layout/offload.py)
 

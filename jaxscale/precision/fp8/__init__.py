@@ -11,7 +11,9 @@ The modules: :mod:`~.scaling` (per-tensor scales and the recipe), :mod:`~.operan
 fp8), :mod:`~.state` (a module's amax histories and the weights' copies made once a step), :mod:`~.recipes` (the
 table), and the kernels: :mod:`~.per_tensor`, :mod:`~.blockwise` (DeepSeek-V3's tiles and blocks), their grouped
 matmuls (:mod:`~.grouped`, :mod:`~.blockwise_grouped`) and collective matmuls (:mod:`~.collective`,
-:mod:`~.blockwise_collective`, written on the ring steps of :mod:`jaxscale.layout.ring`).
+:mod:`~.blockwise_collective`, written on the ring steps of :mod:`jaxscale.layout.ring`); the block-scaled formats
+MXFP8 and NVFP4 (:mod:`~.microscaling`), their projections (:mod:`~.block_scaled`: cuDNN's block-scaled GEMMs on
+Blackwell) and collective matmuls (:mod:`~.block_scaled_collective`).
 
 Sharding: inputs and weights are quantized in the partitioned program, so their amax is the partitioner's global
 reduction; inside a sequence-parallel ``shard_map`` the f8 arrays are what is gathered, and the output gradient's

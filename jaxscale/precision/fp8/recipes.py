@@ -8,7 +8,7 @@ names; nothing else branches on the recipe. A row (:class:`Kernels`):
   e4m3 with a scale per tensor or matrix (:class:`~jaxscale.precision.fp8.scaling.Quantized`); ``blockwise``
   nothing (:class:`~jaxscale.precision.fp8.operand.Deferred`: its kernels tile their operands);
 - ``einsum``: a projection ``y = x · w`` with its custom VJP (:mod:`~jaxscale.precision.fp8.per_tensor`,
-  :mod:`~jaxscale.precision.fp8.blockwise`);
+  :mod:`~jaxscale.precision.fp8.blockwise`, :mod:`~jaxscale.precision.fp8.block_scaled`: ``mxfp8``, ``nvfp4``);
 - ``ragged``: the dropless experts' grouped matmul (:mod:`~jaxscale.precision.fp8.grouped`,
   :mod:`~jaxscale.precision.fp8.blockwise_grouped`);
 - ``all_gather_matmul``, ``matmul_reduce_scatter``: the collective matmuls of ``model.tp_overlap``
@@ -16,7 +16,8 @@ names; nothing else branches on the recipe. A row (:class:`Kernels`):
 - ``residual``, ``restored``: what a weight gradient reads of an input and the input read back from it (zero
   bubble's W slot, :mod:`jaxscale.parallel.weight_split`): the e4m3 input, or the compute-dtype one.
 
-A new recipe (a block-scaled format, MXFP8 or NVFP4) is one new module holding its kernels and one row here,
+A new recipe is one new module holding its kernels and one row here (the block-scaled formats MXFP8 and NVFP4
+share one: :mod:`~jaxscale.precision.fp8.block_scaled`),
 plus its name among the values of ``precision.fp8`` (:data:`jaxscale.config.schema.Fp8Mode`) and, where its
 kernels tile the projections, the sizes that must divide (:func:`jaxscale.config.read.validate`).
 """
@@ -27,7 +28,16 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jaxscale.precision.fp8 import blockwise, blockwise_collective, blockwise_grouped, collective, grouped, per_tensor
+from jaxscale.precision.fp8 import (
+    block_scaled,
+    block_scaled_collective,
+    blockwise,
+    blockwise_collective,
+    blockwise_grouped,
+    collective,
+    grouped,
+    per_tensor,
+)
 from jaxscale.precision.fp8.scaling import Recipe
 
 
@@ -54,7 +64,13 @@ BLOCKWISE = Kernels(
     blockwise_collective.all_gather_matmul, blockwise_collective.matmul_reduce_scatter, blockwise.residual,
     blockwise.restored,
 )
-KERNELS = {"delayed": PER_TENSOR, "current": PER_TENSOR, "blockwise": BLOCKWISE}
+BLOCK_SCALED = Kernels(
+    blockwise.ahead, blockwise.ahead, block_scaled.einsum, block_scaled.ragged,
+    block_scaled_collective.all_gather_matmul, block_scaled_collective.matmul_reduce_scatter, blockwise.residual,
+    blockwise.restored,
+)
+KERNELS = {"delayed": PER_TENSOR, "current": PER_TENSOR, "blockwise": BLOCKWISE, "mxfp8": BLOCK_SCALED,
+           "nvfp4": BLOCK_SCALED}
 
 
 def kernels(recipe: Recipe) -> Kernels:

@@ -25,11 +25,15 @@ E5M2 = jnp.float8_e5m2
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """How scales are chosen: ``mode`` (``precision.fp8``: the row of :data:`jaxscale.precision.fp8.recipes.KERNELS`
-    that runs it), the margin and the tile and block size of tiled recipes."""
+    that runs it), the margin and the tile and block size of tiled recipes, and NVFP4's recipe parts
+    (``precision.nvfp4``, :mod:`jaxscale.precision.fp8.block_scaled`)."""
 
     mode: str
     margin: int
     block: int = 128
+    hadamard: bool = True
+    weight_2d: bool = True
+    stochastic_rounding: bool = True
 
     @property
     def delayed(self) -> bool:

@@ -78,7 +78,9 @@ class Fp8(nnx.Module):
     def __init__(
         self, precision: PrecisionConfig, inputs: Sequence[str], weights: Mapping[str, str], experts: int = 0
     ):
-        self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block)
+        nv = precision.nvfp4
+        self.recipe = Recipe(precision.fp8, precision.margin, precision.fp8_block, nv.hadamard, nv.weight_2d,
+                             nv.stochastic_rounding)
         self.weights = dict(weights)
         self.input_names = tuple(inputs)
         steps = precision.amax_history
