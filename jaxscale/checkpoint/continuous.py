@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from jaxscale.checkpoint.store import Checkpointer, CheckpointError, Restored, _first_line
+from jaxscale.checkpoint.store import Checkpointer, CheckpointError, Restored, first_line
 from jaxscale.config.read import Config, ConfigError, check_writable
 
 FAST_KEEP = 2
@@ -125,9 +125,9 @@ class Tiers:
             except ConfigError:
                 raise
             except Exception as e:
-                damaged[k].append((step, _first_line(e)))
+                damaged[k].append((step, first_line(e)))
                 continue
-            return restored, [line for t, d in zip(self.all, damaged, strict=True) for line in t._set_aside(d, step)]
+            return restored, [line for t, d in zip(self.all, damaged, strict=True) for line in t.set_aside(d, step)]
         reasons = "; ".join(f"step {s}: {why}" for d in damaged for s, why in d)
         where = " or ".join(str(t.directory) for t in self.all)
         raise ConfigError(f"no readable checkpoint in {where} ({reasons})")
