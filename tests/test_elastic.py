@@ -88,7 +88,7 @@ def test_the_planner_refuses_a_shrunk_mesh_over_the_memory():
     config, _ = elastic.fit(tiny_config("distributed.elastic=true", "mesh.data=4", "train.global_batch=12"), 2)
     trainer = Trainer.build(config, jax.devices()[:2])
     shrink_check.check(trainer, budget=2**40)  # a TiB a device: fits
-    with pytest.raises(ConfigError, match=r"^distributed\.elastic: on mesh\.data=2 the planner predicts 0\.\d+ GiB "
+    with pytest.raises(ConfigError, match=r"^distributed\.elastic: on a data axis of 2 the planner predicts 0\.\d+ GiB "
                                           r"a device, over the 0\.00 GiB usable: the run cannot shrink"):
         shrink_check.check(trainer, budget=1024)
 

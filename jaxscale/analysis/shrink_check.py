@@ -29,7 +29,7 @@ def check(trainer: Any, budget: float | None = None) -> None:
     peak = memory(trainer.config.model, params, layout, step)["total"]
     if peak > budget:
         raise ConfigError(
-            f"distributed.elastic: on mesh.data={trainer.mesh.shape['data']} the planner predicts "
+            f"distributed.elastic: on a data axis of {trainer.mesh.shape['data']} the planner predicts "
             f"{peak / GIB:.2f} GiB a device, over the {budget / GIB:.2f} GiB usable: the run cannot shrink; "
-            "restore on the whole mesh (checkpoint.resume=auto takes the fast tier's newest step)"
+            "restore on the whole mesh (the newest checkpoint, of the fast tier where newer)"
         )
