@@ -24,7 +24,7 @@ read it (Orbax's policy does the same); the key of the step :data:`KEPT_KEYS` be
 One tier's save is in flight at a time: a save into one waits for the other's to finish, and a continuous save
 starts only where neither has one in flight. Two orbax managers saving at once in several processes fail on
 their shared barrier ("Barrier ThreadSaveMultiHostValueHolder:set_value_start is already ongoing": orbax keys it
-by a process-wide operation id), which ended process 1 six times in a 20-minute run of benchmarks/goodput.py.
+by a process-wide operation id), which ended process 1 eight times in a 23-minute run of benchmarks/goodput.py.
 """
 
 from __future__ import annotations
