@@ -74,16 +74,21 @@ def train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     compile_cache.enable(config)  # imports jax: after the device count and XLA flags are in the environment
     import jax
 
+    from jaxscale.analysis import shrink_check
     from jaxscale.analysis.remat import resolved
     from jaxscale.checkpoint.store import CheckpointError
     from jaxscale.training.loop import NonFiniteError, fit
     from jaxscale.training.trainer import Trainer
 
-    config = elastic.apply(config, jax.device_count())  # distributed.elastic: a lost host's data replicas
+    asked, config = config, elastic.apply(config, jax.device_count())  # distributed.elastic: a lost host's replicas
+    shrunk = config is not asked
     try:
         trainer = Trainer.build(resolved(config, cluster=args.remat_cluster))  # model.remat: auto -> by memory
+        if shrunk:
+            shrink_check.check(trainer)  # the planner's memory on the smaller mesh, before anything compiles
         with distributed.fail_fast(config.distributed.heartbeat_timeout_s):
-            state, history = fit(trainer, progress=not args.no_progress)
+            state, history = fit(trainer, progress=not args.no_progress,
+                                 steps=config.distributed.rejoin_every if shrunk else None)
             distributed.finish(config.distributed.init_timeout_s)
     except NonFiniteError as e:
         print(f"jaxscale: stopped: {e}", file=sys.stderr)
@@ -91,6 +96,20 @@ def train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
     except CheckpointError as e:
         print(f"jaxscale: error: {e}", file=sys.stderr)
         return 1
+    code = train_messages(config, int(state.step), history)
+    if code == 0 and shrunk and config.distributed.rejoin_every and int(state.step) < config.train.steps:
+        if jax.process_index() == 0:
+            print(f"jaxscale: shrunk run saved at step {int(state.step)} (distributed.rejoin_every="
+                  f"{config.distributed.rejoin_every}): exit {elastic.REJOIN}, for the launcher to start all "
+                  "hosts again", file=sys.stderr)
+        return elastic.REJOIN
+    return code
+
+
+def train_messages(config: Any, step: int, history: list[dict[str, Any]]) -> int:
+    """Process 0's lines at the end of a training run (at ``step``); the command's exit status."""
+    import jax
+
     steps = [r for r in history if "loss" in r]
     if steps and jax.process_index() == 0:
         first, last = steps[0], steps[-1]
@@ -99,8 +118,8 @@ def train_locked(args: argparse.Namespace, config: Any, cluster: Any) -> int:
             f"{last['tokens_per_sec']:.0f} tokens/s, metrics in {Path(config.run_dir) / 'metrics.jsonl'}"
             + (f"; {last['skipped_updates']} updates skipped (non-finite)" if last["skipped_updates"] else "")
         )
-    if not steps and int(state.step) >= config.train.steps and jax.process_index() == 0:
-        print(f"run_dir {config.run_dir}: the run is finished: resumed at step {int(state.step)}, and "
+    if not steps and step >= config.train.steps and jax.process_index() == 0:
+        print(f"run_dir {config.run_dir}: the run is finished: resumed at step {step}, and "
               f"train.steps is {config.train.steps}; nothing to train")
     if history and history[-1].get("event") == "preempted":
         saved = "checkpoint saved" if history[-1]["saved"] else "checkpointing is off, nothing saved"

@@ -49,7 +49,8 @@ def test_resume_from_the_newest_tier_equals_the_uninterrupted_run(tmp_path, monk
     due = Tiers.due
 
     def due_once_committed(self: Tiers, step: int) -> bool:
-        self.fast.manager.wait_until_finished()  # steps slower than a save's write: one each step
+        for tier in self.all:  # steps slower than a save's write: one each step
+            tier.manager.wait_until_finished()
         return due(self, step)
 
     monkeypatch.setattr(Tiers, "due", due_once_committed)

@@ -45,12 +45,20 @@ def commits(run_dir: Path) -> int:
 
 
 def run_with_failures(run_dir: Path, steps: int, every_s: float, kills: int, *extra: str,
-                      timeout_s: float = 900) -> int:
+                      timeout_s: float = 900, stop_after_s: float | None = None, restart_crashes: bool = False) -> int:
     """Train to ``steps``, killing process 1 with SIGKILL ``every_s`` seconds after each attempt's first committed
-    checkpoint, ``kills`` times (each time both are started again); how many kills there were."""
+    checkpoint, ``kills`` times (each time both are started again); how many kills there were. With
+    ``stop_after_s``, the attempt after the last kill is stopped by SIGTERM (a preemption: saved) that long after
+    the first start. ``restart_crashes``: an attempt that ended otherwise (a crash) is restarted too, its errors
+    printed (else they fail the call)."""
     deadline, done = time.monotonic() + timeout_s, 0
+    stop_at = None if stop_after_s is None else time.monotonic() + stop_after_s
     while True:
         procs, before = start(run_dir, steps, *extra), commits(run_dir)
+        while done >= kills and stop_at is not None and procs[0].poll() is None and time.monotonic() < stop_at:
+            time.sleep(0.5)
+        for p in procs if done >= kills and stop_at is not None else []:
+            p.terminate()
         while done < kills and commits(run_dir) <= before and procs[0].poll() is None:
             assert time.monotonic() < deadline, "no checkpoint committed"
             time.sleep(0.1)
@@ -59,11 +67,14 @@ def run_with_failures(run_dir: Path, steps: int, every_s: float, kills: int, *ex
         if done < kills and procs[0].poll() is None:
             procs[1].kill()
             done += 1
-        for p in procs:
-            _, err = p.communicate(timeout=max(deadline - time.monotonic(), 1))
+        errors = [p.communicate(timeout=max(deadline - time.monotonic(), 1))[1] for p in procs]
         if procs[0].returncode == 0:
             return done
-        assert procs[1].returncode == -9, err[-2000:]
+        crash = "\n".join(f"process {k}: exit {p.returncode}: {e[-1500:]}"
+                          for k, (p, e) in enumerate(zip(procs, errors, strict=True)))
+        assert procs[1].returncode == -9 or restart_crashes, crash
+        if procs[1].returncode != -9:
+            print(f"an attempt ended by itself, restarted:\n{crash}", file=sys.stderr, flush=True)
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -87,7 +87,8 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written (full disk, lost storage): the run stops, naming the step."""
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An orbax or tensorstore error in one line: its type and first line, without the store's spec."""
     text = str(error).strip().split(" See full TensorStore details")[0]  # then a repr of the store's spec
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
@@ -156,7 +157,7 @@ class Checkpointer:
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"checkpoint.dir {self.directory}: cannot open it: {_first_line(e)}") from e
+            raise ConfigError(f"checkpoint.dir {self.directory}: cannot open it: {first_line(e)}") from e
 
     @classmethod
     def from_config(cls, config: Config) -> Checkpointer:
@@ -193,7 +194,7 @@ class Checkpointer:
         self.unconfirmed = []
         done = [s for s in on_disk if s < step]
         self.failed = CheckpointError(
-            f"checkpoint step {step} was not saved in {self.directory}: {_first_line(error)} "
+            f"checkpoint step {step} was not saved in {self.directory}: {first_line(error)} "
             f"(the latest complete checkpoint is {f'step {done[-1]}' if done else 'none'})"
         )
         raise self.failed from error
@@ -253,20 +254,21 @@ class Checkpointer:
             try:
                 restored = self.read_json(step)
             except Exception as e:
-                damaged.append((step, _first_line(e)))
+                damaged.append((step, first_line(e)))
                 continue
             check(restored)
             try:
                 restored.state = self.restore_state(abstract_for(restored), step)
             except Exception as e:
-                damaged.append((step, _first_line(e)))
+                damaged.append((step, first_line(e)))
                 continue
-            return restored, self._set_aside(damaged, step)
+            return restored, self.set_aside(damaged, step)
         reasons = "; ".join(f"step {s}: {why}" for s, why in damaged)
         raise ConfigError(f"no readable checkpoint in {self.directory} ({reasons})")
 
-    def _set_aside(self, damaged: list[tuple[int, str]], restored: int) -> list[str]:
-        """Rename the damaged steps ``<step>.damaged`` (process 0) and say so, one line each."""
+    def set_aside(self, damaged: list[tuple[int, str]], restored: int) -> list[str]:
+        """Rename the damaged ``(step, why)`` of ``damaged`` ``<step>.damaged`` (process 0; all processes wait for
+        it), the restore having taken step ``restored``; one line each, saying so."""
         kept = {}
         for step, _ in damaged:
             kept[step] = _free_name(self.directory, f"{step}.damaged")

@@ -117,6 +117,7 @@ RANGES: dict[str, Range] = {
     "data.eval_bytes": AT_LEAST_1,
     "distributed.init_timeout_s": AT_LEAST_1,
     "distributed.heartbeat_timeout_s": AT_LEAST_1,
+    "distributed.rejoin_every": AT_LEAST_0,
     "checkpoint.every": AT_LEAST_0,
     "checkpoint.keep": AT_LEAST_1,
     "checkpoint.keep_every": AT_LEAST_0,

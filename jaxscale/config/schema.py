@@ -265,6 +265,7 @@ class DistributedConfig:
     init_timeout_s: int = 300
     heartbeat_timeout_s: int = 100
     elastic: bool = False  # fewer devices than the mesh: shrink the data axis (jaxscale/runtime/elastic.py)
+    rejoin_every: int = 0  # shrunk: save and exit (status 75) after this many steps, for the launcher to re-expand
 
 
 @dataclasses.dataclass

@@ -9,6 +9,8 @@ rows of a microbatch than before). The checkpoint resumes onto the smaller mesh 
 (:mod:`jaxscale.checkpoint.store`: each device reads its slice), the trainer's build checks the smaller mesh against
 the rules before anything compiles, and a later start on all devices (the host back) re-expands it. The losses
 then equal the full mesh's within the tolerance of a changed reduction order (tests/test_elastic.py).
+With ``distributed.rejoin_every: K`` a shrunk run trains K steps, saves and exits with :data:`REJOIN`, for
+``launch/multiprocess.sh --elastic`` to start all hosts again where it may (the launcher's policy is there).
 
 Only ``data`` shrinks: a run whose other axes need the lost devices does not fit (one line, as before), and one
 with ``mesh.dcn`` factors or an axis of -1 is left as it is (an axis of -1 fills what is there already).
@@ -22,6 +24,8 @@ import sys
 
 from jaxscale.config.mesh_size import requested_devices
 from jaxscale.config.read import Config, ConfigError
+
+REJOIN = 75  # the exit status of a shrunk run stopped after distributed.rejoin_every steps (EX_TEMPFAIL)
 
 
 def fit(config: Config, device_count: int) -> tuple[Config, str | None]:

@@ -97,9 +97,11 @@ class NonFiniteError(RuntimeError):
 
 
 def fit(
-    trainer: Trainer, state: TrainState | None = None, progress: bool = True, stop_at: int | None = None
+    trainer: Trainer, state: TrainState | None = None, progress: bool = True, stop_at: int | None = None,
+    steps: int | None = None,
 ) -> tuple[TrainState, list[dict[str, Any]]]:
-    """Train ``trainer`` to ``train.steps`` (or until ``stop_at`` updates); returns the state and the log.
+    """Train ``trainer`` to ``train.steps`` (or until ``stop_at`` updates, or ``steps`` more than it starts from,
+    the last one saved where checkpoints are on); returns the state and the log.
 
     With ``state`` None the run resumes from the latest checkpoint when
     ``checkpoint.resume`` is ``auto`` and one exists, else starts fresh
@@ -108,11 +110,11 @@ def fit(
     c = trainer.config
     locked = runlock.run_directories(c) if jax.process_index() == 0 else []
     with runlock.hold(*locked):
-        return _fit(trainer, state, progress, stop_at)
+        return _fit(trainer, state, progress, stop_at, steps)
 
 
 def _fit(
-    trainer: Trainer, state: TrainState | None, progress: bool, stop_at: int | None
+    trainer: Trainer, state: TrainState | None, progress: bool, stop_at: int | None, steps: int | None
 ) -> tuple[TrainState, list[dict[str, Any]]]:
     """:func:`fit` with the run's directories locked."""
     c, ck = trainer.config, trainer.config.checkpoint
@@ -124,7 +126,8 @@ def _fit(
             given, entered = state is not None, time.time()
             state, counters, resumed, removed, damaged = _start(trainer, checkpointer, state)
             start_s = time.time() - entered
-            last = c.train.steps if stop_at is None else min(stop_at, c.train.steps)
+            ends = (stop_at, int(state.step) + steps if steps else None)
+            last = min([c.train.steps, *(n for n in ends if n is not None)])
             run = _Run(trainer, checkpointer, counters, int(state.step), last, progress, resumed)
             run.fresh = not (given or resumed)
             earlier = goodput.earlier(run.logger.path) if resumed and jax.process_index() == 0 else []
