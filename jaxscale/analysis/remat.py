@@ -73,7 +73,7 @@ def device_budget(device: Any) -> float | None:
 def resolved(config: Config, devices: Sequence[Any] | None = None, budget: float | None = None,
              cluster: Cluster | None = None) -> Config:
     """``config`` with ``model.remat: auto`` replaced by :func:`choose`'s policy for these devices (``budget``:
-    the bytes per device, else the first device's :func:`device_budget`; ``cluster``: its host link and time
+    the bytes per device, else the first local device's :func:`device_budget`; ``cluster``: its host link and time
     model, for ``offload_dots``); any other policy as it is."""
     if config.model.remat != "auto":
         return config
@@ -82,7 +82,8 @@ def resolved(config: Config, devices: Sequence[Any] | None = None, budget: float
     probe = dataclasses.replace(config, model=dataclasses.replace(config.model, remat="full"))
     trainer = Trainer.build(probe, devices)
     if budget is None:
-        budget = device_budget(trainer.mesh.devices.flat[0] if devices is None else devices[0])
+        # a device of this process: another process's has no memory_stats in a multi-process run
+        budget = device_budget(trainer.mesh.local_devices[0] if devices is None else devices[0])
     params, layout, step = trainer_inputs(trainer)
     policy = choose(trainer.config.model, params, layout, step, budget, cluster)
     return dataclasses.replace(config, model=dataclasses.replace(config.model, remat=policy))
