@@ -28,7 +28,7 @@ MODEL = {"layers": int, "embed": int, "heads": int, "kv_heads": int, "head_dim":
          "vocab_size": int, "dtype": str, "remat": str, "attention": str}
 MEMORY = {"argument": int, "output": int, "alias": int, "temp": int, "generated_code": int, "total": int,
           "device_peak_bytes": (int, type(None))}
-MESH = dict.fromkeys(("data", "stage", "fsdp", "context", "expert", "tensor"), int)
+MESH = dict.fromkeys(("data", "stage", "fsdp", "context", "ulysses", "expert", "tensor"), int)
 RESULT = {
     "suite": str, "name": str, "model": (dict, type(None)), "params": (int, type(None)), "overrides": list,
     "mesh": (dict, type(None)), "rules": (str, type(None)), "global_batch": (int, type(None)),

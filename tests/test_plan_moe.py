@@ -132,14 +132,14 @@ def test_mixtral_on_64_h100_weighs_ep_inside_a_node_and_says_what_it_pays(mixtra
 
 
 def test_a_context_parallel_winner_over_dot_attention_is_named():
-    """With the model's dot attention, splitting the sequence swaps in ring attention (a fused kernel): the line
+    """With the model's dot attention, splitting the sequence swaps in a fused kernel (the ring's): the line
     says so and gives the memory-bound seconds of the best layout without CP."""
     m, params, cluster = mixtral(attention="dot")
     ring = plan.evaluate(m, params, Strategy(fsdp=32, context=2, remat="save_dots", micro_batch=8), SEQ_4K, cluster)
     flat = plan.evaluate(m, params, Strategy(fsdp=64, remat="save_dots", micro_batch=4), SEQ_4K, cluster)
     assert ring.time["attention"] + ring.time["memory_bound"] < flat.time["memory_bound"]
     (line,) = reasons.kernel_line([ring, flat], m)
-    assert line.startswith("#1 splits the sequence (context=2) and so runs ring attention")
+    assert line.startswith("#1 splits the sequence (context degree 2) and so runs a fused attention kernel")
     assert f"(fsdp=64) spends {reasons.fmt_time(flat.time['memory_bound'])}" in line and "--attention cudnn" in line
 
 

@@ -121,7 +121,7 @@ def test_bare_partition_specs_of_the_context_mesh_train_as_on_one_device(rules):
     trainer, loss, grads, _, step_loss = run(rules)
     assert rel_err(loss, ref_loss) <= 1e-5 and rel_err(step_loss, ref_loss) <= 1e-5
     assert_trees_close(grads, ref_grads)
-    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 6  # auto stays the default
+    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Auto,) * len(trainer.mesh.axis_names)  # auto stays the default
     # The model read the trainer's mesh from the context, in every trace of it (init, gradients, the step).
     assert SEEN and {(names, explicit) for names, explicit, _ in SEEN} == {(trainer.mesh.axis_names, False)}
 
@@ -131,7 +131,7 @@ def test_explicit_axes_equal_auto_axes(rules):
     _, auto_loss, auto_grads, auto_params, _ = run(rules)
     SEEN.clear()
     trainer, loss, grads, params, step_loss = run(rules, "explicit")
-    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * 6
+    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Explicit,) * len(trainer.mesh.axis_names)
     assert 1 in trainer.mesh.shape.values()  # data (and tensor under zero3) of size 1, named in the specs
     # The sharding is the array's type: the residual stream's is the spec the model pinned.
     assert SEEN and {spec for _, explicit, spec in SEEN if explicit} == {P(("data", "fsdp"), None, None)}
@@ -153,7 +153,7 @@ def test_the_built_in_model_on_explicit_axes_equals_auto_axes(rules, mesh, overr
     for axis_types in ("auto", "explicit"):
         trainer = Trainer.build(tiny_config(f"mesh.axis_types={axis_types}", *overrides, rules=rules, mesh=mesh))
         assert trainer.mesh.axis_types == (jax.sharding.AxisType.Explicit if axis_types == "explicit" else
-                                           jax.sharding.AxisType.Auto,) * 6
+                                           jax.sharding.AxisType.Auto,) * len(trainer.mesh.axis_names)
         runs.append(trainer.loss_and_grads(trainer.init_state().params, trainer.batch(0)))
     (auto_loss, auto_grads), (loss, grads) = runs
     assert rel_err(loss, auto_loss) <= 1e-6
