@@ -121,7 +121,8 @@ def test_bare_partition_specs_of_the_context_mesh_train_as_on_one_device(rules):
     trainer, loss, grads, _, step_loss = run(rules)
     assert rel_err(loss, ref_loss) <= 1e-5 and rel_err(step_loss, ref_loss) <= 1e-5
     assert_trees_close(grads, ref_grads)
-    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Auto,) * len(trainer.mesh.axis_names)  # auto stays the default
+    # auto stays the default
+    assert trainer.mesh.axis_types == (jax.sharding.AxisType.Auto,) * len(trainer.mesh.axis_names)
     # The model read the trainer's mesh from the context, in every trace of it (init, gradients, the step).
     assert SEEN and {(names, explicit) for names, explicit, _ in SEEN} == {(trainer.mesh.axis_names, False)}
 
