@@ -49,7 +49,7 @@ MEASURED_SLOW = Path(__file__).with_name("measured_slow.txt")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``slow`` the tests measured at 3 s or more (tests/measured_slow.txt): ``-m "not slow"`` leaves them out."""
+    """Mark ``slow`` the tests measured as slow on 3.12 (tests/measured_slow.txt): ``-m "not slow"`` leaves them out."""
     listed = {line for line in MEASURED_SLOW.read_text().splitlines() if line and not line.startswith("#")}
     for item in items:
         if item.nodeid in listed:
