@@ -63,7 +63,8 @@ def test_ulysses_runs_cudnn_fused_attention_between_async_all_to_alls():
     """Ulysses over 4 GPUs (fsdp 2): each layer's q, k, v and output all-to-alls, forward and backward, around
     one cuDNN fused attention forward and one backward on whole sequences; XLA:GPU runs the all-to-alls
     asynchronously, most with compute scheduled under them (measured: 25 of 32 overlapped, 5 synchronous)."""
-    out = compiled("h100", "rules=ulysses", "mesh.data=1", "mesh.fsdp=2", "mesh.context=4", "model.attention=cudnn")
+    out = compiled("h100", "rules=ulysses", "mesh.data=1", "mesh.fsdp=2", "mesh.context=4", "mesh.tensor=1",
+                   "model.attention=cudnn")
     assert out["attention"] == {"forward": LAYERS, "backward": LAYERS}
     a2a = out["collectives"]["all-to-all"]
     assert sum(a2a.values()) == 8 * LAYERS
