@@ -185,4 +185,5 @@ _einsum.defvjp(_forward, _backward)
 def ragged(x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
     """The dropless experts' grouped matmul: there is no block-scaled one (the refusal table's
     ``block-scaled-dropless`` row stops such a config before anything runs)."""
-    raise NotImplementedError(f"{x.recipe.mode}: no block-scaled grouped GEMM (rule block-scaled-dropless)")
+    raise ConfigError(f"{x.recipe.mode}: no block-scaled grouped GEMM for dropless experts (the refusal table's "
+                      "block-scaled-dropless row refuses such a config before anything runs)")
