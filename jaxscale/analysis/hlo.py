@@ -42,10 +42,12 @@ Nothing here imports jax: the mesh is read through ``mesh.shape`` and ``mesh.siz
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jaxscale.analysis.hlo_groups import device_groups, ints, mesh_axes
@@ -267,20 +269,21 @@ def contexts(comps: dict[str, Computation], entry: str,
     return out
 
 
-def _op_name(comp: Computation, instr: Instr) -> str:
+def _op_name(instr: Instr, users: Callable[[], dict[str, list[tuple[Instr, int]]]]) -> str:
     """The jax op a collective came from. jax 0.12 names the gather of a step argument (a ZeRO-3 weight) after
     the argument (``state.params['lm_head']``), where jax 0.10.2 names it after the op using it: such a name is
     read from its nearest user (up to four uses away) that names a jax op, so that
-    :attr:`Collective.phase` reads it as that op's pass on both."""
+    :attr:`Collective.phase` reads it as that op's pass on both. ``users``: the computation's users map, made at
+    most once per computation (:func:`collectives`)."""
     found = re.search(r'op_name="([^"]*)"', instr.attrs)
     name = found.group(1) if found else ""
     if not name or name.startswith("jit("):
         return name
-    users = comp.users()
+    uses = users()
     frontier = [instr.name]
     for _ in range(4):
         nxt = []
-        for user, _k in (pair for n in frontier for pair in users.get(n, [])):
+        for user, _k in (pair for n in frontier for pair in uses.get(n, [])):
             used = re.search(r'op_name="(jit\([^"]*)"', user.attrs)
             if used:
                 return used.group(1)
@@ -300,6 +303,7 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
         if comp.name not in where:
             continue
         runs, loops, _ = where[comp.name]
+        users = functools.cache(comp.users)  # only where a collective carries an argument's name (_op_name)
         for instr in comp.instrs.values():
             kind = instr.opcode.removesuffix("-start")
             if kind not in KINDS and kind != RAGGED:
@@ -332,7 +336,7 @@ def collectives(hlo_text: str, mesh: Mesh, taken: Taken | None = None) -> list[C
                     computation=comp.name,
                     loops=loops,
                     runs=runs,
-                    op_name=_op_name(comp, instr),
+                    op_name=_op_name(instr, users),
                     sliced_bytes=sliced,
                 )
             )
