@@ -198,7 +198,8 @@ def attributes(model) -> dict[str, dict[str, int]]:
 
 
 @pytest.mark.parametrize("mode", [("precision.fp8=delayed", "precision.fp8_head=true"),
-                                  ("precision.fp8=blockwise", "precision.fp8_block=16")])
+                                  ("precision.fp8=blockwise", "precision.fp8_block=16"),
+                                  ("precision.fp8=nvfp4", "precision.nvfp4.bf16_last=0.5", "model.head_dim=16")])
 def test_tracing_the_fp8_forward_sets_nothing_on_its_modules(mode):
     """The weights' copies made once before the layers reach them as scanned inputs (``fp8.using``): tracing the
     forward of an fp8 model (the one the train step's forward runs) and its decode step leaves every module's

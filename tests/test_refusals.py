@@ -174,6 +174,7 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
                              ("pp_tp_cp", {"stage": 2, "context": 2})),
     "pipeline-context-ring": (("model.attention=dot",), ("pp_tp_cp", {"stage": 2, "context": 2})),
     "visit-fp8": (("pipeline.fsdp=visit", "precision.fp8=delayed"), PP),
+    "nvfp4-bf16-pipeline": (("precision.fp8=nvfp4", "precision.nvfp4.bf16_last=0.5"), PP),
     "stage-experts-manual": ((MOE, "model.moe.impl=shard_map"), ("pp_tp_sp", {"stage": 2, "tensor": 2})),
     "stage-experts-fp8": ((MOE, "precision.fp8=delayed"), ("pp_ep", {"stage": 2, "expert": 2})),
     "layers-per-stage-pipeline": (("pipeline.layers_per_stage=[1, 1]",), ("dp", {})),

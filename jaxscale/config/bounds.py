@@ -98,6 +98,7 @@ RANGES: dict[str, Range] = {
     "train.learning_rate": AT_LEAST_0,
     "train.warmup_steps": AT_LEAST_0,
     "train.min_lr_ratio": FRACTION,
+    "precision.nvfp4.bf16_last": FRACTION,
     "train.weight_decay": AT_LEAST_0,
     "train.b1": BETA,
     "train.b2": BETA,

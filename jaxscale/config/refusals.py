@@ -20,7 +20,7 @@ from typing import Any
 
 from jaxscale.config import dtypes, stage_layers
 from jaxscale.config.refusal_context import Context, Needs
-from jaxscale.config.schema import INTERLEAVED, ConfigError
+from jaxscale.config.schema import INTERLEAVED, ConfigError, Nvfp4Config
 
 STAGES: tuple[Needs, ...] = ("config", "layout", "model")
 SECTIONS = ("model", "mesh", "train", "data", "distributed", "checkpoint", "pipeline", "xla", "precision")
@@ -93,7 +93,7 @@ def _block_scaled(c: Context) -> bool:
 
 def _nvfp4_changed(c: Context) -> bool:
     nv = c.config.precision.nvfp4
-    return not (nv.hadamard and nv.weight_2d and nv.stochastic_rounding)
+    return not (nv.hadamard and nv.weight_2d and nv.stochastic_rounding) or nv.bf16_last != Nvfp4Config.bf16_last
 
 
 STAGE_EXPERTS = (
@@ -237,6 +237,11 @@ RULES: tuple[Refusal, ...] = (
       and c.config.precision.fp8 != "nvfp4",
       "precision.nvfp4 (the NVFP4 recipe's parts) changed with precision.fp8={precision.fp8}: it applies to "
       "precision.fp8=nvfp4 only"),
+    R("nvfp4-bf16-pipeline", ("precision.nvfp4.bf16_last", "rules"), lambda c: c.pipelined
+      and stage_layers.plain_units(c.config) > 0,
+      "precision.nvfp4.bf16_last={precision.nvfp4.bf16_last} keeps the stack's last units in bf16, not yet inside "
+      "the pipeline stages of rules '{rules}' (every stage runs one program): precision.nvfp4.bf16_last=0 there",
+      "layout"),
     R("master-narrower", ("precision.master", "precision.params"), lambda c: dtypes.WIDEST_FIRST.index(
         dtypes.of(c.config).master) > dtypes.WIDEST_FIRST.index(dtypes.of(c.config).compute),
       "precision.master ({precision.master}) is narrower than the compute copy precision.params "

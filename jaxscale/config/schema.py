@@ -309,11 +309,13 @@ class XlaConfig:
 class Nvfp4Config:
     """NVIDIA's NVFP4 pretraining recipe's parts (``precision.fp8: nvfp4``, ``jaxscale/precision/fp8/block_scaled.py``),
     each on by default as published: the 16 x 16 random Hadamard transform of the weight-gradient GEMM's inputs,
-    the weights in 16 x 16 blocks (the same values forward and backward), the gradients rounded stochastically."""
+    the weights in 16 x 16 blocks (the same values forward and backward), the gradients rounded stochastically,
+    and the last 15% of the layers in ``model.dtype`` (``jaxscale/precision/fp8/tail.py``)."""
 
     hadamard: bool = True
     weight_2d: bool = True
     stochastic_rounding: bool = True
+    bf16_last: float = 0.15
 
 
 @dataclasses.dataclass

@@ -34,6 +34,15 @@ def unit(model: ModelConfig) -> int:
     return model.moe.every_n_layers if model.moe else 1
 
 
+def plain_units(config: Config) -> int:
+    """How many of the stack's last units run in the compute dtype (:mod:`jaxscale.precision.fp8.tail`):
+    ``precision.nvfp4.bf16_last`` of the stacked units, rounded to the nearest; 0 unless ``precision.fp8: nvfp4``."""
+    if config.precision.fp8 != "nvfp4":
+        return 0
+    units = stacked(config.model) // unit(config.model)
+    return min(units, round(config.precision.nvfp4.bf16_last * units))
+
+
 def stacked(model: ModelConfig) -> int:
     """The layers of the model's stacked blocks: ``model.layers``, less a DeepSeek model's dense first layers
     (``model.deepseek.dense_layers``: its prefix, which a pipeline runs with the embedding)."""

@@ -79,7 +79,7 @@ def step(
     ) -> tuple[jax.Array, Cache]:
         blocks = list(unit.blocks) if isinstance(unit, Group) else [unit]
         ks, vs = [], []
-        with fp8.using(unit, copies) if model.fp8_on else contextlib.nullcontext():
+        with fp8.using(unit, copies) if model.fp8_plain is not None else contextlib.nullcontext():
             for i, block in enumerate(blocks):
                 x, k_i, v_i = _block(block, x, positions, k[i], v[i], index)
                 ks.append(k_i)
@@ -88,6 +88,6 @@ def step(
 
     scan = nnx.scan(body, in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=(nnx.Carry, 0),
                     transform_metadata={nnx.PARTITION_NAME: "layers"})
-    copies = fp8.prepare(model.blocks) if model.fp8_on else {}  # the fp8 weights made once, as the forward does
-    x, cache = scan(model.embed(tokens), model.blocks, copies, cache.k, cache.v)
+    # The fp8 weights made once and precision.nvfp4.bf16_last's units plain, as the forward does.
+    x, cache = fp8.scan_stack(scan, model.embed(tokens), model.blocks, model.fp8_plain, cache.k, cache.v)
     return model.logits(model.final_norm(x)), cache

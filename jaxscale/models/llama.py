@@ -103,19 +103,19 @@ def make_fp8(config: Config, inputs: tuple[str, ...], weights: dict[str, str]) -
 
 
 def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
-    """Activation ``x`` (``name``) as the input of projections: an fp8 operand where there is fp8 state."""
-    return x if f8 is None else f8.input(name, x)
+    """Activation ``x`` (``name``) as the input of projections: an fp8 operand where fp8 state is live."""
+    return x if fp8.live(f8) is None else f8.input(name, x)
 
 
 def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
-    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module has fp8 state (``module.fp8``).
-    Where :func:`jaxscale.precision.policy.takes_wide` (``module.wide``), the weight as held: that einsum casts it to
-    ``dtype`` inside (no rounding of a wider parameter's gradient on the way back)."""
-    w = getattr(module, name)[...]
-    if module.fp8 is None and module.wide:
+    """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module's fp8 state is live (``module.fp8``,
+    :func:`jaxscale.precision.fp8.live`). Where :func:`jaxscale.precision.policy.takes_wide` (``module.wide``), the
+    weight as held: that einsum casts it to ``dtype`` inside (no rounding of a wider parameter's gradient back)."""
+    w, f8 = getattr(module, name)[...], fp8.live(module.fp8)
+    if f8 is None and module.wide:
         return w
     w = w.astype(dtype)
-    return w if module.fp8 is None else module.fp8.weight(name, w)
+    return w if f8 is None else f8.weight(name, w)
 
 
 class RMSNorm(nnx.Module):
@@ -381,7 +381,7 @@ class Llama(nnx.Module):
         if not c.tie_embeddings:
             self.lm_head = param(rngs, (c.embed, c.vocab_size), ("embed", "vocab"), c.init_std, c.param_dtype)
         self.head_fp8 = Fp8(config.precision, ("x",), {"head": "logits"}) if config.precision.fp8_head else None
-        self.fp8_on = config.precision.fp8 != "off"
+        self.fp8_plain = None if config.precision.fp8 == "off" else stage_layers.plain_units(config)  # fp8.scan_stack's
         self.host_params = config.precision.offload_params  # each layer fetched from host memory in the scan
 
     def __call__(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
@@ -429,7 +429,7 @@ class Llama(nnx.Module):
 
         def body(x: jax.Array, block: Block | Group, copies: fp8.Copies) -> tuple[jax.Array, dict[str, jax.Array]]:
             block = offload.layer_to_device(block) if self.host_params else block  # precision.offload_params
-            with fp8.using(block, copies) if self.fp8_on else contextlib.nullcontext():
+            with fp8.using(block, copies) if self.fp8_plain is not None else contextlib.nullcontext():
                 return block(x, positions)
 
         policy = offload.fetching(remat_policy(c)) if self.host_params else remat_policy(c)
@@ -438,8 +438,8 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        # The fp8 weights made once (jaxscale.precision.fp8.prepare), outside the layers' remat: scanned inputs.
-        x, aux = scan(x, self.blocks, fp8.prepare(self.blocks) if self.fp8_on else {})
+        # The fp8 weights made once (fp8.prepare) outside the remat; precision.nvfp4.bf16_last's units plain.
+        x, aux = fp8.scan_stack(scan, x, self.blocks, self.fp8_plain)
         return self.final_norm(x), self.stack_metrics(aux)
 
     def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, Any]:

@@ -13,7 +13,8 @@ table), and the kernels: :mod:`~.per_tensor`, :mod:`~.blockwise` (DeepSeek-V3's 
 matmuls (:mod:`~.grouped`, :mod:`~.blockwise_grouped`) and collective matmuls (:mod:`~.collective`,
 :mod:`~.blockwise_collective`, written on the ring steps of :mod:`jaxscale.layout.ring`); the block-scaled formats
 MXFP8 and NVFP4 (:mod:`~.microscaling`), their projections (:mod:`~.block_scaled`: cuDNN's block-scaled GEMMs on
-Blackwell) and collective matmuls (:mod:`~.block_scaled_collective`).
+Blackwell) and collective matmuls (:mod:`~.block_scaled_collective`); the stack's last units unquantized
+(:mod:`~.tail`: NVFP4's last layers in ``model.dtype``).
 
 Sharding: inputs and weights are quantized in the partitioned program, so their amax is the partitioner's global
 reduction; inside a sequence-parallel ``shard_map`` the f8 arrays are what is gathered, and the output gradient's
@@ -32,9 +33,10 @@ from jaxscale.precision.fp8.per_tensor import RESIDUAL
 from jaxscale.precision.fp8.recipes import KERNELS, Kernels, kernels
 from jaxscale.precision.fp8.scaling import E4M3, E5M2, Quantized, Recipe, global_amax, quantize, stacked
 from jaxscale.precision.fp8.state import Copies, Fp8, Fp8Meta, Inputs, check_resume, combine, prepare, using
+from jaxscale.precision.fp8.tail import live, plain, scan_stack
 
 __all__ = [
     "E4M3", "E5M2", "KERNELS", "RESIDUAL", "Copies", "Deferred", "Fp8", "Fp8Meta", "Inputs", "Kernels", "Operand",
-    "Quantized", "Recipe", "check_resume", "combine", "global_amax", "kernels", "mapped", "prepare", "pushed",
-    "quantize", "sharing", "stacked", "using",
+    "Quantized", "Recipe", "check_resume", "combine", "global_amax", "kernels", "live", "mapped", "plain",
+    "prepare", "pushed", "quantize", "scan_stack", "sharing", "stacked", "using",
 ]
