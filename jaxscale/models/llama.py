@@ -104,14 +104,14 @@ def make_fp8(config: Config, inputs: tuple[str, ...], weights: dict[str, str]) -
 
 def fp8_input(f8: Fp8 | None, name: str, x: jax.Array) -> jax.Array | Operand:
     """Activation ``x`` (``name``) as the input of projections: an fp8 operand where fp8 state is live."""
-    return x if fp8.live(f8) is None else f8.input(name, x)
+    return x if f8 is None or fp8.live(f8) is None else f8.input(name, x)
 
 
 def fp8_weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array | Operand:
     """``module``'s weight ``name`` in ``dtype``: an fp8 operand where the module's fp8 state is live (``module.fp8``,
     :func:`jaxscale.precision.fp8.live`). Where :func:`jaxscale.precision.policy.takes_wide` (``module.wide``), the
     weight as held: that einsum casts it to ``dtype`` inside (no rounding of a wider parameter's gradient back)."""
-    w, f8 = getattr(module, name)[...], fp8.live(module.fp8)
+    w, f8 = getattr(module, name)[...], None if module.fp8 is None else fp8.live(module.fp8)
     if f8 is None and module.wide:
         return w
     w = w.astype(dtype)
@@ -356,9 +356,8 @@ class Llama(nnx.Module):
     The richer form of the model contract (:class:`jaxscale.models.contract.Staged`): the trainer,
     the loss and the pipeline reach it through that contract only.
 
-    Built from the whole experiment config, the one channel into the model (every submodule takes
-    it too): ``model`` shapes it, ``precision`` turns on fp8 projections (:mod:`jaxscale.precision.fp8`).
-    Its projections are :mod:`jaxscale.parallel.sequence`'s (``explicit_tp``).
+    Built from the whole experiment config (every submodule takes it too): ``model`` shapes it, ``precision`` turns on
+    fp8 projections (:mod:`jaxscale.precision.fp8`); its projections are :mod:`jaxscale.parallel.sequence`'s.
     """
 
     explicit_tp = True
@@ -438,8 +437,9 @@ class Llama(nnx.Module):
         scan = nnx.scan(
             body, in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0), transform_metadata={nnx.PARTITION_NAME: "layers"}
         )
-        # The fp8 weights made once (fp8.prepare) outside the remat; precision.nvfp4.bf16_last's units plain.
-        x, aux = fp8.scan_stack(scan, x, self.blocks, self.fp8_plain)
+        # fp8: its weights made once (fp8.prepare) outside the remat; precision.nvfp4.bf16_last's units plain.
+        off = self.fp8_plain is None
+        x, aux = scan(x, self.blocks, {}) if off else fp8.scan_stack(scan, x, self.blocks, self.fp8_plain)
         return self.final_norm(x), self.stack_metrics(aux)
 
     def stack_metrics(self, stacked: dict[str, jax.Array]) -> dict[str, Any]:

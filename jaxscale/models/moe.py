@@ -180,7 +180,7 @@ class MoE(nnx.Module):
         bias = None if self.bias is None else self.bias[...]
         routing, aux = route(constrain(logits, ROUTING), moe, seq_capacity, bias, expert.token_axes())
         weights = tuple(getattr(self, name)[...].astype(dt) for name in WEIGHTS)
-        state = fp8.live(self.fp8)
+        state = None if self.fp8 is None else fp8.live(self.fp8)
         f8 = None if state is None else state.inputs()
         if state is not None:  # per-expert e4m3 copies and scales (jaxscale.precision.fp8.prepare; blockwise: none)
             weights = tuple(state.weight(name, w) for name, w in zip(WEIGHTS, weights, strict=True))
