@@ -157,7 +157,6 @@ EXAMPLES: dict[str, tuple[tuple[str, ...], tuple[str, dict[str, int]] | None]] =
     "fp8-head-loss-chunk": (("precision.fp8=delayed", "precision.fp8_head=true", "model.loss_chunk=16"), None),
     "blockwise-dims": (("precision.fp8=blockwise",), None),
     "block-scaled-dims": (("precision.fp8=mxfp8", "model.embed=48"), None),
-    "block-scaled-dropless": (("precision.fp8=nvfp4", MOE, "model.moe.dispatch=dropless"), None),
     "nvfp4-settings": (("precision.fp8=mxfp8", "precision.nvfp4.hadamard=false"), None),
     "master-narrower": (("precision.master=bfloat16",), None),
     "offload-params-gradients": (("precision.offload_params=true",), ("zero2", {"data": 8})),

@@ -229,10 +229,6 @@ RULES: tuple[Refusal, ...] = (
       and c.block_scaled_misfit is not None,
       "precision.fp8={precision.fp8}: {block_scaled_misfit[0]} ({block_scaled_misfit[1]}) is not a whole number of "
       "the format's {format_block}-element blocks"),
-    R("block-scaled-dropless", ("precision.fp8", "model.moe.dispatch"), lambda c: _block_scaled(c)
-      and _moe(c) is not None and _moe(c).dispatch == "dropless",
-      "precision.fp8={precision.fp8} with model.moe.dispatch=dropless: no block-scaled grouped GEMM yet; "
-      "model.moe.dispatch=capacity runs the routed experts block-scaled"),
     R("nvfp4-settings", ("precision.nvfp4", "precision.fp8"), lambda c: _nvfp4_changed(c)
       and c.config.precision.fp8 != "nvfp4",
       "precision.nvfp4 (the NVFP4 recipe's parts) changed with precision.fp8={precision.fp8}: it applies to "

@@ -13,7 +13,8 @@ table), and the kernels: :mod:`~.per_tensor`, :mod:`~.blockwise` (DeepSeek-V3's 
 matmuls (:mod:`~.grouped`, :mod:`~.blockwise_grouped`) and collective matmuls (:mod:`~.collective`,
 :mod:`~.blockwise_collective`, written on the ring steps of :mod:`jaxscale.layout.ring`); the block-scaled formats
 MXFP8 and NVFP4 (:mod:`~.microscaling`), their projections (:mod:`~.block_scaled`: cuDNN's block-scaled GEMMs on
-Blackwell) and collective matmuls (:mod:`~.block_scaled_collective`); the stack's last units unquantized
+Blackwell), grouped matmuls (:mod:`~.block_scaled_grouped`: fp32 ragged dots of the dequantized operands) and
+collective matmuls (:mod:`~.block_scaled_collective`); the stack's last units unquantized
 (:mod:`~.tail`: NVFP4's last layers in ``model.dtype``).
 
 Sharding: inputs and weights are quantized in the partitioned program, so their amax is the partitioner's global

@@ -2,7 +2,8 @@
 scaled in blocks along that GEMM's contraction (:mod:`jaxscale.precision.fp8.microscaling`).
 
 A projection ``y = x · w`` is read as ``[M, K] · [K, N]`` (as :mod:`jaxscale.precision.fp8.blockwise` reads it; a
-batch letter, the routed experts' ``e``, makes a stack of them):
+batch letter, the routed experts' ``e`` of the capacity buffers, makes a stack of them; the dropless experts' grouped
+matmuls: :mod:`jaxscale.precision.fp8.block_scaled_grouped`):
 
 - forward ``y = x · w``: ``x`` in blocks along K (its rows), ``w`` along K (its columns);
 - input gradient ``dx = g · wᵀ``: the output gradient ``g`` along N, ``w`` along N;
@@ -108,7 +109,7 @@ def quantized(a: jax.Array, recipe: Recipe, reference: jax.Array | None, stochas
     return mx.nvfp4(a, _amax(a, reference), stochastic)
 
 
-def _weight(w3: jax.Array, recipe: Recipe, reference: jax.Array | None) -> tuple[mx.Blocks, mx.Blocks | None]:
+def weight_blocks(w3: jax.Array, recipe: Recipe, reference: jax.Array | None) -> tuple[mx.Blocks, mx.Blocks | None]:
     """The weight stack ``[B, K, N]`` along K for the forward, and along N for the input gradient where it is the
     same values (NVFP4's 2-D blocks) or None."""
     if recipe.mode == "nvfp4" and recipe.weight_2d:
@@ -116,7 +117,7 @@ def _weight(w3: jax.Array, recipe: Recipe, reference: jax.Array | None) -> tuple
     return quantized(jnp.swapaxes(w3, 1, 2), recipe, reference), None
 
 
-def _reference(w: Operand) -> jax.Array | None:
+def amax_reference(w: Operand) -> jax.Array | None:
     """An array varying as the weight's state does (inside a pipeline stage: over ``stage``): the amaxes are
     reduced over the other axes a tensor's parts vary over."""
     return w.history if w.history is not None else w.grad_history
@@ -130,9 +131,9 @@ def _einsum(shape: _Shape, x: Operand, w: Operand) -> jax.Array:
 def _forward(shape: _Shape, x: Operand, w: Operand) -> tuple[jax.Array, tuple]:
     lhs, rhs, out = letters(shape.equation)
     batch, free_x, contract, free_w = split(shape.equation)
-    ref = _reference(w)
+    ref = amax_reference(w)
     x3, w3 = _stack(x.value, lhs, batch, free_x, contract), _stack(w.value, rhs, batch, contract, free_w)
-    along_k, along_n = _weight(w3, shape.recipe, ref)
+    along_k, along_n = weight_blocks(w3, shape.recipe, ref)
     y = gemm(quantized(x3, shape.recipe, ref), along_k)
     sizes = dict(zip(lhs, shape.x_shape, strict=True)) | dict(zip(rhs, shape.w_shape, strict=True))
     y = tensor(y if batch else y[0], sizes, batch + free_x + free_w, out).astype(shape.x_dtype)
@@ -181,9 +182,3 @@ def _backward(shape: _Shape, saved: tuple, g: jax.Array) -> tuple[Operand, Opera
 
 _einsum.defvjp(_forward, _backward)
 
-
-def ragged(x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
-    """The dropless experts' grouped matmul: there is no block-scaled one (the refusal table's
-    ``block-scaled-dropless`` row stops such a config before anything runs)."""
-    raise ConfigError(f"{x.recipe.mode}: no block-scaled grouped GEMM for dropless experts (the refusal table's "
-                      "block-scaled-dropless row refuses such a config before anything runs)")

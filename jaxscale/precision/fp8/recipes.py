@@ -10,14 +10,14 @@ names; nothing else branches on the recipe. A row (:class:`Kernels`):
 - ``einsum``: a projection ``y = x · w`` with its custom VJP (:mod:`~jaxscale.precision.fp8.per_tensor`,
   :mod:`~jaxscale.precision.fp8.blockwise`, :mod:`~jaxscale.precision.fp8.block_scaled`: ``mxfp8``, ``nvfp4``);
 - ``ragged``: the dropless experts' grouped matmul (:mod:`~jaxscale.precision.fp8.grouped`,
-  :mod:`~jaxscale.precision.fp8.blockwise_grouped`);
+  :mod:`~jaxscale.precision.fp8.blockwise_grouped`, :mod:`~jaxscale.precision.fp8.block_scaled_grouped`);
 - ``all_gather_matmul``, ``matmul_reduce_scatter``: the collective matmuls of ``model.tp_overlap``
   (:mod:`~jaxscale.precision.fp8.collective`, :mod:`~jaxscale.precision.fp8.blockwise_collective`);
 - ``residual``, ``restored``: what a weight gradient reads of an input and the input read back from it (zero
   bubble's W slot, :mod:`jaxscale.parallel.weight_split`): the e4m3 input, or the compute-dtype one.
 
 A new recipe is one new module holding its kernels and one row here (the block-scaled formats MXFP8 and NVFP4
-share one: :mod:`~jaxscale.precision.fp8.block_scaled`),
+share one: :mod:`~jaxscale.precision.fp8.block_scaled` and its grouped and collective matmuls),
 plus its name among the values of ``precision.fp8`` (:data:`jaxscale.config.schema.Fp8Mode`) and, where its
 kernels tile the projections, the sizes that must divide (:func:`jaxscale.config.read.validate`).
 """
@@ -31,6 +31,7 @@ from typing import Any
 from jaxscale.precision.fp8 import (
     block_scaled,
     block_scaled_collective,
+    block_scaled_grouped,
     blockwise,
     blockwise_collective,
     blockwise_grouped,
@@ -65,7 +66,7 @@ BLOCKWISE = Kernels(
     blockwise.restored,
 )
 BLOCK_SCALED = Kernels(
-    blockwise.ahead, blockwise.ahead, block_scaled.einsum, block_scaled.ragged,
+    blockwise.ahead, blockwise.ahead, block_scaled.einsum, block_scaled_grouped.ragged,
     block_scaled_collective.all_gather_matmul, block_scaled_collective.matmul_reduce_scatter, blockwise.residual,
     blockwise.restored,
 )
