@@ -48,8 +48,9 @@ def calls(name: str) -> list[tuple[str, str, str]]:
 def test_the_trace_time_state_is_read_at_one_site():
     """Two scoped values in the package, each set and reset by one context manager and read by one accessor:
     the layout in effect (``layout/sharding.py``: ``get`` in ``active`` alone, every other reader asks it) and
-    fp8's weight copies made once a step (``precision/fp8/state.py``: entered by ``using`` over what it already
-    holds, read by ``Fp8.weight``), in place of attributes set on the modules while tracing."""
+    fp8's scope (``precision/fp8/state.py``: the weight copies made once a step, read by ``Fp8.weight``, and
+    whether the modules take part, read by ``live``; entered by ``using`` over what it already holds), in place of
+    attributes set on the modules while tracing."""
     assert calls("ContextVar") == [
         ("layout/sharding.py", "<module>", "contextvars.ContextVar"),
         ("precision/fp8/state.py", "<module>", "contextvars.ContextVar"),
@@ -59,11 +60,12 @@ def test_the_trace_time_state_is_read_at_one_site():
         ("layout/sharding.py", "use_layout", "_ACTIVE.reset"),
         ("layout/sharding.py", "use_layout", "_ACTIVE.set"),
     ]
-    assert sorted(calls("_COPIES")) == [
-        ("precision/fp8/state.py", "using", "_COPIES.get"),
-        ("precision/fp8/state.py", "using", "_COPIES.reset"),
-        ("precision/fp8/state.py", "using", "_COPIES.set"),
-        ("precision/fp8/state.py", "weight", "_COPIES.get"),
+    assert sorted(calls("_SCOPE")) == [
+        ("precision/fp8/state.py", "live", "_SCOPE.get"),
+        ("precision/fp8/state.py", "using", "_SCOPE.get"),
+        ("precision/fp8/state.py", "using", "_SCOPE.reset"),
+        ("precision/fp8/state.py", "using", "_SCOPE.set"),
+        ("precision/fp8/state.py", "weight", "_SCOPE.get"),
     ]
 
 

@@ -33,11 +33,11 @@ from jaxscale.precision.fp8.operand import Deferred, Operand, mapped, pushed, sh
 from jaxscale.precision.fp8.per_tensor import RESIDUAL
 from jaxscale.precision.fp8.recipes import KERNELS, Kernels, kernels
 from jaxscale.precision.fp8.scaling import E4M3, E5M2, Quantized, Recipe, global_amax, quantize, stacked
-from jaxscale.precision.fp8.state import Copies, Fp8, Fp8Meta, Inputs, check_resume, combine, prepare, using
-from jaxscale.precision.fp8.tail import live, plain, scan_stack
+from jaxscale.precision.fp8.state import Copies, Fp8, Fp8Meta, Inputs, check_resume, combine, live, prepare, using
+from jaxscale.precision.fp8.tail import scan_stack
 
 __all__ = [
     "E4M3", "E5M2", "KERNELS", "RESIDUAL", "Copies", "Deferred", "Fp8", "Fp8Meta", "Inputs", "Kernels", "Operand",
-    "Quantized", "Recipe", "check_resume", "combine", "global_amax", "kernels", "live", "mapped", "plain",
+    "Quantized", "Recipe", "check_resume", "combine", "global_amax", "kernels", "live", "mapped",
     "prepare", "pushed", "quantize", "scan_stack", "sharing", "stacked", "using",
 ]

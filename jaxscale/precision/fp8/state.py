@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -35,11 +35,21 @@ from jaxscale.precision.fp8.recipes import kernels
 from jaxscale.precision.fp8.scaling import Quantized, Recipe
 
 Copies = Mapping[str, Mapping[str, Quantized | Deferred]]  # an fp8 module's path -> its weights' copies
+F = TypeVar("F")
 
-# While a stack's layers are traced (:func:`using`): each fp8 module's weights' copies, by the module's id.
-_COPIES: contextvars.ContextVar[Mapping[int, Mapping[str, Any]]] = contextvars.ContextVar(
-    "fp8_copies", default=types.MappingProxyType({})
-)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """While a stack's layers are traced (:func:`using`): each fp8 module's weights' copies, by the module's id,
+    and whether the modules take part at all (``plain``: :func:`live` is None, ``precision.nvfp4.bf16_last``)."""
+
+    copies: Mapping[int, Mapping[str, Any]]
+    plain: bool = False
+
+
+_OUTSIDE = _Scope(types.MappingProxyType({}))
+_SCOPE: contextvars.ContextVar[_Scope] = contextvars.ContextVar("fp8_scope", default=_OUTSIDE)
 
 
 class Fp8Meta(nnx.Variable):
@@ -102,7 +112,7 @@ class Fp8(nnx.Module):
         """Weight ``name`` (the module's attribute) in the compute dtype: its copy made by :func:`prepare` (read
         through :func:`using`), or made here where there is none."""
         history, grad_history = getattr(self, name)[...], getattr(self, self.weights[name])[...]
-        made = _COPIES.get().get(id(self), {})
+        made = _SCOPE.get().copies.get(id(self), {})
         q = made[name] if name in made else kernels(self.recipe).weight(w, history, self.recipe)
         return Operand(w, q, history, grad_history, self.recipe)
 
@@ -128,15 +138,23 @@ def prepare(root: nnx.Module) -> dict[str, dict[str, Quantized | Deferred]]:
 
 
 @contextlib.contextmanager
-def using(root: nnx.Module, copies: Copies) -> Iterator[None]:
+def using(root: nnx.Module, copies: Copies, plain: bool = False) -> Iterator[None]:
     """Within this block the fp8 modules under ``root`` (a layer of the stack :func:`prepare` read, or the stack)
-    read their weights from ``copies`` (by path, as :func:`prepare` returns them)."""
+    read their weights from ``copies`` (by path, as :func:`prepare` returns them); with ``plain`` (or inside a
+    plain block) no fp8 module takes part (:func:`live`)."""
+    scope = _SCOPE.get()
     mine = {id(module.fp8): copies[path] for path, module in _owners(root) if path in copies}
-    token = _COPIES.set({**_COPIES.get(), **mine})
+    token = _SCOPE.set(_Scope({**scope.copies, **mine}, plain or scope.plain))
     try:
         yield
     finally:
-        _COPIES.reset(token)
+        _SCOPE.reset(token)
+
+
+def live(f8: F | None) -> F | None:
+    """A module's fp8 state (``module.fp8``) where its projections quantize: None with ``precision.fp8`` off (no
+    state) and inside a plain :func:`using` block (the stack's last units, :mod:`jaxscale.precision.fp8.tail`)."""
+    return None if f8 is None or _SCOPE.get().plain else f8
 
 
 def check_resume(saved: dict[str, Any], precision: PrecisionConfig, step: int) -> None:

@@ -3,9 +3,9 @@ keeps about 15% of the linear layers, mostly the last ones, in higher precision 
 largest quantization error; training diverges with every layer in FP4).
 
 The stack is scanned twice: its first units with their recipe (the fp8 weights made once, ahead,
-:func:`jaxscale.precision.fp8.prepare`), then the last ones
-(:func:`jaxscale.config.stage_layers.plain_units`) under :func:`plain`, where every fp8 module hands its operands
-back unquantized (:func:`live` is None), so each projection of those layers is the compute-dtype einsum its model
+:func:`jaxscale.precision.fp8.prepare`), then the last ones (:func:`jaxscale.config.stage_layers.plain_units`)
+in a plain :func:`jaxscale.precision.fp8.using` block, where no fp8 module takes part
+(:func:`jaxscale.precision.fp8.live` is None), so each projection of those layers is the compute-dtype einsum its model
 runs with ``precision.fp8: off``: on a GPU a bf16 GEMM, not a block-scaled one.
 Two scans of static bodies, not a ``lax.cond`` per layer: the GEMM kind of a program is static, and a scan body
 without a conditional keeps the scheduler's overlap of one layer's collectives with the next one's compute.
@@ -14,36 +14,14 @@ The two slices of the stack are read by their own scans; their gradients come ba
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.precision.fp8.state import prepare
-
-F = TypeVar("F")
-
-_PLAIN: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8_plain", default=False)
-
-
-@contextlib.contextmanager
-def plain() -> Iterator[None]:
-    """Within this block fp8 modules take no part (:func:`live` is None): their projections run unquantized."""
-    token = _PLAIN.set(True)
-    try:
-        yield
-    finally:
-        _PLAIN.reset(token)
-
-
-def live(f8: F | None) -> F | None:
-    """A module's fp8 state (``module.fp8``) where its projections quantize: None with ``precision.fp8`` off
-    (no state) and inside :func:`plain`."""
-    return None if _PLAIN.get() else f8
+from jaxscale.precision.fp8.state import prepare, using
 
 
 def _sliced(tree: Any, part: slice) -> Any:
@@ -60,7 +38,7 @@ def scan_stack(
     scan: Callable[..., tuple[jax.Array, Any]], x: jax.Array, blocks: nnx.Module, plain_count: int | None, *xs: Any
 ) -> tuple[jax.Array, Any]:
     """``scan(x, blocks, copies, *xs)`` over a stack: ``plain_count`` None (fp8 off): no copies; else the fp8
-    weights made once ahead and the last ``plain_count`` units as a second scan under :func:`plain`, their
+    weights made once ahead and the last ``plain_count`` units as a second scan in a plain ``using`` block, their
     outputs (stacked over the units) joined."""
     if plain_count is None:
         return scan(x, blocks, {}, *xs)
@@ -68,10 +46,10 @@ def scan_stack(
         return scan(x, blocks, prepare(blocks), *xs)
     n = jax.tree.leaves(nnx.state(blocks))[0].shape[0] - plain_count
     if n == 0:
-        with plain():
+        with using(blocks, {}, plain=True):
             return scan(x, blocks, {}, *xs)
     low, high = _split(blocks, n)
     x, out_low = scan(x, low, prepare(low), *_sliced(xs, slice(None, n)))
-    with plain():
+    with using(high, {}, plain=True):
         x, out_high = scan(x, high, {}, *_sliced(xs, slice(n, None)))
     return x, jax.tree.map(lambda a, b: jnp.concatenate([a, b]), out_low, out_high)
