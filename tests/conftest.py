@@ -4,6 +4,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
@@ -23,7 +24,12 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # the cache off). JAX_ENABLE_COMPILATION_CACHE=0 turns it off. JAXSCALE_TEST_JIT_CACHE names a directory kept
 # between sessions instead (.ci/run's, one per Python): jax's key hashes the program, the devices, the flags and
 # the versions, so only programs compiled before exactly as they are now are read back.
-if "PYTEST_XDIST_WORKER" not in os.environ:
+# Not on jax 0.10 (Python 3.11's newest): there workers running executables read back from the cache died of
+# segfaults later, in unrelated compiles, serializations and reads (4 of 4 suites with the cache, stop 29's CI among
+# them, each at another test; none of 1 without; reading one file's programs back alone was fine), so memory is
+# corrupted somewhere in jaxlib 0.10.2's CPU executables read back. The suite compiles everything there.
+CACHED = not version("jax").startswith("0.10.")
+if "PYTEST_XDIST_WORKER" not in os.environ and CACHED:
     kept = os.environ.get("JAXSCALE_TEST_JIT_CACHE")
     if kept:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = kept
