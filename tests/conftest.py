@@ -28,8 +28,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # segfaults later, in unrelated compiles, serializations and reads (4 of 4 suites with the cache, stop 29's CI among
 # them, each at another test; none of 1 without; reading one file's programs back alone was fine), so memory is
 # corrupted somewhere in jaxlib 0.10.2's CPU executables read back. The suite compiles everything there.
-CACHED = not version("jax").startswith("0.10.")
-if "PYTEST_XDIST_WORKER" not in os.environ and CACHED:
+if "PYTEST_XDIST_WORKER" not in os.environ and not version("jax").startswith("0.10."):
     kept = os.environ.get("JAXSCALE_TEST_JIT_CACHE")
     if kept:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = kept
