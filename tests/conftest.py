@@ -40,8 +40,7 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 # A bounded cache is a locked one: jax then reads and writes each entry holding a file lock (the filelock package).
 # Unbounded, it writes an entry in place with no lock, and two processes compiling one program at once (the two
 # workers, or a worker and a jaxscale process it started) can leave it torn, or a third read it half written; jax
-# checks nothing on reading an executable back, and XLA:CPU deserializing a torn one crashed workers (segfaults
-# in later compiles, serializations and reads: stop 29's CI). 8 GiB: the least recently used entries go past it.
+# checks nothing on reading an executable back. 8 GiB: the least recently used entries go past it.
 os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(8 * 2**30)
 
 import jax
