@@ -46,7 +46,7 @@ from jax import lax
 from jaxscale.config.read import ConfigError
 from jaxscale.precision.fp8 import microscaling as mx
 from jaxscale.precision.fp8.block_scaled import BLOCK, amax_reference, quantized, weight_blocks
-from jaxscale.precision.fp8.blockwise_grouped import row_tiles
+from jaxscale.precision.fp8.blockwise_grouped import row_expert, row_tiles
 from jaxscale.precision.fp8.grouped import WGRAD, Static
 from jaxscale.precision.fp8.operand import Deferred, Operand, pushed
 from jaxscale.precision.fp8.scaling import Recipe, global_amax
@@ -63,12 +63,6 @@ def ragged(x: Operand, w: Operand, sizes: jax.Array) -> jax.Array:
         raise ConfigError(f"precision.fp8={x.recipe.mode}: the routed experts hold {k} x {n} weights on each device, "
                           f"not whole {block}-element blocks along both")
     return _ragged(Static(x.recipe, jnp.dtype(x.value.dtype), jnp.dtype(w.value.dtype)), x, w, sizes)
-
-
-def _row_expert(sizes: jax.Array, rows: int) -> jax.Array:
-    """Each row's expert [rows] (``G`` for the rows past ``sum(sizes)``)."""
-    groups = sizes.shape[0]
-    return jnp.repeat(jnp.arange(groups + 1), jnp.append(sizes, rows), total_repeat_length=rows)
 
 
 def _group_amax(a: jax.Array, group: jax.Array, groups: int, reference: jax.Array | None) -> jax.Array:
@@ -108,7 +102,7 @@ def _weight_grad(x: jax.Array, g: jax.Array, sizes: jax.Array, recipe: Recipe, r
     blocks; NVFP4: Hadamard-transformed, ``g`` rounded stochastically, as the recipe says)."""
     block, groups, m = BLOCK[recipe.mode], sizes.shape[0], x.shape[0]
     tiling = row_tiles(sizes, m, block)
-    tiles, expert = tiling.sizes.shape[0], tiling.expert[tiling.of_row]
+    tiles, expert = tiling.sizes.shape[0], row_expert(sizes, m)
     first = jnp.append(jnp.cumsum(sizes) - sizes, 0)[expert]  # each row's expert's first row
     slot = jnp.where(expert < groups, tiling.of_row * block + (jnp.arange(m) - first) % block, tiles * block)
     xt, gt = _tiled(x, slot, tiles, block), _tiled(g, slot, tiles, block)  # [T, K, B], [T, N, B]
@@ -130,7 +124,7 @@ def _ragged(static: Static, x: Operand, w: Operand, sizes: jax.Array) -> jax.Arr
 def _forward(static: Static, x: Operand, w: Operand, sizes: jax.Array) -> tuple[jax.Array, tuple]:
     recipe, ref, groups = static.recipe, amax_reference(w), w.value.shape[0]
     along_k, along_n = weight_blocks(w.value, recipe, ref)  # [G, N, K] along K; [G, K, N] along N or None
-    rows = _quantized(x.value, _row_expert(sizes, x.value.shape[0]), groups, recipe, ref)
+    rows = _quantized(x.value, row_expert(sizes, x.value.shape[0]), groups, recipe, ref)
     y = _dot(rows, along_k, sizes)
     amaxes = jnp.max(jnp.abs(x.value.astype(jnp.float32))), jnp.max(jnp.abs(w.value.astype(jnp.float32)), axis=(1, 2))
     kept = w.value if along_n is None else along_n
@@ -142,7 +136,7 @@ def _backward(static: Static, saved: tuple, g: jax.Array) -> tuple[Operand, Oper
     recipe = static.recipe
     w_n = kept if isinstance(kept, mx.Blocks) else quantized(kept, recipe, ref)  # [G, K, N] along N
     sr = recipe.mode == "nvfp4" and recipe.stochastic_rounding
-    rows = _quantized(g, _row_expert(sizes, g.shape[0]), w_n.q.shape[0], recipe, ref, stochastic=sr)
+    rows = _quantized(g, row_expert(sizes, g.shape[0]), w_n.q.shape[0], recipe, ref, stochastic=sr)
     dx = _dot(rows, w_n, sizes)
     dw = _weight_grad(x, g, sizes, recipe, ref)
     summed = tuple(sorted(jax.typeof(dw).mat.varying - jax.typeof(w_n.q).mat.varying))

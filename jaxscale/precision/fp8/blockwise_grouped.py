@@ -77,6 +77,12 @@ class RowTiles(NamedTuple):
     expert: jax.Array
 
 
+def row_expert(sizes: jax.Array, rows: int) -> jax.Array:
+    """Each of ``rows`` rows' expert [rows], the rows grouped by ``sizes`` (``G`` for the rows past ``sum(sizes)``)."""
+    groups = sizes.shape[0]
+    return jnp.repeat(jnp.arange(groups + 1), jnp.append(sizes, rows), total_repeat_length=rows)
+
+
 def row_tiles(sizes: jax.Array, rows: int, block: int) -> RowTiles:
     """The tiles of ``rows`` rows in groups of ``sizes`` (:class:`RowTiles`): ``ceil(rows/B) + G`` of them, at
     least one more than the experts use (an expert's ``ceil(n/B)`` tiles sum to under ``rows/B + G``)."""
@@ -86,9 +92,9 @@ def row_tiles(sizes: jax.Array, rows: int, block: int) -> RowTiles:
     expert = jnp.repeat(jnp.arange(groups + 1), jnp.append(count, total), total_repeat_length=total)
     in_expert = jnp.arange(total) - jnp.append(first_tile, 0)[expert]
     tile_rows = jnp.where(expert < groups, jnp.minimum(block, jnp.append(sizes, 0)[expert] - in_expert * block), 0)
-    row_expert = jnp.repeat(jnp.arange(groups + 1), jnp.append(sizes, rows), total_repeat_length=rows)
-    local = jnp.arange(rows) - jnp.append(first_row, 0)[row_expert]
-    of_row = jnp.where(row_expert < groups, jnp.append(first_tile, 0)[row_expert] + local // block, total - 1)
+    expert_of = row_expert(sizes, rows)
+    local = jnp.arange(rows) - jnp.append(first_row, 0)[expert_of]
+    of_row = jnp.where(expert_of < groups, jnp.append(first_tile, 0)[expert_of] + local // block, total - 1)
     return RowTiles(of_row, tile_rows, expert)
 
 

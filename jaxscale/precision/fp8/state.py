@@ -38,7 +38,6 @@ Copies = Mapping[str, Mapping[str, Quantized | Deferred]]  # an fp8 module's pat
 F = TypeVar("F")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Scope:
     """While a stack's layers are traced (:func:`using`): each fp8 module's weights' copies, by the module's id,
