@@ -1,10 +1,10 @@
 """Eight simulated CPU devices and fast compiles for every test, set before jax is imported; the session's fixtures."""
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
@@ -24,11 +24,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # the cache off). JAX_ENABLE_COMPILATION_CACHE=0 turns it off. JAXSCALE_TEST_JIT_CACHE names a directory kept
 # between sessions instead (.ci/run's, one per Python): jax's key hashes the program, the devices, the flags and
 # the versions, so only programs compiled before exactly as they are now are read back.
-# Not on jax 0.10 (Python 3.11's newest): there workers running executables read back from the cache died of
-# segfaults later, in unrelated compiles, serializations and reads (4 of 4 suites with the cache, stop 29's CI among
-# them, each at another test; none of 1 without; reading one file's programs back alone was fine), so memory is
-# corrupted somewhere in jaxlib 0.10.2's CPU executables read back. The suite compiles everything there.
-if "PYTEST_XDIST_WORKER" not in os.environ and not version("jax").startswith("0.10."):
+if "PYTEST_XDIST_WORKER" not in os.environ:
     kept = os.environ.get("JAXSCALE_TEST_JIT_CACHE")
     if kept:
         os.environ["JAX_COMPILATION_CACHE_DIR"] = kept
@@ -71,10 +67,37 @@ def run_dir(tmp_path):
     return str(tmp_path / "run")
 
 
+SHARED = Trainers()
+
+
 @pytest.fixture(scope="session")
 def trainers() -> Trainers:
     """Built trainers and compiled steps shared by the whole session (:class:`helpers.Trainers`)."""
-    return Trainers()
+    return SHARED
+
+
+def memory_maps() -> int:
+    """How many memory mappings this process holds (the lines of /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as maps:
+        return maps.read().count(b"\n")
+
+
+# XLA:CPU maps each compiled program's code and data apart: a tiny train step holds about 600 mappings while it
+# lives. A worker that keeps every step it compiled (SHARED, jax's own caches) passes Linux's vm.max_map_count
+# (65,530 by default) after about a hundred; then the next mmap fails and LLVM's JIT aborts ("Unable to allocate
+# section memory") or XLA segfaults, in whatever compiles next. That was the workers' crash at random tests
+# (a core file showed 65,532 mappings). Past half the limit, the worker lets them go, and recompiles what it needs.
+MAX_MAPS = int(Path("/proc/sys/vm/max_map_count").read_text()) if Path("/proc/sys/vm/max_map_count").exists() else 0
+
+
+@pytest.fixture(autouse=True)
+def bounded_memory_maps():
+    """After each test, past half of vm.max_map_count: the shared steps and jax's caches released."""
+    yield
+    if MAX_MAPS and memory_maps() > MAX_MAPS // 2:
+        SHARED.clear()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

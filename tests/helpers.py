@@ -84,6 +84,11 @@ class Trainers:
             self._compiled[key] = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         return trainer, self._compiled[key]
 
+    def clear(self) -> None:
+        """Forget every trainer and compiled step (tests/conftest.py's map guard): the next use builds anew."""
+        self._built.clear()
+        self._compiled.clear()
+
 
 def rel_err(a: Any, b: Any) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
