@@ -1,7 +1,6 @@
 """Eight simulated CPU devices and fast compiles for every test, set before jax is imported; the session's fixtures."""
 
 import atexit
-import gc
 import os
 import shutil
 import tempfile
@@ -50,7 +49,18 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 # After the devices are set up:
-from helpers import CURVE, CURVE_SEEDS, CURVE_STEPS, Curve, Run, Trainers, loss_curves, run_steps, tiny_config  # noqa: E402
+from helpers import (  # noqa: E402
+    CURVE,
+    CURVE_SEEDS,
+    CURVE_STEPS,
+    Curve,
+    Run,
+    Trainers,
+    loss_curves,
+    memory_maps,
+    run_steps,
+    tiny_config,
+)
 
 from jaxscale.data.prepare import prepare_data  # noqa: E402
 from jaxscale.training.trainer import Trainer  # noqa: E402
@@ -80,18 +90,13 @@ def trainers() -> Trainers:
     return SHARED
 
 
-def memory_maps() -> int:
-    """How many memory mappings this process holds (the lines of /proc/self/maps)."""
-    with open("/proc/self/maps", "rb") as maps:
-        return maps.read().count(b"\n")
-
-
 # XLA:CPU maps each compiled program's code and data apart: a tiny train step holds about 600 mappings while it
 # lives. A worker that keeps every step it compiled (SHARED, jax's own caches) passes Linux's vm.max_map_count
 # (65,530 by default) after about a hundred; then the next mmap fails and LLVM's JIT aborts ("Unable to allocate
 # section memory") or XLA segfaults, in whatever compiles next. That was the workers' crash at random tests
 # (a core file showed 65,532 mappings). Past half the limit, the worker lets them go, and recompiles what it needs.
-MAX_MAPS = int(Path("/proc/sys/vm/max_map_count").read_text()) if Path("/proc/sys/vm/max_map_count").exists() else 0
+LIMIT = Path("/proc/sys/vm/max_map_count")
+MAX_MAPS = int(LIMIT.read_text()) if LIMIT.exists() else 0
 
 
 @pytest.fixture(autouse=True)
@@ -99,9 +104,7 @@ def bounded_memory_maps():
     """After each test, past half of vm.max_map_count: the shared steps and jax's caches released."""
     yield
     if MAX_MAPS and memory_maps() > MAX_MAPS // 2:
-        SHARED.clear()
-        jax.clear_caches()
-        gc.collect()
+        SHARED.release()
 
 
 @pytest.fixture(scope="session")

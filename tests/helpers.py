@@ -7,6 +7,7 @@ Imported after conftest.py has set up the simulated devices.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -84,10 +85,19 @@ class Trainers:
             self._compiled[key] = trainer.jit_step.lower(trainer.abstract_state(), trainer.abstract_batch()).compile()
         return trainer, self._compiled[key]
 
-    def clear(self) -> None:
-        """Forget every trainer and compiled step (tests/conftest.py's map guard): the next use builds anew."""
+    def release(self) -> None:
+        """Forget every trainer and compiled step, empty jax's caches and collect, so their executables (and
+        XLA:CPU's memory mappings) go; the next use builds anew (tests/conftest.py's map guard)."""
         self._built.clear()
         self._compiled.clear()
+        jax.clear_caches()
+        gc.collect()
+
+
+def memory_maps() -> int:
+    """How many memory mappings this process holds (the lines of /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as maps:
+        return maps.read().count(b"\n")
 
 
 def rel_err(a: Any, b: Any) -> float:
