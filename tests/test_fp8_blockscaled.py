@@ -180,3 +180,16 @@ def test_nvfp4_projection_follows_the_recipe(operands):
     sr, _, sr_dw = project(fp8.Recipe("nvfp4", 0), x, w, g)
     np.testing.assert_array_equal(sr, y)  # stochastic rounding touches only the gradients
     assert not np.array_equal(sr_dw, dw)
+
+
+def test_gemm_holds_the_one_kernel_of_its_devices():
+    """The kernel is chosen when traced, by the devices' platform: the dequantized product here, with no
+    conditional around it (``lax.platform_dependent`` left one, and XLA:CPU deadlocked in 4 of 8 runs of the mxfp8
+    fsdp_tp step read back from jax's cache, its all-gathers inside the conditional). test_compile_blockscaled.py
+    shows cuDNN's on B200."""
+    a = mx.mxfp8(jnp.ones((1, 8, 64)))
+    b = mx.mxfp8(jnp.ones((1, 4, 64)))
+    text = jax.jit(block_scaled.gemm).lower(a, b).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
+    assert "custom_call" not in text and "dot_general" in text
+    np.testing.assert_array_equal(block_scaled.gemm(a, b), np.full((1, 8, 4), 64.0))

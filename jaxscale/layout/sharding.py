@@ -200,6 +200,19 @@ def active() -> tuple[Mesh | AbstractMesh, Layout] | None:
     return _ACTIVE.get()
 
 
+def platform() -> str:
+    """The platform of the active mesh's devices (an abstract mesh's, such as a pipeline stage's, as the devices it
+    was made from recorded it; jax's default devices outside one): compile-only GPUs under a CPU backend say gpu.
+    Kernels are chosen by it at trace time, so a program holds the one it runs (``lax.platform_dependent`` leaves
+    a conditional around the kernel, and XLA:CPU can deadlock on collectives inside one read back from jax's
+    cache)."""
+    current = active()
+    if current is not None and isinstance(current[0], Mesh):
+        return current[0].devices.flat[0].platform
+    device = getattr(current[0], "abstract_device", None) if current is not None else None
+    return device.platform if device is not None else jax.devices()[0].platform
+
+
 def stage() -> Stage | None:
     """The pipeline stage whose loop the code is traced in, if any (:class:`~jaxscale.layout.rules.Stage`)."""
     current = active()

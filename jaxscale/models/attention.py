@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from jaxscale.config import refusals
 from jaxscale.config.read import Config, ConfigError, ModelConfig
 from jaxscale.layout.rules import Rules
-from jaxscale.layout.sharding import Axes, active, layout_of, stage
+from jaxscale.layout.sharding import Axes, active, layout_of, platform, stage
 from jaxscale.parallel import logit_max, ring_attention, ring_schedule, ulysses
 
 
@@ -98,11 +98,11 @@ def _attention(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     kind = config.attention
     if kind == "auto":  # a model used outside a Trainer (whose build resolves it); no ring: the data is not reordered
-        kind = resolve_attention(config, _platform(), q.shape[1], documents=documents is not None)
+        kind = resolve_attention(config, platform(), q.shape[1], documents=documents is not None)
     if documents is not None and kind == "cudnn":
         raise ConfigError(CUDNN_DOCUMENTS)
-    if kind == "cudnn" and _platform() != "gpu":
-        raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {_platform()}")
+    if kind == "cudnn" and platform() != "gpu":
+        raise ConfigError(f"model.attention: 'cudnn' needs GPU devices, these are {platform()}")
     inside, current = stage(), active()
     if inside is not None and inside.ulysses:  # a pipeline stage's loop, manual over the context axes already
         ring = tuple(a for a in inside.ring if a not in inside.ulysses)
@@ -148,16 +148,6 @@ def _xla(kind: str, q: jax.Array, k: jax.Array, v: jax.Array, documents: jax.Arr
     if head_max:
         return out[..., :d_v], logit_max.dot_head_max(*unpadded, None if documents is None else segments)
     return out[..., :d_v]
-
-
-def _platform() -> str:
-    """The platform of the active mesh's devices (an abstract mesh's, such as a pipeline stage's, as the devices it
-    was made from recorded it; jax's default devices outside one): compile-only GPUs under a CPU backend say gpu."""
-    current = active()
-    if current is not None and isinstance(current[0], Mesh):
-        return current[0].devices.flat[0].platform
-    device = getattr(current[0], "abstract_device", None) if current is not None else None
-    return device.platform if device is not None else jax.devices()[0].platform
 
 
 CUDNN_DOCUMENTS = refusals.by_name("cudnn-documents").line  # (a row of the refusal table, no values in it)

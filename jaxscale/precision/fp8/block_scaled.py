@@ -18,7 +18,7 @@ NVFP4 operand has its per-tensor scale from its amax (a stack: per matrix), the 
 hold parts of it (:func:`~jaxscale.precision.fp8.scaling.global_amax`; the partitioner's reduction outside a
 ``shard_map``).
 
-The GEMM (:func:`gemm`) is ``jax.nn.scaled_matmul`` on CUDA, which lowers to cuDNN's block-scaled GEMM (the
+The GEMM (:func:`gemm`) is ``jax.nn.scaled_matmul`` on GPU devices, which lowers to cuDNN's block-scaled GEMM (the
 custom call ``__op$block_scaled_dot``: MXFP8 and NVFP4 tensor-core GEMMs on Blackwell), and elsewhere the same
 product of the dequantized operands in fp32 (jax 0.10.2 has no CPU lowering of ``scaled_matmul``; jax 0.12's
 is this dequantized dot). ``jax.nn.scaled_dot_general`` is not used: it quantizes inside its own VJP with an
@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxscale.config.read import ConfigError
+from jaxscale.layout.sharding import platform
 from jaxscale.precision.fp8 import microscaling as mx
 from jaxscale.precision.fp8.blockwise import matrix, padded, tensor
 from jaxscale.precision.fp8.operand import Deferred, Operand, pushed
@@ -65,7 +66,8 @@ def _dequantized(a: jax.Array, b: jax.Array, sa: jax.Array, sb: jax.Array) -> ja
 
 def gemm(a: mx.Blocks, b: mx.Blocks) -> jax.Array:
     """``[B, M, K] · [B, N, K]ᵀ`` in fp32 of two block-scaled stacks (scales along K): ``[B, M, N]``."""
-    y = lax.platform_dependent(a.q, b.q, a.scale, b.scale, cuda=_cudnn, default=_dequantized)
+    kernel = _cudnn if platform() == "gpu" else _dequantized  # chosen when traced (layout.sharding.platform)
+    y = kernel(a.q, b.q, a.scale, b.scale)
     return y if a.q.dtype == mx.E4M3 else y * (a.tensor * b.tensor)
 
 
